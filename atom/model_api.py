@@ -1,0 +1,157 @@
+"""What a model publishes to the engine and the offload code, and what they call on it.
+
+The engine and the tier never ask which model they run. They ask for a StateSpec: how many bytes
+a PAGE block holds, how many bytes a request's state slot holds, how many whole PAGE blocks
+("units") a checkpoint image of that state takes, and a layout id that changes whenever any of
+those bytes would be laid out differently. A model without per-request state publishes
+``state_bytes == 0`` and ``units_per_image == 0``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass(frozen=True)
+class StateSpec:
+    block_size: int  # tokens per PAGE block
+    block_bytes: int  # bytes per PAGE block (all planes)
+    state_bytes: int  # bytes per state slot (== image bytes)
+    layout_id: str  # hex digest of every field that places a byte
+    header_offset: int  # byte offset of the slot header: int64 [layout id, reserved]
+
+    @property
+    def image_bytes(self) -> int:
+        return self.state_bytes
+
+    @property
+    def units_per_image(self) -> int:
+        """Whole PAGE blocks one checkpoint image occupies."""
+        return -(-self.state_bytes // self.block_bytes)
+
+    @property
+    def has_state(self) -> bool:
+        return self.state_bytes > 0
+
+    @property
+    def layout_tag(self) -> int:
+        """The layout id as a non-negative int64, as written into each slot's header."""
+        return int(self.layout_id[:16], 16) & 0x7FFF_FFFF_FFFF_FFFF
+
+    @property
+    def pool_dtype(self) -> torch.dtype:
+        """Element type to allocate and register the pool with.
+
+        The LMCache server copies int32 and bf16 tensors about 10x faster than uint8, so the
+        widest type that divides a block's bytes per token is used; bytes are read through
+        ``.view(torch.uint8)`` regardless.
+        """
+        per_token = self.block_bytes // self.block_size
+        if per_token % 4 == 0:
+            return torch.int32
+        if per_token % 2 == 0:
+            return torch.bfloat16
+        return torch.uint8
+
+    def pool_shape(self, num_blocks: int) -> tuple[int, int, int]:
+        elem = torch.empty((), dtype=self.pool_dtype).element_size()
+        return (num_blocks, self.block_size, self.block_bytes // self.block_size // elem)
+
+
+@dataclass(frozen=True)
+class Span:
+    """One sequence's part of a paged forward: tokens [start, end) in state ``slot``, whose PAGE
+    blocks are ``block_table`` (int64 pool block ids covering at least ceil(end / block))."""
+
+    start: int
+    end: int
+    slot: int
+    block_table: torch.Tensor
+
+    @property
+    def num_tokens(self) -> int:
+        return self.end - self.start
+
+
+class ImageLayoutError(ValueError):
+    """A checkpoint image whose layout is not this engine's."""
+
+
+class ModelRuntime(Protocol):
+    """The engine's whole view of a model: a spec, a pool binding, a forward, image copies.
+
+    ``bind`` is called once, with the pool tensor as registered (with the tier, when one is
+    attached) and the state-slot bytes; every view the model uses derives from those tensors.
+    """
+
+    spec: StateSpec
+    vocab_size: int
+    device: torch.device
+
+    def bind(self, pool: torch.Tensor, slot_bytes: torch.Tensor) -> None: ...
+
+    def forward(self, token_ids: torch.Tensor, spans: list[Span]) -> torch.Tensor:
+        """Logits (float32) of each span's last token; refuses a span not at its slot's cursor."""
+        ...
+
+    def store_image(self, slot: int, units: torch.Tensor) -> None:
+        """Copy the slot's bytes into the image units (pool block ids), byte-exact."""
+        ...
+
+    def restore_image(self, units: torch.Tensor, slot: int) -> int:
+        """Copy an image into the slot; returns the position it resumes at. Raises
+        ImageLayoutError for an image of another layout (the slot is left untouched)."""
+        ...
+
+
+def pool_bytes(pool: torch.Tensor) -> torch.Tensor:
+    """The pool as bytes [num_blocks, block_bytes] (a view of the same storage)."""
+    return pool.view(torch.uint8).view(pool.shape[0], -1)
+
+
+def store_image(
+    spec: StateSpec, pool: torch.Tensor, slot_bytes: torch.Tensor, slot: int, units: torch.Tensor
+) -> None:
+    """Copy slot ``slot`` into the first ``state_bytes`` of units (whole blocks, in order)."""
+    _check_units(spec, units)
+    blocks, flat, bb = pool_bytes(pool), slot_bytes[slot], spec.block_bytes
+    full, rem = divmod(spec.state_bytes, bb)
+    if full:
+        blocks[units[:full]] = flat[: full * bb].view(full, bb)
+    if rem:
+        blocks[units[full], :rem] = flat[full * bb :]
+
+
+def image_tag(spec: StateSpec, pool: torch.Tensor, units: torch.Tensor) -> int:
+    """The layout tag an image in ``units`` carries in its header."""
+    unit, off = divmod(spec.header_offset, spec.block_bytes)
+    raw = pool_bytes(pool)[int(units[unit]), off : off + 8]
+    return int(raw.cpu().view(torch.int64)[0])
+
+
+def restore_image(
+    spec: StateSpec, pool: torch.Tensor, slot_bytes: torch.Tensor, units: torch.Tensor, slot: int
+) -> None:
+    """Copy an image back into a slot, byte-exact; refuse an image of another layout."""
+    _check_units(spec, units)
+    tag = image_tag(spec, pool, units)
+    if tag != spec.layout_tag:
+        raise ImageLayoutError(
+            f"checkpoint image has layout tag {tag:#x}, this engine's layout is "
+            f"{spec.layout_tag:#x} ({spec.layout_id}); it was written by another model or "
+            "geometry and cannot be restored"
+        )
+    blocks, flat, bb = pool_bytes(pool), slot_bytes[slot], spec.block_bytes
+    full, rem = divmod(spec.state_bytes, bb)
+    if full:
+        flat[: full * bb].view(full, bb).copy_(blocks[units[:full]])
+    if rem:
+        flat[full * bb :].copy_(blocks[units[full], :rem])
+
+
+def _check_units(spec: StateSpec, units: torch.Tensor) -> None:
+    if units.numel() != spec.units_per_image:
+        raise ValueError(f"an image takes {spec.units_per_image} units, got {units.numel()}")

@@ -1,0 +1,242 @@
+"""CSA2 attention: weights and the position-local math shared by the paged and reference paths.
+
+A layer attends over its own sliding window (every layer) and, on compressed layers, over a
+top-k selection of its kv owner's compressed rows, with one learned sink per head in the softmax
+denominator. How rows, rings and selections are *kept* differs between the paged forward
+(pages + state slots) and the reference (whole sequence); the math of each row does not, and
+lives here.
+
+Selections: ``select_topk`` ranks by score with ties to the smaller row, identically wherever it
+runs. A query at position p sees ``(p + 1) // ratio`` compressed rows.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from atom.models.deepseek_v41.config import LayerMode, V41Config
+from atom.models.deepseek_v41.layers import RMSNorm, linear, rms_norm
+from atom.models.deepseek_v41.quant import kv_roundtrip
+from atom.models.deepseek_v41.rope import Rope
+
+NEG_INF = float("-inf")
+
+
+class Compressor(nn.Module):
+    """Owner compressor: ratio 2 pools a pair with a per-feature softmax gate; ratio 1 projects."""
+
+    def __init__(self, config: V41Config, ratio: int, dtype: torch.dtype):
+        super().__init__()
+        d, hd = config.hidden_size, config.head_dim
+        self.ratio = ratio
+        self.wkv = linear(d, hd, dtype)
+        self.wgate = linear(d, hd, dtype) if ratio > 1 else None
+        self.norm = RMSNorm(hd, config.rms_norm_eps, dtype)
+
+    def raw(self, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Per-token projections (float32), the values a compressor ring keeps."""
+        values = self.wkv(u).float()
+        scores = self.wgate(u).float() if self.wgate is not None else None
+        return values, scores
+
+    def pool(self, values: torch.Tensor, scores: torch.Tensor | None) -> torch.Tensor:
+        """values/scores [G, ratio, hd] float32 -> normalized latents [G, hd] float32."""
+        if scores is None:
+            pooled = values[:, 0]
+        else:
+            pooled = (torch.softmax(scores, dim=1) * values).sum(1)
+        return rms_norm(pooled, self.norm.weight, self.norm.eps)
+
+
+class Indexer(nn.Module):
+    """Index query (per index-source layer) and, on owners, the index-key projection."""
+
+    def __init__(self, config: V41Config, owner: bool, dtype: torch.dtype):
+        super().__init__()
+        self.heads, self.dim = config.index_n_heads, config.index_head_dim
+        self.wq_b = linear(config.q_lora_rank, self.heads * self.dim, dtype)
+        self.weights_proj = linear(config.hidden_size, self.heads, dtype)
+        if owner:
+            self.wk = linear(config.head_dim, self.dim, dtype)
+            self.k_norm = RMSNorm(self.dim, config.rms_norm_eps, dtype)
+
+    def scores(self, qi: torch.Tensor, w: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        """qi [T, Hi, D], w [T, Hi], keys [R, D] (all float32) -> s [T, R] = sum_h w ReLU(q.k)."""
+        dots = torch.einsum("thd,rd->thr", qi, keys)
+        return torch.einsum("th,thr->tr", w, torch.relu(dots))
+
+
+class CSA2Attention(nn.Module):
+    def __init__(self, config: V41Config, layer: int, dtype: torch.dtype, kv_dtype: str):
+        super().__init__()
+        c = config
+        self.layer, self.mode = layer, c.layer_modes[layer]
+        self.ratio = c.compress_ratios[layer]
+        self.kv_owner, self.sel_owner = c.kv_owner[layer], c.selection_owner[layer]
+        self.is_candidate_source = layer == c.candidate_source_layer_id
+        self.heads, self.head_dim = c.num_attention_heads, c.head_dim
+        self.window, self.topk = c.sliding_window, c.index_topk
+        self.cand_blocks, self.cand_block_size = c.candidate_topk_blocks, c.candidate_block_size
+        self.groups, self.kv_dtype = c.o_groups, kv_dtype
+        theta, scaling = c.layer_rope(layer)
+        self.rope = Rope(c.qk_rope_head_dim, theta, scaling)
+        self.index_rope = Rope(c.qk_rope_head_dim, theta, scaling)
+        self.scale = self.head_dim**-0.5 * self.rope.mscale**2
+        d = c.hidden_size
+        self.q_a_proj = linear(d, c.q_lora_rank, dtype)
+        self.q_a_layernorm = RMSNorm(c.q_lora_rank, c.rms_norm_eps, dtype)
+        self.q_b_proj = linear(c.q_lora_rank, self.heads * self.head_dim, dtype)
+        self.kv_proj = linear(d, self.head_dim, dtype)
+        self.kv_norm = RMSNorm(self.head_dim, c.rms_norm_eps, dtype)
+        self.attn_sink = nn.Parameter(torch.zeros(self.heads, dtype=torch.float32))
+        per_group = self.heads // self.groups * self.head_dim
+        self.o_a_proj = linear(per_group, self.groups * c.o_lora_rank, dtype)
+        self.o_b_proj = linear(self.groups * c.o_lora_rank, d, dtype)
+        self.o_lora_rank = c.o_lora_rank
+        self.compressor = Compressor(c, self.ratio, dtype) if self.mode is LayerMode.FULL else None
+        self.indexer = (
+            Indexer(c, owner=self.mode is LayerMode.FULL, dtype=dtype)
+            if self.mode in (LayerMode.FULL, LayerMode.REINDEX)
+            else None
+        )
+
+    # ---- per-token projections ------------------------------------------------------------
+
+    def queries(self, u: torch.Tensor, cs) -> tuple[torch.Tensor, torch.Tensor]:
+        """u [N, d] -> (q [N, H, hd] rotated at the token positions, q latent [N, q_lora])."""
+        qlat = self.q_a_layernorm(self.q_a_proj(u))
+        q = self.q_b_proj(qlat).view(-1, self.heads, self.head_dim)
+        return self.rope.apply(q, cs), qlat
+
+    def window_kv(self, u: torch.Tensor, cs) -> torch.Tensor:
+        """Window KV [N, hd], normalized, rotated and rounded to the storage dtype."""
+        kv = self.rope.apply(self.kv_norm(self.kv_proj(u)), cs)
+        return kv_roundtrip(kv, self.kv_dtype)
+
+    def compressed_rows(self, latents: torch.Tensor, cs) -> tuple[torch.Tensor, torch.Tensor]:
+        """Latents [G, hd] float32 of groups j, cs at positions j*ratio -> (main rows [G, hd]
+        rounded as stored, index keys [G, D] float32 *before* index quantization: the paged
+        path packs them into PAGE, the reference applies ``index_roundtrip``)."""
+        dtype = self.q_b_proj.weight.dtype
+        main = kv_roundtrip(self.rope.apply(latents.to(dtype), cs), self.kv_dtype)
+        k = self.indexer.k_norm(self.indexer.wk(latents.to(dtype))).float()
+        return main, self.index_rope.apply(k, cs)
+
+    def index_query(self, qlat: torch.Tensor, u: torch.Tensor, cs):
+        """(qi [N, Hi, D] float32 rotated, head weights [N, Hi] float32)."""
+        ix = self.indexer
+        qi = ix.wq_b(qlat).view(-1, ix.heads, ix.dim).float()
+        w = ix.weights_proj(u).float() * (ix.heads**-0.5 * ix.dim**-0.5)
+        return self.index_rope.apply(qi, cs), w
+
+    # ---- attention ------------------------------------------------------------------------
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        win_k: torch.Tensor,
+        win_mask: torch.Tensor,
+        comp: torch.Tensor | None,
+        comp_valid: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """q [T, H, hd]; window keys [Nw, hd] with mask [T, Nw]; selected compressed rows
+        [T, K, hd] with validity [T, K]. K = V (MQA); the sink joins the denominator."""
+        parts = [torch.einsum("thd,nd->thn", q, win_k).float() * self.scale]
+        parts[0] = parts[0].masked_fill(~win_mask[:, None, :], NEG_INF)
+        if comp is not None:
+            sc = torch.einsum("thd,tkd->thk", q, comp).float() * self.scale
+            parts.append(sc.masked_fill(~comp_valid[:, None, :], NEG_INF))
+        sink = self.attn_sink.view(1, -1, 1).expand(q.shape[0], -1, 1)
+        probs = torch.softmax(torch.cat(parts + [sink], dim=-1), dim=-1).to(q.dtype)
+        nw = win_k.shape[0]
+        out = torch.einsum("thn,nd->thd", probs[..., :nw], win_k)
+        if comp is not None:
+            out = out + torch.einsum("thk,tkd->thd", probs[..., nw:-1], comp)
+        return out
+
+    def output(self, o: torch.Tensor, cs) -> torch.Tensor:
+        """Inverse RoPE at the query position, then the grouped output projection."""
+        o = self.rope.apply(o, cs, inverse=True)
+        n = o.shape[0]
+        grouped = o.reshape(n, self.groups, -1)
+        w = self.o_a_proj.weight.view(self.groups, self.o_lora_rank, -1)
+        mid = torch.einsum("ngi,goi->ngo", grouped, w).reshape(n, -1)
+        return self.o_b_proj(mid)
+
+
+# ---- selection ------------------------------------------------------------------------------
+
+
+def visible_rows(positions: torch.Tensor, ratio: int) -> torch.Tensor:
+    return torch.div(positions + 1, ratio, rounding_mode="floor")
+
+
+def candidate_row_mask(
+    scores: torch.Tensor, visible: torch.Tensor, block_rows: int, keep_blocks: int
+) -> torch.Tensor:
+    """Rows inside each query's candidate blocks: blocks of ``block_rows`` rows scored by their
+    best visible row, the newest block always kept, the top ``keep_blocks`` kept (ties to the
+    smaller block). scores [T, R] with invisible rows at -inf; returns bool [T, R]."""
+    t, r = scores.shape
+    nb = -(-r // block_rows)
+    padded = torch.full((t, nb * block_rows), NEG_INF, dtype=scores.dtype, device=scores.device)
+    padded[:, :r] = scores
+    block = padded.view(t, nb, block_rows).amax(-1)
+    newest = torch.div(visible - 1, block_rows, rounding_mode="floor").clamp(min=0)
+    has_rows = (visible > 0)[:, None]
+    is_newest = torch.arange(nb, device=scores.device)[None, :] == newest[:, None]
+    block = torch.where(is_newest & has_rows, torch.full_like(block, float("inf")), block)
+    order = torch.sort(block, dim=-1, descending=True, stable=True).indices[:, :keep_blocks]
+    chosen = torch.zeros(t, nb, dtype=torch.bool, device=scores.device)
+    chosen.scatter_(1, order, block.gather(1, order) > NEG_INF)
+    return chosen.repeat_interleave(block_rows, dim=1)[:, :r]
+
+
+def select_topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top min(k, R) rows per query, ties to the smaller row; ineligible rows are -inf.
+    Returns (row ids [T, K], valid [T, K])."""
+    k = min(k, scores.shape[1])
+    ranked = torch.sort(scores, dim=-1, descending=True, stable=True)
+    return ranked.indices[:, :k], ranked.values[:, :k] > NEG_INF
+
+
+def mask_invisible(scores: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+    rows = torch.arange(scores.shape[1], device=scores.device)
+    return scores.masked_fill(rows[None, :] >= visible[:, None], NEG_INF)
+
+
+def window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int) -> torch.Tensor:
+    """Query at p sees keys at positions p - window + 1 .. p."""
+    diff = q_pos[:, None] - k_pos[None, :]
+    return (diff >= 0) & (diff < window)
+
+
+def layer_selection(
+    attn: CSA2Attention,
+    qlat: torch.Tensor,
+    u: torch.Tensor,
+    cs,
+    keys: torch.Tensor,
+    visible: torch.Tensor,
+    candidates: torch.Tensor | None,
+) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor | None]:
+    """Run an index-source layer's indexer for T queries over R index keys.
+
+    Returns ((row ids, valid), candidate mask): the candidate source computes the mask its
+    REINDEX layers restrict to; a REINDEX layer applies ``candidates``.
+    """
+    qi, w = attn.index_query(qlat, u, cs)
+    scores = mask_invisible(attn.indexer.scores(qi, w, keys), visible)
+    new_candidates = None
+    if attn.is_candidate_source:
+        new_candidates = candidate_row_mask(scores, visible, attn.cand_block_size, attn.cand_blocks)
+    if attn.mode is LayerMode.REINDEX:
+        scores = scores.masked_fill(~candidates, NEG_INF)
+    return select_topk(scores, attn.topk), new_candidates
+
+
+def gather_selected(rows: torch.Tensor, sel: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """rows [R, hd], selection ids [T, K] -> [T, K, hd] (invalid picks point at row 0)."""
+    ids, valid = sel
+    return rows[torch.where(valid, ids, torch.zeros_like(ids))]

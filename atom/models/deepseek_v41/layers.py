@@ -1,0 +1,202 @@
+"""Per-token building blocks of V4.1: RMSNorm, mHC residual streams, MoE, Engram.
+
+Each is position-local (Engram reads the n-gram ids it is given), so the paged forward and the
+reference forward share them unchanged.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from atom.models.deepseek_v41.config import V41Config
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    xf = x.float()
+    out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if weight is not None:
+        out = out * weight.float()
+    return out.to(x.dtype)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+
+def linear(in_f: int, out_f: int, dtype: torch.dtype) -> nn.Linear:
+    return nn.Linear(in_f, out_f, bias=False, dtype=dtype)
+
+
+class HyperConnection(nn.Module):
+    """mHC: mixes ``hc`` residual streams around one sublayer (or, with ``head=True``, reads
+    them for the LM head).
+
+    From RMS-normalized flat(X), a linear map gives pre (hc), post (hc) and a hc x hc matrix C,
+    made doubly stochastic by row softmax + eps and ``iters`` rounds of column/row
+    normalization. The sublayer sees sum_b pre_b X_b; X_j <- post_j * out + sum_i C_ij X_i.
+    """
+
+    def __init__(self, config: V41Config, dtype: torch.dtype, head: bool = False):
+        super().__init__()
+        hc, d = config.hc_mult, config.hidden_size
+        self.hc, self.head = hc, head
+        self.iters, self.eps, self.norm_eps = config.hc_sinkhorn_iters, config.hc_eps, 1e-6
+        n_out = hc if head else 2 * hc + hc * hc
+        self.fn = linear(hc * d, n_out, dtype)
+        self.bias = nn.Parameter(torch.zeros(n_out, dtype=torch.float32))
+
+    def _mix(self, x: torch.Tensor) -> torch.Tensor:
+        flat = rms_norm(x.flatten(1), None, self.norm_eps)
+        return self.fn(flat).float() + self.bias
+
+    def pre(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """x [N, hc, d] -> (sublayer input [N, d], post [N, hc], C [N, hc, hc])."""
+        hc = self.hc
+        mix = self._mix(x)
+        pre = torch.sigmoid(mix[:, :hc]) + 1e-6
+        h = (pre[:, :, None] * x.float()).sum(1).to(x.dtype)
+        if self.head:
+            return h, None, None
+        post = 2 * torch.sigmoid(mix[:, hc : 2 * hc])
+        c = torch.softmax(mix[:, 2 * hc :].view(-1, hc, hc), dim=-1) + self.eps
+        for _ in range(self.iters):
+            c = c / c.sum(1, keepdim=True)
+            c = c / c.sum(2, keepdim=True)
+        return h, post, c
+
+    @staticmethod
+    def post(x: torch.Tensor, out: torch.Tensor, post: torch.Tensor, c: torch.Tensor):
+        """X_j = post_j * out + sum_i C_ij X_i."""
+        mixed = torch.einsum("nij,nid->njd", c, x.float())
+        return (post[:, :, None] * out.float()[:, None, :] + mixed).to(x.dtype)
+
+
+class Expert(nn.Module):
+    """Clamped SwiGLU: down(silu(min(gate, L)) * clamp(up, -L, L))."""
+
+    def __init__(self, d: int, inter: int, limit: float, dtype: torch.dtype):
+        super().__init__()
+        self.limit = limit
+        self.gate_proj = linear(d, inter, dtype)
+        self.up_proj = linear(d, inter, dtype)
+        self.down_proj = linear(inter, d, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        g = self.gate_proj(x).clamp(max=self.limit)
+        u = self.up_proj(x).clamp(-self.limit, self.limit)
+        return self.down_proj(F.silu(g) * u)
+
+
+class MoEGate(nn.Module):
+    def __init__(self, config: V41Config, dtype: torch.dtype):
+        super().__init__()
+        self.weight = nn.Parameter(
+            torch.empty(config.n_routed_experts, config.hidden_size, dtype=dtype)
+        )
+        self.e_score_correction_bias = nn.Parameter(
+            torch.zeros(config.n_routed_experts, dtype=torch.float32)
+        )
+
+
+class MoE(nn.Module):
+    """Routed experts (top-k on sqrt(softplus) scores + bias) plus shared experts."""
+
+    def __init__(self, config: V41Config, dtype: torch.dtype):
+        super().__init__()
+        d, inter = config.hidden_size, config.moe_intermediate_size
+        self.top_k, self.scale = config.num_experts_per_tok, config.routed_scaling_factor
+        self.gate = MoEGate(config, dtype)
+        self.experts = nn.ModuleList(
+            Expert(d, inter, config.swiglu_limit, dtype) for _ in range(config.n_routed_experts)
+        )
+        self.shared_experts = Expert(d, inter * config.n_shared_experts, config.swiglu_limit, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scores = torch.sqrt(F.softplus(F.linear(x, self.gate.weight).float()))
+        biased = scores + self.gate.e_score_correction_bias
+        # ties go to the smaller expert id, identically in every path
+        idx = torch.sort(biased, dim=-1, descending=True, stable=True).indices[:, : self.top_k]
+        w = scores.gather(1, idx)
+        w = w / w.sum(-1, keepdim=True) * self.scale
+        out = self.shared_experts(x).float()
+        for e, expert in enumerate(self.experts):
+            rows, slot = torch.nonzero(idx == e, as_tuple=True)
+            if rows.numel() == 0:
+                continue
+            y = expert(x.index_select(0, rows)).float() * w[rows, slot][:, None]
+            out.index_add_(0, rows, y)
+        return out.to(x.dtype)
+
+
+def _primes_below(n: int, count: int) -> list[int]:
+    out, k = [], n
+    while len(out) < count and k >= 2:
+        if all(k % p for p in range(2, int(math.isqrt(k)) + 1)):
+            out.append(k)
+        k -= 1
+    if len(out) < count:
+        raise ValueError(f"engram_table_size={n} leaves fewer than {count} primes for the heads")
+    return out
+
+
+ENGRAM_HASH_MASK = (1 << 40) - 1
+
+
+class Engram(nn.Module):
+    """Hashed n-gram memory gated into every stream, before its layer's block.
+
+    For orders 2..max_ngram, the last n token ids (mapped into a compressed vocabulary by the
+    fixed ``vocab_map`` table) are hashed with a rolling multiply-XOR, per head with its own odd
+    multiplier, modulo that head's prime table size. A -1 anywhere in the n ids (before the
+    sequence start) drops that n-gram. State across forwards: the last 3 token ids.
+    """
+
+    def __init__(self, config: V41Config, layer: int, dtype: torch.dtype):
+        super().__init__()
+        d = config.hidden_size
+        self.orders = list(range(2, config.engram_max_ngram + 1))
+        heads = config.engram_n_heads
+        n_tables = len(self.orders) * heads
+        self.sizes = _primes_below(config.engram_table_size, n_tables)
+        self.multipliers = [
+            ((0x9E3779B1 * (layer * 131 + k + 1)) & 0x3FFFFF) | 1 for k in range(n_tables)
+        ]
+        self.heads, self.de, self.eps = heads, config.engram_embed_dim, config.rms_norm_eps
+        ids = torch.arange(config.vocab_size, dtype=torch.int64)
+        vmap = (ids * 0x9E3779B1 + layer) % config.engram_vocab_size
+        self.register_buffer("vocab_map", vmap)
+        self.tables = nn.ModuleList(nn.Embedding(size, self.de, dtype=dtype) for size in self.sizes)
+        self.key_proj = linear(n_tables * self.de, d, dtype)
+        self.value_proj = linear(n_tables * self.de, d, dtype)
+        self.key_norm = RMSNorm(d, config.rms_norm_eps, dtype)
+
+    def forward(self, x: torch.Tensor, grams: torch.Tensor) -> torch.Tensor:
+        """x [N, hc, d]; grams [N, 4] token ids at t-3..t (-1 = before the sequence)."""
+        cid = torch.where(grams >= 0, self.vocab_map[grams.clamp(min=0)], -1)
+        parts, k = [], 0
+        for n in self.orders:
+            window = cid[:, 4 - n :]
+            valid = (window >= 0).all(-1)
+            for _ in range(self.heads):
+                h = torch.zeros_like(window[:, 0])
+                for i in range(n):
+                    h = ((h * self.multipliers[k]) & ENGRAM_HASH_MASK) ^ window[:, i].clamp(min=0)
+                rows = self.tables[k](h % self.sizes[k])
+                parts.append(rows * valid[:, None].to(rows.dtype))
+                k += 1
+        e = torch.cat(parts, dim=-1)
+        key = self.key_norm(self.key_proj(e)).float()
+        value = self.value_proj(e).float()
+        xs = rms_norm(x, None, self.eps).float()
+        gate = torch.sigmoid((xs * key[:, None, :]).sum(-1) / math.sqrt(x.shape[-1]))
+        return (x.float() + gate[:, :, None] * value[:, None, :]).to(x.dtype)

@@ -1,0 +1,124 @@
+"""What a paged forward reads and writes: spans, state slots and views of the ONE PAGE pool.
+
+Interval facts (per sequence, after a forward of [start, end)):
+  PAGE rows of an owner with ratio r valid for groups [0, end // r)
+  window ring of each layer holds positions [end - window_rows, end), row = pos % window_rows
+  compressor ring of each owner holds raw projections of [end - compressor_rows, end)
+  cursor = [end, ids at end-3, end-2, end-1]  (-1 before the sequence)
+"""
+
+from __future__ import annotations
+
+import torch
+
+from atom.models.deepseek_v41.pool_geometry import FP8_DTYPE, KV_DTYPES, V41PoolGeometry
+
+
+class StateMismatchError(RuntimeError):
+    """A forward was asked to start where its state slot is not."""
+
+
+class StateSlots:
+    """Typed views of the state-slot bytes ``[num_slots, state_bytes]`` (uint8)."""
+
+    def __init__(self, geometry: V41PoolGeometry, data: torch.Tensor):
+        if data.dtype != torch.uint8 or data.dim() != 2 or data.shape[1] != geometry.state_bytes:
+            raise ValueError(
+                f"state slots must be uint8 [num_slots, {geometry.state_bytes}], "
+                f"got {data.dtype} {list(data.shape)}"
+            )
+        self.geometry, self.data = geometry, data
+        self.num_slots = data.shape[0]
+        self.tag = geometry.state_spec().layout_tag
+        views = {}
+        for f in geometry.state_fields:
+            dtype = {**KV_DTYPES, "int64": torch.int64}[f.dtype]
+            raw = data[:, f.offset : f.offset + f.nbytes]
+            views[f.name] = raw.view(dtype).view(self.num_slots, *f.shape)
+        self.window = views["window"]
+        self.comp_values = views["compressor_values"]
+        self.comp_scores = views["compressor_scores"]
+        self.cursor = views["cursor"]
+        self.header = views["header"]
+
+    @classmethod
+    def allocate(cls, geometry: V41PoolGeometry, num_slots: int, device) -> StateSlots:
+        data = torch.zeros(num_slots, geometry.state_bytes, dtype=torch.uint8, device=device)
+        return cls(geometry, data)
+
+    def reset(self, slot: int) -> None:
+        """Empty state for a sequence starting at position 0."""
+        self.data[slot].zero_()
+        self.cursor[slot, 1:] = -1
+        self.header[slot, 0] = self.tag
+
+    def position(self, slot: int) -> int:
+        return int(self.cursor[slot, 0])
+
+
+class PagedKV:
+    """The model's views of one PAGE pool tensor ``[num_blocks, ...]`` (blocks first).
+
+    Build it from the registered pool tensor (views made before registration go stale).
+    """
+
+    def __init__(self, geometry: V41PoolGeometry, pool: torch.Tensor):
+        self.geometry, self.pool = geometry, pool
+        nb = pool.shape[0]
+        self.num_blocks = nb
+        self.bytes = pool.view(torch.uint8).view(nb, -1)
+        if self.bytes.shape[1] != geometry.block_bytes:
+            raise ValueError(
+                f"pool block holds {self.bytes.shape[1]} B, geometry needs {geometry.block_bytes}"
+            )
+        kvdt = KV_DTYPES[geometry.kv_dtype]
+        self.main: dict[int, torch.Tensor] = {}
+        self.index: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
+        for p in geometry.main_planes:
+            raw = self.bytes[:, p.offset : p.offset + p.nbytes]
+            self.main[p.owner_layer] = raw.view(kvdt).view(nb, p.rows, geometry.head_dim)
+        d = geometry.index_head_dim
+        for p in geometry.index_planes:
+            raw = self.bytes[:, p.offset : p.offset + p.nbytes]
+            if p.dtype == "fp8":
+                rows = raw.view(nb, p.rows, d + 4)
+                self.index[p.owner_layer] = (
+                    rows[..., :d].view(FP8_DTYPE),
+                    rows[..., d:].view(torch.float32),
+                )
+            else:
+                self.index[p.owner_layer] = (
+                    raw.view(KV_DTYPES[p.dtype]).view(nb, p.rows, d),
+                    None,
+                )
+
+    def _locate(self, owner: int, table: torch.Tensor, rows: torch.Tensor):
+        per_block = self.main[owner].shape[1]
+        return table[torch.div(rows, per_block, rounding_mode="floor")], rows % per_block
+
+    def write_rows(
+        self,
+        owner: int,
+        table: torch.Tensor,
+        rows: torch.Tensor,
+        main: torch.Tensor,
+        payload: torch.Tensor,
+        scale: torch.Tensor | None,
+    ) -> None:
+        """Store compressed rows ``rows`` (int64 ids) of ``owner`` into their blocks."""
+        blocks, offs = self._locate(owner, table, rows)
+        self.main[owner][blocks, offs] = main.to(self.main[owner].dtype)
+        pay_view, scale_view = self.index[owner]
+        pay_view[blocks, offs] = payload
+        if scale_view is not None:
+            scale_view[blocks, offs] = scale
+
+    def read_rows(self, owner: int, table: torch.Tensor, count: int):
+        """Rows [0, count) of ``owner``: (main [count, hd] storage dtype, payload, scale)."""
+        per_block = self.main[owner].shape[1]
+        blocks = table[: -(-count // per_block)]
+        main = self.main[owner][blocks].flatten(0, 1)[:count]
+        pay_view, scale_view = self.index[owner]
+        payload = pay_view[blocks].flatten(0, 1)[:count]
+        scale = scale_view[blocks].flatten(0, 1)[:count] if scale_view is not None else None
+        return main, payload, scale

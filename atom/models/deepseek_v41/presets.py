@@ -1,0 +1,164 @@
+"""Model presets: the real V4.1-Flash geometry and the small shapes we run.
+
+v41-flash is the real architecture's config (for geometry checks; too large to instantiate
+here). v41-tiny runs CPU unit tests in seconds, v41-mini CPU integration and accuracy jobs,
+v41-bench keeps the real per-layer dimensions (so bytes per FLOP stay the real model's) with
+fewer layers and experts, for GPU benchmarks.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from atom.models.deepseek_v41.config import ConfigError, V41Config
+
+_FLASH: dict[str, Any] = dict(
+    vocab_size=129280,
+    hidden_size=5120,
+    num_hidden_layers=40,
+    num_attention_heads=64,
+    head_dim=512,
+    qk_rope_head_dim=64,
+    q_lora_rank=1280,
+    o_groups=8,
+    o_lora_rank=1024,
+    sliding_window=128,
+    index_n_heads=32,
+    index_head_dim=128,
+    index_topk=512,
+    rms_norm_eps=1e-20,
+    hc_mult=4,
+    hc_sinkhorn_iters=20,
+    hc_eps=1e-6,
+    rope_theta=10000.0,
+    compress_rope_theta=160000.0,
+    rope_scaling=dict(
+        type="yarn", factor=16, original_max_position_embeddings=65536, beta_fast=32, beta_slow=1
+    ),
+    max_position_embeddings=1048576,
+    n_routed_experts=384,
+    num_experts_per_tok=6,
+    n_shared_experts=1,
+    moe_intermediate_size=2304,
+    routed_scaling_factor=1.5,
+    swiglu_limit=10.0,
+    compress_ratios=[0, 0] + [2] * 18 + [1] * 20 + [0, 0, 0],
+    kv_source_layer_ids=[2, 8, 14, 20],
+    index_source_layer_ids=[2, 8, 14, 20, 24, 28, 32, 36],
+    candidate_source_layer_id=20,
+    candidate_topk_blocks=2048,
+    candidate_block_size=8,
+    engram_layer_ids=[1, 14],
+    engram_vocab_size=65536,
+    engram_n_heads=4,
+    engram_embed_dim=128,
+    engram_table_size=1048573,
+    num_nextn_predict_layers=3,
+)
+
+# The small shapes share one 10-layer pattern that exercises every layer mode:
+# WINDOW 0-1, FULL r2 2 and 4, REUSE r2 3 and 5, FULL r1 6 (candidate source), REUSE r1 7,
+# REINDEX 8, REUSE 9 (reads 6's rows with 8's selection); Engram on 1 and 4.
+_PATTERN: dict[str, Any] = dict(
+    num_hidden_layers=10,
+    compress_ratios=[0, 0, 2, 2, 2, 2, 1, 1, 1, 1],
+    kv_source_layer_ids=[2, 4, 6],
+    index_source_layer_ids=[2, 4, 6, 8],
+    candidate_source_layer_id=6,
+    engram_layer_ids=[1, 4],
+)
+
+_TINY: dict[str, Any] = dict(
+    _PATTERN,
+    vocab_size=320,
+    hidden_size=64,
+    num_attention_heads=2,
+    head_dim=64,
+    qk_rope_head_dim=16,
+    q_lora_rank=32,
+    o_groups=2,
+    o_lora_rank=32,
+    sliding_window=8,
+    index_n_heads=2,
+    index_head_dim=32,
+    index_topk=4,
+    candidate_topk_blocks=4,
+    candidate_block_size=2,
+    rms_norm_eps=1e-6,
+    rope_scaling=dict(
+        type="yarn", factor=4, original_max_position_embeddings=256, beta_fast=32, beta_slow=1
+    ),
+    max_position_embeddings=65536,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    engram_vocab_size=64,
+    engram_n_heads=2,
+    engram_embed_dim=8,
+    engram_table_size=31,
+    initializer_range=0.1,
+)
+
+_MINI: dict[str, Any] = dict(
+    _PATTERN,
+    vocab_size=320,
+    hidden_size=512,
+    num_attention_heads=8,
+    head_dim=128,
+    qk_rope_head_dim=32,
+    q_lora_rank=256,
+    o_groups=2,
+    o_lora_rank=256,
+    sliding_window=128,
+    index_n_heads=4,
+    index_head_dim=64,
+    index_topk=64,
+    candidate_topk_blocks=16,
+    candidate_block_size=8,
+    rms_norm_eps=1e-6,
+    rope_scaling=dict(
+        type="yarn", factor=4, original_max_position_embeddings=4096, beta_fast=32, beta_slow=1
+    ),
+    max_position_embeddings=65536,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=256,
+    engram_vocab_size=4096,
+    engram_n_heads=2,
+    engram_embed_dim=32,
+    engram_table_size=4093,
+    initializer_range=0.05,
+)
+
+_BENCH: dict[str, Any] = dict(
+    _FLASH,
+    **_PATTERN,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    num_nextn_predict_layers=0,
+    engram_vocab_size=16384,
+    engram_table_size=65521,
+    max_position_embeddings=1048576,
+)
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "v41-flash": _FLASH,
+    "v41-tiny": _TINY,
+    "v41-mini": _MINI,
+    "v41-bench": _BENCH,
+}
+
+# Block size each preset is meant to run with (the engine's default for it).
+PRESET_BLOCK_SIZE: dict[str, int] = {
+    "v41-flash": 256,
+    "v41-tiny": 16,
+    "v41-mini": 256,
+    "v41-bench": 256,
+}
+
+
+def preset_config(name: str, **overrides: Any) -> V41Config:
+    """The config of a preset, with field overrides (validated like a config.json)."""
+    if name not in PRESETS:
+        raise ConfigError(f"unknown model preset {name!r}; known presets: {sorted(PRESETS)}")
+    return V41Config.from_dict({**PRESETS[name], **overrides}, source=f"preset {name}")

@@ -1,0 +1,70 @@
+"""Rotary position embedding on the last ``dim`` features, with DeepSeek-style YaRN.
+
+Angles are computed in float32 from integer positions, elementwise, so every path that rotates
+position p computes the same bits for it.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+
+def _yarn_inv_freq(dim: int, base: float, scaling: dict[str, Any]) -> tuple[torch.Tensor, float]:
+    factor = float(scaling["factor"])
+    orig = float(scaling["original_max_position_embeddings"])
+    beta_fast = float(scaling.get("beta_fast", 32))
+    beta_slow = float(scaling.get("beta_slow", 1))
+    freqs = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+
+    def correction(rot: float) -> float:
+        return dim * math.log(orig / (rot * 2 * math.pi)) / (2 * math.log(base))
+
+    low = max(math.floor(correction(beta_fast)), 0)
+    high = min(math.ceil(correction(beta_slow)), dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    smooth = 1 - ramp
+    freqs = freqs / factor * (1 - smooth) + freqs * smooth
+    mscale = 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
+    return freqs.float(), mscale
+
+
+class Rope:
+    """RoPE over the last ``dim`` features of a vector (rotate-half pairing)."""
+
+    def __init__(self, dim: int, theta: float, scaling: dict[str, Any] | None):
+        self.dim = dim
+        if scaling is None:
+            exps = torch.arange(0, dim, 2, dtype=torch.float64) / dim
+            self.inv_freq = (1.0 / (theta**exps)).float()
+            self.mscale = 1.0
+        else:
+            self.inv_freq, self.mscale = _yarn_inv_freq(dim, theta, scaling)
+        self._cache: dict[torch.device, torch.Tensor] = {}
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin, float32 [N, dim/2], for integer positions [N]."""
+        inv = self._cache.get(positions.device)
+        if inv is None:
+            inv = self._cache.setdefault(positions.device, self.inv_freq.to(positions.device))
+        angles = positions.to(torch.float32)[:, None] * inv[None, :]
+        return torch.cos(angles), torch.sin(angles)
+
+    def apply(
+        self, x: torch.Tensor, cs: tuple[torch.Tensor, torch.Tensor], inverse: bool = False
+    ) -> torch.Tensor:
+        """Rotate the last ``dim`` features of x [N, ..., D] by the per-row angles in cs."""
+        cos, sin = cs
+        shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[-1],)
+        cos, sin = cos.view(shape), sin.view(shape)
+        if inverse:
+            sin = -sin
+        d = self.dim
+        keep, rot = x[..., :-d], x[..., -d:].float()
+        x1, x2 = rot[..., : d // 2], rot[..., d // 2 :]
+        out = torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).to(x.dtype)
+        return torch.cat([keep, out], dim=-1)

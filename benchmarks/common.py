@@ -1,0 +1,55 @@
+"""Shared helpers for benchmarks: environment facts and result files."""
+
+from __future__ import annotations
+
+import json
+import platform
+import subprocess
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def environment() -> dict:
+    try:
+        rev = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
+        ).stdout.strip()
+    except OSError:
+        rev = ""
+    env = {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "git": rev,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cpu_threads": torch.get_num_threads(),
+        "device": "cpu",
+    }
+    if torch.cuda.is_available():
+        env["device"] = torch.cuda.get_device_name(0)
+    return env
+
+
+def write_results(name: str, data: dict, table: str, command: str) -> Path:
+    """Write ``<name>.json`` and ``<name>.md`` under benchmarks/results/."""
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    data = {"command": command, "environment": environment(), **data}
+    (RESULTS / f"{name}.json").write_text(json.dumps(data, indent=2) + "\n")
+    env = data["environment"]
+    md = (
+        f"# {name}\n\nCommand: `{command}`\n\n"
+        f"Environment: {env['device']}, torch {env['torch']}, {env['cpu_threads']} CPU threads, "
+        f"git {env['git']}, {env['date']}\n\n{table}\n"
+    )
+    (RESULTS / f"{name}.md").write_text(md)
+    return RESULTS / f"{name}.md"
+
+
+def md_table(headers: list[str], rows: list[list]) -> str:
+    out = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    for r in rows:
+        out.append("| " + " | ".join(str(c) for c in r) + " |")
+    return "\n".join(out)

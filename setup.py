@@ -1,0 +1,25 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="atom",
+    version="0.1.0",
+    description="A native LLM inference engine for DeepSeek-V4.1-style models with LMCache MP offload",
+    packages=find_packages(include=["atom", "atom.*"]),
+    python_requires=">=3.10",
+    install_requires=[
+        "torch>=2.4",
+        "lmcache==0.5.6",
+        "pydantic>=2",
+        "pyyaml",
+        "safetensors",
+        "xxhash",
+        "tokenizers",
+        "numpy",
+        "fastapi",
+        "uvicorn",
+        "prometheus_client",
+    ],
+    extras_require={
+        "dev": ["pytest", "pytest-timeout", "ruff", "black", "openai", "httpx"],
+    },
+)

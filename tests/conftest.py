@@ -1,0 +1,3 @@
+import os
+
+os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
