@@ -1,0 +1,193 @@
+"""The engine config: one pydantic model, from keyword arguments or a YAML file.
+
+Every error names the field, the bad value and what is allowed. ``resolved()`` fills the
+``auto`` fields from the model and the device so ``--print-config`` shows what will run.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
+
+
+class EngineConfigError(ValueError):
+    """An engine config that cannot run; the message names the field, value and fix."""
+
+
+def format_validation_error(exc: ValidationError, source: str) -> str:
+    lines = []
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err["loc"])
+        msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden":
+            msg = "unknown field (check the spelling; see --print-config for every field)"
+        value = err.get("input")
+        lines.append(f"{loc}={value!r}: {msg}" if loc else msg)
+    return f"invalid {source}: " + "; ".join(lines)
+
+
+class EngineConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    model: str = "v41-mini"
+    block_size: int | None = None  # None: the model preset's block size (256 for real shapes)
+    num_blocks: int | None = None  # the PAGE pool as a block count ...
+    pool_memory_gb: float | None = None  # ... or as a memory budget (default 1 GiB)
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    checkpoint_interval: int = 1  # prefill chunks never cross this many blocks
+    enable_prefix_caching: bool = True  # False: no local hits (and no images without a tier)
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    kv_dtype: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
+    index_dtype: Literal["auto", "fp8", "bf16", "fp32"] = "auto"
+    seed: int = 0
+    offload: Literal["none", "lmcache_mp"] = "none"
+    lmcache: dict[str, Any] = {}  # OffloadConfig fields (see atom.kv_transfer.offload.config)
+
+    @field_validator("max_num_seqs", "max_num_batched_tokens", "checkpoint_interval")
+    @classmethod
+    def _positive(cls, v: int, info) -> int:
+        if v < 1:
+            raise ValueError(f"must be >= 1, got {v}")
+        return v
+
+    @field_validator("num_blocks", "block_size", "max_model_len")
+    @classmethod
+    def _positive_or_none(cls, v: int | None) -> int | None:
+        if v is not None and v < 1:
+            raise ValueError(f"must be >= 1 (or omitted), got {v}")
+        return v
+
+    @field_validator("pool_memory_gb")
+    @classmethod
+    def _memory(cls, v: float | None) -> float | None:
+        if v is not None and not v > 0:
+            raise ValueError(f"must be > 0 GiB (or omitted), got {v}")
+        return v
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, v: str) -> str:
+        if v in ("auto", "cpu", "cuda") or (v.startswith("cuda:") and v[5:].isdigit()):
+            return v
+        raise ValueError("allowed: auto, cpu, cuda, cuda:N")
+
+    @model_validator(mode="after")
+    def _cross(self) -> EngineConfig:
+        if self.num_blocks is not None and self.pool_memory_gb is not None:
+            raise ValueError(
+                f"num_blocks={self.num_blocks} and pool_memory_gb={self.pool_memory_gb} both "
+                "size the pool; set only one"
+            )
+        if self.block_size is not None and self.max_num_batched_tokens < self.block_size:
+            raise ValueError(
+                f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= "
+                f"block_size={self.block_size} (prefill chunks end on the block grid)"
+            )
+        return self
+
+    # ---- construction -------------------------------------------------------------------
+
+    @classmethod
+    def build(cls, source: str = "engine config", **values: Any) -> EngineConfig:
+        try:
+            return cls(**values)
+        except ValidationError as exc:
+            raise EngineConfigError(format_validation_error(exc, source)) from None
+
+    @classmethod
+    def from_yaml(cls, path: str | Path, **overrides: Any) -> EngineConfig:
+        """Load a YAML file; ``overrides`` (e.g. command-line flags) win over the file."""
+        path = Path(path)
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except FileNotFoundError:
+            raise EngineConfigError(f"engine config file not found: {path}") from None
+        except yaml.YAMLError as exc:
+            raise EngineConfigError(f"{path} is not valid YAML: {exc}") from None
+        if not isinstance(data, dict):
+            raise EngineConfigError(f"{path} must hold a mapping of fields, got {type(data)}")
+        return cls.build(source=f"engine config {path}", **{**data, **overrides})
+
+    # ---- resolution ---------------------------------------------------------------------
+
+    def resolved(self) -> EngineConfig:
+        """A copy with every ``auto``/None field decided (device, dtypes, block and pool size,
+        max_model_len), as the engine will run it."""
+        import torch
+
+        from atom.models.deepseek_v41.pool_geometry import GeometryError, build_v41_pool_geometry
+        from atom.models.registry import default_block_size, resolve_config
+
+        model_cfg, _ = resolve_config(self.model)
+        device = self.device
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        if device.startswith("cuda") and not torch.cuda.is_available():
+            raise EngineConfigError(f"device={device!r}: CUDA is not available; use device=cpu")
+        on_gpu = device.startswith("cuda")
+        dtype = self.dtype if self.dtype != "auto" else ("bfloat16" if on_gpu else "float32")
+        kv = (
+            self.kv_dtype
+            if self.kv_dtype != "auto"
+            else ("bf16" if dtype == "bfloat16" else "fp32")
+        )
+        block = self.block_size or default_block_size(self.model)
+        index = self.index_dtype
+        if index == "auto":
+            index = "fp8" if on_gpu else kv
+        try:
+            geo = build_v41_pool_geometry(
+                model_cfg, kv_dtype=kv, index_dtype=index, block_size=block, speculative_tokens=0
+            )
+        except GeometryError as exc:
+            if self.index_dtype != "auto":
+                raise EngineConfigError(f"index_dtype={index!r}: {exc}") from None
+            index = kv
+            try:
+                geo = build_v41_pool_geometry(
+                    model_cfg,
+                    kv_dtype=kv,
+                    index_dtype=index,
+                    block_size=block,
+                    speculative_tokens=0,
+                )
+            except GeometryError as exc2:
+                raise EngineConfigError(f"block_size={block}: {exc2}") from None
+        num_blocks = self.num_blocks
+        if num_blocks is None:
+            budget = (self.pool_memory_gb or 1.0) * 2**30
+            num_blocks = int(budget // geo.block_bytes)
+        units = geo.units_per_image
+        if num_blocks < 2 + units:
+            raise EngineConfigError(
+                f"num_blocks={num_blocks}: the pool needs at least {2 + units} blocks of "
+                f"{geo.block_bytes} B (one image takes {units}); raise num_blocks or "
+                "pool_memory_gb"
+            )
+        max_len = min(
+            self.max_model_len or model_cfg.max_position_embeddings,
+            model_cfg.max_position_embeddings,
+        )
+        if self.max_num_batched_tokens < block:
+            raise EngineConfigError(
+                f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= "
+                f"block_size={block} (prefill chunks end on the block grid)"
+            )
+        return self.model_copy(
+            update=dict(
+                device=device,
+                dtype=dtype,
+                kv_dtype=kv,
+                index_dtype=index,
+                block_size=block,
+                num_blocks=num_blocks,
+                pool_memory_gb=None,
+                max_model_len=max_len,
+            )
+        )

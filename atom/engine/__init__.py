@@ -1,0 +1,1 @@
+"""The engine proper: model-agnostic and tier-agnostic (see ARCHITECTURE.md section 3)."""

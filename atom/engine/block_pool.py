@@ -1,0 +1,149 @@
+"""PAGE blocks: reference counts, chained prefix hashes, and an LRU of free-but-cached blocks.
+
+A block is in exactly one of three pool states:
+  free     ref 0, no hash                 allocatable at once
+  cached   ref 0, hash registered          allocatable after eviction (LRU order)
+  owned    ref > 0                         by sequences, checkpoint images or transfer leases
+
+Evicting a cached block unregisters its hash and reports it through ``on_evict`` (the
+checkpoint store drops every image whose prefix contained that hash: state within KV).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
+
+import xxhash
+
+ROOT_HASH = 0
+
+
+def chain_hash(parent: int, token_ids: Sequence[int]) -> int:
+    """Hash of a full block: xxhash64 of the parent's hash and the block's token ids."""
+    h = xxhash.xxh64(parent.to_bytes(8, "little"))
+    h.update(b"".join(int(t).to_bytes(4, "little", signed=True) for t in token_ids))
+    return h.intdigest()
+
+
+def block_hashes(token_ids: Sequence[int], block_size: int, parent: int = ROOT_HASH) -> list[int]:
+    """Chained hashes of every full block of ``token_ids``."""
+    out = []
+    for i in range(len(token_ids) // block_size):
+        parent = chain_hash(parent, token_ids[i * block_size : (i + 1) * block_size])
+        out.append(parent)
+    return out
+
+
+class PoolExhausted(RuntimeError):
+    pass
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int):
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks={num_blocks} must be >= 1")
+        self.num_blocks = num_blocks
+        self.ref = [0] * num_blocks
+        self.hash_of: list[int | None] = [None] * num_blocks
+        self.by_hash: dict[int, int] = {}
+        self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
+        self._cached: OrderedDict[int, None] = OrderedDict()  # LRU first
+        self.on_evict: Callable[[int], None] = lambda h: None
+        self.evictions = 0
+
+    # ---- queries ------------------------------------------------------------------------
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._cached)
+
+    @property
+    def num_allocatable(self) -> int:
+        return len(self._free) + len(self._cached)
+
+    def lookup(self, h: int) -> int | None:
+        return self.by_hash.get(h)
+
+    def is_free(self, block: int) -> bool:
+        return block in self._free
+
+    def is_cached(self, block: int) -> bool:
+        return block in self._cached
+
+    # ---- predicate / action pairs ----------------------------------------------------------
+
+    def can_allocate(self, n: int) -> bool:
+        return n <= self.num_allocatable
+
+    def allocate(self, n: int) -> list[int]:
+        """n blocks with ref 1: free ones first, then evicting the least recently used cached."""
+        if not self.can_allocate(n):
+            raise PoolExhausted(f"need {n} blocks, {self.num_allocatable} allocatable")
+        out = []
+        for _ in range(n):
+            if self._free:
+                b, _ = self._free.popitem(last=False)
+            else:
+                b, _ = self._cached.popitem(last=False)
+                self._uncache(b)
+                self.evictions += 1
+            self.ref[b] = 1
+            out.append(b)
+        return out
+
+    def acquire(self, blocks: Iterable[int]) -> None:
+        """Take one more reference on each block (a prefix hit or a lease)."""
+        for b in blocks:
+            if self.ref[b] == 0:
+                if b in self._cached:
+                    del self._cached[b]
+                else:
+                    raise RuntimeError(f"block {b} is free and holds nothing to share")
+            self.ref[b] += 1
+
+    def release(self, blocks: Iterable[int]) -> None:
+        """Drop one reference on each block, in the given order; a block reaching 0 becomes
+        cached (if hashed) at the MRU end, else free. Pass a sequence's blocks tail first so
+        prefixes outlive their tails."""
+        for b in blocks:
+            if self.ref[b] <= 0:
+                raise RuntimeError(f"block {b} released more often than acquired")
+            self.ref[b] -= 1
+            if self.ref[b] == 0:
+                if self.hash_of[b] is not None:
+                    self._cached[b] = None
+                else:
+                    self._free[b] = None
+
+    def register(self, block: int, h: int) -> bool:
+        """Publish a full, computed block under its chained hash. Returns False (and leaves
+        the block unhashed) when another block already holds that hash."""
+        if self.hash_of[block] is not None:
+            return self.hash_of[block] == h
+        if h in self.by_hash:
+            return False
+        self.hash_of[block] = h
+        self.by_hash[h] = block
+        return True
+
+    def forget(self, block: int) -> None:
+        """Unregister a block's hash (its bytes can no longer be trusted); an unowned block
+        becomes free."""
+        if self.hash_of[block] is None:
+            return
+        if block in self._cached:
+            del self._cached[block]
+            self._free[block] = None
+        self._uncache(block)
+
+    def _uncache(self, block: int) -> None:
+        h = self.hash_of[block]
+        if h is not None:
+            self.hash_of[block] = None
+            del self.by_hash[h]
+            self.on_evict(h)

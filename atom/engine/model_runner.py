@@ -1,0 +1,76 @@
+"""Batch tensors, state-slot copies and the forward of one step.
+
+Order within a step: restores (image -> slot), the forward, image stores (slot -> image). A
+store therefore captures the state exactly at the boundary its forward ended on, before any
+later step mutates the slot; a restore lands before the forward that reads it.
+
+Slot ownership is tracked here: a span may continue a slot only if the same sequence owned it
+last; a new owner must start at 0 (the model resets the slot) or restore an image, whatever the
+slot's cursor happens to say.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from atom.engine.scheduler import ScheduledSpan
+from atom.model_api import ModelRuntime, Span
+
+
+class SlotOwnershipError(RuntimeError):
+    pass
+
+
+class ModelRunner:
+    def __init__(self, runtime: ModelRuntime, num_blocks: int, num_slots: int):
+        self.runtime, self.spec = runtime, runtime.spec
+        device = runtime.device
+        self.pool = torch.zeros(
+            self.spec.pool_shape(num_blocks), dtype=self.spec.pool_dtype, device=device
+        )
+        self.slot_bytes = torch.zeros(
+            num_slots, self.spec.state_bytes, dtype=torch.uint8, device=device
+        )
+        self.slot_owner: list[int | None] = [None] * num_slots
+        self.device = device
+        self._bound = False
+
+    def bind(self) -> None:
+        """Derive the model's views from the pool (call after any tier registration)."""
+        self.runtime.bind(self.pool, self.slot_bytes)
+        self._bound = True
+
+    def _units(self, blocks: list[int]) -> torch.Tensor:
+        return torch.tensor(blocks, dtype=torch.int64, device=self.device)
+
+    def execute(self, spans: list[ScheduledSpan]) -> torch.Tensor:
+        """Run one step; returns float32 logits [len(spans), V] (each span's last token)."""
+        assert self._bound, "bind() the runner before running it"
+        for sp in spans:
+            seq, slot = sp.seq, sp.seq.slot
+            if sp.restore is not None:
+                at = self.runtime.restore_image(self._units(sp.restore.units), slot)
+                if at != sp.start:
+                    raise SlotOwnershipError(f"restored image is at {at}, span starts {sp.start}")
+                self.slot_owner[slot] = seq.seq_id
+            elif sp.start == 0:
+                self.slot_owner[slot] = seq.seq_id  # the model resets the slot
+            elif self.slot_owner[slot] != seq.seq_id:
+                raise SlotOwnershipError(
+                    f"{seq.request_id} continues at {sp.start} in slot {slot}, owned by "
+                    f"sequence {self.slot_owner[slot]}; a new owner must restore or start at 0"
+                )
+        ids = torch.tensor(
+            [t for sp in spans for t in sp.seq.tokens[sp.start : sp.end]], dtype=torch.int64
+        )
+        model_spans = [
+            Span(sp.start, sp.end, sp.seq.slot, self._units(sp.seq.block_table)) for sp in spans
+        ]
+        logits = self.runtime.forward(ids, model_spans)
+        for sp in spans:
+            if sp.image is not None:
+                self.runtime.store_image(sp.seq.slot, self._units(sp.image.units))
+        return logits
+
+    def release_slot(self, slot: int) -> None:
+        self.slot_owner[slot] = None

@@ -1,0 +1,70 @@
+"""The Python API: ``LLM(model, **engine config).generate(prompts, SamplingParams(...))``."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from typing import Any
+
+from atom.config import EngineConfig
+from atom.engine.engine import LLMEngine
+from atom.outputs import RequestOutput
+from atom.sampling_params import SamplingParams
+from atom.tokenizer import load_tokenizer
+
+Prompt = str | list[int]
+
+
+class LLM:
+    """An offline engine. ``model`` is a preset (v41-tiny, v41-mini, v41-bench) or a directory
+    with config.json and safetensors; keyword arguments are EngineConfig fields."""
+
+    def __init__(self, model: str = "v41-mini", config: EngineConfig | None = None, **kw: Any):
+        if config is None:
+            config = EngineConfig.build(model=model, **kw)
+        elif kw:
+            config = EngineConfig.build(**{**config.model_dump(), **kw})
+        self.engine = LLMEngine(config)
+        self.tokenizer = load_tokenizer(config.model)
+
+    @property
+    def config(self) -> EngineConfig:
+        return self.engine.config
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        return self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+
+    def generate(
+        self,
+        prompts: Prompt | Seq[Prompt],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        on_step=None,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in prompt order."""
+        if isinstance(prompts, str) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]
+        params = sampling_params or SamplingParams()
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        encoded = [self.encode(p) for p in prompts]
+        seqs = [
+            self.engine.add_request(ids, p, eos_token_id=self.tokenizer.eos_token_id)
+            for ids, p in zip(encoded, params)
+        ]
+        while any(not s.is_finished for s in seqs):
+            self.engine.step()
+            if on_step is not None:
+                on_step(self.engine)
+        return [RequestOutput.from_sequence(s, self.tokenizer.decode(s.output)) for s in seqs]
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()

@@ -1,0 +1,43 @@
+"""What a finished request returns."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from atom.engine.sequence import Sequence
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    prompt_tokens: int
+    hbm_hit_tokens: int
+    tier_hit_tokens: int
+    computed_prompt_tokens: int
+    preemptions: int
+    ttft_s: float | None
+    latency_s: float | None
+
+    @classmethod
+    def from_sequence(cls, seq: Sequence, text: str) -> RequestOutput:
+        c = seq.counters
+        ttft = seq.first_token_time - seq.arrival_time if seq.first_token_time else None
+        latency = seq.finish_time - seq.arrival_time if seq.finish_time else None
+        return cls(
+            request_id=seq.request_id,
+            prompt_token_ids=list(seq.prompt),
+            token_ids=list(seq.output),
+            text=text,
+            finish_reason=seq.finish_reason or "",
+            prompt_tokens=c.prompt_tokens,
+            hbm_hit_tokens=c.hbm_hit_tokens,
+            tier_hit_tokens=c.tier_hit_tokens,
+            computed_prompt_tokens=c.computed_prompt_tokens,
+            preemptions=c.preemptions,
+            ttft_s=ttft,
+            latency_s=latency,
+        )

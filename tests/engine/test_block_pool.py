@@ -1,0 +1,86 @@
+import pytest
+
+from atom.engine.block_pool import BlockPool, PoolExhausted, block_hashes, chain_hash
+from atom.engine.checkpoints import CheckpointStore
+
+
+def test_chained_hashes_depend_on_the_whole_prefix():
+    a = block_hashes([1, 2, 3, 4, 5, 6], 2)
+    b = block_hashes([9, 2, 3, 4, 5, 6], 2)
+    assert len(a) == 3 and all(x != y for x, y in zip(a, b))
+    assert a[1] == chain_hash(a[0], [3, 4])
+    assert block_hashes([1, 2, 3], 2) == a[:1]
+
+
+def test_allocation_prefers_free_then_evicts_lru_cached():
+    pool = BlockPool(4)
+    evicted = []
+    pool.on_evict = evicted.append
+    blocks = pool.allocate(4)
+    for b, h in zip(blocks, (11, 12, 13, 14)):
+        assert pool.register(b, h)
+    pool.release([blocks[1], blocks[0]])  # 1 becomes LRU, then 0
+    assert pool.num_cached == 2 and pool.num_free == 0
+    assert pool.allocate(1) == [blocks[1]]
+    assert evicted == [12] and pool.lookup(12) is None
+    with pytest.raises(PoolExhausted):
+        pool.allocate(2)
+
+
+def test_acquire_revives_a_cached_block_and_refuses_a_free_one():
+    pool = BlockPool(2)
+    b = pool.allocate(1)[0]
+    pool.register(b, 5)
+    pool.release([b])
+    pool.acquire([b])
+    assert pool.ref[b] == 1 and not pool.is_cached(b)
+    free = next(x for x in range(2) if pool.is_free(x))
+    with pytest.raises(RuntimeError, match="free"):
+        pool.acquire([free])
+    with pytest.raises(RuntimeError, match="released more often"):
+        pool.release([free])
+
+
+def test_duplicate_hash_is_not_registered_twice():
+    pool = BlockPool(2)
+    a, b = pool.allocate(2)
+    assert pool.register(a, 7) and not pool.register(b, 7)
+    pool.release([b])
+    assert pool.is_free(b)  # the duplicate holds no hash: plain free
+
+
+def test_images_are_dropped_with_their_prefix_and_survive_while_pinned():
+    pool = BlockPool(10)
+    store = CheckpointStore(pool, units_per_image=2)
+    kv = pool.allocate(2)
+    pool.register(kv[0], 100)
+    pool.register(kv[1], 101)
+    img1 = store.create(100, 4, (100,))
+    img2 = store.create(101, 8, (100, 101))
+    for img in (img1, img2):
+        assert store.mark_ready(img)
+        store.unpin(img)
+    assert store.get_ready(101) is img2
+    store.pin(img2)
+    pool.release([kv[1], kv[0]])
+    pool.forget(kv[1])  # block 101 leaves: img2 is doomed but pinned
+    assert store.get_ready(101) is None and img2 in store.limbo
+    assert pool.ref[img2.units[0]] == 1  # units still held while pinned
+    store.unpin(img2)
+    assert not store.limbo and not img2.units
+    assert store.get_ready(100) is img1
+
+
+def test_image_eviction_is_lru_and_skips_pinned():
+    pool = BlockPool(6)
+    store = CheckpointStore(pool, units_per_image=2)
+    imgs = []
+    for i in range(3):
+        img = store.create(i, 2 * (i + 1), ())
+        store.mark_ready(img)
+        store.unpin(img)
+        imgs.append(img)
+    store.pin(imgs[0])
+    store.get_ready(1)  # touch 1: 2 is now LRU among unpinned
+    assert store.make_room(2)
+    assert 2 not in store.images and 0 in store.images and 1 in store.images
