@@ -56,6 +56,8 @@ class LLM:
         ]
         while any(not s.is_finished for s in seqs):
             self.engine.step()
+            if not self.engine.last_step_ran:
+                self.engine.wait_for_progress(1.0)  # a load or lookup is in flight
             if on_step is not None:
                 on_step(self.engine)
         return [RequestOutput.from_sequence(s, self.tokenizer.decode(s.output)) for s in seqs]

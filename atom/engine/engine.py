@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 import time
 
 import torch
@@ -14,6 +15,7 @@ from atom.engine.model_runner import ModelRunner
 from atom.engine.sampler import Sampler
 from atom.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from atom.engine.sequence import SeqStatus, Sequence
+from atom.metrics import Registry
 from atom.models.registry import load_runtime
 from atom.sampling_params import SamplingParams
 
@@ -59,6 +61,11 @@ class LLMEngine:
         self.sampler = Sampler(cfg.seed)
         self.requests: dict[str, Sequence] = {}
         self.steps = 0
+        self.last_step_ran = False
+        self._progress = threading.Event()
+        self.on_progress = None  # extra wake-up hook (the server's engine loop)
+        self.metrics = Registry()
+        self._init_metrics()
         log.info(
             "engine ready: model=%s device=%s dtype=%s kv=%s index=%s block=%d pool=%d blocks "
             "x %d B, image=%d B (%d units)",
@@ -72,6 +79,49 @@ class LLMEngine:
             self.spec.block_bytes,
             self.spec.state_bytes,
             self.spec.units_per_image,
+        )
+
+    def _init_metrics(self) -> None:
+        m, sched, store, pool = self.metrics, self.scheduler, self.store, self.pool
+        self.m_requests = m.counter("requests_total", "Finished requests by finish reason.")
+        self.m_prompt = m.counter(
+            "prompt_tokens_total", "Prompt tokens by source: hbm, tier or computed."
+        )
+        self.m_gen = m.counter("generation_tokens_total", "Generated tokens.")
+        self.m_step = m.histogram("step_seconds", "Engine step wall time.")
+        self.m_ttft = m.histogram("time_to_first_token_seconds", "Arrival to first token.")
+        self.m_itl = m.histogram("inter_token_latency_seconds", "Time between output tokens.")
+        m.gauge("requests_waiting", "Requests queued.", lambda: len(sched.waiting))
+        m.gauge(
+            "requests_running", "Requests holding blocks and a slot.", lambda: len(sched.running)
+        )
+        m.gauge(
+            "preemptions_total",
+            "Preemptions (recompute) so far.",
+            lambda: sched.preemptions,
+            "counter",
+        )
+        m.gauge(
+            "pool_blocks",
+            "PAGE blocks by state.",
+            lambda: {
+                (("state", "free"),): pool.num_free,
+                (("state", "cached"),): pool.num_cached,
+                (("state", "image"),): store.counts()["units"],
+                (("state", "total"),): pool.num_blocks,
+            },
+        )
+        m.gauge(
+            "checkpoint_images_ready", "READY checkpoint images.", lambda: store.counts()["ready"]
+        )
+        m.gauge(
+            "checkpoint_images_created_total", "Images taken.", lambda: store.created, "counter"
+        )
+        m.gauge(
+            "checkpoint_images_evicted_total",
+            "Images evicted (LRU) or dropped with their prefix.",
+            lambda: store.evicted + store.dropped_with_prefix,
+            "counter",
         )
 
     # ---- requests -----------------------------------------------------------------------
@@ -122,13 +172,28 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
 
+    def notify_progress(self) -> None:
+        """Called (from any thread) when something a waiting request needs has finished."""
+        self._progress.set()
+        hook = self.on_progress
+        if hook is not None:
+            hook()
+
+    def wait_for_progress(self, timeout: float) -> bool:
+        """Block until ``notify_progress`` or ``timeout``; True if notified."""
+        hit = self._progress.wait(timeout)
+        self._progress.clear()
+        return hit
+
     # ---- the step -----------------------------------------------------------------------
 
     def step(self) -> list[Sequence]:
         """Run one engine step; returns the sequences that finished in it."""
         out: SchedulerOutput = self.scheduler.schedule()
+        self.last_step_ran = bool(out.spans)
         if not out.spans:
             return []
+        t0 = time.perf_counter()
         try:
             logits = self.runner.execute(out.spans)
         except Exception:
@@ -146,13 +211,18 @@ class LLMEngine:
             if i in sampled:
                 seq = sp.seq
                 seq.tokens.append(sampled[i])
-                seq.token_times.append(now)
                 if seq.first_token_time is None:
                     seq.first_token_time = now
+                    self.m_ttft.observe(now - seq.arrival_time)
+                else:
+                    self.m_itl.observe(now - seq.token_times[-1])
+                seq.token_times.append(now)
+                self.m_gen.inc()
                 reason = self._stop_reason(seq)
                 if reason:
                     self._finish(seq, reason)
                     finished.append(seq)
+        self.m_step.observe(time.perf_counter() - t0)
         return finished
 
     def _stop_reason(self, seq: Sequence) -> str | None:
@@ -167,6 +237,11 @@ class LLMEngine:
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         self.scheduler.finish(seq, reason)
+        c = seq.counters
+        self.m_requests.inc(finish_reason=reason)
+        self.m_prompt.inc(c.hbm_hit_tokens, source="hbm")
+        self.m_prompt.inc(c.tier_hit_tokens, source="tier")
+        self.m_prompt.inc(c.computed_prompt_tokens, source="computed")
         seq.finish_time = time.perf_counter()
         self.sampler.forget(seq)
         self.requests.pop(seq.request_id, None)
@@ -200,7 +275,10 @@ class LLMEngine:
             "steps": self.steps,
         }
 
-    def shutdown(self) -> None:
+    def tier_health(self) -> dict:
+        return {"attached": False}
+
+    def shutdown(self, timeout_s: float = 30.0) -> None:
         for seq in list(self.requests.values()):
             if seq.status is not SeqStatus.FINISHED:
                 self._finish(seq, "abort")

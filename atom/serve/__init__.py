@@ -1,0 +1,1 @@
+"""python -m atom.serve: an OpenAI-compatible HTTP server over the engine."""

@@ -1,0 +1,123 @@
+"""python -m atom.serve --model v41-mini --offload lmcache_mp [--lmcache-url tcp://H:P]
+[--config engine.yaml] [flags]
+
+Flags override the YAML file; --print-config shows the resolved config and exits. Without
+--lmcache-url (and with --offload lmcache_mp) a local LMCache server is started, owned and
+stopped on exit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+
+from atom.config import EngineConfig, EngineConfigError
+
+log = logging.getLogger("atom.serve")
+
+# flag -> EngineConfig field (None: same name with dashes as underscores)
+ENGINE_FLAGS: dict[str, type] = {
+    "model": str,
+    "block-size": int,
+    "num-blocks": int,
+    "pool-memory-gb": float,
+    "max-num-seqs": int,
+    "max-num-batched-tokens": int,
+    "max-model-len": int,
+    "checkpoint-interval": int,
+    "device": str,
+    "dtype": str,
+    "kv-dtype": str,
+    "index-dtype": str,
+    "seed": int,
+    "offload": str,
+}
+OFFLOAD_FLAGS: dict[str, tuple[str, type]] = {
+    "lmcache-url": ("url", str),
+    "lmcache-l1-gb": ("l1_size_gb", float),
+    "lmcache-chunk-size": ("chunk_size", int),
+    "lmcache-lookup-timeout": ("lookup_timeout_s", float),
+    "lmcache-transfer-timeout": ("transfer_timeout_s", float),
+    "model-revision": ("model_revision", str),
+}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(
+        prog="python -m atom.serve",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ap.add_argument("--config", help="engine config YAML (flags override it)")
+    for flag, kind in ENGINE_FLAGS.items():
+        ap.add_argument(f"--{flag}", type=kind, default=None)
+    ap.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
+    for flag, (_, kind) in OFFLOAD_FLAGS.items():
+        ap.add_argument(f"--{flag}", type=kind, default=None)
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--served-model-name", default=None)
+    ap.add_argument("--default-max-tokens", type=int, default=256)
+    ap.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        help="seconds to let in-flight requests and pending saves finish on exit",
+    )
+    ap.add_argument("--log-interval", type=float, default=10.0)
+    ap.add_argument("--log-level", default="INFO")
+    ap.add_argument(
+        "--print-config", action="store_true", help="print the resolved config as YAML and exit"
+    )
+    return ap.parse_args(argv)
+
+
+def build_config(args: argparse.Namespace) -> EngineConfig:
+    overrides = {}
+    for flag in ENGINE_FLAGS:
+        value = getattr(args, flag.replace("-", "_"))
+        if value is not None:
+            overrides[flag.replace("-", "_")] = value
+    if args.enable_prefix_caching is not None:
+        overrides["enable_prefix_caching"] = args.enable_prefix_caching
+    lmcache = {}
+    for flag, (field, _) in OFFLOAD_FLAGS.items():
+        value = getattr(args, flag.replace("-", "_"))
+        if value is not None:
+            lmcache[field] = value
+    if args.config:
+        base = EngineConfig.from_yaml(args.config)
+        merged = base.model_dump()
+        merged.update(overrides)
+        merged["lmcache"] = {**base.model_dump()["lmcache"], **lmcache}
+        return EngineConfig.build(source=f"engine config {args.config} + flags", **merged)
+    if lmcache:
+        overrides["lmcache"] = lmcache
+    return EngineConfig.build(source="flags", **overrides)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        config = build_config(args)
+        if args.print_config:
+            import yaml
+
+            print(yaml.safe_dump(config.resolved().model_dump(mode="json"), sort_keys=False))
+            return 0
+    except EngineConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    from atom.serve.server import run_server
+
+    return run_server(config, args)
+
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    sys.exit(main())

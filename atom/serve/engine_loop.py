@@ -1,0 +1,189 @@
+"""The engine on its own thread; the asyncio front end submits requests and reads streams.
+
+The engine thread never waits on a client: each step's new tokens are handed to the event
+loop with ``call_soon_threadsafe``. When it has nothing to run it blocks on a condition (new
+requests, aborts, stop) or, with transfers in flight, on the engine's own progress wait.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+from atom.engine.engine import LLMEngine, RequestError
+from atom.engine.sequence import Sequence
+from atom.sampling_params import SamplingParams
+
+log = logging.getLogger("atom.serve")
+
+
+@dataclass
+class Delta:
+    token_ids: list[int]
+    finished: bool = False
+    finish_reason: str | None = None
+    seq: Sequence | None = None
+    error: str | None = None
+
+
+@dataclass(eq=False)
+class RequestStream:
+    request_id: str
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    seq: Sequence | None = None
+    sent: int = 0
+
+
+class EngineLoop:
+    def __init__(self, engine: LLMEngine, log_interval_s: float = 10.0):
+        self.engine = engine
+        self.log_interval_s = log_interval_s
+        self._cond = threading.Condition()
+        self._submits: list[tuple[RequestStream, list[int], SamplingParams, int | None]] = []
+        self._aborts: list[str] = []
+        self._streams: dict[str, RequestStream] = {}
+        self._stop = False
+        self._woken = False
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+        self._last_log = time.monotonic()
+        self._logged = {"gen": 0.0, "hbm": 0.0, "tier": 0.0, "computed": 0.0}
+
+    # ---- asyncio side ---------------------------------------------------------------------
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.engine.on_progress = self._wake
+        self.thread = threading.Thread(target=self._run, name="atom-engine", daemon=True)
+        self.thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self.thread is not None and self.thread.is_alive() and self.error is None
+
+    @property
+    def in_flight(self) -> int:
+        with self._cond:
+            return len(self._streams) + len(self._submits)
+
+    def submit(
+        self, request_id: str, prompt: list[int], params: SamplingParams, eos: int | None
+    ) -> RequestStream:
+        stream = RequestStream(request_id)
+        with self._cond:
+            self._submits.append((stream, prompt, params, eos))
+            self._cond.notify()
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        with self._cond:
+            self._aborts.append(request_id)
+            self._cond.notify()
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify()
+        if self.thread is not None:
+            self.thread.join()
+
+    # ---- engine thread --------------------------------------------------------------------
+
+    def _wake(self) -> None:
+        with self._cond:
+            self._woken = True
+            self._cond.notify()
+
+    def _emit(self, stream: RequestStream, delta: Delta) -> None:
+        self.loop.call_soon_threadsafe(stream.queue.put_nowait, delta)
+
+    def _run(self) -> None:
+        eng = self.engine
+        try:
+            while True:
+                with self._cond:
+                    while (
+                        not self._submits
+                        and not self._aborts
+                        and not self._stop
+                        and not eng.has_unfinished()
+                    ):
+                        self._cond.wait()
+                    submits, self._submits = self._submits, []
+                    aborts, self._aborts = self._aborts, []
+                    stopping = self._stop
+                for stream, prompt, params, eos in submits:
+                    try:
+                        stream.seq = eng.add_request(prompt, params, stream.request_id, eos)
+                        self._streams[stream.request_id] = stream
+                    except RequestError as exc:
+                        self._emit(stream, Delta([], True, "error", error=str(exc)))
+                for rid in aborts:
+                    stream = self._streams.pop(rid, None)
+                    if stream is not None:
+                        eng.abort(rid)
+                if stopping:
+                    for rid, stream in list(self._streams.items()):
+                        eng.abort(rid)
+                        self._emit(stream, Delta([], True, "abort", seq=stream.seq))
+                    self._streams.clear()
+                    return
+                if eng.has_unfinished():
+                    eng.step()
+                    self._deliver()
+                    if not eng.last_step_ran:  # only transfers or lookups are in flight
+                        with self._cond:
+                            if not (self._woken or self._submits or self._aborts or self._stop):
+                                self._cond.wait(timeout=1.0)
+                            self._woken = False
+                self._maybe_log()
+        except BaseException as exc:  # the engine is broken: fail every open request loudly
+            self.error = exc
+            log.exception("engine loop stopped")
+            for stream in self._streams.values():
+                self._emit(stream, Delta([], True, "error", error=f"engine failure: {exc}"))
+
+    def _deliver(self) -> None:
+        for rid, stream in list(self._streams.items()):
+            seq = stream.seq
+            out = seq.output
+            if len(out) > stream.sent or seq.is_finished:
+                new = out[stream.sent :]
+                stream.sent = len(out)
+                self._emit(stream, Delta(new, seq.is_finished, seq.finish_reason, seq=seq))
+                if seq.is_finished:
+                    del self._streams[rid]
+
+    def _maybe_log(self) -> None:
+        now = time.monotonic()
+        dt = now - self._last_log
+        if dt < self.log_interval_s:
+            return
+        m = self.engine
+        cur = {
+            "gen": m.m_gen.total(),
+            "hbm": m.m_prompt.get(source="hbm"),
+            "tier": m.m_prompt.get(source="tier"),
+            "computed": m.m_prompt.get(source="computed"),
+        }
+        d = {k: cur[k] - self._logged[k] for k in cur}
+        prompt = d["hbm"] + d["tier"] + d["computed"]
+        if d["gen"] or prompt:
+            s = self.engine.stats()
+            log.info(
+                "throughput: %.1f gen tok/s | prompt tokens %d: hbm %.0f%% tier %.0f%% "
+                "computed %.0f%% | running %d waiting %d | images ready %d",
+                d["gen"] / dt,
+                prompt,
+                100 * d["hbm"] / max(prompt, 1),
+                100 * d["tier"] / max(prompt, 1),
+                100 * d["computed"] / max(prompt, 1),
+                s["running"],
+                s["waiting"],
+                s["images"]["ready"],
+            )
+        self._logged, self._last_log = cur, now
