@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence as Seq
 from typing import Any
 
+from atom.builder import build_engine
 from atom.config import EngineConfig
-from atom.engine.engine import LLMEngine
 from atom.outputs import RequestOutput
 from atom.sampling_params import SamplingParams
 from atom.tokenizer import load_tokenizer
@@ -16,14 +16,24 @@ Prompt = str | list[int]
 
 class LLM:
     """An offline engine. ``model`` is a preset (v41-tiny, v41-mini, v41-bench) or a directory
-    with config.json and safetensors; keyword arguments are EngineConfig fields."""
+    with config.json and safetensors; keyword arguments are EngineConfig fields, plus
+    ``lmcache_url``: with ``offload="lmcache_mp"``, None starts and owns a local LMCache
+    server, a URL connects to that one."""
 
-    def __init__(self, model: str = "v41-mini", config: EngineConfig | None = None, **kw: Any):
+    def __init__(
+        self,
+        model: str = "v41-mini",
+        config: EngineConfig | None = None,
+        lmcache_url: str | None = None,
+        **kw: Any,
+    ):
+        if lmcache_url is not None:
+            kw["lmcache"] = {**kw.get("lmcache", {}), "url": lmcache_url}
         if config is None:
             config = EngineConfig.build(model=model, **kw)
         elif kw:
             config = EngineConfig.build(**{**config.model_dump(), **kw})
-        self.engine = LLMEngine(config)
+        self.engine = build_engine(config)
         self.tokenizer = load_tokenizer(config.model)
 
     @property

@@ -34,6 +34,8 @@ class Checkpoint:
     state: CkptState = CkptState.PENDING
     pins: int = 0
     doomed: bool = False  # its prefix left the pool while pinned: drop on the last unpin
+    saving: bool = False  # a store of it to an external tier is in flight
+    stored: bool = False  # an external tier holds it (and its prefix's pages)
 
     @property
     def ready(self) -> bool:

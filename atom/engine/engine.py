@@ -5,18 +5,19 @@ from __future__ import annotations
 import logging
 import threading
 import time
-
-import torch
+from collections.abc import Callable
+from typing import Protocol
 
 from atom.config import EngineConfig
 from atom.engine.block_pool import BlockPool
 from atom.engine.checkpoints import CheckpointStore
+from atom.engine.connector import Connector
 from atom.engine.model_runner import ModelRunner
 from atom.engine.sampler import Sampler
 from atom.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from atom.engine.sequence import SeqStatus, Sequence
 from atom.metrics import Registry
-from atom.models.registry import load_runtime
+from atom.model_api import ModelRuntime
 from atom.sampling_params import SamplingParams
 
 log = logging.getLogger("atom.engine")
@@ -26,23 +27,40 @@ class RequestError(ValueError):
     """A request the engine cannot serve as given; nothing was admitted."""
 
 
+class Tier(Protocol):
+    """An attached external KV tier, as the engine holds it."""
+
+    connector: Connector
+
+    def health(self) -> dict: ...
+
+    def shutdown(self, timeout_s: float) -> None: ...
+
+
 class LLMEngine:
-    def __init__(self, config: EngineConfig):
-        self.config = cfg = config.resolved()
-        torch.manual_seed(cfg.seed)
-        self.runtime = load_runtime(
-            cfg.model,
-            dtype=getattr(torch, cfg.dtype),
-            kv_dtype=cfg.kv_dtype,
-            index_dtype=cfg.index_dtype,
-            block_size=cfg.block_size,
-            device=cfg.device,
-            seed=cfg.seed,
-        )
-        self.spec = self.runtime.spec
+    """One engine over one resolved config and one model runtime.
+
+    ``attach_tier`` (optional) is called once the pool exists and before the model derives
+    its views from it (a tier may move the pool's storage); it returns the attached Tier.
+    Build engines with ``atom.builder.build_engine``.
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        runtime: ModelRuntime,
+        attach_tier: Callable[[LLMEngine], Tier] | None = None,
+    ):
+        self.config = cfg = config
+        self.runtime = runtime
+        self.spec = runtime.spec
+        self.metrics = Registry()
         self.pool = BlockPool(cfg.num_blocks)
         self.store = CheckpointStore(self.pool, self.spec.units_per_image)
-        self.runner = ModelRunner(self.runtime, cfg.num_blocks, cfg.max_num_seqs)
+        self.runner = ModelRunner(runtime, cfg.num_blocks, cfg.max_num_seqs)
+        self._progress = threading.Event()
+        self.on_progress = None  # extra wake-up hook (the server's engine loop)
+        self.tier = attach_tier(self) if attach_tier is not None else None
         self.runner.bind()
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -52,19 +70,17 @@ class LLMEngine:
                 checkpoint_interval=cfg.checkpoint_interval,
                 max_model_len=cfg.max_model_len,
                 prefix_caching=cfg.enable_prefix_caching,
-                take_images=cfg.enable_prefix_caching,
+                take_images=cfg.enable_prefix_caching or self.tier is not None,
             ),
             self.pool,
             self.store,
             num_slots=cfg.max_num_seqs,
+            connector=self.tier.connector if self.tier is not None else None,
         )
         self.sampler = Sampler(cfg.seed)
         self.requests: dict[str, Sequence] = {}
         self.steps = 0
         self.last_step_ran = False
-        self._progress = threading.Event()
-        self.on_progress = None  # extra wake-up hook (the server's engine loop)
-        self.metrics = Registry()
         self._init_metrics()
         log.info(
             "engine ready: model=%s device=%s dtype=%s kv=%s index=%s block=%d pool=%d blocks "
@@ -206,8 +222,11 @@ class LLMEngine:
         sampled = dict(zip(sampling, tokens))
         finished = []
         now = time.perf_counter()
-        for i, sp in enumerate(out.spans):
+        for sp in out.spans:
             self.scheduler.commit(sp)
+        if self.scheduler.connector is not None:
+            self.scheduler.connector.after_step([sp.seq for sp in out.spans])
+        for i, sp in enumerate(out.spans):
             if i in sampled:
                 seq = sp.seq
                 seq.tokens.append(sampled[i])
@@ -276,9 +295,13 @@ class LLMEngine:
         }
 
     def tier_health(self) -> dict:
-        return {"attached": False}
+        return self.tier.health() if self.tier is not None else {"attached": False}
 
     def shutdown(self, timeout_s: float = 30.0) -> None:
+        """Abort what is unfinished, let pending tier stores finish (bounded), detach."""
         for seq in list(self.requests.values()):
             if seq.status is not SeqStatus.FINISHED:
                 self._finish(seq, "abort")
+        if self.tier is not None:
+            tier, self.tier = self.tier, None
+            tier.shutdown(timeout_s)

@@ -17,12 +17,19 @@ A preempted sequence's blocks keep their hashes, so its own images can resume it
 
 from __future__ import annotations
 
+import enum
 from collections import deque
 from dataclasses import dataclass, field
 
 from atom.engine.block_pool import BlockPool, block_hashes
 from atom.engine.checkpoints import Checkpoint, CheckpointStore
+from atom.engine.connector import Connector, Resume
 from atom.engine.sequence import SeqStatus, Sequence
+
+
+class Admit(enum.Enum):
+    WAIT = "wait"  # not admissible yet (a lookup or load is in flight); try the next one
+    BLOCKED = "blocked"  # no room: stop admitting this step (FCFS)
 
 
 @dataclass(frozen=True)
@@ -66,9 +73,11 @@ class Scheduler:
         pool: BlockPool,
         store: CheckpointStore,
         num_slots: int,
+        connector: Connector | None = None,
     ):
         self.cfg, self.pool, self.store = config, pool, store
         self.block_size = config.block_size
+        self.connector = connector
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.free_slots = list(range(num_slots - 1, -1, -1))
@@ -85,6 +94,8 @@ class Scheduler:
     # ---- the plan -------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
+        if self.connector is not None:
+            self.connector.update()
         out = SchedulerOutput()
         budget = self.cfg.max_num_batched_tokens
         scheduled: set[int] = set()
@@ -101,13 +112,19 @@ class Scheduler:
             scheduled.add(seq.seq_id)
             budget -= end - seq.num_computed
             i += 1
-        while self.waiting and budget > 0 and not out.preempted:
+        for seq in list(self.waiting):
+            if budget <= 0 or out.preempted:
+                break
             if len(self.running) >= self.cfg.max_num_seqs or not self.free_slots:
                 break
-            span = self._admit(self.waiting[0], budget)
-            if span is None:
+            if seq.status is SeqStatus.WAITING_FOR_TIER:
+                continue
+            span = self._admit(seq, budget)
+            if span is Admit.BLOCKED:
                 break
-            self.waiting.popleft()
+            if span is Admit.WAIT:
+                continue
+            self.waiting.remove(seq)
             out.spans.append(span)
             budget -= span.end - span.start
         return out
@@ -187,11 +204,33 @@ class Scheduler:
             n -= 1
         return 0, None, []
 
-    def _admit(self, seq: Sequence, budget: int) -> ScheduledSpan | None:
+    def _admit(self, seq: Sequence, budget: int) -> ScheduledSpan | Admit:
+        resume: Resume | None = seq.resume
+        if resume is not None:  # a tier load finished: the seq holds blocks and image already
+            hit, ckpt, local = resume.tokens, resume.image, resume.local_tokens
+            end = self._chunk_end(seq, hit, budget)
+            if end is None:
+                return Admit.BLOCKED
+            blocks = self._allocate(self._blocks_for(end) - len(seq.block_table))
+            if blocks is None:
+                return Admit.BLOCKED
+            seq.block_table += blocks
+            seq.resume = None
+            return self._start(seq, hit, end, ckpt, local)
         hit, ckpt, hit_blocks = self.local_hit(seq)
+        if self.connector is not None:
+            tier = self.connector.lookup(seq, hit)
+            if tier is None:
+                seq.status = SeqStatus.WAITING_FOR_TIER
+                return Admit.WAIT
+            if tier > hit:
+                planned = self._plan_load(seq, hit, hit_blocks, tier)
+                if planned is not None:
+                    return planned
+            self.connector.settle_lookup(seq)
         end = self._chunk_end(seq, hit, budget)
         if end is None:
-            return None
+            return Admit.BLOCKED
         need = self._blocks_for(end) - len(hit_blocks)
         # take the hit first so evictions made for the new blocks cannot touch it
         self.pool.acquire(hit_blocks)
@@ -202,16 +241,44 @@ class Scheduler:
             self.pool.release(reversed(hit_blocks))
             if ckpt is not None:
                 self.store.unpin(ckpt)
-            return None
+            return Admit.BLOCKED
         seq.block_table = hit_blocks + blocks
+        return self._start(seq, hit, end, ckpt, hit)
+
+    def _start(self, seq: Sequence, hit: int, end: int, ckpt, local: int) -> ScheduledSpan:
         seq.num_computed = hit
         seq.slot = self.free_slots.pop()
         seq.status = SeqStatus.RUNNING
         c = seq.counters
-        c.hbm_hit_tokens, c.tier_hit_tokens = min(hit, seq.num_prompt), 0
+        c.hbm_hit_tokens = min(local, seq.num_prompt)
+        c.tier_hit_tokens = min(hit, seq.num_prompt) - c.hbm_hit_tokens
         c.computed_prompt_tokens = max(0, seq.num_prompt - hit)
         self.running.append(seq)
         return self._span(seq, hit, end, restore=ckpt)
+
+    def _plan_load(self, seq: Sequence, hit: int, hit_blocks: list[int], tier: int) -> Admit | None:
+        """Hold blocks for [start, tier) and a PENDING image at ``tier``, and hand them to the
+        connector. Returns WAIT (loading, or another load of the same image is in flight) or
+        None when there is no room (the caller proceeds with the local hit)."""
+        bs, chunk = self.block_size, self.connector.chunk_size
+        start = hit // chunk * chunk
+        hashes = self._hashes(seq, tier // bs)
+        pending = self.store.images.get(hashes[-1])
+        if pending is not None and not pending.ready:
+            return Admit.WAIT  # the same prefix is being loaded for another request
+        keep = hit_blocks[: start // bs]
+        self.pool.acquire(keep)
+        blocks = self._allocate((tier - start) // bs)
+        image = self.store.create(hashes[-1], tier, tuple(hashes)) if blocks is not None else None
+        if image is None:
+            if blocks is not None:
+                self.pool.release(reversed(blocks))
+            self.pool.release(reversed(keep))
+            return None
+        seq.block_table = keep + blocks
+        seq.status = SeqStatus.WAITING_FOR_TIER
+        self.connector.start_load(seq, start, tier, blocks, image)
+        return Admit.WAIT
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)
@@ -260,9 +327,19 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        if seq.resume is not None:
+            self.store.unpin(seq.resume.image)
+            seq.resume = None
         self._release(seq)
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
+        if self.connector is not None:
+            self.connector.request_finished(seq)
+
+    def requeue(self, seq: Sequence) -> None:
+        """A sequence whose tier work ended (loaded or failed) may be admitted again."""
+        if seq.status is SeqStatus.WAITING_FOR_TIER:
+            seq.status = SeqStatus.WAITING
 
     # ---- invariants -----------------------------------------------------------------------
 
@@ -279,7 +356,11 @@ class Scheduler:
             for b in ckpt.units:
                 owners[b] += 1
                 unit_count += 1
-        for b, n in (extra_refs or {}).items():
+        refs = dict(extra_refs or {})
+        if self.connector is not None:
+            for b, n in self.connector.leases().items():
+                refs[b] = refs.get(b, 0) + n
+        for b, n in refs.items():
             owners[b] += n
         for b in range(pool.num_blocks):
             assert pool.ref[b] == owners[b], f"block {b}: ref {pool.ref[b]} != owners {owners[b]}"

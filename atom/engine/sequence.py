@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import itertools
 from dataclasses import dataclass, field
+from typing import Any
 
 from atom.sampling_params import SamplingParams
 
@@ -44,6 +45,8 @@ class Sequence:
     block_hashes: list[int] = field(default_factory=list)  # chained hash of each full block
     num_computed: int = 0  # tokens whose KV and state are committed
     slot: int | None = None
+    resume: Any = None  # a connector.Resume: a prefix prepared outside a forward
+    connector_state: Any = None  # opaque to the engine: the tier's per-request state
     finish_reason: str | None = None
     counters: SeqCounters = field(default_factory=SeqCounters)
     arrival_time: float = 0.0

@@ -7,8 +7,8 @@ import logging
 
 import uvicorn
 
+from atom.builder import build_engine
 from atom.config import EngineConfig
-from atom.engine.engine import LLMEngine
 from atom.serve.app import ServerState, build_app
 from atom.serve.engine_loop import EngineLoop
 from atom.tokenizer import load_tokenizer
@@ -17,7 +17,7 @@ log = logging.getLogger("atom.serve")
 
 
 def run_server(config: EngineConfig, args: argparse.Namespace) -> int:
-    engine = LLMEngine(config)
+    engine = build_engine(config)
     cfg, spec = engine.config, engine.spec
     tokenizer = load_tokenizer(cfg.model)
     loop = EngineLoop(engine, log_interval_s=args.log_interval)

@@ -1,0 +1,50 @@
+"""Build an engine from a config: resolve it, load the model, attach the tier if asked.
+
+This is where the pieces that must not know each other meet: the engine (no model, no tier),
+the model registry and the offload package.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from atom.config import EngineConfig
+from atom.engine.engine import LLMEngine
+from atom.models.registry import load_runtime
+
+
+def build_engine(config: EngineConfig) -> LLMEngine:
+    cfg = config.resolved()
+    torch.manual_seed(cfg.seed)
+    runtime = load_runtime(
+        cfg.model,
+        dtype=getattr(torch, cfg.dtype),
+        kv_dtype=cfg.kv_dtype,
+        index_dtype=cfg.index_dtype,
+        block_size=cfg.block_size,
+        device=cfg.device,
+        seed=cfg.seed,
+    )
+    attach = None
+    if cfg.offload == "lmcache_mp":
+        from atom.kv_transfer.offload.attach import LMCacheTier
+        from atom.kv_transfer.offload.config import OffloadConfig
+
+        offload = OffloadConfig.build(cfg.lmcache)
+        offload.resolved_chunk(cfg.block_size)  # refuse a bad chunk size before any work
+
+        def attach(engine: LLMEngine) -> LMCacheTier:
+            return LMCacheTier(
+                config=offload,
+                model=cfg.model,
+                spec=engine.spec,
+                block_size=cfg.block_size,
+                pool=engine.pool,
+                store=engine.store,
+                pool_tensor=engine.runner.pool,
+                device=cfg.device,
+                metrics=engine.metrics,
+                notify_progress=engine.notify_progress,
+            )
+
+    return LLMEngine(cfg, runtime, attach)

@@ -1,0 +1,1 @@
+"""External KV tiers. Only this package imports lmcache, and only lazily."""

@@ -1,0 +1,1 @@
+"""The LMCache MP tier: config, server, worker, transfers, scheduler hooks."""

@@ -1,0 +1,128 @@
+"""OffloadConfig and the namespace every stored object is keyed under.
+
+The namespace hashes every field that moves a stored byte: model name and revision, the pool
+layout id (which covers every geometry field, sliding_window and candidate_block_size
+included, the KV and index dtypes, the block size and the speculative config), the chunk
+size and the effective world size. Deployments that differ in any of them never share an
+object; deployments that agree always do. Nothing per-process (device, paths, pids, ports)
+enters it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import xxhash
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
+
+from atom.config import EngineConfigError, format_validation_error
+from atom.model_api import StateSpec
+
+NAMESPACE_FORMAT = "atom.offload.ns/1"
+
+
+class OffloadConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    url: str | None = None  # tcp://host:port of an LMCache MP server; None: start one
+    chunk_size: int | None = None  # LMCache chunk in tokens; None: the block size
+    lookup_timeout_s: float = 5.0  # a lookup not answered by then is "no answer"
+    transfer_timeout_s: float = 10.0  # a load or save not terminal by then is late
+    tp_rank_collapse: Literal["auto", "true", "false"] = "auto"
+    model_revision: str = ""
+    l1_size_gb: float = 2.0  # the owned server's L1 (with url=None)
+    heartbeat_s: float = 1.0  # adapter heartbeat; also how fast an outage is noticed
+    rpc_timeout_s: float = 3.0  # bound on adapter RPCs that block (construction, register)
+    save: bool = True
+    load: bool = True
+
+    @field_validator(
+        "lookup_timeout_s", "transfer_timeout_s", "l1_size_gb", "heartbeat_s", "rpc_timeout_s"
+    )
+    @classmethod
+    def _positive(cls, v: float) -> float:
+        if not (v > 0 and math.isfinite(v)):
+            raise ValueError(f"must be a positive number of seconds/GiB, got {v}")
+        return v
+
+    @field_validator("chunk_size")
+    @classmethod
+    def _chunk(cls, v: int | None) -> int | None:
+        if v is not None and v < 1:
+            raise ValueError(f"must be >= 1 (or omitted for the block size), got {v}")
+        return v
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
+        m = re.fullmatch(r"(tcp://)?([^:/]+):(\d+)", v)
+        if not m:
+            raise ValueError("use tcp://HOST:PORT (or HOST:PORT)")
+        return f"tcp://{m.group(2)}:{m.group(3)}"
+
+    @classmethod
+    def build(cls, values: dict[str, Any] | None) -> OffloadConfig:
+        try:
+            return cls(**(values or {}))
+        except ValidationError as exc:
+            raise EngineConfigError(format_validation_error(exc, "lmcache config")) from None
+
+    def resolved_chunk(self, block_size: int) -> int:
+        chunk = self.chunk_size or block_size
+        if chunk % block_size:
+            raise EngineConfigError(
+                f"lmcache.chunk_size={chunk} must be a multiple of block_size={block_size}"
+            )
+        return chunk
+
+    def world_size(self, tp_size: int, rank_replicated: bool) -> int:
+        """Ranks that enter the keys: 1 when ranks hold identical bytes and collapse is on."""
+        collapse = self.tp_rank_collapse == "true" or (
+            self.tp_rank_collapse == "auto" and rank_replicated
+        )
+        return 1 if collapse else tp_size
+
+
+def model_identity(model: str) -> str:
+    """A model's name as it enters the namespace: a preset name, or a directory's basename
+    (not its path: two hosts with the same checkpoint in different places share objects)."""
+    p = Path(model)
+    return p.name if p.is_dir() else model
+
+
+def namespace(
+    *,
+    model: str,
+    revision: str,
+    spec: StateSpec,
+    chunk_size: int,
+    world_size: int,
+    speculative_tokens: int,
+) -> str:
+    """The LMCache ``model_name`` every key carries: readable prefix + hash of the layout."""
+    fields = {
+        "format": NAMESPACE_FORMAT,
+        "model": model_identity(model),
+        "revision": revision,
+        "layout_id": spec.layout_id,
+        "block_size": spec.block_size,
+        "block_bytes": spec.block_bytes,
+        "state_bytes": spec.state_bytes,
+        "units_per_image": spec.units_per_image,
+        "chunk_size": chunk_size,
+        "world_size": world_size,
+        "speculative_tokens": speculative_tokens,
+    }
+    try:
+        canonical = json.dumps(fields, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    except ValueError as exc:
+        raise EngineConfigError(f"namespace fields cannot be hashed stably: {exc}") from None
+    digest = xxhash.xxh3_128_hexdigest(canonical.encode())[:20]
+    safe = re.sub(r"[^A-Za-z0-9._-]", "_", model_identity(model))[:48]
+    return f"atom-{safe}#{digest}"

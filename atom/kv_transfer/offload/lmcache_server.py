@@ -1,0 +1,173 @@
+"""Start, health-check and stop a local LMCache MP server with the flags this layout needs.
+
+Used by the tests, the benchmarks and ``atom.serve`` (which owns one when no URL is given).
+The layout needs ``--null-block-id -1`` and ``--separate-object-groups`` (image ordinals are
+recurrent groups whose non-endpoint chunks are null) and lmcache_driven transfers.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+log = logging.getLogger("atom.offload")
+
+
+class LMCacheServerError(RuntimeError):
+    pass
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def probe(url: str, timeout_s: float) -> bool:
+    """True if an LMCache MP server answers a ``noop`` at ``url`` within ``timeout_s``."""
+    import zmq
+    from lmcache.v1.multiprocess.transport.factory import RequestClientFactory
+
+    ctx = zmq.Context()
+    ctx.linger = 0  # a request queued to a dead server must not block term()
+    client = RequestClientFactory.create(url, context=ctx)
+    try:
+        fut = client.noop()
+        return bool(fut.wait(timeout_s)) and fut.result() == "OK"
+    except Exception:
+        return False
+    finally:
+        client.close()
+        ctx.destroy(linger=0)
+
+
+class LMCacheServer:
+    """One ``lmcache.v1.multiprocess.server`` process on this host."""
+
+    def __init__(
+        self,
+        *,
+        chunk_size: int,
+        l1_size_gb: float,
+        host: str = "127.0.0.1",
+        port: int | None = None,
+        log_dir: str | Path | None = None,
+    ):
+        self.host, self.port = host, port or free_port(host)
+        self.chunk_size, self.l1_size_gb = chunk_size, l1_size_gb
+        self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="atom-lmcache-"))
+        self.proc: subprocess.Popen | None = None
+        self.starts = 0
+
+    @property
+    def url(self) -> str:
+        return f"tcp://{self.host}:{self.port}"
+
+    @property
+    def log_path(self) -> Path:
+        return self.log_dir / f"lmcache-{self.port}.log"
+
+    def command(self) -> list[str]:
+        return [
+            sys.executable, "-m", "lmcache.v1.multiprocess.server",
+            "--host", self.host, "--port", str(self.port),
+            "--chunk-size", str(self.chunk_size),
+            "--l1-size-gb", f"{self.l1_size_gb:g}",
+            "--eviction-policy", "LRU",
+            "--null-block-id", "-1",
+            "--separate-object-groups",
+            "--supported-transfer-mode", "lmcache_driven",
+            "--prometheus-port", str(free_port(self.host)),
+        ]  # fmt: skip
+
+    def start(self, wait: bool = True, timeout_s: float = 120.0) -> LMCacheServer:
+        if self.running:
+            return self
+        env = dict(os.environ, LMCACHE_TRACK_USAGE="false", PYTHONUNBUFFERED="1")
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as out:
+            self.proc = subprocess.Popen(
+                self.command(),
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+            )
+        self.starts += 1
+        log.info(
+            "started LMCache server pid %d at %s (log %s)", self.proc.pid, self.url, self.log_path
+        )
+        if wait:
+            self.wait_healthy(timeout_s)
+        return self
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def wait_healthy(self, timeout_s: float = 120.0) -> float:
+        """Block until the server answers; raises with the log tail if it dies or times out."""
+        t0 = time.monotonic()
+        while True:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise LMCacheServerError(
+                    f"LMCache server at {self.url} exited with code {self.proc.returncode}:\n"
+                    f"{self.log_tail()}"
+                )
+            if probe(self.url, 0.5):
+                return time.monotonic() - t0
+            if time.monotonic() - t0 > timeout_s:
+                raise LMCacheServerError(
+                    f"LMCache server at {self.url} not healthy after {timeout_s:.0f} s:\n"
+                    f"{self.log_tail()}"
+                )
+
+    def healthy(self, timeout_s: float = 0.5) -> bool:
+        return self.running and probe(self.url, timeout_s)
+
+    def log_tail(self, lines: int = 20) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def signal(self, sig: int) -> None:
+        """Send a signal (tests: SIGKILL, SIGSTOP, SIGCONT)."""
+        if self.proc is not None:
+            os.kill(self.proc.pid, sig)
+            if sig == signal.SIGKILL:
+                self.proc.wait()
+
+    def stop(self, timeout_s: float = 15.0) -> None:
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            try:
+                os.kill(self.proc.pid, signal.SIGCONT)  # a stopped process cannot exit
+                self.proc.terminate()
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                log.warning("LMCache server pid %d ignored SIGTERM; killing it", self.proc.pid)
+                self.proc.kill()
+                self.proc.wait()
+            except ProcessLookupError:
+                pass
+        log.info("stopped LMCache server at %s", self.url)
+        self.proc = None
+
+    def restart(self, timeout_s: float = 120.0) -> None:
+        self.stop()
+        self.start(wait=True, timeout_s=timeout_s)
+
+    def __enter__(self) -> LMCacheServer:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

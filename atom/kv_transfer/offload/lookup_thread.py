@@ -1,0 +1,180 @@
+"""The lookup thread: owns lmcache's AtomMPSchedulerAdapter (which has no lock and whose calls
+block on the server) so the step thread never waits on a lookup.
+
+Commands run in the order given: lookups, frees of lookup read locks, session ends (the last
+two are fire-and-forget on the server's normal pool, which is FIFO with one worker, so a free
+sent before an end_session is applied before it). Pending lookups are polled on a timer only
+while some are pending. A lookup answered after the step thread gave up on it (LATE) has its
+read locks freed here at once, so nothing stays pinned on the server.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+
+from atom.kv_transfer.offload.config import OffloadConfig
+from atom.kv_transfer.offload.operations import LookupOp, OpState
+
+log = logging.getLogger("atom.offload")
+
+
+class LookupThread:
+    def __init__(
+        self,
+        *,
+        url: str,
+        namespace: str,
+        world_size: int,
+        block_size: int,
+        config: OffloadConfig,
+        zmq_context,
+        on_outcome: Callable[[LookupOp], None],
+        poll_interval_s: float = 0.0005,
+    ):
+        self.url, self.namespace, self.world_size = url, namespace, world_size
+        self.block_size, self.cfg, self.ctx = block_size, config, zmq_context
+        self.on_outcome, self.poll_interval_s = on_outcome, poll_interval_s
+        self._cond = threading.Condition()
+        self._commands: deque[tuple[str, tuple]] = deque()
+        self._pending: list[LookupOp] = []
+        self._adapter = None
+        self._next_connect = 0.0
+        self._stop = False
+        self.sessions_ended = 0
+        self.locks_freed = 0
+        self.thread = threading.Thread(target=self._run, name="atom-lmcache-lookup", daemon=True)
+
+    # ---- step thread ------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def lookup(self, op: LookupOp) -> None:
+        self._put("lookup", (op,))
+
+    def free_locks(self, lmc_id: str, token_ids: list[int], start: int, end: int) -> None:
+        if end > start:
+            self._put("free", (lmc_id, list(token_ids[:end]), start, end))
+
+    def end_session(self, lmc_id: str) -> None:
+        self._put("end", (lmc_id,))
+
+    def stop(self, timeout_s: float) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify()
+        self.thread.join(timeout_s + self.cfg.rpc_timeout_s * 2 + 5)
+
+    def _put(self, kind: str, args: tuple) -> None:
+        with self._cond:
+            self._commands.append((kind, args))
+            self._cond.notify()
+
+    # ---- lookup thread ----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._cond:
+                    while not self._commands and not self._pending and not self._stop:
+                        self._cond.wait()
+                    if self._pending and not self._commands and not self._stop:
+                        self._cond.wait(self.poll_interval_s)
+                    commands, self._commands = list(self._commands), deque()
+                    stop = self._stop
+                for kind, args in commands:
+                    try:
+                        getattr(self, f"_do_{kind}")(*args)
+                    except Exception:
+                        log.exception("lookup-thread command %s failed", kind)
+                self._poll()
+                if stop:
+                    break
+        finally:
+            for op in self._pending:
+                if op.resolve(None, "engine shutting down"):
+                    self.on_outcome(op)
+            if self._adapter is not None:
+                try:
+                    self._adapter.shutdown()
+                except Exception:
+                    log.warning("LMCache scheduler adapter shutdown failed", exc_info=True)
+
+    def _get_adapter(self):
+        if self._adapter is not None:
+            return self._adapter
+        if time.monotonic() < self._next_connect:
+            return None
+        from lmcache.integration.atom import AtomMPParallelConfig, AtomMPSchedulerAdapter
+
+        try:
+            self._adapter = AtomMPSchedulerAdapter(
+                self.url,
+                self.ctx,
+                self.namespace,
+                self.block_size,
+                AtomMPParallelConfig(world_size=self.world_size, worker_id=0, tp_size=1),
+                mq_timeout=self.cfg.rpc_timeout_s,
+            )
+        except Exception as exc:
+            self._next_connect = time.monotonic() + max(1.0, self.cfg.heartbeat_s)
+            log.debug("lookup adapter unavailable: %s", exc)
+            return None
+        return self._adapter
+
+    def _do_lookup(self, op: LookupOp) -> None:
+        adapter = self._get_adapter()
+        if adapter is None:
+            self._finish(op, None, "tier unavailable")
+            return
+        try:
+            adapter.maybe_submit_lookup_request(op.lmc_id, op.token_ids)
+        except Exception as exc:
+            # the server may still run it later and take locks: free them by id when it can
+            self._finish(op, None, f"lookup not acknowledged: {exc!r}")
+            self._put("free", (op.lmc_id, op.token_ids, 0, len(op.token_ids)))
+            return
+        op.state = OpState.IN_FLIGHT if op.state is OpState.QUEUED else op.state
+        self._pending.append(op)
+
+    def _do_free(self, lmc_id: str, token_ids: list[int], start: int, end: int) -> None:
+        adapter = self._get_adapter()
+        if adapter is not None:
+            adapter.free_lookup_locks(token_ids, start, end, lmc_id)
+            self.locks_freed += 1
+
+    def _do_end(self, lmc_id: str) -> None:
+        adapter = self._get_adapter()
+        if adapter is not None:
+            adapter.cleanup_lookup_result(lmc_id)
+            adapter.end_session(lmc_id)
+            self.sessions_ended += 1
+
+    def _poll(self) -> None:
+        if not self._pending:
+            return
+        adapter = self._adapter
+        still = []
+        for op in self._pending:
+            try:
+                hit = adapter.check_lookup_result(op.lmc_id)
+            except Exception as exc:
+                self._finish(op, None, f"lookup poll failed: {exc!r}")
+                continue
+            if hit is None:
+                still.append(op)
+                continue
+            adapter.cleanup_lookup_result(op.lmc_id)
+            late = op.state is OpState.LATE
+            self._finish(op, int(hit))
+            if late and hit:  # nobody will load it: release what it locked
+                self._do_free(op.lmc_id, op.token_ids, 0, int(hit))
+        self._pending = still
+
+    def _finish(self, op: LookupOp, hit: int | None, error: str = "") -> None:
+        if op.resolve(hit, error):
+            self.on_outcome(op)

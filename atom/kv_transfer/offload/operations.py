@@ -1,0 +1,164 @@
+"""One object per transfer: a load or a save owns its id, blocks, image, leases and deadline.
+
+States (the transfer thread moves them; the step thread reads them and owns the leases):
+
+  QUEUED --submit--> IN_FLIGHT --True--> DONE
+     |                  |  \\--False/raise--> FAILED
+     |                  \\--deadline--> LATE --resolves--> DONE | FAILED
+     \\--refused (no adapter / submit None)--> FAILED
+
+A LATE transfer's fate is unknown: the server may still read or write its blocks, so its
+leases stay held (the blocks are quarantined) until it resolves or the server that held it is
+known to be gone. Leases are taken on the step thread when the op is decided and released
+exactly once, on the step thread, by ``release``.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from atom.engine.block_pool import BlockPool
+from atom.engine.checkpoints import Checkpoint, CheckpointStore
+
+
+class OpState(enum.Enum):
+    QUEUED = "queued"
+    IN_FLIGHT = "in_flight"
+    DONE = "done"
+    FAILED = "failed"
+    LATE = "late"
+
+
+_op_ids = itertools.count(1)
+
+
+@dataclass(eq=False)
+class TransferOp:
+    kind: str  # "load" | "save"
+    lmc_id: str  # the LMCache request id (one per token sequence)
+    token_ids: list[int]  # tokens [0, end)
+    start: int
+    end: int
+    page_blocks: list[int]  # blocks of [start, end), in order
+    image: Checkpoint  # load: destination (PENDING); save: source (READY)
+    deadline: float
+    owner: Any = None  # the request's tier state
+    op_id: int = field(default_factory=lambda: next(_op_ids))
+    state: OpState = OpState.QUEUED
+    error: str = ""
+    created_at: float = field(default_factory=time.monotonic)
+    submitted_at: float | None = None
+    finished_at: float | None = None
+    nbytes: int = 0
+    was_late: bool = False  # the request already gave up on it
+    reported: bool = False  # the step thread has acted on its outcome
+    future: Any = None  # transfer thread only
+    _leased: bool = False
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    # ---- step thread: leases ------------------------------------------------------------
+
+    def lease(self, pool: BlockPool, store: CheckpointStore) -> None:
+        """Hold the page blocks and the image until ``release`` (decided -> terminal)."""
+        assert not self._leased
+        pool.acquire(self.page_blocks)
+        store.pin(self.image)
+        self._leased = True
+
+    def release(self, pool: BlockPool, store: CheckpointStore) -> bool:
+        """Give the leases back (once). Returns False if they were already released."""
+        if not self._leased:
+            return False
+        self._leased = False
+        pool.release(reversed(self.page_blocks))
+        store.unpin(self.image)
+        return True
+
+    @property
+    def leased(self) -> bool:
+        return self._leased
+
+    @property
+    def units(self) -> list[int]:
+        return self.image.units
+
+    # ---- transfer thread: state ------------------------------------------------------------
+
+    def mark_submitted(self, future: Any) -> None:
+        with self._lock:
+            self.future = future
+            self.submitted_at = time.monotonic()
+            if self.state is OpState.QUEUED:
+                self.state = OpState.IN_FLIGHT
+
+    def resolve(self, ok: bool, error: str = "") -> bool:
+        """Terminal outcome; returns False if it was already terminal."""
+        with self._lock:
+            if self.state in (OpState.DONE, OpState.FAILED):
+                return False
+            self.state = OpState.DONE if ok else OpState.FAILED
+            self.error = error
+            self.finished_at = time.monotonic()
+            return True
+
+    def mark_late(self) -> bool:
+        """Past its deadline with no outcome; returns True on the transition."""
+        with self._lock:
+            if self.state in (OpState.QUEUED, OpState.IN_FLIGHT):
+                self.state = OpState.LATE
+                return True
+            return False
+
+    @property
+    def terminal(self) -> bool:
+        return self.state in (OpState.DONE, OpState.FAILED)
+
+    @property
+    def latency_s(self) -> float | None:
+        if self.finished_at is None or self.submitted_at is None:
+            return None
+        return self.finished_at - self.submitted_at
+
+    def __repr__(self) -> str:
+        return (
+            f"{self.kind}#{self.op_id}({self.lmc_id} [{self.start},{self.end}) "
+            f"{self.state.value})"
+        )
+
+
+@dataclass(eq=False)
+class LookupOp:
+    """A non-blocking lookup: the hit (tokens, ending at a stored image) or no answer."""
+
+    lmc_id: str
+    token_ids: list[int]  # already capped: a hit never covers the prompt's last token
+    deadline: float
+    owner: Any = None
+    state: OpState = OpState.QUEUED
+    hit: int | None = None
+    error: str = ""
+    created_at: float = field(default_factory=time.monotonic)
+    finished_at: float | None = None
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def resolve(self, hit: int | None, error: str = "") -> bool:
+        with self._lock:
+            if self.state in (OpState.DONE, OpState.FAILED):
+                return False
+            self.hit = hit
+            self.state = OpState.DONE if hit is not None else OpState.FAILED
+            self.error = error
+            self.finished_at = time.monotonic()
+            return True
+
+    def mark_late(self) -> bool:
+        with self._lock:
+            if self.state in (OpState.QUEUED, OpState.IN_FLIGHT):
+                self.state = OpState.LATE
+                return True
+            return False

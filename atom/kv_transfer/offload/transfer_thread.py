@@ -1,0 +1,296 @@
+"""The transfer thread: submits loads and saves to LMCache and polls them in rounds.
+
+It owns the worker adapter. The step thread only enqueues ops (``submit``) and receives
+outcomes through ``on_outcome`` (called here, on this thread; the receiver queues them).
+
+A round: submit what is queued, then query every in-flight future once. An op is checked
+for a terminal result first and only then against its deadline, so a finished transfer is
+never failed because its round ran late. A round runs on a timer (``poll_interval_s``) only
+while transfers are in flight; otherwise the thread blocks until there is work.
+
+Server faults: the adapter's heartbeat notices an outage and re-registers after it. A LATE op
+(deadline passed, fate unknown) stays quarantined until its future resolves, or until the
+server has been healthy again for a grace period without answering it, or until an owned
+server process is known dead: a resumed server answers within milliseconds, so silence after
+that means the process that held the op is gone. A run of refused saves while "healthy"
+(a restart the heartbeat missed) replaces the adapter with a fresh registration.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+
+import torch
+
+from atom.kv_transfer.offload.config import OffloadConfig
+from atom.kv_transfer.offload.operations import OpState, TransferOp
+from atom.kv_transfer.offload.worker import SpecShape, build_spec, group_infos, kv_caches
+
+log = logging.getLogger("atom.offload")
+
+REFUSALS_BEFORE_REREGISTER = 3
+
+
+def fail_future(fut) -> None:
+    """Resolve a future the server will never answer, so adapter.shutdown() cannot hang on it
+    (``set_result``, not ``set_exception``: a stored traceback pins the adapter's frames)."""
+    raw = getattr(fut, "raw_future_", None)
+    try:
+        if raw is not None and not raw.query():
+            raw.set_result((b"", False))
+    except Exception:  # already resolved by the server in the meantime
+        pass
+
+
+class TransferThread:
+    def __init__(
+        self,
+        *,
+        url: str,
+        namespace: str,
+        world_size: int,
+        pool: torch.Tensor,
+        shape: SpecShape,
+        config: OffloadConfig,
+        zmq_context,
+        on_outcome: Callable[[TransferOp], None],
+        server_alive: Callable[[], bool] | None = None,
+        poll_interval_s: float = 0.0005,
+    ):
+        self.url, self.namespace, self.world_size = url, namespace, world_size
+        self.pool, self.shape, self.cfg = pool, shape, config
+        self.ctx, self.on_outcome = zmq_context, on_outcome
+        self.server_alive = server_alive
+        self.poll_interval_s = poll_interval_s
+        self._cond = threading.Condition()
+        self._queue: deque[tuple[TransferOp, object]] = deque()
+        self._inflight: list[TransferOp] = []
+        self._adapter = None
+        self._old_adapters: list = []
+        self._next_connect = 0.0
+        self._was_healthy = False
+        self._recovered_at: float | None = None
+        self._refusals = 0
+        self._stop = False
+        self._drain_until: float | None = None
+        self._registered = threading.Event()
+        self.registrations = 0
+        self.round_errors = 0
+        self.last_error = ""
+        self.thread = threading.Thread(target=self._run, name="atom-lmcache-transfer", daemon=True)
+
+    # ---- step thread ------------------------------------------------------------------------
+
+    def start(self, wait_registered_s: float = 0.0) -> bool:
+        self.thread.start()
+        return self._registered.wait(wait_registered_s) if wait_registered_s > 0 else False
+
+    def submit(self, op: TransferOp, event) -> None:
+        with self._cond:
+            self._queue.append((op, event))
+            self._cond.notify()
+
+    @property
+    def healthy(self) -> bool:
+        adapter = self._adapter
+        return adapter is not None and bool(adapter.is_healthy)
+
+    @property
+    def in_flight(self) -> int:
+        with self._cond:
+            return len(self._inflight) + len(self._queue)
+
+    def stop(self, drain_s: float) -> None:
+        """Let queued and in-flight transfers finish for up to ``drain_s``, then give up on
+        the rest, unregister and join."""
+        with self._cond:
+            self._drain_until = time.monotonic() + max(0.0, drain_s)
+            self._stop = True
+            self._cond.notify()
+        self.thread.join(drain_s + self.cfg.rpc_timeout_s * 2 + 5)
+        if self.thread.is_alive():
+            log.error("transfer thread did not stop; leaving the adapter in place")
+
+    # ---- transfer thread ------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._cond:
+                    while not self._queue and not self._inflight and not self._stop:
+                        wait = None if self._adapter is not None else self._retry_in()
+                        if not self._cond.wait(wait) and self._adapter is None:
+                            break  # time to try connecting again
+                    if self._inflight and not self._queue and not self._stop:
+                        only_late = all(op.state is OpState.LATE for op in self._inflight)
+                        self._cond.wait(0.05 if only_late else self.poll_interval_s)
+                    stopping = self._stop
+                if stopping and self._drained():
+                    break
+                try:
+                    self._ensure_adapter()
+                    self._submit_queued()
+                    self._poll_round()
+                except Exception as exc:  # reported, never masked by an older error
+                    self.round_errors += 1
+                    self.last_error = repr(exc)
+                    log.exception("transfer round failed")
+        finally:
+            self._close()
+
+    def _retry_in(self) -> float:
+        return max(0.05, self._next_connect - time.monotonic())
+
+    def _drained(self) -> bool:
+        with self._cond:
+            empty = not self._queue and not self._inflight
+        return empty or time.monotonic() >= (self._drain_until or 0)
+
+    def _connect(self):
+        from lmcache.integration.atom import AtomMPParallelConfig, AtomMPWorkerAdapter
+
+        adapter = AtomMPWorkerAdapter(
+            self.url,
+            self.ctx,
+            self.namespace,
+            self.shape.block_size,
+            AtomMPParallelConfig(world_size=self.world_size, worker_id=0, tp_size=1),
+            mq_timeout=self.cfg.rpc_timeout_s,
+            heartbeat_interval=self.cfg.heartbeat_s,
+            transfer_mode="lmcache_driven",
+        )
+        adapter.register_kv_caches(
+            kv_caches(self.pool, self.shape.units_per_image),
+            engine_group_infos=group_infos(
+                self.shape.block_size, self.shape.chunk_size, self.shape.units_per_image
+            ),
+        )
+        return adapter
+
+    def _ensure_adapter(self) -> None:
+        if self._adapter is not None or self._stop or time.monotonic() < self._next_connect:
+            return
+        try:
+            self._adapter = self._connect()
+        except Exception as exc:
+            self._next_connect = time.monotonic() + max(1.0, self.cfg.heartbeat_s)
+            if self._was_healthy or self.registrations == 0:
+                log.warning(
+                    "LMCache tier at %s unavailable (%s); serving without it, retrying",
+                    self.url,
+                    exc,
+                )
+            self._was_healthy = False
+            self._registered.set()  # the first attempt is over, whatever its outcome
+            return
+        self.registrations += 1
+        self._refusals = 0
+        self._registered.set()
+        log.info("registered the pool with LMCache at %s (namespace %s)", self.url, self.namespace)
+
+    def _replace_adapter(self) -> None:
+        """A silent de-registration (refused saves while 'healthy'): register afresh."""
+        log.warning("LMCache refused %d saves in a row; re-registering", self._refusals)
+        self._old_adapters.append(self._adapter)
+        self._adapter = None
+        self._recovered_at = time.monotonic()
+        self._next_connect = 0.0
+        self._ensure_adapter()
+
+    def _submit_queued(self) -> None:
+        while True:
+            with self._cond:
+                if not self._queue:
+                    return
+                op, event = self._queue.popleft()
+            adapter = self._adapter
+            if adapter is None or not adapter.is_healthy:
+                self._finish(op, False, "tier unavailable")
+                continue
+            try:
+                spec = build_spec(op, self.shape)
+                submit = (
+                    adapter.submit_retrieve_request
+                    if op.kind == "load"
+                    else adapter.submit_store_request
+                )
+                fut = submit(op.lmc_id, spec, event)
+            except Exception as exc:
+                self._finish(op, False, f"refused: {exc!r}")
+                continue
+            if fut is None:
+                self._finish(op, False, "adapter unhealthy at submit")
+                continue
+            op.mark_submitted(fut)
+            with self._cond:
+                self._inflight.append(op)
+
+    def _poll_round(self) -> None:
+        adapter = self._adapter
+        healthy = adapter is not None and adapter.is_healthy
+        now = time.monotonic()
+        if healthy and not self._was_healthy and self.registrations > 0:
+            self._recovered_at = now
+        self._was_healthy = healthy
+        grace = 2 * self.cfg.heartbeat_s + 1.0
+        server_dead = self.server_alive is not None and not self.server_alive()
+        done = []
+        for op in list(self._inflight):
+            fut = op.future
+            try:
+                finished = bool(fut.query())
+                ok = bool(fut.result()) if finished else False
+            except Exception as exc:
+                self._finish(op, False, f"transfer raised: {exc!r}")
+                done.append(op)
+                continue
+            if finished:
+                self._finish(op, ok, "" if ok else "server returned False")
+                if op.kind == "save" and not op.was_late:
+                    self._refusals = 0 if ok else self._refusals + 1
+                done.append(op)
+            elif op.state is OpState.IN_FLIGHT and now > op.deadline:
+                if op.mark_late():
+                    self.on_outcome(op)
+            elif op.state is OpState.LATE and (
+                server_dead
+                or (
+                    self._recovered_at is not None
+                    and now > self._recovered_at + grace
+                    and op.submitted_at < self._recovered_at
+                )
+            ):
+                fail_future(fut)
+                self._finish(op, False, "lost: the server that held it is gone")
+                done.append(op)
+        with self._cond:
+            self._inflight = [op for op in self._inflight if op not in done]
+        if healthy and self._refusals >= REFUSALS_BEFORE_REREGISTER:
+            self._replace_adapter()
+
+    def _finish(self, op: TransferOp, ok: bool, error: str) -> None:
+        if op.resolve(ok, error):
+            self.on_outcome(op)
+
+    def _close(self) -> None:
+        """Give up on what is left (the server will not be asked again), then unregister."""
+        with self._cond:
+            left, self._inflight = self._inflight, []
+            queued, self._queue = list(self._queue), deque()
+        for op, _ in queued:
+            self._finish(op, False, "engine shutting down")
+        for op in left:
+            fail_future(op.future)
+            self._finish(op, False, "abandoned at shutdown")
+        for adapter in [*self._old_adapters, self._adapter]:
+            if adapter is None:
+                continue
+            try:
+                adapter.shutdown()
+            except Exception:
+                log.warning("LMCache worker adapter shutdown failed", exc_info=True)
+        self._adapter = None
