@@ -28,10 +28,8 @@ def build_engine(config: EngineConfig) -> LLMEngine:
     attach = None
     if cfg.offload == "lmcache_mp":
         from atom.kv_transfer.offload.attach import LMCacheTier
-        from atom.kv_transfer.offload.config import OffloadConfig
 
-        offload = OffloadConfig.build(cfg.lmcache)
-        offload.resolved_chunk(cfg.block_size)  # refuse a bad chunk size before any work
+        offload = cfg.lmcache
 
         def attach(engine: LLMEngine) -> LMCacheTier:
             return LMCacheTier(

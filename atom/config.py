@@ -12,21 +12,10 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
 
+from atom.config_errors import EngineConfigError, format_validation_error
+from atom.kv_transfer.offload.config import OffloadConfig
 
-class EngineConfigError(ValueError):
-    """An engine config that cannot run; the message names the field, value and fix."""
-
-
-def format_validation_error(exc: ValidationError, source: str) -> str:
-    lines = []
-    for err in exc.errors():
-        loc = ".".join(str(p) for p in err["loc"])
-        msg = err["msg"].removeprefix("Value error, ")
-        if err["type"] == "extra_forbidden":
-            msg = "unknown field (check the spelling; see --print-config for every field)"
-        value = err.get("input")
-        lines.append(f"{loc}={value!r}: {msg}" if loc else msg)
-    return f"invalid {source}: " + "; ".join(lines)
+__all__ = ["EngineConfig", "EngineConfigError", "OffloadConfig"]
 
 
 class EngineConfig(BaseModel):
@@ -47,7 +36,7 @@ class EngineConfig(BaseModel):
     index_dtype: Literal["auto", "fp8", "bf16", "fp32"] = "auto"
     seed: int = 0
     offload: Literal["none", "lmcache_mp"] = "none"
-    lmcache: dict[str, Any] = {}  # OffloadConfig fields (see atom.kv_transfer.offload.config)
+    lmcache: OffloadConfig = OffloadConfig()  # the tier's settings (with offload=lmcache_mp)
 
     @field_validator("max_num_seqs", "max_num_batched_tokens", "checkpoint_interval")
     @classmethod
@@ -84,6 +73,8 @@ class EngineConfig(BaseModel):
                 f"num_blocks={self.num_blocks} and pool_memory_gb={self.pool_memory_gb} both "
                 "size the pool; set only one"
             )
+        if self.block_size is not None and self.offload == "lmcache_mp":
+            self.lmcache.resolved_chunk(self.block_size)
         if self.block_size is not None and self.max_num_batched_tokens < self.block_size:
             raise ValueError(
                 f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= "
@@ -179,6 +170,11 @@ class EngineConfig(BaseModel):
                 f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= "
                 f"block_size={block} (prefill chunks end on the block grid)"
             )
+        if self.offload == "lmcache_mp":
+            try:
+                self.lmcache.resolved_chunk(block)
+            except ValueError as exc:
+                raise EngineConfigError(str(exc)) from None
         return self.model_copy(
             update=dict(
                 device=device,

@@ -28,7 +28,8 @@ class LLM:
         **kw: Any,
     ):
         if lmcache_url is not None:
-            kw["lmcache"] = {**kw.get("lmcache", {}), "url": lmcache_url}
+            kw.setdefault("offload", "lmcache_mp")
+            kw["lmcache"] = {**dict(kw.get("lmcache", {})), "url": lmcache_url}
         if config is None:
             config = EngineConfig.build(model=model, **kw)
         elif kw:

@@ -40,6 +40,7 @@ OFFLOAD_FLAGS: dict[str, tuple[str, type]] = {
     "lmcache-chunk-size": ("chunk_size", int),
     "lmcache-lookup-timeout": ("lookup_timeout_s", float),
     "lmcache-transfer-timeout": ("transfer_timeout_s", float),
+    "lmcache-rpc-timeout": ("rpc_timeout_s", float),
     "model-revision": ("model_revision", str),
 }
 
@@ -89,9 +90,9 @@ def build_config(args: argparse.Namespace) -> EngineConfig:
             lmcache[field] = value
     if args.config:
         base = EngineConfig.from_yaml(args.config)
-        merged = base.model_dump()
+        merged = base.model_dump(exclude_unset=True)
         merged.update(overrides)
-        merged["lmcache"] = {**base.model_dump()["lmcache"], **lmcache}
+        merged["lmcache"] = {**base.lmcache.model_dump(exclude_unset=True), **lmcache}
         return EngineConfig.build(source=f"engine config {args.config} + flags", **merged)
     if lmcache:
         overrides["lmcache"] = lmcache

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
+import signal
 
 import uvicorn
 
@@ -53,7 +55,7 @@ def run_server(config: EngineConfig, args: argparse.Namespace) -> int:
         log.info("shutdown complete")
 
     app = build_app(state, on_shutdown)
-    server = uvicorn.Server(
+    server = _Server(
         uvicorn.Config(
             app,
             host=args.host,
@@ -63,9 +65,20 @@ def run_server(config: EngineConfig, args: argparse.Namespace) -> int:
             access_log=False,
         )
     )
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, server.handle_exit)  # drain, then exit 0 (not re-raised)
     try:
         server.run()
     finally:
         if loop.thread is None:  # never started: the engine still owns resources
             engine.shutdown(timeout_s=args.drain_timeout)
     return 0
+
+
+class _Server(uvicorn.Server):
+    """uvicorn re-raises the captured signal after a graceful shutdown, so the process would
+    exit by SIGTERM; here a drained shutdown exits 0 and the handlers are ours."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        yield

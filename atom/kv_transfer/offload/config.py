@@ -19,7 +19,7 @@ from typing import Any, Literal
 import xxhash
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
-from atom.config import EngineConfigError, format_validation_error
+from atom.config_errors import EngineConfigError, format_validation_error
 from atom.model_api import StateSpec
 
 NAMESPACE_FORMAT = "atom.offload.ns/1"
@@ -76,7 +76,7 @@ class OffloadConfig(BaseModel):
     def resolved_chunk(self, block_size: int) -> int:
         chunk = self.chunk_size or block_size
         if chunk % block_size:
-            raise EngineConfigError(
+            raise ValueError(
                 f"lmcache.chunk_size={chunk} must be a multiple of block_size={block_size}"
             )
         return chunk

@@ -1,0 +1,21 @@
+"""Config errors that name the field, the bad value and what is allowed."""
+
+from __future__ import annotations
+
+from pydantic import ValidationError
+
+
+class EngineConfigError(ValueError):
+    """An engine config that cannot run; the message names the field, value and fix."""
+
+
+def format_validation_error(exc: ValidationError, source: str) -> str:
+    lines = []
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err["loc"])
+        msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden":
+            msg = "unknown field (check the spelling; see --print-config for every field)"
+        value = err.get("input")
+        lines.append(f"{loc}={value!r}: {msg}" if loc else msg)
+    return f"invalid {source}: " + "; ".join(lines)

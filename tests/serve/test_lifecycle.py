@@ -1,0 +1,136 @@
+"""atom.serve's lifecycle: the tier across restarts, clean SIGTERM, an owned LMCache server,
+config printing and refusals."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import yaml
+
+from atom.kv_transfer.offload.lmcache_server import probe
+
+from .conftest import TINY_FLAGS, ServeProcess
+
+LONG = "a long prompt that is repeated to fill several blocks of the tiny model. " * 4
+
+
+def ask(proc: ServeProcess, prompt: str) -> dict:
+    r = httpx.post(
+        f"{proc.url}/v1/completions",
+        timeout=60,
+        json={
+            "model": "v41-tiny",
+            "prompt": prompt,
+            "max_tokens": 6,
+            "temperature": 0,
+            "ignore_eos": True,
+        },
+    )
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def shm_of(pid: int) -> list[str]:
+    return [p.name for p in Path("/dev/shm").glob(f"lmcache_kv_{pid}_*")]
+
+
+def test_restart_against_the_same_lmcache_server_serves_from_tier(lmcache):
+    first = ServeProcess("--offload", "lmcache_mp", "--lmcache-url", lmcache.url)
+    first.wait_ready()
+    a = ask(first, LONG)
+    assert a["usage"]["prompt_tokens_details"]["tier_tokens"] == 0
+    assert first.terminate() == 0  # pending saves complete before exit
+    second = ServeProcess("--offload", "lmcache_mp", "--lmcache-url", lmcache.url)
+    second.wait_ready()
+    b = ask(second, LONG)
+    n = a["usage"]["prompt_tokens"]
+    assert b["usage"]["prompt_tokens_details"]["tier_tokens"] == (n - 1) // 16 * 16
+    assert b["choices"][0]["text"] == a["choices"][0]["text"]
+    assert second.terminate() == 0
+
+
+def test_sigterm_with_owned_lmcache_server_exits_cleanly():
+    proc = ServeProcess("--offload", "lmcache_mp", "--lmcache-l1-gb", "0.25")
+    health = proc.wait_ready()
+    tier = health["tier"]
+    assert tier["owned"] and tier["healthy"]
+    assert ask(proc, LONG)["usage"]["completion_tokens"] == 6
+    pid = proc.proc.pid
+    assert proc.terminate() == 0
+    log = proc.text()
+    assert "shutdown complete" in log
+    assert "stopped LMCache server" in log
+    assert not probe(tier["url"], 1.0), "the owned LMCache server outlived atom.serve"
+    assert shm_of(pid) == []
+
+
+def test_unreachable_tier_is_reported_not_fatal():
+    from atom.kv_transfer.offload.lmcache_server import free_port
+
+    proc = ServeProcess(
+        "--offload",
+        "lmcache_mp",
+        "--lmcache-url",
+        f"tcp://127.0.0.1:{free_port()}",
+        "--lmcache-rpc-timeout",
+        "1",
+    )
+    health = proc.wait_ready()
+    assert health["status"] == "ok" and health["tier"]["healthy"] is False
+    assert ask(proc, LONG)["usage"]["completion_tokens"] == 6
+    assert "unavailable" in proc.text()
+    assert proc.terminate() == 0
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, LMCACHE_TRACK_USAGE="false")
+    return subprocess.run(
+        [sys.executable, "-m", "atom.serve", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+
+
+def test_print_config_resolves_yaml_and_flags(tmp_path):
+    cfg = tmp_path / "engine.yaml"
+    cfg.write_text("model: v41-tiny\nmax_num_seqs: 3\nlmcache:\n  l1_size_gb: 0.5\n")
+    r = run_cli(
+        "--config",
+        str(cfg),
+        "--max-num-seqs",
+        "5",
+        "--device",
+        "cpu",
+        "--offload",
+        "lmcache_mp",
+        "--print-config",
+    )
+    assert r.returncode == 0, r.stderr
+    out = yaml.safe_load(r.stdout)
+    assert out["max_num_seqs"] == 5 and out["block_size"] == 16
+    assert out["offload"] == "lmcache_mp" and out["lmcache"]["l1_size_gb"] == 0.5
+
+
+def test_bad_config_names_field_and_value(tmp_path):
+    r = run_cli(*TINY_FLAGS[:2], "--max-num-seqs", "0", "--print-config")
+    assert r.returncode == 2 and "max_num_seqs=0" in r.stderr
+    cfg = tmp_path / "engine.yaml"
+    cfg.write_text("model: v41-tiny\nmax_num_sequences: 3\n")
+    r = run_cli("--config", str(cfg), "--print-config")
+    assert r.returncode == 2 and "max_num_sequences=3: unknown field" in r.stderr
+    r = run_cli(
+        "--model",
+        "v41-tiny",
+        "--offload",
+        "lmcache_mp",
+        "--lmcache-url",
+        "nonsense",
+        "--print-config",
+    )
+    assert r.returncode == 2 and "lmcache.url" in r.stderr

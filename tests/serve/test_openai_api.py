@@ -1,0 +1,124 @@
+"""The OpenAI-compatible server, driven by the official ``openai`` client."""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+
+MODEL = "v41-tiny"
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    return openai.OpenAI(base_url=f"{served.url}/v1", api_key="unused", max_retries=0)
+
+
+def complete(client, prompt, n=8, **kw):
+    return client.completions.create(
+        model=MODEL,
+        prompt=prompt,
+        max_tokens=n,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+        **kw,
+    )
+
+
+def test_completion_with_usage(client):
+    r = complete(client, "The quick brown fox")
+    assert r.object == "text_completion" and r.model == MODEL
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.prompt_tokens == len(b"The quick brown fox")
+    assert r.usage.completion_tokens == 8
+    assert r.usage.total_tokens == r.usage.prompt_tokens + 8
+
+
+def test_streaming_equals_non_streaming(client):
+    whole = complete(client, "streaming test prompt").choices[0].text
+    chunks = list(
+        complete(
+            client, "streaming test prompt", stream=True, stream_options={"include_usage": True}
+        )
+    )
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == whole
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 8
+    reasons = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert reasons[-1] == "length"
+
+
+def test_chat_streaming_and_not(client):
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]
+    r = client.chat.completions.create(
+        model=MODEL, messages=msgs, max_tokens=6, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert r.choices[0].message.role == "assistant"
+    assert r.usage.completion_tokens == 6
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=msgs,
+        max_tokens=6,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    parts = [c.choices[0].delta.content or "" for c in stream if c.choices]
+    assert "".join(parts) == r.choices[0].message.content
+
+
+def test_concurrent_requests_match_sequential(client):
+    prompts = [f"request number {i} with a shared prefix " * 3 for i in range(8)]
+    sequential = [complete(client, p).choices[0].text for p in prompts]
+    with ThreadPoolExecutor(8) as pool:
+        concurrent = list(pool.map(lambda p: complete(client, p).choices[0].text, prompts))
+    assert concurrent == sequential
+
+
+def test_models_health_metrics(served, client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    health = httpx.get(f"{served.url}/health").json()
+    assert health["status"] == "ok"
+    assert health["tier"]["attached"] and health["tier"]["healthy"]
+    metrics = httpx.get(f"{served.url}/metrics").text
+    for name in (
+        "atom_requests_total",
+        "atom_prompt_tokens_total",
+        "atom_tier_saves_total",
+        "atom_tier_transfer_seconds_bucket",
+        "atom_checkpoint_images_ready",
+        "atom_requests_waiting",
+        "atom_tier_healthy 1",
+    ):
+        assert name in metrics
+
+
+@pytest.mark.parametrize(
+    "body, needle",
+    [
+        ('{"model": "v41-tiny", "prompt": "x",', "malformed JSON"),
+        (json.dumps({"model": "v41-tiny", "prompt": "x", "bogus": 1}), "bogus: unknown field"),
+        (json.dumps({"model": "v41-tiny", "prompt": "x", "max_tokens": 0}), "max_tokens"),
+        (json.dumps({"model": "v41-tiny", "prompt": "x", "max_tokens": -3}), "max_tokens"),
+        (json.dumps({"model": "gpt-4", "prompt": "x"}), "'gpt-4' is not served"),
+        (json.dumps({"model": "v41-tiny", "prompt": "x" * 70000}), "this model allows at most"),
+        (json.dumps({"model": "v41-tiny", "prompt": [1, 2, 99999]}), "token ids must be in"),
+        (json.dumps({"model": "v41-tiny"}), "prompt"),
+    ],
+)
+def test_bad_requests_get_400_and_the_engine_keeps_serving(served, client, body, needle):
+    r = httpx.post(
+        f"{served.url}/v1/completions", content=body, headers={"content-type": "application/json"}
+    )
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert needle in err["message"] and err["type"] == "invalid_request_error"
+    assert complete(client, "still serving", n=2).usage.completion_tokens == 2
+
+
+def test_openai_client_sees_bad_request_error(client):
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL, prompt="x", max_tokens=0)
