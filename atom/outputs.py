@@ -21,6 +21,7 @@ class RequestOutput:
     preemptions: int
     ttft_s: float | None
     latency_s: float | None
+    itl_s: list[float]  # gaps between consecutive output tokens
 
     @classmethod
     def from_sequence(cls, seq: Sequence, text: str) -> RequestOutput:
@@ -40,4 +41,5 @@ class RequestOutput:
             preemptions=c.preemptions,
             ttft_s=ttft,
             latency_s=latency,
+            itl_s=[b - a for a, b in zip(seq.token_times, seq.token_times[1:])],
         )

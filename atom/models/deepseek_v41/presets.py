@@ -141,11 +141,45 @@ _BENCH: dict[str, Any] = dict(
     max_position_embeddings=1048576,
 )
 
+# The shape of the trained recall model (models/v41-recall): small enough to evaluate on CPU in
+# CI, with a window (64) much shorter than its contexts, so answers need compressed rows.
+_RECALL: dict[str, Any] = dict(
+    _PATTERN,
+    vocab_size=320,
+    hidden_size=256,
+    num_attention_heads=4,
+    head_dim=64,
+    qk_rope_head_dim=16,
+    q_lora_rank=128,
+    o_groups=2,
+    o_lora_rank=128,
+    sliding_window=64,
+    index_n_heads=4,
+    index_head_dim=32,
+    index_topk=32,
+    candidate_topk_blocks=8,
+    candidate_block_size=8,
+    rms_norm_eps=1e-6,
+    rope_scaling=dict(
+        type="yarn", factor=4, original_max_position_embeddings=4096, beta_fast=32, beta_slow=1
+    ),
+    max_position_embeddings=65536,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=128,
+    engram_vocab_size=512,
+    engram_n_heads=2,
+    engram_embed_dim=16,
+    engram_table_size=509,
+    initializer_range=0.02,
+)
+
 PRESETS: dict[str, dict[str, Any]] = {
     "v41-flash": _FLASH,
     "v41-tiny": _TINY,
     "v41-mini": _MINI,
     "v41-bench": _BENCH,
+    "v41-recall": _RECALL,
 }
 
 # Block size each preset is meant to run with (the engine's default for it).
@@ -154,6 +188,7 @@ PRESET_BLOCK_SIZE: dict[str, int] = {
     "v41-tiny": 16,
     "v41-mini": 256,
     "v41-bench": 256,
+    "v41-recall": 256,
 }
 
 

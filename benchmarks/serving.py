@@ -1,0 +1,286 @@
+"""The seed serving workload, three arms back to back: no prefix reuse, HBM prefix caching,
+HBM + LMCache tier.
+
+    python -m benchmarks.serving                       # CPU scale (v41-mini)
+    python -m benchmarks.serving --preset gpu          # H200 scale (v41-bench, bf16)
+
+Each prompt is one of ``--prefixes`` shared prefixes plus a unique tail; ``--output-len``
+tokens each; ``--concurrency`` requests in flight; a PAGE pool too small to hold the tails.
+Every arm runs the prompts twice on a fresh engine (and, for the tier arm, a fresh owned
+LMCache server): pass 1 fills the caches, pass 2 is measured. In pass 2 the prefixes can come
+from HBM, the tails only from the tier (the pool cannot keep them), so the ceiling of reused
+prompt tokens is every stored image boundary: floor((len - 1) / block) * block per prompt.
+
+Reported per arm: req/s, TTFT and ITL (p50, mean), prompt tokens by source, per-load latency
+(p50/p99) and GB/s against a plain copy of the same bytes measured in the same run, step-thread
+time spent in the tier connector per step, and a calibrated model: t(c) = a*c + b (engine time
+per request against computed prompt tokens per request), fitted on the two arms that move no
+bytes, predicting the tier arm's req/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from atom import LLM, SamplingParams
+from benchmarks.common import md_table, write_results
+from benchmarks.workload import pct, shared_prefix_prompts, summarize
+
+PRESETS = {
+    "cpu": dict(
+        model="v41-mini",
+        requests=16,
+        prefixes=4,
+        prefix_len=1024,
+        tail_len=768,
+        output_len=16,
+        concurrency=8,
+        max_batched_tokens=2048,
+        pool_blocks=160,
+        device="cpu",
+        dtype="float32",
+        l1_gb=1.0,
+        name="serving_cpu",
+    ),
+    "gpu": dict(
+        model="v41-bench",
+        requests=64,
+        prefixes=4,
+        prefix_len=4096,
+        tail_len=3000,
+        output_len=64,
+        concurrency=16,
+        max_batched_tokens=8192,
+        pool_blocks=600,
+        device="cuda",
+        dtype="bfloat16",
+        l1_gb=40.0,
+        name="serving_h200",
+    ),
+}
+
+CONNECTOR_HOOKS = (
+    "update",
+    "lookup",
+    "settle_lookup",
+    "start_load",
+    "after_step",
+    "request_finished",
+)
+
+
+def plain_copy_seconds(nbytes: int, device: str, repeats: int = 20) -> float:
+    """Median time of a plain copy of ``nbytes`` into the pool's memory (host->device from
+    pinned memory on GPU, memcpy on CPU)."""
+    if device.startswith("cuda"):
+        src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        times = []
+        for _ in range(repeats):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            dst.copy_(src, non_blocking=True)
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b) / 1000)
+        return statistics.median(times)
+    src = torch.empty(nbytes, dtype=torch.uint8)
+    dst = torch.empty(nbytes, dtype=torch.uint8)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def instrument(connector) -> dict:
+    """Accumulate step-thread time spent inside the connector's hooks."""
+    spent = {"s": 0.0}
+    for name in CONNECTOR_HOOKS:
+        inner = getattr(connector, name)
+
+        def timed(*a, _inner=inner, **k):
+            t0 = time.perf_counter()
+            try:
+                return _inner(*a, **k)
+            finally:
+                spent["s"] += time.perf_counter() - t0
+
+        setattr(connector, name, timed)
+    return spent
+
+
+def run_arm(name: str, prompts: list[list[int]], args, **engine) -> dict:
+    llm = LLM(
+        args.model,
+        device=args.device,
+        dtype=args.dtype,
+        max_num_seqs=args.concurrency,
+        max_num_batched_tokens=args.max_batched_tokens,
+        num_blocks=args.pool_blocks,
+        **engine,
+    )
+    eng = llm.engine
+    params = SamplingParams(max_tokens=args.output_len, ignore_eos=True)
+    llm.generate([[7] * 8], SamplingParams(max_tokens=2, ignore_eos=True))  # warm-up
+    eng.reset_prefix_cache()
+    t0 = time.perf_counter()
+    first = llm.generate(prompts, params)
+    pass1 = time.perf_counter() - t0
+    conn = eng.scheduler.connector
+    while conn is not None and conn.busy():  # pass 1's stores drain before pass 2
+        eng.wait_for_progress(0.05)
+        conn.update()
+    spent = instrument(conn) if conn is not None else {"s": 0.0}
+    steps0 = eng.steps
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    wall = time.perf_counter() - t0
+    steps = eng.steps - steps0
+    itls = [x for o in outs for x in o.itl_s]
+    res = {
+        "arm": name,
+        **summarize(outs, wall, itls),
+        "pass1_wall_s": round(pass1, 3),
+        "steps": steps,
+        "engine": {k: str(v) for k, v in engine.items()},
+    }
+    res["same_tokens_as_pass1"] = all(a.token_ids == b.token_ids for a, b in zip(first, outs))
+    if conn is not None:
+        lat = eng.metrics._metrics["atom_tier_transfer_seconds"].samples(op="load")
+        nbytes = eng.metrics._metrics["atom_tier_bytes_total"].get(direction="load")
+        n_loads = len(lat)
+        res["loads"] = n_loads
+        res["connector_ms_per_step"] = round(1000 * spent["s"] / max(steps, 1), 4)
+        if n_loads:
+            size = nbytes / n_loads
+            copy_s = plain_copy_seconds(int(size), args.device)
+            res.update(
+                {
+                    "load_mean_mib": round(size / 2**20, 2),
+                    "load_p50_ms": round(1000 * pct(lat, 50), 2),
+                    "load_p99_ms": round(1000 * pct(lat, 99), 2),
+                    "load_gbps_p50": round(size / pct(lat, 50) / 1e9, 3),
+                    "plain_copy_ms": round(1000 * copy_s, 3),
+                    "plain_copy_gbps": round(size / copy_s / 1e9, 2),
+                    "load_p50_over_copy": round(pct(lat, 50) / copy_s, 1),
+                }
+            )
+        res["tier_metrics"] = {
+            line.split(" ")[0]: float(line.split(" ")[1])
+            for line in eng.metrics.render().splitlines()
+            if line.startswith(
+                ("atom_tier_loads_total", "atom_tier_saves_total", "atom_tier_lookups_total")
+            )
+        }
+    llm.shutdown()
+    print({k: v for k, v in res.items() if k != "tier_metrics"}, flush=True)
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
+    for key, value in PRESETS["cpu"].items():
+        ap.add_argument(f"--{key.replace('_', '-')}", type=type(value), default=None)
+    args = ap.parse_args()
+    for key, value in PRESETS[args.preset].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    prompts = shared_prefix_prompts(args.requests, args.prefixes, args.prefix_len, args.tail_len)
+    block = 256
+    ceiling = sum((len(p) - 1) // block * block for p in prompts)
+    arms = [
+        run_arm("no prefix reuse", prompts, args, enable_prefix_caching=False),
+        run_arm("HBM prefix caching", prompts, args),
+        run_arm(
+            "HBM + tier", prompts, args, offload="lmcache_mp", lmcache={"l1_size_gb": args.l1_gb}
+        ),
+    ]
+    # calibrated model on the arms that move no bytes: time per request = a * computed + b
+    xs = [a["computed_prompt_tokens"] / a["requests"] for a in arms[:2]]
+    ys = [a["wall_s"] / a["requests"] for a in arms[:2]]
+    a = (ys[0] - ys[1]) / (xs[0] - xs[1]) if xs[0] != xs[1] else 0.0
+    b = ys[0] - a * xs[0]
+    tier = arms[2]
+    c_tier = tier["computed_prompt_tokens"] / tier["requests"]
+    predicted = 1 / (a * c_tier + b)
+    model = {
+        "a_s_per_token": a,
+        "b_s_per_request": b,
+        "tier_predicted_req_per_s": predicted,
+        "tier_measured_over_predicted": tier["req_per_s"] / predicted,
+    }
+    reused = tier["hbm_hit_tokens"] + tier["tier_hit_tokens"]
+    summary = {
+        "ceiling_tokens": ceiling,
+        "tier_arm_reused_tokens": reused,
+        "reused_over_ceiling": reused / ceiling,
+        "tier_over_hbm_req_per_s": tier["req_per_s"] / arms[1]["req_per_s"],
+        "tier_over_no_reuse_req_per_s": tier["req_per_s"] / arms[0]["req_per_s"],
+        "calibrated_model": model,
+    }
+    rows = []
+    for arm in arms:
+        rows.append(
+            [
+                arm["arm"],
+                arm["req_per_s"],
+                arm["ttft_p50_ms"],
+                arm["ttft_mean_ms"],
+                arm.get("itl_p50_ms", ""),
+                arm.get("itl_mean_ms", ""),
+                arm["hbm_hit_tokens"],
+                arm["tier_hit_tokens"],
+                arm["computed_prompt_tokens"],
+                arm.get("load_p50_ms", ""),
+                arm.get("load_p99_ms", ""),
+                arm.get("load_gbps_p50", ""),
+                arm.get("plain_copy_gbps", ""),
+                arm.get("connector_ms_per_step", ""),
+            ]
+        )
+    table = md_table(
+        [
+            "arm",
+            "req/s",
+            "TTFT p50 ms",
+            "TTFT mean ms",
+            "ITL p50 ms",
+            "ITL mean ms",
+            "HBM tokens",
+            "tier tokens",
+            "computed tokens",
+            "load p50 ms",
+            "load p99 ms",
+            "load GB/s",
+            "plain copy GB/s",
+            "connector ms/step",
+        ],
+        rows,
+    )
+    table += (
+        f"\n\nReused prompt tokens in the tier arm: {reused} of a ceiling of {ceiling} "
+        f"({100 * reused / ceiling:.2f}%). HBM + tier vs HBM-only: "
+        f"{summary['tier_over_hbm_req_per_s']:.2f}x req/s; vs no reuse: "
+        f"{summary['tier_over_no_reuse_req_per_s']:.2f}x.\n"
+        f"Calibrated model t(c) = {a * 1e3:.4f} ms/token * c + {b * 1e3:.1f} ms: predicts "
+        f"{predicted:.3f} req/s for the tier arm; measured {tier['req_per_s']:.3f} "
+        f"({100 * model['tier_measured_over_predicted']:.1f}% of predicted).\n"
+    )
+    cmd = f"python -m benchmarks.serving --preset {args.preset}"
+    print(table)
+    print(
+        write_results(args.name, {"args": vars(args), "arms": arms, "summary": summary}, table, cmd)
+    )
+
+
+if __name__ == "__main__":
+    main()

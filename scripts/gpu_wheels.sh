@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Download the cp312 wheels the H200 image lacks (lmcache and what it imports at run time, and
+# pydantic) into .whl/ (git-ignored), for `device` runs: see benchmarks/gpu/README.md.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+mkdir -p .whl
+PKGS=(
+  lmcache==0.5.6 msgspec nvtx pyzmq blake3 cachetools cryptography cffi pycparser
+  importlib_metadata==8.7.1
+  opentelemetry-api==1.40.0 opentelemetry-sdk==1.40.0 opentelemetry-exporter-otlp==1.40.0
+  opentelemetry-exporter-otlp-proto-common==1.40.0 opentelemetry-exporter-otlp-proto-grpc==1.40.0
+  opentelemetry-exporter-otlp-proto-http==1.40.0 opentelemetry-proto==1.40.0
+  opentelemetry-exporter-prometheus==0.61b0 opentelemetry-semantic-conventions==0.61b0
+  googleapis-common-protos aiofile caio awscrt google-api-core google-auth google-cloud-bigtable
+  google-cloud-core google-cloud-monitoring google-crc32c grpc-google-iam-v1 grpcio-status
+  httpcore2 httpx2 proto-plus truststore
+  pydantic pydantic-core annotated-types typing-inspection
+)
+for p in "${PKGS[@]}"; do
+  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+    --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
+    --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+    --platform manylinux1_x86_64 --platform manylinux_2_34_x86_64 --platform any \
+    -d .whl "$p" || echo "FAILED: $p" >&2
+done
+du -sh .whl

@@ -1,0 +1,91 @@
+"""GPU paths: the paged forward, images and the tier on CUDA. Skipped without a GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from atom import LLM, SamplingParams
+from atom.model_api import Span
+from atom.models.deepseek_v41.model import DeepseekV41ForCausalLM
+from atom.models.deepseek_v41.presets import preset_config
+from atom.models.deepseek_v41.reference import reference_forward
+from atom.models.deepseek_v41.runtime import V41Runtime
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+
+def test_paged_forward_on_cuda_matches_reference_and_cpu():
+    cfg = preset_config("v41-mini")
+    cpu = DeepseekV41ForCausalLM(cfg, kv_dtype="fp32", index_dtype="fp32").init_weights(0)
+    gpu = DeepseekV41ForCausalLM(cfg, kv_dtype="fp32", index_dtype="fp32", device="cuda")
+    gpu.load_state_dict(cpu.state_dict())
+    ids = torch.randint(0, 256, (600,), generator=torch.Generator().manual_seed(0))
+    rt = V41Runtime(gpu, block_size=256)
+    pool = torch.zeros(rt.spec.pool_shape(8), dtype=rt.spec.pool_dtype, device="cuda")
+    slots = torch.zeros(2, rt.spec.state_bytes, dtype=torch.uint8, device="cuda")
+    rt.bind(pool, slots)
+    table = torch.arange(3, device="cuda")
+    outs, start = [], 0
+    for end in (256, 301, 512, 600):
+        outs.append(
+            gpu.forward_paged(
+                ids[start:end], [Span(start, end, 1, table)], rt.kv, rt.slots, all_logits=True
+            )
+        )
+        start = end
+    paged = torch.cat(outs).cpu()
+    ref = reference_forward(cpu, ids.tolist())
+    assert (paged - ref).abs().max().item() < 2e-3
+    assert (paged.argmax(-1) == ref.argmax(-1)).float().mean() > 0.99
+
+
+def test_image_roundtrip_on_cuda_is_byte_exact():
+    cfg = preset_config("v41-mini")
+    model = DeepseekV41ForCausalLM(
+        cfg, dtype=torch.bfloat16, kv_dtype="bf16", index_dtype="fp8", device="cuda"
+    ).init_weights(0)
+    rt = V41Runtime(model, block_size=256)
+    pool = torch.zeros(rt.spec.pool_shape(12), dtype=rt.spec.pool_dtype, device="cuda")
+    slots = torch.zeros(3, rt.spec.state_bytes, dtype=torch.uint8, device="cuda")
+    rt.bind(pool, slots)
+    ids = torch.randint(0, 256, (512,), device="cuda")
+    rt.forward(ids, [Span(0, 512, 0, torch.arange(2, device="cuda"))])
+    units = torch.arange(4, 4 + rt.spec.units_per_image, device="cuda")
+    rt.store_image(0, units)
+    assert rt.restore_image(units, 2) == 512
+    assert torch.equal(slots[2], slots[0])
+
+
+def test_tier_two_pass_on_cuda_with_interprocess_events():
+    kw = dict(
+        block_size=256,
+        num_blocks=64,
+        max_num_seqs=4,
+        max_num_batched_tokens=1024,
+        device="cuda",
+        dtype="bfloat16",
+        offload="lmcache_mp",
+        lmcache={"l1_size_gb": 2.0},
+    )
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (700, 1030, 300)]
+    p = SamplingParams(max_tokens=8, ignore_eos=True)
+    first = LLM("v41-mini", **kw)
+    out1 = first.generate(prompts, p)
+    url = first.engine.tier_health()["url"]
+    server = first.engine.tier.server
+    first.engine.tier.server = None  # keep the owned server alive for pass 2
+    first.shutdown()
+    try:
+        second = LLM("v41-mini", lmcache_url=url, **{k: v for k, v in kw.items() if k != "lmcache"})
+        out2 = second.generate(prompts, p)
+        assert [o.tier_hit_tokens for o in out2] == [512, 1024, 256]
+        assert [o.token_ids for o in out1] == [o.token_ids for o in out2]
+        assert second.engine.tier.connector.events.created >= 1
+        second.shutdown()
+    finally:
+        server.stop()

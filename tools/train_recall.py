@@ -1,0 +1,132 @@
+"""Train the recall model (benchmarks/recall_task.py) and write models/v41-recall/.
+
+    python -m tools.train_recall --minutes 6 --out models/v41-recall     # on the H200
+
+The model is the v41-recall preset shape. Training uses the dense forward (every compressed
+row attended, indexers fitted to that attention by KL), with the context length drawn per
+step; the saved config keeps the preset's small top-k, so inference is sparse. Loss: the two
+answer tokens and <eos>, plus 0.1 x the indexer KL. Weights are written as bf16 safetensors
+with config.json, tokenizer.json and a training record.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from atom.models.deepseek_v41.dense import dense_forward
+from atom.models.deepseek_v41.model import DeepseekV41ForCausalLM
+from atom.models.deepseek_v41.presets import preset_config
+from atom.models.deepseek_v41.weights import save_weights
+from benchmarks.recall_task import EOS, make_example, split, tokenizer_json
+
+
+def batch(step: int, size: int, length: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    seqs = []
+    for i in range(size):
+        ex = make_example(step * size + i, length)  # the train split: seeds < 10M
+        seqs.append(ex.prompt + ex.answer + [EOS])
+    ids = torch.tensor(seqs, device=device)
+    return ids[:, :-1], ids[:, 1:]
+
+
+@torch.no_grad()
+def dense_accuracy(model, examples, device, chunk=32) -> float:
+    ok = 0
+    for i in range(0, len(examples), chunk):
+        part = examples[i : i + chunk]
+        ids = torch.tensor([e.prompt + e.answer for e in part], device=device)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            logits, _ = dense_forward(model, ids[:, :-1])
+        pred = logits[:, -2:].argmax(-1)
+        ok += (pred == ids[:, -2:]).all(-1).sum().item()
+    return ok / len(examples)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--minutes", type=float, default=6.0)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--lengths", type=int, nargs=2, default=[384, 1280])
+    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default="models/v41-recall")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = ap.parse_args()
+    device = torch.device(args.device)
+    torch.manual_seed(args.seed)
+    sparse_cfg = preset_config("v41-recall")
+    dense_cfg = preset_config("v41-recall", index_topk=1 << 16, candidate_topk_blocks=1 << 13)
+    model = DeepseekV41ForCausalLM(dense_cfg, device=device).init_weights(args.seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01, betas=(0.9, 0.95))
+    evals = split("eval", 256, 1024)
+    rng = random.Random(args.seed)
+    t0, step, log = time.time(), 0, []
+    budget = args.minutes * 60
+    while time.time() - t0 < budget:
+        frac = (time.time() - t0) / budget
+        lr = args.lr * min(1.0, (step + 1) / 100) * (0.1 + 0.9 * (1 - frac))
+        for g in opt.param_groups:
+            g["lr"] = lr
+        length = rng.randrange(args.lengths[0], args.lengths[1] + 1, 16)
+        ids, targets = batch(step, args.batch, length, device)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            logits, kl = dense_forward(model, ids)
+        ce = F.cross_entropy(
+            logits[:, -3:].reshape(-1, logits.shape[-1]).float(), targets[:, -3:].reshape(-1)
+        )
+        loss = ce + 0.1 * kl
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        step += 1
+        if step % 50 == 0:
+            rec = {
+                "step": step,
+                "s": round(time.time() - t0, 1),
+                "len": length,
+                "ce": round(ce.item(), 4),
+                "kl": round(kl.item(), 4),
+                "lr": lr,
+            }
+            if step % 200 == 0:
+                rec["dense_acc"] = dense_accuracy(model, evals[:128], device)
+            log.append(rec)
+            print(rec, flush=True)
+    final = dense_accuracy(model, evals, device)
+    print({"final_dense_accuracy": final, "steps": step}, flush=True)
+    out = Path(args.out)
+    trained = DeepseekV41ForCausalLM(sparse_cfg, dtype=torch.bfloat16)
+    trained.load_state_dict({k: v.detach().cpu() for k, v in model.state_dict().items()})
+    save_weights(trained, out)
+    (out / "tokenizer.json").write_text(json.dumps(tokenizer_json()))
+    (out / "generation_config.json").write_text(json.dumps({"eos_token_id": EOS}))
+    (out / "training.json").write_text(
+        json.dumps(
+            {
+                "command": "python -m tools.train_recall "
+                + " ".join(
+                    f"--{k} {' '.join(map(str, v)) if isinstance(v, list) else v}"
+                    for k, v in vars(args).items()
+                ),
+                "steps": step,
+                "seconds": round(time.time() - t0, 1),
+                "final_dense_accuracy_eval256": final,
+                "log": log,
+                "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
+            },
+            indent=1,
+        )
+    )
+    print("wrote", out)
+
+
+if __name__ == "__main__":
+    main()
