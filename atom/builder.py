@@ -35,6 +35,7 @@ def build_engine(config: EngineConfig) -> LLMEngine:
             return LMCacheTier(
                 config=offload,
                 model=cfg.model,
+                seed=cfg.seed,
                 spec=engine.spec,
                 block_size=cfg.block_size,
                 pool=engine.pool,

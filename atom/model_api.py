@@ -21,7 +21,7 @@ class StateSpec:
     block_bytes: int  # bytes per PAGE block (all planes)
     state_bytes: int  # bytes per state slot (== image bytes)
     layout_id: str  # hex digest of every field that places a byte
-    header_offset: int  # byte offset of the slot header: int64 [layout id, reserved]
+    header_offset: int  # byte offset of the slot header: int64 [layout tag, position]
 
     @property
     def image_bytes(self) -> int:
@@ -125,11 +125,12 @@ def store_image(
         blocks[units[full], :rem] = flat[full * bb :]
 
 
-def image_tag(spec: StateSpec, pool: torch.Tensor, units: torch.Tensor) -> int:
-    """The layout tag an image in ``units`` carries in its header."""
+def image_header(spec: StateSpec, pool: torch.Tensor, units) -> tuple[int, int]:
+    """(layout tag, boundary position) an image in ``units`` carries in its header."""
     unit, off = divmod(spec.header_offset, spec.block_bytes)
-    raw = pool_bytes(pool)[int(units[unit]), off : off + 8]
-    return int(raw.cpu().view(torch.int64)[0])
+    raw = pool_bytes(pool)[int(units[unit]), off : off + 16]
+    tag, position = raw.cpu().view(torch.int64).tolist()
+    return tag, position
 
 
 def restore_image(
@@ -137,7 +138,7 @@ def restore_image(
 ) -> None:
     """Copy an image back into a slot, byte-exact; refuse an image of another layout."""
     _check_units(spec, units)
-    tag = image_tag(spec, pool, units)
+    tag, _ = image_header(spec, pool, units)
     if tag != spec.layout_tag:
         raise ImageLayoutError(
             f"checkpoint image has layout tag {tag:#x}, this engine's layout is "

@@ -3,7 +3,7 @@
     <bos> filler ... <key> K <val> V1 V2 ... filler ... <key> K' <val> V1' V2' ... filler
     ... <query> K <ans>  ->  V1 V2 <eos>
 
-Records (8-16 per context, distinct keys) sit in the first part of the context, more than
+Records (2-6 per context, distinct keys) sit in the first part of the context, more than
 ``far`` tokens before the query, so the model can only reach them through the compressed KV
 and the indexer; the queried key sits in the last few tokens, inside the sliding window. The
 answer is two tokens. Splits are disjoint by construction: every example's seed is drawn from
@@ -29,7 +29,7 @@ class Example:
     answer: list[int]  # the two value tokens
 
 
-def make_example(seed: int, length: int, far: int = 96, records: tuple[int, int] = (8, 16)):
+def make_example(seed: int, length: int, far: int = 80, records: tuple[int, int] = (2, 6)):
     rng = random.Random(seed)
     n = rng.randint(*records)
     keys = rng.sample(range(NUM_KEYS), n)

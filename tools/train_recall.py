@@ -53,8 +53,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--minutes", type=float, default=6.0)
     ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--lengths", type=int, nargs=2, default=[384, 1280])
-    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--lengths", type=int, nargs=2, default=[192, 512])
+    ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="models/v41-recall")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -65,7 +65,7 @@ def main() -> None:
     dense_cfg = preset_config("v41-recall", index_topk=1 << 16, candidate_topk_blocks=1 << 13)
     model = DeepseekV41ForCausalLM(dense_cfg, device=device).init_weights(args.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01, betas=(0.9, 0.95))
-    evals = split("eval", 256, 1024)
+    evals = split("eval", 256, 512)
     rng = random.Random(args.seed)
     t0, step, log = time.time(), 0, []
     budget = args.minutes * 60

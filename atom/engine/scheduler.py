@@ -372,6 +372,8 @@ class Scheduler:
                 assert free or cached, f"block {b} is neither owned nor free"
             if cached:
                 assert pool.hash_of[b] is not None, f"cached block {b} has no hash"
+            if free:
+                assert pool.hash_of[b] is None, f"free block {b} still carries a hash"
         in_use = sum(1 for b in range(pool.num_blocks) if owners[b])
         assert pool.num_free + pool.num_cached + in_use == pool.num_blocks
         assert unit_count == store.counts()["units"]

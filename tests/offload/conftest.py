@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 
 from atom import LLM
 from atom.kv_transfer.offload.lmcache_server import LMCacheServer
@@ -28,6 +29,16 @@ def shm_segments() -> list[str]:
     """This process's LMCache shared-memory segments."""
     prefix = f"lmcache_kv_{os.getpid()}_"
     return sorted(p.name for p in Path("/dev/shm").glob(f"{prefix}*"))
+
+
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    """One intra-op thread: tiny forwards gain nothing from more, and on a shared 2-core host
+    spinning OpenMP workers slow every step by orders of magnitude."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="session")

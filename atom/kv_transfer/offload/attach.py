@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import time
 
-from atom.kv_transfer.offload.config import OffloadConfig, namespace
+from atom.kv_transfer.offload.config import OffloadConfig, namespace, weights_identity
 from atom.kv_transfer.offload.events import EventPool
 from atom.kv_transfer.offload.lmcache_server import LMCacheServer, LMCacheServerError
 from atom.kv_transfer.offload.lookup_thread import LookupThread
@@ -29,6 +29,7 @@ class LMCacheTier:
         *,
         config: OffloadConfig,
         model: str,
+        seed: int,
         spec,
         block_size: int,
         pool,
@@ -63,6 +64,7 @@ class LMCacheTier:
             model=model,
             revision=config.model_revision,
             spec=spec,
+            weights=weights_identity(model, seed),
             chunk_size=self.chunk,
             world_size=self.world_size,
             speculative_tokens=0,

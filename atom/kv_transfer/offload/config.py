@@ -93,7 +93,22 @@ def model_identity(model: str) -> str:
     """A model's name as it enters the namespace: a preset name, or a directory's basename
     (not its path: two hosts with the same checkpoint in different places share objects)."""
     p = Path(model)
-    return p.name if p.is_dir() else model
+    return p.resolve().name if p.is_dir() else model
+
+
+def weights_identity(model: str, seed: int) -> str:
+    """What distinguishes one set of weights from another under the same model name: the seed
+    of a preset's random weights, or the safetensors headers of a directory (tensor names,
+    dtypes, shapes and offsets; values are not read: ``model_revision`` names those)."""
+    p = Path(model)
+    if not p.is_dir():
+        return f"seed={seed}"
+    h = xxhash.xxh3_128()
+    for f in sorted(p.glob("*.safetensors")):
+        with open(f, "rb") as fh:
+            n = int.from_bytes(fh.read(8), "little")
+            h.update(fh.read(min(n, 1 << 26)))
+    return "safetensors=" + h.hexdigest()
 
 
 def namespace(
@@ -101,6 +116,7 @@ def namespace(
     model: str,
     revision: str,
     spec: StateSpec,
+    weights: str = "",
     chunk_size: int,
     world_size: int,
     speculative_tokens: int,
@@ -110,6 +126,7 @@ def namespace(
         "format": NAMESPACE_FORMAT,
         "model": model_identity(model),
         "revision": revision,
+        "weights": weights,
         "layout_id": spec.layout_id,
         "block_size": spec.block_size,
         "block_bytes": spec.block_bytes,

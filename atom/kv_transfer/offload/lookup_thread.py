@@ -169,12 +169,13 @@ class LookupThread:
                 still.append(op)
                 continue
             adapter.cleanup_lookup_result(op.lmc_id)
-            late = op.state is OpState.LATE
-            self._finish(op, int(hit))
-            if late and hit:  # nobody will load it: release what it locked
+            before = self._finish(op, int(hit))
+            if before is OpState.LATE and hit:  # nobody will load it: release its locks
                 self._do_free(op.lmc_id, op.token_ids, 0, int(hit))
         self._pending = still
 
-    def _finish(self, op: LookupOp, hit: int | None, error: str = "") -> None:
-        if op.resolve(hit, error):
+    def _finish(self, op: LookupOp, hit: int | None, error: str = "") -> OpState | None:
+        before = op.resolve(hit, error)
+        if before is not None:
             self.on_outcome(op)
+        return before

@@ -146,15 +146,18 @@ class LookupOp:
     finished_at: float | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def resolve(self, hit: int | None, error: str = "") -> bool:
+    def resolve(self, hit: int | None, error: str = "") -> OpState | None:
+        """Record the answer; returns the state it replaced (None if already terminal), so
+        the caller knows atomically whether the step thread had given up on it (LATE)."""
         with self._lock:
             if self.state in (OpState.DONE, OpState.FAILED):
-                return False
+                return None
+            before = self.state
             self.hit = hit
             self.state = OpState.DONE if hit is not None else OpState.FAILED
             self.error = error
             self.finished_at = time.monotonic()
-            return True
+            return before
 
     def mark_late(self) -> bool:
         with self._lock:

@@ -33,7 +33,7 @@ from atom.kv_transfer.offload.events import EventPool
 from atom.kv_transfer.offload.operations import LookupOp, OpState, TransferOp
 from atom.kv_transfer.offload.worker import op_bytes
 from atom.metrics import Registry
-from atom.model_api import StateSpec, image_tag
+from atom.model_api import StateSpec, image_header
 
 log = logging.getLogger("atom.offload")
 
@@ -47,6 +47,7 @@ class TierRequest:
     settled: bool = False  # the lookup's locks were handed to a load or freed
     can_save: bool = False  # the tier's content for this prefix is known
     saved_upto: int = 0  # the tier holds [0, saved_upto) with an image there
+    tier_has: int = 0  # what the lookup said the tier held for this request
     load: TransferOp | None = None
     ops: set[TransferOp] = field(default_factory=set)  # live (leased) transfers
     finished: bool = False
@@ -79,6 +80,7 @@ class OffloadConnector(Connector):
         self._requests: set[TierRequest] = set()  # alive or with live transfers
         self._events: dict[TransferOp, object] = {}
         self.quarantined: set[TransferOp] = set()
+        self._epoch = transfers.epoch
         self.live_ops = 0  # read by the metrics thread: plain ints, no iteration
         self.quarantined_blocks = 0
         self._init_metrics(metrics)
@@ -109,6 +111,11 @@ class OffloadConnector(Connector):
     # ---- Connector: step thread ------------------------------------------------------------
 
     def update(self) -> None:
+        epoch = self.transfers.epoch
+        if epoch != self._epoch:  # the tier may have lost everything: store again from 0
+            self._epoch = epoch
+            for st in self._requests:
+                st.saved_upto, st.tier_has = 0, 0
         with self._lock:
             outcomes, self._outcomes = list(self._outcomes), deque()
         for op in outcomes:
@@ -136,7 +143,10 @@ class OffloadConnector(Connector):
         if st.tier_hit is not None:
             return 0 if st.settled else st.tier_hit
         if st.lookup is None:
-            if not self.cfg.load or not self.transfers.healthy:
+            if not self.cfg.load:  # save-only: store everything, load nothing
+                st.tier_hit, st.settled, st.can_save = 0, True, self.transfers.healthy
+                return 0
+            if not self.transfers.healthy:
                 st.tier_hit = 0  # no answer: neither load nor store this prefix
                 return 0
             tokens = seq.tokens[: seq.num_tokens - 1]
@@ -215,7 +225,7 @@ class OffloadConnector(Connector):
             return
         if op.state is OpState.DONE:
             hit = op.hit // self.chunk_size * self.chunk_size
-            st.tier_hit, st.can_save, st.saved_upto = hit, True, hit
+            st.tier_hit, st.can_save, st.saved_upto, st.tier_has = hit, True, hit, hit
             self.m_lookups.inc(outcome="hit" if hit else "miss")
         else:
             st.tier_hit = 0
@@ -237,20 +247,32 @@ class OffloadConnector(Connector):
                 self._load_failed(st, op, "deadline passed")
             return
         op.reported = True
-        self._retire(st, op)
         if op.was_late:  # the request moved on; the quarantine ends
+            self._retire(st, op)
             self.quarantined.discard(op)
             return
-        if op.state is OpState.DONE and image_tag(self.spec, self.pool_tensor, op.units) == (
-            self.spec.layout_tag
-        ):
+        why = self._check_loaded(op)
+        if why is None:
             self._load_done(st, op)
         else:
-            why = op.error if op.state is OpState.FAILED else "image of another layout"
             self.m_loads.inc(outcome="failed")
+            self._retire(st, op)
             self._load_failed(st, op, why)
 
+    def _check_loaded(self, op: TransferOp) -> str | None:
+        """None if the load put an image of this layout and of its own boundary in place."""
+        if op.state is not OpState.DONE:
+            return op.error or "failed"
+        tag, position = image_header(self.spec, self.pool_tensor, op.units)
+        if tag != self.spec.layout_tag:
+            return "image of another layout"
+        if position != op.end:
+            return f"image of boundary {position}, expected {op.end}"
+        return None
+
     def _load_done(self, st: TierRequest, op: TransferOp) -> None:
+        """Publish the loaded pages and image while the op still holds them, then hand them
+        to the request (or, if it finished meanwhile, to the prefix cache)."""
         seq, bs = st.seq, self.spec.block_size
         hashes = seq.block_hashes
         for i, b in enumerate(op.page_blocks):
@@ -263,15 +285,14 @@ class OffloadConnector(Connector):
         image.stored = True  # it came from the tier
         ready = self.store.mark_ready(image)
         st.load = None
-        if st.finished or not ready:
-            op.release(self.pool, self.store)
-            if not st.finished:
-                self._recompute(st, op.start)
-            return
-        self.store.pin(image)  # the request's own hold, for its restore
-        op.release(self.pool, self.store)
-        seq.resume = Resume(tokens=op.end, image=image, local_tokens=op.start)
-        st.saved_upto = max(st.saved_upto, op.end)
+        alive = not st.finished
+        if alive and ready:
+            self.store.pin(image)  # the request's own hold, for its restore
+            seq.resume = Resume(tokens=op.end, image=image, local_tokens=op.start)
+            st.saved_upto = max(st.saved_upto, op.end)
+        self._retire(st, op)
+        if alive and not ready:
+            self._recompute(st, op.start)
         self._wake(st)
 
     def _load_failed(self, st: TierRequest, op: TransferOp, why: str) -> None:
@@ -320,7 +341,10 @@ class OffloadConnector(Connector):
         while b <= seq.num_computed:
             image = self.store.get_ready(seq.block_hashes[b // bs - 1])
             if image is not None:
-                if not (image.stored or image.saving):
+                # a stored flag is trusted only where this request's lookup confirmed it: the
+                # server may have evicted or lost what an older save put there
+                known = image.stored and b <= st.tier_has
+                if not (known or image.saving):
                     self._save(st, st.saved_upto, b, image)
                 st.saved_upto = b
             b += chunk
@@ -408,9 +432,15 @@ class OffloadConnector(Connector):
             self._requests.discard(st)
 
     def shutdown(self, timeout_s: float) -> None:
-        """Stores in flight get ``timeout_s`` to finish; then every lease is released."""
+        """Stores in flight get ``timeout_s`` to finish; then every lease is released and
+        every session ended (a lookup still pending is given up and its locks freed)."""
         self.transfers.stop(timeout_s)
         self.update()
+        for st in list(self._requests):
+            lk = st.lookup
+            if lk is not None and st.tier_hit is None and lk.mark_late():
+                st.tier_hit, st.settled = 0, True
+                self.lookups.free_locks(st.lmc_id, lk.token_ids, 0, len(lk.token_ids))
         for st in list(self._requests):
             for op in list(st.ops):
                 op.resolve(False, "shutdown")

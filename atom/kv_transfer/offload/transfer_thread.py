@@ -79,6 +79,7 @@ class TransferThread:
         self._drain_until: float | None = None
         self._registered = threading.Event()
         self.registrations = 0
+        self.recoveries = 0  # healthy again after an outage (the server may have lost data)
         self.round_errors = 0
         self.last_error = ""
         self.thread = threading.Thread(target=self._run, name="atom-lmcache-transfer", daemon=True)
@@ -98,6 +99,11 @@ class TransferThread:
     def healthy(self) -> bool:
         adapter = self._adapter
         return adapter is not None and bool(adapter.is_healthy)
+
+    @property
+    def epoch(self) -> int:
+        """Changes whenever the tier may have lost what it held (re-registration, recovery)."""
+        return self.registrations + self.recoveries
 
     @property
     def in_flight(self) -> int:
@@ -235,6 +241,7 @@ class TransferThread:
         now = time.monotonic()
         if healthy and not self._was_healthy and self.registrations > 0:
             self._recovered_at = now
+            self.recoveries += 1
         self._was_healthy = healthy
         grace = 2 * self.cfg.heartbeat_s + 1.0
         server_dead = self.server_alive is not None and not self.server_alive()

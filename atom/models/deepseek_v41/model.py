@@ -168,6 +168,7 @@ class DeepseekV41ForCausalLM(nn.Module):
         for seq, g in zip(seqs, grams):
             slots.cursor[seq.span.slot, 0] = seq.span.end
             slots.cursor[seq.span.slot, 1:] = g[-1, 1:]
+            slots.header[seq.span.slot, 1] = seq.span.end
         if not all_logits:
             x = x[torch.tensor([s.hi - 1 for s in seqs], device=dev)]
         return self._head(x)

@@ -211,7 +211,7 @@ def build_v41_pool_geometry(
         ("compressor_values", (len(owners), comp_rows, config.head_dim), "fp32"),
         ("compressor_scores", (len(owners), comp_rows, config.head_dim), "fp32"),
         ("cursor", (4,), "int64"),  # committed position, last 3 Engram token ids (-1 none)
-        ("header", (2,), "int64"),  # layout tag, reserved
+        ("header", (2,), "int64"),  # layout tag, position (the boundary an image is of)
     ]
     fields, pos = [], 0
     for name, shape, dtype in specs:

@@ -1,0 +1,913 @@
+"""One test (or a few) per failure mode of design/FAILURE_MODES.md, on a real engine (v41-tiny,
+CPU) whose tier is an OffloadConnector over fakes that end lookups and transfers on cue
+(tests/offload/fakes.py), and on the transfer and lookup threads driven directly.
+
+Modes 16-17 (CUDA interprocess events, stream ordering) need a GPU; the CPU-checkable half of 16
+(events are pooled, reused and held until their op is terminal) is tested with a stand-in
+event. Mode 18 (the namespace) is covered by the namespace tests, not here.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from atom.engine.model_runner import ModelRunner, SlotOwnershipError
+from atom.engine.scheduler import ScheduledSpan
+from atom.engine.sequence import SeqStatus, Sequence
+from atom.kv_transfer.offload import transfer_thread
+from atom.kv_transfer.offload.config import OffloadConfig
+from atom.kv_transfer.offload.events import CpuEvent
+from atom.kv_transfer.offload.lookup_thread import LookupThread
+from atom.kv_transfer.offload.operations import LookupOp, OpState
+from atom.model_api import pool_bytes
+from atom.models.registry import load_runtime
+from atom.sampling_params import SamplingParams
+
+from .fakes import (
+    BLOCK,
+    FakeFuture,
+    FakeSchedulerAdapter,
+    FakeWorkerAdapter,
+    RecordingCondition,
+    StuckThread,
+    cursor_of_image,
+    image_bytes,
+    make_harness,
+    make_transfer_thread,
+    prompt_of,
+    transfer_op,
+)
+
+WAIT_S = 10.0  # upper bound for a thread to reach a barrier (never slept)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """v41-tiny's ops are too small to gain from intra-op threads; on a shared machine the
+    extra threads only spin (a 100x slowdown was measured)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture()
+def make():
+    """Build harnesses; any not shut down by the test is shut down (unchecked) afterwards."""
+    made = []
+
+    def build(**kw):
+        h = make_harness(**kw)
+        made.append(h)
+        return h
+
+    yield build
+    for h in made:
+        if not h.closed:
+            h.shutdown(check=False)
+
+
+def fill_tier(h, prompt, max_tokens=2):
+    """Run ``prompt`` with every save completing at once (the server ends up holding each
+    boundary), then empty the local cache so the next run of it must come from the tier."""
+    auto = h.transfers.auto
+    h.transfers.auto = {"save"}
+    seq = h.add(prompt, max_tokens)
+    h.run([seq])
+    h.step()  # fold the last outcomes in
+    h.engine.reset_prefix_cache()
+    h.transfers.auto = auto
+    return seq
+
+
+def ops_of(h, seq, kind=None):
+    if seq.connector_state is None:
+        return []
+    lmc = seq.connector_state.lmc_id
+    return [op for op in h.transfers.submitted if op.lmc_id == lmc and kind in (None, op.kind)]
+
+
+def assert_held(h, blocks):
+    """Blocks owned by someone: never handed out by an allocation."""
+    for b in blocks:
+        assert h.pool.ref[b] >= 1, f"block {b} lost its lease (ref 0)"
+    assert not set(blocks) & h.reusable_blocks(), "a leased block is allocatable"
+
+
+def assert_saved_what_was_decided(h, op):
+    """The bytes the server read at completion are the bytes the save was decided on."""
+    pages, units = h.transfers.snapshots[op.op_id]
+    got_pages, got_units = h.server.read[op.op_id]
+    assert torch.equal(pages, got_pages), f"{op}: page bytes changed while leased"
+    assert torch.equal(units, got_units), f"{op}: image bytes changed while leased"
+
+
+# ---- 1. the fence sees every stage ---------------------------------------------------------------
+
+
+def test_fm1_queued_save_keeps_its_blocks_when_its_request_finishes(make):
+    h = make(num_blocks=24)
+    a = h.add(prompt_of(35, 1), max_tokens=1)
+    h.run([a])
+    saves = ops_of(h, a, "save")
+    assert [(o.start, o.end) for o in saves] == [(0, 16), (16, 32)]
+    assert all(o.state is OpState.QUEUED for o in saves)  # decided, never sent
+    assert a.is_finished and a.block_table == []
+    leased = [b for o in saves for b in o.page_blocks]
+    units = [u for o in saves for u in o.units]
+    assert_held(h, leased + units)
+    assert all(o.image.pins >= 1 for o in saves)
+
+    # another request takes the rest of the pool; its own saves complete at once
+    h.transfers.auto = {"save"}
+    b = h.add(prompt_of(200, 2), max_tokens=2)
+    while not b.is_finished:
+        h.step()
+        assert_held(h, leased + units)
+        assert not set(leased + units) & set(b.block_table)
+    assert h.engine.store.evicted + h.pool.evictions > 0, "the pool was never under pressure"
+
+    for o in saves:
+        h.transfers.complete(o)
+    h.step()
+    for o in saves:
+        assert o.state is OpState.DONE and o.image.stored
+        assert_saved_what_was_decided(h, o)
+    assert h.connector.leases() == {}
+    h.shutdown()
+
+
+def test_fm1_queued_saves_keep_their_blocks_through_preemption(make):
+    h = make(num_blocks=20, max_num_seqs=2)
+    prompts = [prompt_of(64, 1), prompt_of(64, 2)]
+    seqs = [h.add(p, max_tokens=3) for p in prompts]
+    h.step_until(lambda: h.engine.scheduler.preemptions > 0, max_steps=20)
+    victim = next(s for s in seqs if s.counters.preemptions)
+    pending = [o for o in ops_of(h, victim, "save") if o.state is OpState.QUEUED]
+    assert pending, "the preempted request had no save in the queue"
+    leased = [b for o in pending for b in o.page_blocks]
+    assert victim.num_computed == 0 and not set(leased) & set(victim.block_table)
+    assert_held(h, leased)
+    for s in seqs:
+        if s is not victim:
+            assert not set(leased) & set(s.block_table)
+
+    h.transfers.auto = {"save"}
+    h.transfers.complete_all()
+    h.run(seqs)
+    for o in pending:
+        assert_saved_what_was_decided(h, o)
+
+    ref = make(num_blocks=64)
+    ref.transfers.auto = {"save"}
+    alone = [ref.add(p, max_tokens=3) for p in prompts]
+    ref.run(alone)
+    assert [s.output for s in seqs] == [s.output for s in alone]
+    h.shutdown()
+
+
+@pytest.mark.parametrize("how", ["thread_deadline", "scheduler_deadline"])
+def test_fm1_late_load_keeps_its_blocks_quarantined_until_it_resolves(make, how):
+    h = make(offload={"transfer_timeout_s": 2.0})
+    p = prompt_of(87, 3)
+    first = fill_tier(h, p, max_tokens=3)
+    s = h.add(p, max_tokens=3)
+    h.step_until(lambda: h.transfers.loads)
+    load = h.transfers.loads[0]
+    dest = list(load.page_blocks) + list(load.units)
+
+    if how == "thread_deadline":
+        h.transfers.late(load)
+    else:  # the thread never answered: the scheduler's own bound (deadline + margin)
+        h.clock.advance(2.0 + 1.5)
+    h.step()
+    assert load.state is OpState.LATE and load in h.connector.quarantined
+    assert s.counters.failed_loads == 1
+    assert h.connector.quarantined_blocks == len(load.page_blocks)
+
+    h.transfers.auto = {"save"}
+    h.step()
+    h.step()
+    assert s.status is SeqStatus.RUNNING  # recomputing, into other blocks
+    for _ in range(2):
+        assert_held(h, dest)
+        assert not set(dest) & set(s.block_table)
+        h.step()
+
+    # the server answers at last, writing the blocks it was given: nobody else holds them
+    h.transfers.complete(load, ok=True)
+    h.step()
+    assert load not in h.connector.quarantined and not load.leased
+    h.run([s])
+    assert s.output == first.output
+    h.shutdown()
+
+
+# ---- 2. a finished request's tail save ------------------------------------------------------
+
+
+def test_fm2_tail_save_of_a_finished_request_completes_then_releases(make):
+    h = make(num_blocks=24)
+    p = prompt_of(40, 4)
+    s = h.add(p, max_tokens=1)
+    h.run([s])
+    st = s.connector_state
+    saves = ops_of(h, s, "save")
+    assert len(saves) == 2 and st.finished and s.block_table == []
+    h.step()
+    assert st in h.connector._requests and st.lmc_id not in h.lookups.ended
+
+    # the pool churns meanwhile (cached blocks evicted, images dropped with their prefix)
+    h.transfers.auto = {"save"}
+    other = h.add(prompt_of(200, 5), max_tokens=1)
+    h.run([other])
+
+    for o in saves:
+        h.transfers.complete(o)
+    h.step()
+    for o in saves:
+        assert o.state is OpState.DONE and o.image.stored and not o.leased
+        assert o.token_ids == p[: o.end]
+        assert_saved_what_was_decided(h, o)
+    assert st not in h.connector._requests
+    assert h.lookups.ended.count(st.lmc_id) == 1
+    assert h.server.hit(p[:39]) == 32  # stored under the request's own hashes
+    h.shutdown()
+    assert h.lookups.ended.count(st.lmc_id) == 1
+
+
+def test_fm2_abandoned_tail_saves_release_their_leases(make):
+    h = make()
+    s = h.add(prompt_of(50, 6), max_tokens=1)
+    h.run([s])
+    st = s.connector_state
+    s1, s2, s3 = ops_of(h, s, "save")
+    # s1: the server lost it (late, then given up on); s2 failed; s3 pending at shutdown
+    h.transfers.late(s1)
+    h.step()
+    assert s1 in h.connector.quarantined and s1.leased
+    s1.resolve(False, "lost: the server that held it is gone")
+    h.transfers.post(s1)
+    h.transfers.complete(s2, ok=False)
+    h.step()
+    assert not s1.leased and not s2.leased and s3.leased
+    assert st in h.connector._requests  # s3 still reads its blocks
+    assert not (s1.image.stored or s2.image.stored)
+    h.shutdown()  # asserts no lease, pin or session is left
+    assert s3.state is OpState.FAILED and not s3.leased
+    assert h.lookups.ended.count(st.lmc_id) == 1
+
+
+def test_fm2_load_that_completes_after_its_request_was_aborted(make):
+    h = make()
+    p = prompt_of(87, 7)
+    first = fill_tier(h, p, max_tokens=2)
+    r = h.add(p, max_tokens=2)
+    h.step_until(lambda: h.transfers.loads)
+    load = h.transfers.loads[0]
+    assert h.engine.abort(r.request_id)
+    h.step()
+    assert_held(h, load.page_blocks)  # the load still writes them
+    h.transfers.complete(load, ok=True)
+    h.step()
+    hashed_free = [b for b in h.free_blocks() if h.pool.hash_of[b] is not None]
+    assert not hashed_free, f"free blocks carry hashes: {hashed_free}"
+    img = load.image
+    assert not (img.ready and img.pins == 0 and img.key not in h.engine.store._lru)
+
+    h.transfers.auto = {"save", "load"}
+    again = h.add(p, max_tokens=2)
+    h.run([again])
+    assert again.output == first.output
+    h.shutdown()
+
+
+# ---- 3. a failed load's destination is not a save source -----------------------------------
+
+
+@pytest.mark.parametrize("how", ["failed", "late"])
+def test_fm3_failed_load_destination_is_never_a_save_source(make, how):
+    h = make()
+    p = prompt_of(87, 8)
+    first = fill_tier(h, p, max_tokens=2)
+    clean = {(o.start, o.end): h.server.read[o.op_id] for o in ops_of(h, first, "save")}
+    s = h.add(p, max_tokens=2)
+    h.step_until(lambda: h.transfers.loads)
+    load = h.transfers.loads[0]
+    dest = list(load.page_blocks)
+    pool_bytes(h.engine.runner.pool)[dest] = 0xAB  # a partial write before the failure
+
+    if how == "failed":
+        h.transfers.complete(load, ok=False)
+    else:
+        h.transfers.late(load)
+    h.transfers.auto = {"save"}
+    h.run([s])
+    h.step()
+    assert s.counters.failed_loads == 1 and s.output == first.output
+    later = [o for o in ops_of(h, s, "save") if o.op_id > load.op_id]
+    assert later, "the recomputed span was never saved"
+    for o in later:
+        assert o.image is not load.image
+        if how == "late":  # still quarantined: the recompute could not have used them
+            assert not set(o.page_blocks) & set(dest)
+        pages, units = h.server.read[o.op_id]
+        assert not (pages == 0xAB).all(dim=1).any(), f"{o} read a stale destination block"
+        ref_pages, _ = clean[(o.start, o.end)]
+        assert torch.equal(pages, ref_pages), f"{o}: bytes differ from a clean computation"
+    h.transfers.complete_all(ok=False)
+    h.shutdown()
+
+
+# ---- 4. blocks still read by another op stay leased ----------------------------------------
+
+
+def test_fm4_retiring_one_op_keeps_the_blocks_its_siblings_still_read(make):
+    h = make()
+    s = h.add(prompt_of(50, 9), max_tokens=4)
+    h.step_until(lambda: len(ops_of(h, s, "save")) == 3)
+    s1, s2, s3 = ops_of(h, s, "save")
+    assert not s.is_finished
+    # one retires while its request still runs: the request keeps the blocks
+    h.transfers.complete(s1)
+    h.step()
+    assert not s1.leased and all(h.pool.ref[b] == 1 for b in s1.page_blocks)
+    assert set(s1.page_blocks) <= set(s.block_table)
+    h.run([s])
+    # the request is gone; one sibling fails: the other still holds its blocks and image
+    h.transfers.complete(s2, ok=False)
+    h.step()
+    assert not s2.leased and s3.leased
+    assert_held(h, s3.page_blocks + s3.units)
+    assert s3.image.pins == 1 and s3.image in h.engine.store.owners()
+    for b in s2.page_blocks:
+        assert h.pool.ref[b] == 0
+    h.transfers.complete(s3)
+    h.step()
+    assert_saved_what_was_decided(h, s3)
+    h.shutdown()
+
+
+# ---- 5. cursor equality does not prove slot ownership --------------------------------------
+
+
+def test_fm5_runner_refuses_a_new_owner_continuing_at_the_old_cursor():
+    runtime = load_runtime(
+        "v41-tiny",
+        dtype=torch.float32,
+        kv_dtype="fp32",
+        index_dtype="fp32",
+        block_size=BLOCK,
+        device="cpu",
+        seed=0,
+    )
+    runner = ModelRunner(runtime, num_blocks=8, num_slots=1)
+    runner.bind()
+    params = SamplingParams(max_tokens=1)
+    a = Sequence(prompt_of(20, 1), params)
+    b = Sequence(prompt_of(20, 2), params)
+    a.slot = b.slot = 0
+    a.block_table, b.block_table = [0, 1], [2, 3]
+
+    runner.execute([ScheduledSpan(a, 0, 16)])
+    runner.execute([ScheduledSpan(b, 0, 16)])  # b enters the slot at 0 (reset)
+    assert runtime.slots.position(0) == 16  # the cursor a left it at, by coincidence
+    before = runner.slot_bytes[0].clone()
+    with pytest.raises(SlotOwnershipError):
+        runner.execute([ScheduledSpan(a, 16, 20)])
+    assert torch.equal(runner.slot_bytes[0], before), "refused after touching the slot"
+    runner.execute([ScheduledSpan(b, 16, 20)])  # the owner continues
+    assert runtime.slots.position(0) == 20
+
+
+# ---- 6. the image is taken before the next step mutates the state --------------------------
+
+
+def test_fm6_every_image_holds_the_cursor_and_state_of_its_boundary(make):
+    h = make()
+    h.transfers.auto = {"save"}
+    seqs = [h.add(prompt_of(45, 10), max_tokens=8), h.add(prompt_of(38, 11), max_tokens=12)]
+    eng, checked = h.engine, set()
+    while not all(s.is_finished for s in seqs):
+        h.step()
+        for s in seqs:
+            n = s.num_computed
+            if s.is_finished or n % BLOCK or n == 0:
+                continue
+            img = eng.store.get_ready(s.block_hashes[n // BLOCK - 1])
+            assert img is not None and img.position == n
+            # taken this step, and no later step has touched the slot since
+            assert cursor_of_image(eng, img.units) == [n, *s.tokens[n - 3 : n]]
+            assert torch.equal(image_bytes(eng, img.units), eng.runner.slot_bytes[s.slot])
+            checked.add((s.seq_id, n))
+    assert {n for _, n in checked} >= {16, 32, 48}  # 48: taken by a decode step
+    for o in h.transfers.saves:  # and what the tier got
+        _, units = h.server.read[o.op_id]
+        f = eng.runtime.geometry.field("cursor")
+        cur = units.reshape(-1)[f.offset : f.offset + f.nbytes].clone().view(torch.int64)
+        assert int(cur[0]) == o.end
+    h.shutdown()
+
+
+# ---- 7. committed positions ------------------------------------------------------------------
+
+
+def test_fm7_saves_cover_only_committed_positions(make):
+    h = make()
+    seen = []
+    h.transfers.on_submit = lambda op: seen.append(
+        (op, op.owner.seq.num_computed, op.owner.seq.num_tokens, op.image.ready)
+    )
+    h.transfers.auto = {"save"}
+    s = h.add(prompt_of(40, 12), max_tokens=12)
+    h.step_until(lambda: s.num_computed == 40)
+    # optimistic tokens (as drafts would be) past two boundaries: nothing of them is saved
+    drafts = prompt_of(24, 13)
+    s.tokens.extend(drafts)
+    before = len(seen)
+    h.connector.after_step([s])
+    assert len(seen) == before
+    del s.tokens[-len(drafts) :]
+    h.run([s])
+    assert seen
+    for op, computed, _, ready in seen:
+        assert op.end <= computed and op.image.position == op.end and ready
+    assert any(op.end == 48 for op, *_ in seen)  # committed by a decode step
+    h.shutdown()
+
+
+# ---- 8. the prefill tail ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", [17, 47, 48, 49, 64])
+def test_fm8_every_hit_leaves_a_prompt_token_to_compute(make, n):
+    h = make()
+    p = prompt_of(n, 14)
+    first = h.add(p, max_tokens=2)
+    h.transfers.auto = {"save", "load"}
+    h.run([first])
+    ceiling = (n - 1) // BLOCK * BLOCK
+
+    hbm = h.add(p, max_tokens=2)  # the local cache holds all of it
+    h.run([hbm])
+    c = hbm.counters
+    assert c.hbm_hit_tokens == ceiling and c.computed_prompt_tokens == n - ceiling >= 1
+
+    h.engine.reset_prefix_cache()
+    tier = h.add(p, max_tokens=2)  # the tier holds all of it
+    h.run([tier])
+    assert h.lookups.ops[-1].token_ids == p[:-1]
+    c = tier.counters
+    assert c.tier_hit_tokens == ceiling and c.computed_prompt_tokens == n - ceiling >= 1
+    assert first.output == hbm.output == tier.output
+    h.shutdown()
+
+
+# ---- 9. the ends agree -----------------------------------------------------------------------
+
+
+def test_fm9_full_prompt_tier_hit_page_end_image_and_resume_agree(make):
+    h = make(max_num_seqs=1, max_num_batched_tokens=BLOCK)
+    p = prompt_of(5 * BLOCK + 7, 15)
+    first = fill_tier(h, p, max_tokens=4)
+    spans = []
+    execute = h.engine.runner.execute
+    h.engine.runner.execute = lambda sps: (spans.extend(sps), execute(sps))[1]
+    s = h.add(p, max_tokens=4)
+    h.step_until(lambda: h.transfers.loads)
+    load = h.transfers.loads[0]
+    assert h.lookups.ops[-1].token_ids == p[:-1]
+    assert (load.start, load.end) == (0, 5 * BLOCK) and load.image.position == load.end
+    h.transfers.complete(load)
+    assert cursor_of_image(h.engine, load.units)[0] == load.end
+    h.run([s])
+    resumed = spans[0]
+    assert resumed.seq is s and resumed.restore is load.image
+    assert resumed.start == load.end  # the runner checked the restored cursor against it
+    assert s.counters.tier_hit_tokens == 5 * BLOCK and s.counters.computed_prompt_tokens == 7
+    assert s.output == first.output
+    h.shutdown()
+
+
+def test_fm9_hbm_first_then_the_tier_from_the_hbm_hit(make):
+    h = make(auto_lookups=False)
+    p = prompt_of(87, 16)
+    h.lookups.auto = True
+    first = fill_tier(h, p, max_tokens=2)
+    h.lookups.auto = False
+    h.transfers.auto = {"save", "load"}
+    local = h.add(p[:40], max_tokens=1)  # the local cache gets [0, 32), the tier is not asked
+    h.step()
+    h.lookups.answer(h.lookups.ops[-1], 0)
+    h.run([local])
+
+    s = h.add(p, max_tokens=2)
+    h.step()
+    lk = h.lookups.ops[-1]
+    h.lookups.answer(lk)
+    h.run([s])
+    lmc = s.connector_state.lmc_id
+    (load,) = ops_of(h, s, "load")
+    assert (load.start, load.end) == (32, 80)
+    assert h.lookups.frees_of(lmc) == [(0, 32)]  # HBM covers it: freed, once
+    assert all(t == r == 1 for t, r in h.lookups.lock_balance(lmc).values())
+    c = s.counters
+    assert (c.hbm_hit_tokens, c.tier_hit_tokens, c.computed_prompt_tokens) == (32, 48, 7)
+    assert s.output == first.output
+    h.shutdown()
+
+
+# ---- 10. a lookup that did not answer is not an empty answer ---------------------------------
+
+
+@pytest.mark.parametrize("how", ["timeout", "rpc_error"])
+def test_fm10_unanswered_lookup_gives_no_load_and_no_saves(make, how):
+    h = make(auto_lookups=False, offload={"lookup_timeout_s": 2.0})
+    h.transfers.auto = {"save", "load"}
+    control = h.add(prompt_of(40, 17), max_tokens=1)
+    h.step()
+    h.lookups.answer(h.lookups.ops[-1], 0)  # an empty answer: the tier lacks it, so store
+    h.run([control])
+    assert [(o.start, o.end) for o in ops_of(h, control, "save")] == [(0, 16), (16, 32)]
+
+    s = h.add(prompt_of(87, 18), max_tokens=2)
+    h.step()
+    (lk,) = [o for o in h.lookups.ops if o.owner.seq is s]
+    h.step()
+    assert s.status is SeqStatus.WAITING_FOR_TIER and not h.engine.last_step_ran
+    if how == "timeout":
+        h.clock.advance(1.9)
+        h.step()
+        assert s.status is SeqStatus.WAITING_FOR_TIER
+        h.clock.advance(0.2)
+    else:
+        h.lookups.fail(lk)
+    h.run([s])
+    h.step()
+    assert ops_of(h, s, "load") == [] and ops_of(h, s, "save") == []
+    if how == "timeout":  # the answer comes after all: nothing changes
+        assert lk.state is OpState.LATE
+        h.lookups.answer(lk, 48)
+        h.step()
+        assert ops_of(h, s, "load") == [] and ops_of(h, s, "save") == []
+        lmc = s.connector_state.lmc_id
+        assert all(t == r == 1 for t, r in h.lookups.lock_balance(lmc).values())
+    assert h.lookups.ended.count(s.connector_state.lmc_id) == 1
+    h.shutdown()
+
+
+def test_save_only_config_still_stores(make):
+    h = make(offload={"load": False})
+    h.transfers.auto = {"save"}
+    s = h.add(prompt_of(40, 19), max_tokens=1)
+    h.run([s])
+    assert ops_of(h, s, "load") == []
+    assert [(o.start, o.end) for o in ops_of(h, s, "save")] == [(0, 16), (16, 32)]
+    h.shutdown()
+
+
+# ---- 11. a withdrawn promise frees its lookup locks ------------------------------------------
+
+
+def test_fm11_hit_covered_by_hbm_frees_its_locks_once(make):
+    h = make()
+    h.transfers.auto = {"save"}
+    p = prompt_of(87, 20)
+    first = h.add(p, max_tokens=1)
+    h.run([first])
+    again = h.add(p, max_tokens=1)
+    h.run([again])
+    h.step()
+    lmc = again.connector_state.lmc_id
+    assert again.counters.hbm_hit_tokens == 80 and ops_of(h, again, "load") == []
+    assert h.lookups.frees_of(lmc) == [(0, 80)]
+    assert all(t == r == 1 for t, r in h.lookups.lock_balance(lmc).values())
+    h.shutdown()
+    assert h.lookups.frees_of(lmc) == [(0, 80)] and h.lookups.ended.count(lmc) == 1
+
+
+def test_fm11_request_aborted_while_its_lookup_runs_frees_the_late_hit_once(make):
+    h = make(auto_lookups=False)
+    p = prompt_of(87, 21)
+    h.lookups.auto = True
+    fill_tier(h, p)
+    h.lookups.auto = False
+    s = h.add(p, max_tokens=1)
+    h.step()
+    (lk,) = [o for o in h.lookups.ops if o.owner.seq is s]
+    assert h.engine.abort(s.request_id)
+    h.step()
+    lmc = s.connector_state.lmc_id
+    assert lmc not in h.lookups.ended  # its lookup may still take locks
+    h.lookups.answer(lk)
+    h.step()
+    assert lk.hit == 80 and h.lookups.frees_of(lmc) == [(0, 80)]
+    assert h.lookups.ended.count(lmc) == 1 and ops_of(h, s) == []
+    h.shutdown()
+    assert h.lookups.frees_of(lmc) == [(0, 80)]
+
+
+def test_fm11_hit_without_room_to_load_frees_its_locks_once(make):
+    big = make()
+    p = prompt_of(87, 22)
+    fill_tier(big, p)
+    h = make(server=big.server, num_blocks=6)  # 5 blocks + a 2-unit image do not fit
+    s = h.add(p, max_tokens=1)
+    h.run([s])
+    h.step()
+    lmc = s.connector_state.lmc_id
+    assert ops_of(h, s, "load") == [] and s.counters.computed_prompt_tokens == 87
+    assert h.lookups.frees_of(lmc) == [(0, 80)]
+    assert all(t == r == 1 for t, r in h.lookups.lock_balance(lmc).values())
+    h.shutdown()
+    big.shutdown()
+
+
+def test_fm11_lookup_answered_as_its_deadline_passes_still_frees_its_locks(make, monkeypatch):
+    h = make(auto_lookups=False, offload={"lookup_timeout_s": 2.0})
+    thread = LookupThread(
+        url="tcp://127.0.0.1:1",
+        namespace="atom-test#0",
+        world_size=1,
+        block_size=BLOCK,
+        config=OffloadConfig(lookup_timeout_s=2.0),
+        zmq_context=None,
+        on_outcome=h.connector.post,
+    )
+    thread._adapter = adapter = FakeSchedulerAdapter(hit=48)
+    h.connector.lookups = thread  # the real lookup thread's logic, run here on cue
+    try:
+        s = h.add(prompt_of(70, 23), max_tokens=1)
+        h.step()
+        kind, (lk,) = thread._commands.popleft()
+        assert kind == "lookup"
+        thread._do_lookup(lk)
+        resolve = LookupOp.resolve
+
+        def racing(op, hit, error=""):  # the step thread's sweep lands just before it
+            if op is lk and hit is not None and op.state is not OpState.LATE:
+                h.clock.advance(2.5)
+                h.connector.update()
+            return resolve(op, hit, error)
+
+        monkeypatch.setattr(LookupOp, "resolve", racing)
+        thread._poll()
+        monkeypatch.setattr(LookupOp, "resolve", resolve)
+        assert lk.state is OpState.DONE and lk.hit == 48
+        h.run([s])
+        h.step()
+        assert ops_of(h, s, "load") == []
+        freed = [(a, e) for i, a, e in adapter.frees if i == lk.lmc_id]
+        freed += [(c[2], c[3]) for k, c in thread._commands if k == "free" and c[0] == lk.lmc_id]
+        assert any(a <= 0 and e >= 48 for a, e in freed), "the hit's locks are never freed"
+    finally:
+        h.connector.lookups = h.lookups
+
+
+def test_fm11_shutdown_with_a_lookup_pending_ends_its_session(make):
+    h = make(auto_lookups=False)
+    s = h.add(prompt_of(40, 24), max_tokens=1)
+    h.step()
+    assert s.status is SeqStatus.WAITING_FOR_TIER
+    h.engine.shutdown(timeout_s=0.0)
+    assert not h.connector._requests
+    assert h.lookups.ended.count(s.connector_state.lmc_id) == 1
+
+
+# ---- 12. a lost or failed tier hit is stored again -------------------------------------------
+
+
+@pytest.mark.parametrize("how", ["lost", "late"])
+def test_fm12_lost_tier_hit_is_stored_again(make, how):
+    h = make()
+    p = prompt_of(87, 25)
+    first = fill_tier(h, p)
+    s = h.add(p, max_tokens=2)
+    h.step_until(lambda: h.transfers.loads)
+    load = h.transfers.loads[0]
+    h.server.forget()  # the server restarted: its hit is gone
+    if how == "lost":
+        h.transfers.complete(load, ok=True)  # keys not found: the load fails
+        assert load.state is OpState.FAILED
+    else:
+        h.transfers.late(load)
+    h.transfers.auto = {"save"}
+    h.run([s])
+    h.step()
+    again = sorted(ops_of(h, s, "save"), key=lambda o: o.start)
+    assert again and again[0].start == load.start
+    assert [(o.start, o.end) for o in again] == [(i, i + BLOCK) for i in range(0, 80, BLOCK)]
+    assert h.server.hit(p[:-1]) == 80
+    h.transfers.complete_all(ok=False)
+
+    h.engine.reset_prefix_cache()
+    h.transfers.auto = {"save", "load"}
+    t = h.add(p, max_tokens=2)
+    h.run([t])
+    assert t.counters.tier_hit_tokens == 80 and t.output == s.output == first.output
+    h.shutdown()
+
+
+# ---- 13. deadlines without races -------------------------------------------------------------
+
+
+def test_fm13_finished_transfer_is_done_even_when_its_round_runs_past_the_deadline():
+    out = []
+    tt = make_transfer_thread(out.append)
+    tt._adapter = FakeWorkerAdapter()
+    op = transfer_op(deadline=time.monotonic() - 5.0)
+    op.mark_submitted(FakeFuture(done=True, ok=True))
+    tt._inflight.append(op)
+    tt._poll_round()
+    assert op.state is OpState.DONE and out == [op] and tt._inflight == []
+
+
+def test_fm13_unfinished_transfer_past_its_deadline_is_late_once_then_resolves():
+    out = []
+    tt = make_transfer_thread(out.append)
+    tt._adapter = FakeWorkerAdapter()
+    early = transfer_op(deadline=time.monotonic() + 60)
+    late = transfer_op(deadline=time.monotonic() - 1.0)
+    broken = transfer_op(deadline=time.monotonic() + 60)
+    early.mark_submitted(FakeFuture())
+    late.mark_submitted(fut := FakeFuture())
+    broken.mark_submitted(FakeFuture(raises=RuntimeError("reply lost")))
+    tt._inflight += [early, late, broken]
+    tt._poll_round()
+    tt._poll_round()
+    assert early.state is OpState.IN_FLIGHT
+    assert late.state is OpState.LATE
+    assert broken.state is OpState.FAILED and "transfer raised" in broken.error
+    assert out == [late, broken]  # LATE reported once, over two rounds
+    fut.done = True
+    tt._poll_round()
+    assert late.state is OpState.DONE and out == [late, broken, late]
+    assert tt._inflight == [early]
+
+
+def test_fm13_scheduler_deadline_bounds_a_load_the_thread_never_answers(make):
+    h = make(offload={"transfer_timeout_s": 3.0})
+    p = prompt_of(87, 26)
+    first = fill_tier(h, p)
+    s = h.add(p, max_tokens=2)
+    h.step_until(lambda: h.transfers.loads)
+    load = h.transfers.loads[0]
+    h.clock.advance(3.5)  # past the deadline, within the margin: the thread's own call
+    h.step()
+    assert load.state is OpState.QUEUED and s.status is SeqStatus.WAITING_FOR_TIER
+    h.clock.advance(1.0)
+    h.step()
+    assert load.state is OpState.LATE and load in h.connector.quarantined
+    h.transfers.auto = {"save"}
+    h.run([s])
+    assert s.counters.failed_loads == 1 and s.output == first.output
+    h.shutdown()
+    assert load.state is OpState.FAILED and not load.leased
+
+
+# ---- 14. prompt completion, no spinning ------------------------------------------------------
+
+
+def test_fm14_transfer_thread_blocks_when_idle_and_polls_only_while_in_flight(monkeypatch):
+    monkeypatch.setattr(transfer_thread, "build_spec", lambda op, shape: ("spec", op.op_id))
+    outcomes, got = [], threading.Event()
+
+    def on_outcome(op):
+        outcomes.append((op, op.state))
+        got.set()
+
+    adapter = FakeWorkerAdapter()
+    tt = make_transfer_thread(on_outcome, poll_interval_s=0.001)
+    tt._cond = cond = RecordingCondition()
+    tt._connect = lambda: adapter
+    rounds = []
+    poll_round = tt._poll_round
+    tt._poll_round = lambda: (rounds.append(len(tt._inflight)), poll_round())[1]
+    try:
+        assert tt.start(wait_registered_s=WAIT_S)
+        assert cond.blocked.wait(WAIT_S)
+        # registered and idle: one round ran, then an untimed wait (blocked, not polling)
+        assert cond.waits[-1] is None and rounds == [0]
+        cond.blocked.clear()
+        mark = len(cond.waits)
+        op = transfer_op()
+        tt.submit(op, CpuEvent())
+        assert adapter.submitted.wait(WAIT_S)
+        fut = adapter.futures[0]
+        assert fut.queried.wait(WAIT_S)
+        fut.done = True
+        assert got.wait(WAIT_S) and cond.blocked.wait(WAIT_S)
+        assert outcomes == [(op, OpState.DONE)]
+        timed = cond.waits[mark:-1]
+        assert timed and all(w == tt.poll_interval_s for w in timed)  # a timer while in flight
+        assert cond.waits[-1] is None  # and blocked again once nothing is
+        assert all(t is tt.thread for t in fut.query_threads)  # one thread queries futures
+    finally:
+        tt.stop(1.0)
+    assert not tt.thread.is_alive() and adapter.shutdowns == 1
+
+
+def test_fm14_load_completion_wakes_the_idle_engine_at_once(make):
+    h = make()
+    p = prompt_of(87, 27)
+    fill_tier(h, p)
+    s = h.add(p, max_tokens=2)
+    h.step_until(lambda: h.transfers.loads)
+    h.step()
+    assert not h.engine.last_step_ran  # idle: only the load is outstanding
+    h.engine.wait_for_progress(0.0)
+    assert not h.engine.wait_for_progress(0.0)
+    h.transfers.complete(h.transfers.loads[0])
+    assert h.engine.wait_for_progress(0.0)  # notified by the outcome, not by a timer
+    h.step()
+    assert h.engine.last_step_ran and s.status is SeqStatus.RUNNING
+    h.run([s])
+    h.shutdown()
+
+
+# ---- 15. errors are not masked ---------------------------------------------------------------
+
+
+def test_fm15_a_failed_round_is_reported_over_an_older_error(monkeypatch):
+    monkeypatch.setattr(transfer_thread, "build_spec", lambda op, shape: ("spec", op.op_id))
+    errors, outcomes, got = ["first"], [], threading.Event()
+
+    def server_alive():
+        if errors:
+            raise RuntimeError(f"round failed: {errors.pop()}")
+        return True
+
+    def on_outcome(op):
+        outcomes.append(op.state)
+        got.set()
+
+    adapter = FakeWorkerAdapter()
+    tt = make_transfer_thread(on_outcome, server_alive=server_alive, poll_interval_s=0.001)
+    tt._cond = cond = RecordingCondition()
+    tt._connect = lambda: adapter
+    tt.last_error = "RuntimeError('an older error')"
+    try:
+        tt.start(wait_registered_s=WAIT_S)
+        assert cond.blocked.wait(WAIT_S)
+        assert tt.round_errors == 1 and "first" in tt.last_error
+        cond.blocked.clear()
+        errors.append("second")
+        tt.submit(transfer_op(), CpuEvent())
+        assert adapter.submitted.wait(WAIT_S)
+        adapter.futures[0].done = True
+        assert got.wait(WAIT_S) and cond.blocked.wait(WAIT_S)
+        assert tt.round_errors == 2 and "second" in tt.last_error
+        assert outcomes == [OpState.DONE]  # the thread kept serving
+    finally:
+        tt.stop(1.0)
+
+
+def test_fm15_stop_leaves_the_adapter_to_a_thread_that_did_not_stop():
+    tt = make_transfer_thread(lambda op: None)
+    tt._adapter = adapter = FakeWorkerAdapter()
+    tt.thread = stuck = StuckThread()
+    tt.stop(0.0)
+    assert stuck.joins, "stop did not wait for the thread"
+    assert adapter.shutdowns == 0 and tt._adapter is adapter
+
+
+# ---- 16. events are pooled (the CPU-checkable half) ------------------------------------------
+
+
+def test_fm16_events_are_pooled_reused_and_held_until_terminal(make, monkeypatch):
+    made = []
+
+    class StandInEvent:  # torch.cuda.Event(interprocess=True), as far as the pool sees it
+        def __init__(self, interprocess=False):
+            assert interprocess
+            self.thread = threading.current_thread()
+            made.append(self)
+
+        def record(self):
+            pass
+
+    monkeypatch.setattr(torch.cuda, "Event", StandInEvent)
+    h = make()
+    events = h.tier.events
+    events.cuda = True
+    s = h.add(prompt_of(50, 28), max_tokens=1)
+    h.run([s])
+    s1, s2, s3 = ops_of(h, s, "save")
+    assert events.created == 3 and len(set(map(id, h.transfers.events))) == 3
+    h.transfers.complete(s1)
+    h.transfers.late(s2)
+    h.step()
+    held = h.connector._events[s2]
+    assert held not in events._free  # the server may still wait on a late op's event
+    t = h.add(prompt_of(20, 29), max_tokens=1)
+    h.run([t])
+    assert events.created == 3  # t's save reused s1's event
+    h.transfers.complete_all()
+    h.step()
+    assert h.connector._events == {} and len(events._free) == events.created == 3
+    assert all(e.thread is threading.main_thread() for e in made)  # the step thread
+    h.shutdown()
