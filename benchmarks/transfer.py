@@ -180,7 +180,10 @@ def main() -> None:
         f"({spec.state_bytes} B). Every load verified byte-exact against its source.\n"
     )
     name = args.name or ("transfer_h200" if gpu else "transfer_cpu")
-    cmd = "python -m benchmarks.transfer --device " + args.device
+    cmd = (
+        f"python -m benchmarks.transfer --device {args.device} --chunks "
+        f"{' '.join(map(str, args.chunks))} --repeats {args.repeats}"
+    )
     print(table)
     print(write_results(name, {"geometry": geo.describe(), "rows": raw}, table, cmd))
 

@@ -4,8 +4,16 @@ import torch
 
 from atom import LLM, SamplingParams
 
-kw = dict(block_size=256, num_blocks=64, max_num_seqs=4, max_num_batched_tokens=1024,
-          device="cuda", dtype="bfloat16", offload="lmcache_mp", lmcache={"l1_size_gb": 2.0})
+kw = dict(
+    block_size=256,
+    num_blocks=64,
+    max_num_seqs=4,
+    max_num_batched_tokens=1024,
+    device="cuda",
+    dtype="bfloat16",
+    offload="lmcache_mp",
+    lmcache={"l1_size_gb": 2.0},
+)
 g = torch.Generator().manual_seed(1)
 prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (700,)]
 p = SamplingParams(max_tokens=2, ignore_eos=True)
@@ -36,8 +44,12 @@ inner = conn._on_load
 def on_load(op):
     pb = second.engine.runner.pool.view(torch.uint8).view(second.engine.pool.num_blocks, -1)
     for j, u in enumerate(op.units):
-        match = [(pos, k) for pos, units in snap.items() for k, b in enumerate(units)
-                 if torch.equal(pb[u], b)]
+        match = [
+            (pos, k)
+            for pos, units in snap.items()
+            for k, b in enumerate(units)
+            if torch.equal(pb[u], b)
+        ]
         print(f"load [{op.start},{op.end}) unit {j} (block {u}) equals stored {match}")
     return inner(op)
 

@@ -13,7 +13,13 @@ from lmcache.integration.atom import (
 from atom.kv_transfer.offload.events import EventPool
 from atom.kv_transfer.offload.lmcache_server import LMCacheServer
 from atom.kv_transfer.offload.operations import TransferOp
-from atom.kv_transfer.offload.worker import SpecShape, build_spec, group_infos, kv_caches, share_pool
+from atom.kv_transfer.offload.worker import (
+    SpecShape,
+    build_spec,
+    group_infos,
+    kv_caches,
+    share_pool,
+)
 
 dev = os.environ.get("DEV", "cuda")
 B, K, NB, R = 256, 2, 32, 64
@@ -26,8 +32,16 @@ srv = LMCacheServer(chunk_size=B, l1_size_gb=1).start()
 ctx = zmq.Context()
 ctx.linger = 0
 par = AtomMPParallelConfig(world_size=1, worker_id=0, tp_size=1)
-w = AtomMPWorkerAdapter(srv.url, ctx, "probe", B, par, mq_timeout=30, heartbeat_interval=1,
-                        transfer_mode="lmcache_driven")
+w = AtomMPWorkerAdapter(
+    srv.url,
+    ctx,
+    "probe",
+    B,
+    par,
+    mq_timeout=30,
+    heartbeat_interval=1,
+    transfer_mode="lmcache_driven",
+)
 w.register_kv_caches(kv_caches(pool, K), engine_group_infos=group_infos(B, B, K))
 s = AtomMPSchedulerAdapter(srv.url, ctx, "probe", B, par, mq_timeout=30)
 ev = EventPool(torch.device(dev))
@@ -42,7 +56,8 @@ class Img:
 def run(kind, rid, toks, start, end, pages, units):
     op = TransferOp(kind, rid, toks, start, end, pages, Img(units), 0)
     f = (w.submit_store_request if kind == "save" else w.submit_retrieve_request)(
-        rid, build_spec(op, shape), ev.acquire())
+        rid, build_spec(op, shape), ev.acquire()
+    )
     ok = f.result(30)
     torch.cuda.synchronize() if dev == "cuda" else None
     return ok
@@ -65,14 +80,17 @@ for case in ("per-chunk stores", "one store"):
     toks = torch.randint(0, 200, (3 * B,)).tolist()
     rid = case.replace(" ", "-")
     if case == "per-chunk stores":
-        print(case, run("save", rid, toks, 0, B, [0], [10, 11]),
-              run("save", rid, toks, B, 2 * B, [1], [12, 13]))
+        print(
+            case,
+            run("save", rid, toks, 0, B, [0], [10, 11]),
+            run("save", rid, toks, B, 2 * B, [1], [12, 13]),
+        )
     else:
         print(case, run("save", rid, toks, 0, 2 * B, [0, 1], [12, 13]))
     for start in (0, B):
         r2 = f"{rid}-load{start}"
         h, r3 = lookup(r2, toks[: 2 * B + 1], 2 * B)
-        pages = [20, 21][start // B:]
+        pages = [20, 21][start // B :]
         for b in pages + [22, 23]:
             pb[b].fill_(255)
         ok = run("load", r3, toks, start, 2 * B, pages, [22, 23])

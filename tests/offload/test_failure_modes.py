@@ -911,3 +911,26 @@ def test_fm16_events_are_pooled_reused_and_held_until_terminal(make, monkeypatch
     assert h.connector._events == {} and len(events._free) == events.created == 3
     assert all(e.thread is threading.main_thread() for e in made)  # the step thread
     h.shutdown()
+
+
+# ---- a tier that returns the image of another boundary --------------------------------------
+
+
+def test_a_loaded_image_of_another_boundary_is_refused_and_recomputed(make):
+    """On the H200 a load once delivered the image of an earlier boundary (see
+    benchmarks/gpu/NOTES.md). The connector checks the image's own boundary: the request
+    recomputes with unchanged output instead of resuming from the wrong state."""
+    h = make()
+    p = prompt_of(55, 12)
+    first = fill_tier(h, p, max_tokens=3)
+    images = h.server.images
+    key48, key32 = tuple(p[:48]), tuple(p[:32])
+    assert key48 in images and key32 in images
+    images[key48] = images[key32].clone()  # the server hands back boundary 32 for 48
+    h.transfers.auto = {"save", "load"}
+    s = h.add(p, max_tokens=3)
+    h.run([s])
+    assert s.output == first.output
+    assert s.counters.failed_loads == 1 and s.counters.tier_hit_tokens == 0
+    assert h.engine.metrics.render().count('atom_tier_loads_total{outcome="failed"} 1') == 1
+    h.shutdown()
