@@ -7,6 +7,7 @@ recurrent groups whose non-endpoint chunks are null) and lmcache_driven transfer
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import signal
@@ -101,6 +102,7 @@ class LMCacheServer:
                 start_new_session=True,
             )
         self.starts += 1
+        atexit.register(self.stop)  # an owned server never outlives the process that owns it
         log.info(
             "started LMCache server pid %d at %s (log %s)", self.proc.pid, self.url, self.log_path
         )
