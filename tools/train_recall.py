@@ -27,10 +27,10 @@ from atom.models.deepseek_v41.weights import save_weights
 from benchmarks.recall_task import EOS, make_example, split, tokenizer_json
 
 
-def batch(step: int, size: int, length: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+def batch(step: int, size: int, length: int, device, records=(2, 6)):
     seqs = []
     for i in range(size):
-        ex = make_example(step * size + i, length)  # the train split: seeds < 10M
+        ex = make_example(step * size + i, length, records=records)  # train seeds < 10M
         seqs.append(ex.prompt + ex.answer + [EOS])
     ids = torch.tensor(seqs, device=device)
     return ids[:, :-1], ids[:, 1:]
@@ -56,16 +56,21 @@ def main() -> None:
     ap.add_argument("--lengths", type=int, nargs=2, default=[192, 512])
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--records", type=int, nargs=2, default=[2, 6])
+    ap.add_argument("--eval-length", type=int, default=512)
+    ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--out", default="models/v41-recall")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args()
     device = torch.device(args.device)
     torch.manual_seed(args.seed)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     sparse_cfg = preset_config("v41-recall")
     dense_cfg = preset_config("v41-recall", index_topk=1 << 16, candidate_topk_blocks=1 << 13)
     model = DeepseekV41ForCausalLM(dense_cfg, device=device).init_weights(args.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01, betas=(0.9, 0.95))
-    evals = split("eval", 256, 512)
+    evals = split("eval", 256, args.eval_length, records=tuple(args.records))
     rng = random.Random(args.seed)
     t0, step, log = time.time(), 0, []
     budget = args.minutes * 60
@@ -75,7 +80,7 @@ def main() -> None:
         for g in opt.param_groups:
             g["lr"] = lr
         length = rng.randrange(args.lengths[0], args.lengths[1] + 1, 16)
-        ids, targets = batch(step, args.batch, length, device)
+        ids, targets = batch(step, args.batch, length, device, tuple(args.records))
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
             logits, kl = dense_forward(model, ids)
         ce = F.cross_entropy(
