@@ -13,7 +13,9 @@ from atom.engine.engine import LLMEngine
 from atom.models.registry import load_runtime
 
 
-def build_engine(config: EngineConfig) -> LLMEngine:
+def build_engine(config: EngineConfig, attach_tier=None) -> LLMEngine:
+    """An engine for ``config``; ``attach_tier`` overrides the tier the config asks for
+    (tests attach fakes through it)."""
     cfg = config.resolved()
     torch.manual_seed(cfg.seed)
     runtime = load_runtime(
@@ -25,8 +27,8 @@ def build_engine(config: EngineConfig) -> LLMEngine:
         device=cfg.device,
         seed=cfg.seed,
     )
-    attach = None
-    if cfg.offload == "lmcache_mp":
+    attach = attach_tier
+    if attach is None and cfg.offload == "lmcache_mp":
         from atom.kv_transfer.offload.attach import LMCacheTier
 
         offload = cfg.lmcache

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from atom.builder import build_engine
 from atom.config import EngineConfig
 from atom.engine.checkpoints import Checkpoint
 from atom.engine.engine import LLMEngine
@@ -28,7 +29,6 @@ from atom.kv_transfer.offload.scheduler import OffloadConnector
 from atom.kv_transfer.offload.transfer_thread import TransferThread
 from atom.kv_transfer.offload.worker import SpecShape
 from atom.model_api import pool_bytes
-from atom.models.registry import load_runtime
 from atom.sampling_params import SamplingParams
 
 BLOCK = 16
@@ -424,21 +424,11 @@ def make_harness(
     offload_cfg = OffloadConfig(**(offload or {}))
     clock = clock or FakeClock()
     server = server or FakeServer(cfg.block_size, offload_cfg.resolved_chunk(cfg.block_size))
-    torch.manual_seed(cfg.seed)
-    runtime = load_runtime(
-        cfg.model,
-        dtype=getattr(torch, cfg.dtype),
-        kv_dtype=cfg.kv_dtype,
-        index_dtype=cfg.index_dtype,
-        block_size=cfg.block_size,
-        device=cfg.device,
-        seed=cfg.seed,
-    )
 
     def attach(engine: LLMEngine) -> FakeTier:
         return FakeTier(engine, offload_cfg, server, clock, auto_lookups, auto_transfers)
 
-    engine = LLMEngine(cfg, runtime, attach)
+    engine = build_engine(cfg, attach_tier=attach)
     return Harness(engine, engine.tier, clock, server)
 
 
