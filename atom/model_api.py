@@ -33,10 +33,6 @@ class StateSpec:
         return -(-self.state_bytes // self.block_bytes)
 
     @property
-    def has_state(self) -> bool:
-        return self.state_bytes > 0
-
-    @property
     def layout_tag(self) -> int:
         """The layout id as a non-negative int64, as written into each slot's header."""
         return int(self.layout_id[:16], 16) & 0x7FFF_FFFF_FFFF_FFFF

@@ -77,14 +77,11 @@ class CheckpointStore:
 
     # ---- predicate / action pairs ----------------------------------------------------------
 
-    def can_create(self, key: int) -> bool:
-        return key not in self.images and self._make_room(self.units, dry_run=True)
-
     def create(self, key: int, position: int, prefix: tuple[int, ...]) -> Checkpoint | None:
         """A PENDING image for the boundary ``key`` (None if one exists or there is no room),
         pinned once for its writer: the writer calls ``mark_ready`` (or ``drop``) and then
         ``unpin`` once the bytes are in (or once nothing can write the units any more)."""
-        if key in self.images or not self._make_room(self.units):
+        if key in self.images or not self.make_room(self.units):
             return None
         ckpt = Checkpoint(key, position, self.pool.allocate(self.units), prefix, pins=1)
         self.images[key] = ckpt
@@ -126,18 +123,12 @@ class CheckpointStore:
         self._doom(self.images[key])
         return True
 
-    def _make_room(self, n: int, dry_run: bool = False) -> bool:
-        if dry_run:
-            spare = sum(len(self.images[k].units) for k in self._lru)
-            return self.pool.can_allocate(n) or self.pool.num_allocatable + spare >= n
+    def make_room(self, n: int) -> bool:
+        """Evict unpinned images (LRU) until ``n`` blocks are allocatable."""
         while not self.pool.can_allocate(n):
             if not self.evict_lru():
                 return False
         return True
-
-    def make_room(self, n: int) -> bool:
-        """Evict unpinned images (LRU) until ``n`` blocks are allocatable."""
-        return self._make_room(n)
 
     # ---- internals ------------------------------------------------------------------------
 

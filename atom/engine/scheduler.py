@@ -336,11 +336,6 @@ class Scheduler:
         if self.connector is not None:
             self.connector.request_finished(seq)
 
-    def requeue(self, seq: Sequence) -> None:
-        """A sequence whose tier work ended (loaded or failed) may be admitted again."""
-        if seq.status is SeqStatus.WAITING_FOR_TIER:
-            seq.status = SeqStatus.WAITING
-
     # ---- invariants -----------------------------------------------------------------------
 
     def check_integrity(self, extra_refs: dict[int, int] | None = None) -> None:

@@ -72,10 +72,6 @@ class Sequence:
         return self.tokens[len(self.prompt) :]
 
     @property
-    def in_prefill(self) -> bool:
-        return self.num_computed < self.num_prompt
-
-    @property
     def is_finished(self) -> bool:
         return self.status is SeqStatus.FINISHED
 

@@ -31,17 +31,10 @@ from atom.kv_transfer.offload.worker import SpecShape
 from atom.model_api import pool_bytes
 from atom.sampling_params import SamplingParams
 
-BLOCK = 16
-ENGINE_KW = dict(
-    block_size=BLOCK,
-    num_blocks=64,
-    max_num_seqs=4,
-    max_num_batched_tokens=32,
-    dtype="float32",
-    kv_dtype="fp32",
-    index_dtype="fp32",
-    device="cpu",
-)
+from .conftest import BLOCK
+from .conftest import ENGINE_KW as CONFTEST_ENGINE_KW
+
+ENGINE_KW = {**CONFTEST_ENGINE_KW, "num_blocks": 64}
 
 
 class FakeClock:

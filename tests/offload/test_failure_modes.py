@@ -45,16 +45,6 @@ from .fakes import (
 WAIT_S = 10.0  # upper bound for a thread to reach a barrier (never slept)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """v41-tiny's ops are too small to gain from intra-op threads; on a shared machine the
-    extra threads only spin (a 100x slowdown was measured)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture()
 def make():
     """Build harnesses; any not shut down by the test is shut down (unchecked) afterwards."""

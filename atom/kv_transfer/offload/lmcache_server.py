@@ -164,10 +164,6 @@ class LMCacheServer:
         log.info("stopped LMCache server at %s", self.url)
         self.proc = None
 
-    def restart(self, timeout_s: float = 120.0) -> None:
-        self.stop()
-        self.start(wait=True, timeout_s=timeout_s)
-
     def __enter__(self) -> LMCacheServer:
         return self.start()
 

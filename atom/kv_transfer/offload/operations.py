@@ -35,10 +35,39 @@ class OpState(enum.Enum):
 
 
 _op_ids = itertools.count(1)
+_TERMINAL = (OpState.DONE, OpState.FAILED)
+
+
+class _Settles:
+    """State transitions shared by transfers and lookups, under the op's own lock: the
+    transfer or lookup thread settles an op, the step thread may mark it LATE; whichever
+    comes first decides, and each learns atomically what the other did."""
+
+    def _settle(self, state: OpState, error: str, **fields: Any) -> OpState | None:
+        with self._lock:
+            if self.state in _TERMINAL:
+                return None
+            before = self.state
+            for name, value in fields.items():
+                setattr(self, name, value)
+            self.state, self.error, self.finished_at = state, error, time.monotonic()
+            return before
+
+    def mark_late(self) -> bool:
+        """Past its deadline with no outcome; returns True on the transition."""
+        with self._lock:
+            if self.state in (OpState.QUEUED, OpState.IN_FLIGHT):
+                self.state = OpState.LATE
+                return True
+            return False
+
+    @property
+    def terminal(self) -> bool:
+        return self.state in _TERMINAL
 
 
 @dataclass(eq=False)
-class TransferOp:
+class TransferOp(_Settles):
     kind: str  # "load" | "save"
     lmc_id: str  # the LMCache request id (one per token sequence)
     token_ids: list[int]  # tokens [0, end)
@@ -98,25 +127,7 @@ class TransferOp:
 
     def resolve(self, ok: bool, error: str = "") -> bool:
         """Terminal outcome; returns False if it was already terminal."""
-        with self._lock:
-            if self.state in (OpState.DONE, OpState.FAILED):
-                return False
-            self.state = OpState.DONE if ok else OpState.FAILED
-            self.error = error
-            self.finished_at = time.monotonic()
-            return True
-
-    def mark_late(self) -> bool:
-        """Past its deadline with no outcome; returns True on the transition."""
-        with self._lock:
-            if self.state in (OpState.QUEUED, OpState.IN_FLIGHT):
-                self.state = OpState.LATE
-                return True
-            return False
-
-    @property
-    def terminal(self) -> bool:
-        return self.state in (OpState.DONE, OpState.FAILED)
+        return self._settle(OpState.DONE if ok else OpState.FAILED, error) is not None
 
     @property
     def latency_s(self) -> float | None:
@@ -132,7 +143,7 @@ class TransferOp:
 
 
 @dataclass(eq=False)
-class LookupOp:
+class LookupOp(_Settles):
     """A non-blocking lookup: the hit (tokens, ending at a stored image) or no answer."""
 
     lmc_id: str
@@ -149,19 +160,5 @@ class LookupOp:
     def resolve(self, hit: int | None, error: str = "") -> OpState | None:
         """Record the answer; returns the state it replaced (None if already terminal), so
         the caller knows atomically whether the step thread had given up on it (LATE)."""
-        with self._lock:
-            if self.state in (OpState.DONE, OpState.FAILED):
-                return None
-            before = self.state
-            self.hit = hit
-            self.state = OpState.DONE if hit is not None else OpState.FAILED
-            self.error = error
-            self.finished_at = time.monotonic()
-            return before
-
-    def mark_late(self) -> bool:
-        with self._lock:
-            if self.state in (OpState.QUEUED, OpState.IN_FLIGHT):
-                self.state = OpState.LATE
-                return True
-            return False
+        state = OpState.DONE if hit is not None else OpState.FAILED
+        return self._settle(state, error, hit=hit)

@@ -88,10 +88,6 @@ class V41Config(BaseModel):
 
     # ---- derived ------------------------------------------------------------------------
 
-    @property
-    def num_state_layers_base(self) -> int:
-        return self.num_hidden_layers
-
     @cached_property
     def layer_modes(self) -> tuple[LayerMode, ...]:
         modes = []
