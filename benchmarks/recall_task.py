@@ -51,6 +51,39 @@ def make_example(seed: int, length: int, far: int = 80, records: tuple[int, int]
     return Example(prompt, [v1, v2])
 
 
+def make_training_sequence(
+    seed: int, length: int, far: int = 80, records: tuple[int, int] = (4, 8)
+) -> tuple[list[int], list[int]]:
+    """A training context that queries every one of its records (dense supervision).
+
+        <bos> body-with-records ... <query> K1 <ans> V1 V2 <query> K2 <ans> V1 V2 ... <eos>
+
+    Returns (tokens, answer positions): the positions whose token the model must predict
+    (every answer value). The first query sits more than ``far`` tokens after the last record,
+    so, as in the evaluation prompts, records are reachable only through compressed rows.
+    """
+    rng = random.Random(seed)
+    n = rng.randint(*records)
+    keys = rng.sample(range(NUM_KEYS), n)
+    recs = [(KEY_BASE + k, rng.randrange(VALUE_RANGE), rng.randrange(VALUE_RANGE)) for k in keys]
+    body_len = length - 1 - 5 * n - 1
+    region = body_len - far
+    if region < 6 * n + 6:
+        raise ValueError(f"length {length} too short for {n} records with far={far}")
+    slots = sorted(rng.sample(range(region - 6 * n), n))
+    body = [rng.randrange(VALUE_RANGE) for _ in range(body_len)]
+    for i, ((k, v1, v2), at) in enumerate(zip(recs, slots)):
+        at += 6 * i  # slots sorted and spread by 6: records never overlap
+        body[at : at + 6] = [KEY, k, VAL, v1, v2, rng.randrange(VALUE_RANGE)]
+    tokens = [BOS] + body
+    answers = []
+    for k, v1, v2 in rng.sample(recs, n):
+        tokens += [QUERY, k, ANS, v1, v2]
+        answers += [len(tokens) - 2, len(tokens) - 1]
+    tokens.append(EOS)
+    return tokens, answers
+
+
 def split(name: str, count: int, length: int, **kw) -> list[Example]:
     base = SPLIT_SEEDS[name]
     return [make_example(base + i, length, **kw) for i in range(count)]

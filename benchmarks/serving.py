@@ -48,17 +48,17 @@ PRESETS = {
     ),
     "gpu": dict(
         model="v41-bench",
-        requests=64,
+        requests=32,
         prefixes=4,
         prefix_len=4096,
         tail_len=3000,
         output_len=64,
         concurrency=16,
         max_batched_tokens=8192,
-        pool_blocks=600,
+        pool_blocks=400,
         device="cuda",
         dtype="bfloat16",
-        l1_gb=40.0,
+        l1_gb=16.0,
         name="serving_h200",
     ),
 }
@@ -183,17 +183,79 @@ def run_arm(name: str, prompts: list[list[int]], args, **engine) -> dict:
     return res
 
 
+def idle(args) -> None:
+    """The tier attached but never needed: one wave of requests in a pool twice the preset's,
+    HBM-only against HBM + tier, interleaved twice (A B A B) to expose drift."""
+    prompts = shared_prefix_prompts(
+        args.concurrency, args.prefixes, args.prefix_len, args.tail_len
+    )
+    args.pool_blocks *= 2
+    tier = dict(offload="lmcache_mp", lmcache={"l1_size_gb": args.l1_gb})
+    arms = []
+    for rep in range(2):
+        arms.append(run_arm(f"HBM only #{rep + 1}", prompts, args))
+        arms.append(run_arm(f"HBM + idle tier #{rep + 1}", prompts, args, **tier))
+    hbm = statistics.mean(a["wall_s"] for a in arms[0::2])
+    tiered = statistics.mean(a["wall_s"] for a in arms[1::2])
+    summary = {
+        "hbm_only_wall_s": hbm,
+        "idle_tier_wall_s": tiered,
+        "idle_tier_overhead": tiered / hbm - 1,
+        "tier_loads": sum(a.get("loads", 0) for a in arms[1::2]),
+    }
+    rows = [
+        [a["arm"], a["req_per_s"], a["wall_s"], a["ttft_p50_ms"], a.get("itl_p50_ms", "")]
+        + [a["tier_hit_tokens"], a.get("loads", ""), a.get("connector_ms_per_step", "")]
+        for a in arms
+    ]
+    table = md_table(
+        [
+            "arm",
+            "req/s",
+            "wall s",
+            "TTFT p50 ms",
+            "ITL p50 ms",
+            "tier tokens",
+            "loads",
+            "connector ms/step",
+        ],
+        rows,
+    )
+    table += (
+        f"\n\nIdle-tier overhead (mean wall of the tier arms over the HBM-only arms - 1): "
+        f"{100 * summary['idle_tier_overhead']:+.2f}%; loads in the tier arms: "
+        f"{summary['tier_loads']}.\n"
+    )
+    print(table)
+    cmd = f"python -m benchmarks.serving --preset {args.preset} --arms idle"
+    print(
+        write_results(
+            f"{args.name}_idle", {"args": vars(args), "arms": arms, "summary": summary}, table, cmd
+        )
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
+    ap.add_argument(
+        "--arms",
+        choices=("main", "idle"),
+        default="main",
+        help="main: the three arms on a pool too small for the tails; idle: HBM-only against "
+        "HBM + an attached tier on a workload that fits the pool (the idle-tier overhead)",
+    )
     for key, value in PRESETS["cpu"].items():
         ap.add_argument(f"--{key.replace('_', '-')}", type=type(value), default=None)
     args = ap.parse_args()
     for key, value in PRESETS[args.preset].items():
         if getattr(args, key) is None:
             setattr(args, key, value)
+    if args.arms == "idle":
+        idle(args)
+        return
     prompts = shared_prefix_prompts(args.requests, args.prefixes, args.prefix_len, args.tail_len)
     block = 256
     ceiling = sum((len(p) - 1) // block * block for p in prompts)

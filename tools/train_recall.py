@@ -4,8 +4,11 @@
 
 The model is the v41-recall preset shape. Training uses the dense forward (every compressed
 row attended, indexers fitted to that attention by KL), with the context length drawn per
-step; the saved config keeps the preset's small top-k, so inference is sparse. Loss: the two
-answer tokens and <eos>, plus 0.1 x the indexer KL. Weights are written as bf16 safetensors
+step; the saved config keeps the preset's small top-k, so inference is sparse. Each training
+context queries every one of its records (``make_training_sequence``: dense supervision, the
+first query laid out like an evaluation prompt); loss: cross-entropy on every answer value, plus
+0.1 x the indexer KL. ``--curriculum`` ramps the record distance up from 0 so the window
+layers learn the lookup first. Weights are written as bf16 safetensors
 with config.json, tokenizer.json and a training record.
 """
 
@@ -24,16 +27,19 @@ from atom.models.deepseek_v41.dense import dense_forward
 from atom.models.deepseek_v41.model import DeepseekV41ForCausalLM
 from atom.models.deepseek_v41.presets import preset_config
 from atom.models.deepseek_v41.weights import save_weights
-from benchmarks.recall_task import EOS, make_example, split, tokenizer_json
+from benchmarks.recall_task import EOS, make_training_sequence, split, tokenizer_json
 
 
-def batch(step: int, size: int, length: int, device, records=(2, 6)):
-    seqs = []
-    for i in range(size):
-        ex = make_example(step * size + i, length, records=records)  # train seeds < 10M
-        seqs.append(ex.prompt + ex.answer + [EOS])
+def batch(step: int, size: int, length: int, device, far: int, records=(4, 8)):
+    """Inputs [B, L-1], targets [B, L-1] with -100 everywhere but the answer values."""
+    seqs, answers = zip(
+        *(make_training_sequence(step * size + i, length, far, records) for i in range(size))
+    )  # train seeds < 10M, disjoint from eval
     ids = torch.tensor(seqs, device=device)
-    return ids[:, :-1], ids[:, 1:]
+    targets = torch.full_like(ids, -100)
+    for row, positions in enumerate(answers):
+        targets[row, positions] = ids[row, positions]
+    return ids[:, :-1], targets[:, 1:]
 
 
 @torch.no_grad()
@@ -54,10 +60,18 @@ def main() -> None:
     ap.add_argument("--minutes", type=float, default=6.0)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--lengths", type=int, nargs=2, default=[192, 512])
-    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--records", type=int, nargs=2, default=[2, 6])
-    ap.add_argument("--eval-length", type=int, default=512)
+    ap.add_argument("--records", type=int, nargs=2, default=[4, 8])
+    ap.add_argument("--far", type=int, default=80, help="min distance record -> first query")
+    ap.add_argument(
+        "--curriculum",
+        type=float,
+        default=0.0,
+        help="fraction of the budget over which --far ramps up from 0 (records first in the "
+        "window, then out of it)",
+    )
+    ap.add_argument("--eval-length", type=int, default=768)
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--out", default="models/v41-recall")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -70,7 +84,7 @@ def main() -> None:
     dense_cfg = preset_config("v41-recall", index_topk=1 << 16, candidate_topk_blocks=1 << 13)
     model = DeepseekV41ForCausalLM(dense_cfg, device=device).init_weights(args.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01, betas=(0.9, 0.95))
-    evals = split("eval", 256, args.eval_length, records=tuple(args.records))
+    evals = split("eval", 256, args.eval_length)
     rng = random.Random(args.seed)
     t0, step, log = time.time(), 0, []
     budget = args.minutes * 60
@@ -80,12 +94,13 @@ def main() -> None:
         for g in opt.param_groups:
             g["lr"] = lr
         length = rng.randrange(args.lengths[0], args.lengths[1] + 1, 16)
-        ids, targets = batch(step, args.batch, length, device, tuple(args.records))
+        far = args.far
+        if args.curriculum > 0:
+            far = int(args.far * min(1.0, frac / args.curriculum))
+        ids, targets = batch(step, args.batch, length, device, far, tuple(args.records))
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
             logits, kl = dense_forward(model, ids)
-        ce = F.cross_entropy(
-            logits[:, -3:].reshape(-1, logits.shape[-1]).float(), targets[:, -3:].reshape(-1)
-        )
+        ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
         loss = ce + 0.1 * kl
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -97,6 +112,7 @@ def main() -> None:
                 "step": step,
                 "s": round(time.time() - t0, 1),
                 "len": length,
+                "far": far,
                 "ce": round(ce.item(), 4),
                 "kl": round(kl.item(), 4),
                 "lr": lr,

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # On the GPU machine: install carried wheels, run GPU tests and benchmarks, keep results.
-# Usage: bash benchmarks/gpu/run.sh STEP...   (steps: tests tier forward transfer serving)
+# Usage: bash benchmarks/gpu/run.sh STEP...   (steps: tests tier forward transfer serving idle train)
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl || exit 1
@@ -21,7 +21,19 @@ for s in "$@"; do
     transfer) step 150 python3 -m benchmarks.transfer --device cuda --chunks 1 4 16 28 \
       --repeats 5 ;;
     serving) step 400 python3 -m benchmarks.serving --preset gpu ;;
-    train) step 400 python3 -m tools.train_recall --minutes ${TRAIN_MINUTES:-6} --out "$OUT/v41-recall" ;;
+    idle) step 300 python3 -m benchmarks.serving --preset gpu --arms idle ;;
+    train)  # a sweep of recipes in parallel (one GPU, launch-bound processes); keep every model
+      m=${TRAIN_MINUTES:-6}; t=$(( ${TRAIN_MINUTES:-6} * 60 + 150 ))
+      base="--minutes $m --batch 32 --far 80"
+      for spec in "A --lr 1e-3 --lengths 256 768" \
+                  "B --lr 1e-3 --lengths 256 768 --curriculum 0.3" \
+                  "C --lr 3e-3 --lengths 256 768 --curriculum 0.3" \
+                  "D --lr 2e-3 --lengths 192 448 --curriculum 0.3 --batch 64"; do
+        set -- $spec; name=$1; shift
+        (timeout "$t" python3 -m tools.train_recall $base "$@" --out "$OUT/recall-$name" 2>&1 \
+          | sed -u "s/^/[$name] /") &
+      done
+      wait ;;
   esac
 done
 cp benchmarks/results/*h200* "$OUT"/ 2>/dev/null

@@ -85,6 +85,11 @@ class LMCacheServer:
             "--null-block-id", "-1",
             "--separate-object-groups",
             "--supported-transfer-mode", "lmcache_driven",
+            # Eager L1. The lazy allocator's host copies run as a synchronous cudaMemcpy on
+            # the legacy stream, unordered with the server's gathers on its own stream: on a
+            # GPU without lmcache.cuda_ops, a store could copy another request's bytes
+            # (docs/LMCACHE_API.md, "CUDA"). On CPU lmcache already disables lazy L1.
+            "--no-l1-use-lazy",
             "--prometheus-port", str(free_port(self.host)),
         ]  # fmt: skip
 
