@@ -48,14 +48,14 @@ PRESETS = {
     ),
     "gpu": dict(
         model="v41-bench",
-        requests=32,
+        requests=24,
         prefixes=4,
         prefix_len=4096,
         tail_len=3000,
         output_len=64,
         concurrency=16,
         max_batched_tokens=8192,
-        pool_blocks=400,
+        pool_blocks=320,
         device="cuda",
         dtype="bfloat16",
         l1_gb=16.0,
@@ -115,7 +115,8 @@ def instrument(connector) -> dict:
     return spent
 
 
-def run_arm(name: str, prompts: list[list[int]], args, **engine) -> dict:
+def run_arm(name: str, prompts: list[list[int]], args, fill: bool = True, **engine) -> dict:
+    """Pass 1 (unless ``fill`` is False: nothing to fill) then the measured pass 2."""
     llm = LLM(
         args.model,
         device=args.device,
@@ -130,7 +131,7 @@ def run_arm(name: str, prompts: list[list[int]], args, **engine) -> dict:
     llm.generate([[7] * 8], SamplingParams(max_tokens=2, ignore_eos=True))  # warm-up
     eng.reset_prefix_cache()
     t0 = time.perf_counter()
-    first = llm.generate(prompts, params)
+    first = llm.generate(prompts, params) if fill else None
     pass1 = time.perf_counter() - t0
     conn = eng.scheduler.connector
     while conn is not None and conn.busy():  # pass 1's stores drain before pass 2
@@ -150,7 +151,8 @@ def run_arm(name: str, prompts: list[list[int]], args, **engine) -> dict:
         "steps": steps,
         "engine": {k: str(v) for k, v in engine.items()},
     }
-    res["same_tokens_as_pass1"] = all(a.token_ids == b.token_ids for a, b in zip(first, outs))
+    if first is not None:
+        res["same_tokens_as_pass1"] = all(a.token_ids == b.token_ids for a, b in zip(first, outs))
     if conn is not None:
         lat = eng.metrics._metrics["atom_tier_transfer_seconds"].samples(op="load")
         nbytes = eng.metrics._metrics["atom_tier_bytes_total"].get(direction="load")
@@ -186,9 +188,7 @@ def run_arm(name: str, prompts: list[list[int]], args, **engine) -> dict:
 def idle(args) -> None:
     """The tier attached but never needed: one wave of requests in a pool twice the preset's,
     HBM-only against HBM + tier, interleaved twice (A B A B) to expose drift."""
-    prompts = shared_prefix_prompts(
-        args.concurrency, args.prefixes, args.prefix_len, args.tail_len
-    )
+    prompts = shared_prefix_prompts(args.concurrency, args.prefixes, args.prefix_len, args.tail_len)
     args.pool_blocks *= 2
     tier = dict(offload="lmcache_mp", lmcache={"l1_size_gb": args.l1_gb})
     arms = []
@@ -260,7 +260,7 @@ def main() -> None:
     block = 256
     ceiling = sum((len(p) - 1) // block * block for p in prompts)
     arms = [
-        run_arm("no prefix reuse", prompts, args, enable_prefix_caching=False),
+        run_arm("no prefix reuse", prompts, args, fill=False, enable_prefix_caching=False),
         run_arm("HBM prefix caching", prompts, args),
         run_arm(
             "HBM + tier", prompts, args, offload="lmcache_mp", lmcache={"l1_size_gb": args.l1_gb}

@@ -20,7 +20,7 @@ for s in "$@"; do
       --name model_forward_h200 ;;
     transfer) step 150 python3 -m benchmarks.transfer --device cuda --chunks 1 4 16 28 \
       --repeats 5 ;;
-    serving) step 400 python3 -m benchmarks.serving --preset gpu ;;
+    serving) step 560 python3 -m benchmarks.serving --preset gpu ;;
     idle) step 300 python3 -m benchmarks.serving --preset gpu --arms idle ;;
     train)  # a sweep of recipes in parallel (one GPU, launch-bound processes); keep every model
       m=${TRAIN_MINUTES:-6}; t=$(( ${TRAIN_MINUTES:-6} * 60 + 150 ))
