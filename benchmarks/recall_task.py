@@ -1,13 +1,14 @@
-"""The recall task: a key queried in the recent window, its record far back in the context.
+"""The recall task: a key asked in the recent window, its record far back in the context.
 
-    <bos> filler ... <key> K <val> V1 V2 ... filler ... <key> K' <val> V1' V2' ... filler
-    ... <query> K <ans>  ->  V1 V2 <eos>
+    <bos> filler ... R(k1,v1) ... filler ... R(k2,v2) ... filler <query> K(k) <ans>  ->  V(v)
 
-Records (2-6 per context, distinct keys) sit in the first part of the context, more than
-``far`` tokens before the query, so the model can only reach them through the compressed KV
-and the indexer; the queried key sits in the last few tokens, inside the sliding window. The
-answer is two tokens. Splits are disjoint by construction: every example's seed is drawn from
-its split's own range.
+A record is one token R(k, v) that binds one of 16 keys to one of 16 values; each context holds
+2-6 records with distinct keys among filler. The prompt ends by asking for key k (the token
+K(k), inside the sliding window); the answer is the value token V(v) of the record with that
+key. Records sit more than ``far`` tokens before the question, so the model reaches them only
+through compressed rows and the indexer, while the key it must match is reachable only through
+the window. Chance is 1/16. Splits are disjoint by construction: every example's seed is drawn
+from its split's own range.
 """
 
 from __future__ import annotations
@@ -16,70 +17,64 @@ import random
 from dataclasses import dataclass
 
 VOCAB = 320
-BOS, EOS, KEY, VAL, QUERY, ANS = 256, 257, 258, 259, 260, 261
-NUM_KEYS = 64  # keys are tokens 192..255; values and filler come from 0..191
-KEY_BASE = 192
-VALUE_RANGE = 192
+NUM_KEYS = NUM_VALUES = 16
+BOS, EOS, QUERY, ANS = 256, 257, 260, 261
+KEY_BASE, VALUE_BASE, FILLER_BASE = 262, 278, 294  # K(k), V(v), filler tokens
+NUM_FILLER = VOCAB - FILLER_BASE
 SPLIT_SEEDS = {"train": 0, "eval": 10_000_000, "preamble": 20_000_000}
 
 
 @dataclass(frozen=True)
 class Example:
     prompt: list[int]
-    answer: list[int]  # the two value tokens
+    answer: list[int]  # one value token
+
+
+def record(key: int, value: int) -> int:
+    return key * NUM_VALUES + value
+
+
+def filler(rng: random.Random, n: int) -> list[int]:
+    return [FILLER_BASE + rng.randrange(NUM_FILLER) for _ in range(n)]
+
+
+def _context(rng: random.Random, body_len: int, far: int, n: int) -> tuple[list, list]:
+    """[bos] + body with n records in its first ``body_len - far`` tokens; (tokens, records)."""
+    if body_len - far < n:
+        raise ValueError(f"a body of {body_len} tokens cannot hold {n} records {far} tokens back")
+    keys = rng.sample(range(NUM_KEYS), n)
+    recs = [(k, rng.randrange(NUM_VALUES)) for k in keys]
+    body = filler(rng, body_len)
+    for (k, v), at in zip(recs, rng.sample(range(body_len - far), n)):
+        body[at] = record(k, v)
+    return [BOS] + body, recs
 
 
 def make_example(seed: int, length: int, far: int = 80, records: tuple[int, int] = (2, 6)):
+    """An evaluation prompt of exactly ``length`` tokens and its one-token answer."""
     rng = random.Random(seed)
-    n = rng.randint(*records)
-    keys = rng.sample(range(NUM_KEYS), n)
-    recs = [(KEY_BASE + k, rng.randrange(VALUE_RANGE), rng.randrange(VALUE_RANGE)) for k in keys]
-    body_len = length - 1 - 4  # bos ... query key ans
-    tail = rng.randint(4, 24)  # filler after the last record region, inside the window
-    region = body_len - tail - far
-    if region < 6 * n:
-        raise ValueError(f"length {length} too short for {n} records with far={far}")
-    slots = sorted(rng.sample(range(region - 6), n))
-    body = [rng.randrange(VALUE_RANGE) for _ in range(body_len)]
-    last = -6
-    for (k, v1, v2), at in zip(recs, slots):
-        at = max(at, last + 6)
-        body[at : at + 6] = [KEY, k, VAL, v1, v2, rng.randrange(VALUE_RANGE)]
-        last = at
-    k, v1, v2 = recs[rng.randrange(n)]
-    prompt = [BOS] + body + [QUERY, k, ANS]
-    return Example(prompt, [v1, v2])
+    tokens, recs = _context(rng, length - 4, far, rng.randint(*records))
+    k, v = recs[rng.randrange(len(recs))]
+    return Example(tokens + [QUERY, KEY_BASE + k, ANS], [VALUE_BASE + v])
 
 
 def make_training_sequence(
-    seed: int, length: int, far: int = 80, records: tuple[int, int] = (4, 8)
+    seed: int, length: int, far: int = 80, records: tuple[int, int] = (2, 8)
 ) -> tuple[list[int], list[int]]:
-    """A training context that queries every one of its records (dense supervision).
+    """A training context of ``length`` tokens that asks for every one of its records.
 
-        <bos> body-with-records ... <query> K1 <ans> V1 V2 <query> K2 <ans> V1 V2 ... <eos>
+        <bos> body ... <query> K <ans> V <query> K' <ans> V' ... <eos>
 
-    Returns (tokens, answer positions): the positions whose token the model must predict
-    (every answer value). The first query sits more than ``far`` tokens after the last record,
-    so, as in the evaluation prompts, records are reachable only through compressed rows.
+    Returns (tokens, answer positions). The first question is laid out like an evaluation
+    prompt; ``far`` counts from the end of the body.
     """
     rng = random.Random(seed)
     n = rng.randint(*records)
-    keys = rng.sample(range(NUM_KEYS), n)
-    recs = [(KEY_BASE + k, rng.randrange(VALUE_RANGE), rng.randrange(VALUE_RANGE)) for k in keys]
-    body_len = length - 1 - 5 * n - 1
-    region = body_len - far
-    if region < 6 * n + 6:
-        raise ValueError(f"length {length} too short for {n} records with far={far}")
-    slots = sorted(rng.sample(range(region - 6 * n), n))
-    body = [rng.randrange(VALUE_RANGE) for _ in range(body_len)]
-    for i, ((k, v1, v2), at) in enumerate(zip(recs, slots)):
-        at += 6 * i  # slots sorted and spread by 6: records never overlap
-        body[at : at + 6] = [KEY, k, VAL, v1, v2, rng.randrange(VALUE_RANGE)]
-    tokens = [BOS] + body
+    tokens, recs = _context(rng, length - 2 - 4 * n, far, n)
     answers = []
-    for k, v1, v2 in rng.sample(recs, n):
-        tokens += [QUERY, k, ANS, v1, v2]
-        answers += [len(tokens) - 2, len(tokens) - 1]
+    for k, v in rng.sample(recs, n):
+        tokens += [QUERY, KEY_BASE + k, ANS, VALUE_BASE + v]
+        answers.append(len(tokens) - 1)
     tokens.append(EOS)
     return tokens, answers
 
@@ -89,9 +84,17 @@ def split(name: str, count: int, length: int, **kw) -> list[Example]:
     return [make_example(base + i, length, **kw) for i in range(count)]
 
 
+def preamble(length: int) -> list[int]:
+    """The shared preamble of the HBM + tier configuration (filler only, seeded)."""
+    return filler(random.Random(SPLIT_SEEDS["preamble"]), length)
+
+
 def tokenizer_json() -> dict:
     """A tokenizers WordLevel definition of the task's vocabulary (for model directories)."""
-    names = {BOS: "<bos>", EOS: "<eos>", KEY: "<key>", VAL: "<val>", QUERY: "<query>", ANS: "<ans>"}
+    names = {BOS: "<bos>", EOS: "<eos>", QUERY: "<query>", ANS: "<ans>"}
+    names.update({record(k, v): f"<r{k}:{v}>" for k in range(NUM_KEYS) for v in range(NUM_VALUES)})
+    names.update({KEY_BASE + k: f"<k{k}>" for k in range(NUM_KEYS)})
+    names.update({VALUE_BASE + v: f"<v{v}>" for v in range(NUM_VALUES)})
     vocab = {names.get(i, f"<{i}>"): i for i in range(VOCAB)}
     return {
         "version": "1.0",
@@ -102,5 +105,5 @@ def tokenizer_json() -> dict:
         "pre_tokenizer": {"type": "WhitespaceSplit"},
         "post_processor": None,
         "decoder": None,
-        "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "<0>"},
+        "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "<294>"},
     }

@@ -48,14 +48,16 @@ PRESETS = {
     ),
     "gpu": dict(
         model="v41-bench",
-        requests=24,
+        # 16 running requests need up to 16 x 28 blocks plus images in flight; 64 requests'
+        # tails (64 x 12 blocks) must not fit. A run takes about 20 minutes on the H200.
+        requests=64,
         prefixes=4,
         prefix_len=4096,
         tail_len=3000,
         output_len=64,
         concurrency=16,
         max_batched_tokens=8192,
-        pool_blocks=320,
+        pool_blocks=700,
         device="cuda",
         dtype="bfloat16",
         l1_gb=16.0,
@@ -187,12 +189,12 @@ def run_arm(name: str, prompts: list[list[int]], args, fill: bool = True, **engi
 
 def idle(args) -> None:
     """The tier attached but never needed: one wave of requests in a pool twice the preset's,
-    HBM-only against HBM + tier, interleaved twice (A B A B) to expose drift."""
+    HBM-only against HBM + tier, interleaved ``--repeats`` times (A B A B) to expose drift."""
     prompts = shared_prefix_prompts(args.concurrency, args.prefixes, args.prefix_len, args.tail_len)
     args.pool_blocks *= 2
     tier = dict(offload="lmcache_mp", lmcache={"l1_size_gb": args.l1_gb})
     arms = []
-    for rep in range(2):
+    for rep in range(args.repeats):
         arms.append(run_arm(f"HBM only #{rep + 1}", prompts, args))
         arms.append(run_arm(f"HBM + idle tier #{rep + 1}", prompts, args, **tier))
     hbm = statistics.mean(a["wall_s"] for a in arms[0::2])
@@ -247,6 +249,7 @@ def main() -> None:
         help="main: the three arms on a pool too small for the tails; idle: HBM-only against "
         "HBM + an attached tier on a workload that fits the pool (the idle-tier overhead)",
     )
+    ap.add_argument("--repeats", type=int, default=2, help="idle: A/B pairs to interleave")
     for key, value in PRESETS["cpu"].items():
         ap.add_argument(f"--{key.replace('_', '-')}", type=type(value), default=None)
     args = ap.parse_args()
@@ -302,6 +305,7 @@ def main() -> None:
                 arm["hbm_hit_tokens"],
                 arm["tier_hit_tokens"],
                 arm["computed_prompt_tokens"],
+                arm["preemptions"],
                 arm.get("load_p50_ms", ""),
                 arm.get("load_p99_ms", ""),
                 arm.get("load_gbps_p50", ""),
@@ -320,6 +324,7 @@ def main() -> None:
             "HBM tokens",
             "tier tokens",
             "computed tokens",
+            "preemptions",
             "load p50 ms",
             "load p99 ms",
             "load GB/s",

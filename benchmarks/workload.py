@@ -45,6 +45,7 @@ def summarize(outs: list[RequestOutput], wall_s: float, itls: list[float] | None
         "tier_hit_tokens": sum(o.tier_hit_tokens for o in outs),
         "computed_prompt_tokens": sum(o.computed_prompt_tokens for o in outs),
         "output_tokens": sum(len(o.token_ids) for o in outs),
+        "preemptions": sum(o.preemptions for o in outs),
     }
     if itls:
         res["itl_p50_ms"] = round(1000 * pct(itls, 50), 2)

@@ -30,7 +30,7 @@ from atom.models.deepseek_v41.weights import save_weights
 from benchmarks.recall_task import EOS, make_training_sequence, split, tokenizer_json
 
 
-def batch(step: int, size: int, length: int, device, far: int, records=(4, 8)):
+def batch(step: int, size: int, length: int, device, far: int, records=(2, 8)):
     """Inputs [B, L-1], targets [B, L-1] with -100 everywhere but the answer values."""
     seqs, answers = zip(
         *(make_training_sequence(step * size + i, length, far, records) for i in range(size))
@@ -50,8 +50,8 @@ def dense_accuracy(model, examples, device, chunk=32) -> float:
         ids = torch.tensor([e.prompt + e.answer for e in part], device=device)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
             logits, _ = dense_forward(model, ids[:, :-1])
-        pred = logits[:, -2:].argmax(-1)
-        ok += (pred == ids[:, -2:]).all(-1).sum().item()
+        n = len(part[0].answer)
+        ok += (logits[:, -n:].argmax(-1) == ids[:, -n:]).all(-1).sum().item()
     return ok / len(examples)
 
 
@@ -62,7 +62,7 @@ def main() -> None:
     ap.add_argument("--lengths", type=int, nargs=2, default=[192, 512])
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--records", type=int, nargs=2, default=[4, 8])
+    ap.add_argument("--records", type=int, nargs=2, default=[2, 8])
     ap.add_argument("--far", type=int, default=80, help="min distance record -> first query")
     ap.add_argument(
         "--curriculum",

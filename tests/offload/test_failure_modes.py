@@ -580,6 +580,36 @@ def test_fm11_hit_covered_by_hbm_frees_its_locks_once(make):
     assert h.lookups.frees_of(lmc) == [(0, 80)] and h.lookups.ended.count(lmc) == 1
 
 
+def test_hbm_covered_request_runs_without_waiting_for_its_lookup(make):
+    """An idle tier costs no step: when HBM already covers every loadable token, the request
+    is admitted at once; the lookup's late answer frees its locks once and tells the saves what
+    the tier lost (here: everything), which is then stored again."""
+    h = make(auto_lookups=False)
+    h.transfers.auto = {"save"}
+    p = prompt_of(87, 22)
+    h.lookups.auto = True
+    first = h.add(p, max_tokens=2)
+    h.run([first])
+    h.step()
+    h.lookups.auto = False
+    assert h.server.hit(p[:-1]) == 80
+    h.server.forget()  # the tier lost it; HBM still has it
+    saves = len(h.transfers.saves)
+    s = h.add(p, max_tokens=4)
+    h.step()
+    (lk,) = [o for o in h.lookups.ops if o.owner.seq is s]
+    assert lk.hit is None  # unanswered, yet the request runs from HBM
+    assert s.counters.hbm_hit_tokens == 80 and s.num_computed > 80
+    h.lookups.answer(lk)
+    h.run([s])
+    lmc = s.connector_state.lmc_id
+    assert lk.hit == 0 and h.lookups.frees_of(lmc) == []
+    assert len(h.transfers.saves) > saves  # what the tier lost is stored again
+    assert h.server.hit(p[:-1]) == 80
+    h.shutdown()
+    assert h.lookups.ended.count(lmc) == 1
+
+
 def test_fm11_request_aborted_while_its_lookup_runs_frees_the_late_hit_once(make):
     h = make(auto_lookups=False)
     p = prompt_of(87, 21)

@@ -5,6 +5,9 @@ whole life, since its tokens only ever grow):
 
   lookup    at first admission, for tokens[:n-1] (the adapter floors to the chunk grid), so a
             hit always leaves a prefill token and ends where a load can end (a stored image).
+            When HBM already covers every loadable token the request is admitted at once and
+            the answer only tells the saves what the tier still holds (an idle tier costs no
+            step).
   load      HBM first: only [floor_chunk(hbm_hit), tier_hit) is loaded; read locks of the rest
             are freed at once. Success -> blocks published, image READY, the request resumes.
             Failure or lateness -> the request recomputes; the span is stored again later.
@@ -45,6 +48,7 @@ class TierRequest:
     lookup: LookupOp | None = None
     tier_hit: int | None = None  # capped answer; None until known
     settled: bool = False  # the lookup's locks were handed to a load or freed
+    background: bool = False  # HBM covers every loadable token: the lookup only informs saves
     can_save: bool = False  # the tier's content for this prefix is known
     saved_upto: int = 0  # the tier holds [0, saved_upto) with an image there
     tier_has: int = 0  # what the lookup said the tier held for this request
@@ -142,6 +146,8 @@ class OffloadConnector(Connector):
         st = self._state(seq)
         if st.tier_hit is not None:
             return 0 if st.settled else st.tier_hit
+        if st.background:
+            return 0
         if st.lookup is None:
             if not self.cfg.load:  # save-only: store everything, load nothing
                 st.tier_hit, st.settled, st.can_save = 0, True, self.transfers.healthy
@@ -153,6 +159,11 @@ class OffloadConnector(Connector):
             st.lookup = LookupOp(st.lmc_id, tokens, self.clock() + self.cfg.lookup_timeout_s, st)
             st.session_open = True
             self.lookups.lookup(st.lookup)
+            if local_hit >= (len(tokens) // self.chunk_size) * self.chunk_size:
+                # the tier cannot add a token: admit now; the answer only tells the saves what
+                # the tier still holds (an idle tier costs no step)
+                st.background = True
+                return 0
         return None
 
     def settle_lookup(self, seq: Sequence) -> None:
@@ -231,6 +242,11 @@ class OffloadConnector(Connector):
             st.tier_hit = 0
             self.m_lookups.inc(outcome="failed")
             log.debug("lookup %s: %s", op.lmc_id, op.error)
+        if st.background:  # the request runs from HBM: nothing to load, free what it locked
+            self.settle_lookup(st.seq)
+            if not st.finished and st.seq.block_table:
+                self._plan_saves(st)
+            return
         self._wake(st)
 
     # ---- loads --------------------------------------------------------------------------
