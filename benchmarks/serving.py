@@ -102,16 +102,18 @@ def plain_copy_seconds(nbytes: int, device: str, repeats: int = 20) -> float:
 
 def instrument(connector) -> dict:
     """Accumulate step-thread time spent inside the connector's hooks."""
-    spent = {"s": 0.0}
+    spent = {"s": 0.0, **{name: 0.0 for name in CONNECTOR_HOOKS}}
     for name in CONNECTOR_HOOKS:
         inner = getattr(connector, name)
 
-        def timed(*a, _inner=inner, **k):
+        def timed(*a, _inner=inner, _name=name, **k):
             t0 = time.perf_counter()
             try:
                 return _inner(*a, **k)
             finally:
-                spent["s"] += time.perf_counter() - t0
+                dt = time.perf_counter() - t0
+                spent["s"] += dt
+                spent[_name] += dt
 
         setattr(connector, name, timed)
     return spent
@@ -161,6 +163,9 @@ def run_arm(name: str, prompts: list[list[int]], args, fill: bool = True, **engi
         n_loads = len(lat)
         res["loads"] = n_loads
         res["connector_ms_per_step"] = round(1000 * spent["s"] / max(steps, 1), 4)
+        res["connector_ms_per_step_by_hook"] = {
+            name: round(1000 * spent[name] / max(steps, 1), 4) for name in CONNECTOR_HOOKS
+        }
         if n_loads:
             size = nbytes / n_loads
             copy_s = plain_copy_seconds(int(size), args.device)

@@ -76,6 +76,12 @@ def main() -> None:
     ap.add_argument("--out", default="models/v41-recall")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args()
+    shortest = args.far + 5 * args.records[1] + 2  # body, one record per slot, the questions
+    if args.lengths[0] < shortest:
+        ap.error(
+            f"--lengths {args.lengths[0]} is too short for --far {args.far} and up to "
+            f"{args.records[1]} records: use at least {shortest}"
+        )
     device = torch.device(args.device)
     torch.manual_seed(args.seed)
     if args.threads:
