@@ -7,8 +7,8 @@ row attended, indexers fitted to that attention by KL), with the context length 
 step; the saved config keeps the preset's small top-k, so inference is sparse. Each training
 context queries every one of its records (``make_training_sequence``: dense supervision, the
 first query laid out like an evaluation prompt); loss: cross-entropy on every answer value, plus
-0.1 x the indexer KL. ``--curriculum`` ramps the record distance up from 0 so the window
-layers learn the lookup first. Weights are written as bf16 safetensors
+0.1 x the indexer KL. ``--curriculum`` ramps the record distance up from 0 and the context
+length up from the shortest, so the lookup is learned on short contexts first. Weights are written as bf16 safetensors
 with config.json, tokenizer.json and a training record.
 """
 
@@ -68,19 +68,23 @@ def main() -> None:
         "--curriculum",
         type=float,
         default=0.0,
-        help="fraction of the budget over which --far ramps up from 0 (records first in the "
-        "window, then out of it)",
+        help="fraction of the budget over which --far ramps up from 0 and the longest context "
+        "from the shortest (records first in the window, then out of it)",
     )
     ap.add_argument("--eval-length", type=int, default=768)
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--out", default="models/v41-recall")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args()
-    shortest = args.far + 5 * args.records[1] + 2  # body, one record per slot, the questions
-    if args.lengths[0] < shortest:
+    def shortest(far: int) -> int:  # the questions, one record per slot, and the far gap
+        return -(-(far + 5 * args.records[1] + 2) // 16) * 16
+
+    if args.lengths[1] < shortest(args.far) or (
+        args.curriculum == 0 and args.lengths[0] < shortest(args.far)
+    ):
         ap.error(
-            f"--lengths {args.lengths[0]} is too short for --far {args.far} and up to "
-            f"{args.records[1]} records: use at least {shortest}"
+            f"--lengths {args.lengths} is too short for --far {args.far} and up to "
+            f"{args.records[1]} records: use at least {shortest(args.far)}"
         )
     device = torch.device(args.device)
     torch.manual_seed(args.seed)
@@ -99,10 +103,10 @@ def main() -> None:
         lr = args.lr * min(1.0, (step + 1) / 100) * (0.1 + 0.9 * (1 - frac))
         for g in opt.param_groups:
             g["lr"] = lr
-        length = rng.randrange(args.lengths[0], args.lengths[1] + 1, 16)
-        far = args.far
-        if args.curriculum > 0:
-            far = int(args.far * min(1.0, frac / args.curriculum))
+        ramp = min(1.0, frac / args.curriculum) if args.curriculum > 0 else 1.0
+        far = int(args.far * ramp)
+        lo = max(args.lengths[0], shortest(far))
+        length = rng.randrange(lo, max(lo, lo + int((args.lengths[1] - lo) * ramp)) + 1, 16)
         ids, targets = batch(step, args.batch, length, device, far, tuple(args.records))
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
             logits, kl = dense_forward(model, ids)
