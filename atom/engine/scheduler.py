@@ -112,6 +112,10 @@ class Scheduler:
             scheduled.add(seq.seq_id)
             budget -= end - seq.num_computed
             i += 1
+        # Requests holding blocks while they wait (a tier load in flight, or loaded and not yet
+        # running) count against max_num_seqs: otherwise loads planned for the whole queue can
+        # fill the pool with requests that then have no block to run with, and none finishes.
+        holding = sum(1 for s in self.waiting if s.block_table)
         for seq in list(self.waiting):
             if budget <= 0 or out.preempted:
                 break
@@ -119,11 +123,16 @@ class Scheduler:
                 break
             if seq.status is SeqStatus.WAITING_FOR_TIER:
                 continue
+            held = bool(seq.block_table)
+            if not held and len(self.running) + holding >= self.cfg.max_num_seqs:
+                continue  # the requests already holding blocks go first
             span = self._admit(seq, budget)
             if span is Admit.BLOCKED:
                 break
             if span is Admit.WAIT:
+                holding += bool(seq.block_table) and not held  # a load was planned
                 continue
+            holding -= held
             self.waiting.remove(seq)
             out.spans.append(span)
             budget -= span.end - span.start

@@ -954,3 +954,25 @@ def test_a_loaded_image_of_another_boundary_is_refused_and_recomputed(make):
     assert s.counters.failed_loads == 1 and s.counters.tier_hit_tokens == 0
     assert h.engine.metrics.render().count('atom_tier_loads_total{outcome="failed"} 1') == 1
     h.shutdown()
+
+
+def test_requests_holding_blocks_for_loads_never_exceed_max_num_seqs(make):
+    """Loads planned for a long queue must not fill the pool with requests that then have no
+    block to run with (found in CI: the accuracy job's pass 2 stalled with every block held by
+    loaded, waiting requests). Requests holding blocks while they wait count against
+    max_num_seqs, and all of them finish once their loads do."""
+    h = make(max_num_seqs=3)
+    prompts = [prompt_of(50, 300 + i) for i in range(8)]
+    for p in prompts:
+        fill_tier(h, p, max_tokens=1)
+    seqs = [h.add(p, max_tokens=2) for p in prompts]
+    for _ in range(6):  # loads stay in flight: nothing completes them yet
+        h.step()
+        holding = [s for s in h.engine.scheduler.waiting if s.block_table]
+        assert len(h.engine.scheduler.running) + len(holding) <= 3
+    assert len(h.transfers.loads) == 3
+    h.transfers.auto = {"load", "save"}
+    h.transfers.complete_all()
+    h.run(seqs)
+    assert [s.counters.tier_hit_tokens for s in seqs] == [48] * len(prompts)
+    h.shutdown()
