@@ -130,7 +130,8 @@ class Scheduler:
             if span is Admit.BLOCKED:
                 break
             if span is Admit.WAIT:
-                holding += bool(seq.block_table) and not held  # a load was planned
+                if seq.block_table and not held:
+                    holding += 1  # a load was planned for it
                 continue
             holding -= held
             self.waiting.remove(seq)

@@ -88,7 +88,7 @@ class LMCacheServer:
             # Eager L1. The lazy allocator's host copies run as a synchronous cudaMemcpy on
             # the legacy stream, unordered with the server's gathers on its own stream: on a
             # GPU without lmcache.cuda_ops, a store could copy another request's bytes
-            # (docs/LMCACHE_API.md, "CUDA"). On CPU lmcache already disables lazy L1.
+            # (docs/LMCACHE_API.md §9.15). On CPU lmcache already disables lazy L1.
             "--no-l1-use-lazy",
             "--prometheus-port", str(free_port(self.host)),
         ]  # fmt: skip
