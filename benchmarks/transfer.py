@@ -6,7 +6,9 @@ plain copy of the same bytes in the same run.
 The pool uses a real geometry (v41-mini on CPU, v41-bench on CUDA), registered with a fresh
 owned LMCache MP server exactly as the engine registers it (pages + image ordinals). Each
 operation moves ``n`` page blocks plus one image (K units). A load is timed from submit to a
-terminal future (lookup excluded, measured separately); the plain copy is a memcpy on CPU and a
+terminal future (lookup excluded, measured separately: the lookup that first sees a store,
+which the server makes visible on a 5 ms commit timer); events come from a warm pool, as in
+the engine; the plain copy is a memcpy on CPU and a
 pinned host-to-device copy on CUDA, the copy a perfect load path would do.
 """
 
@@ -110,13 +112,16 @@ def main() -> None:
                 dst_units = list(range(2 * max_chunks + k, 2 * max_chunks + 2 * k))
                 rid = f"bench-{n}-{r}"
                 store = TransferOp("save", rid, tokens, 0, n * 256, src, _Image(src_units), 0)
+                event = events.acquire()  # pooled and recorded, as the engine's step thread does
                 t0 = time.perf_counter()
-                fut = worker.submit_store_request(rid, build_spec(store, shape), events.acquire())
+                fut = worker.submit_store_request(rid, build_spec(store, shape), event)
                 wait(fut)
                 stores.append(time.perf_counter() - t0)
-                # the store becomes visible to lookups a few ms after it resolves
-                t0 = time.perf_counter()
+                events.recycle(event)
+                # the server commits a store on a 5 ms timer: poll until it is visible and time
+                # the lookup that saw it
                 while True:
+                    t0 = time.perf_counter()
                     sched.maybe_submit_lookup_request(rid, tokens)
                     hit = None
                     while hit is None:
@@ -128,10 +133,12 @@ def main() -> None:
                         sched.free_lookup_locks(tokens, 0, hit, rid)
                 lookups.append(time.perf_counter() - t0)
                 load = TransferOp("load", rid, tokens, 0, n * 256, dst, _Image(dst_units), 0)
+                event = events.acquire()
                 t0 = time.perf_counter()
-                fut = worker.submit_retrieve_request(rid, build_spec(load, shape), events.acquire())
+                fut = worker.submit_retrieve_request(rid, build_spec(load, shape), event)
                 wait(fut)
                 loads.append(time.perf_counter() - t0)
+                events.recycle(event)
                 if gpu:
                     torch.cuda.synchronize()
                 pb = pool.view(torch.uint8).view(num_blocks, -1)

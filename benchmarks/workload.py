@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 import statistics
+from collections import Counter
 
 from atom.outputs import RequestOutput
 
@@ -46,6 +47,12 @@ def summarize(outs: list[RequestOutput], wall_s: float, itls: list[float] | None
         "computed_prompt_tokens": sum(o.computed_prompt_tokens for o in outs),
         "output_tokens": sum(len(o.token_ids) for o in outs),
         "preemptions": sum(o.preemptions for o in outs),
+        # requests by where their prompt came from: "hbm/tier/computed" -> count
+        "sources": dict(
+            Counter(
+                f"{o.hbm_hit_tokens}/{o.tier_hit_tokens}/{o.computed_prompt_tokens}" for o in outs
+            ).most_common()
+        ),
     }
     if itls:
         res["itl_p50_ms"] = round(1000 * pct(itls, 50), 2)

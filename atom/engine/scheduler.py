@@ -237,6 +237,10 @@ class Scheduler:
                 planned = self._plan_load(seq, hit, hit_blocks, tier)
                 if planned is not None:
                     return planned
+                if self.running:
+                    # No room to load now, but running requests will free some: waiting for
+                    # it beats recomputing what the tier holds (the lookup's answer is kept).
+                    return Admit.BLOCKED
             self.connector.settle_lookup(seq)
         end = self._chunk_end(seq, hit, budget)
         if end is None:

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # On the GPU machine: install carried wheels, run GPU tests and benchmarks, keep results.
-# Usage: bash benchmarks/gpu/run.sh STEP...   (steps: tests tier forward transfer serving idle train)
+# Usage: bash benchmarks/gpu/run.sh STEP...
+#   steps: tests tier forward profile transfer serving idle train
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl || exit 1
@@ -13,14 +14,18 @@ step() { local limit=$1; shift; echo "=== $* (limit ${limit}s)"; local t0=$SECON
   timeout "$limit" "$@"; echo "=== rc=$? in $((SECONDS - t0)) s"; }
 for s in "$@"; do
   case "$s" in
-    tests) step 150 python3 -m pytest -x -q -p no:cacheprovider tests/gpu -k "not tier" ;;
+    tests) step 150 python3 -m pytest -x -q -p no:cacheprovider tests/gpu tests/kernels \
+      -k "not tier" ;;
     tier) step 150 python3 -m pytest -x -q -p no:cacheprovider tests/gpu -k tier ;;
     forward) step 200 python3 -m benchmarks.model_forward --model v41-bench --device cuda \
-      --dtype bfloat16 --prompt-len 2048 --decode-steps 16 --batch 1 8 \
+      --dtype bfloat16 --prompt-len 2048 --decode-steps 16 --batch 1 8 16 \
       --name model_forward_h200 ;;
+    profile) step 200 python3 -m benchmarks.profile_forward --model v41-bench --device cuda \
+      --dtype bfloat16 --position 4096 --batch 16 --prefill-tokens 2048 --top 25 \
+      --name profile_forward_h200 ;;
     transfer) step 150 python3 -m benchmarks.transfer --device cuda --chunks 1 4 16 28 \
       --repeats 5 ;;
-    serving) step 560 python3 -m benchmarks.serving --preset gpu ;;
+    serving) step 585 python3 -m benchmarks.serving --preset gpu ;;
     idle) step 300 python3 -m benchmarks.serving --preset gpu --arms idle ;;
     train)  # a sweep of recipes in parallel (one GPU, launch-bound processes); keep every model
       m=${TRAIN_MINUTES:-6}; t=$(( ${TRAIN_MINUTES:-6} * 60 + 150 ))

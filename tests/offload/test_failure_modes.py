@@ -221,7 +221,7 @@ def test_fm2_tail_save_of_a_finished_request_completes_then_releases(make):
     h.step()
     for o in saves:
         assert o.state is OpState.DONE and o.image.stored and not o.leased
-        assert o.token_ids == p[: o.end]
+        assert o.token_ids[: o.end] == p[: o.end]  # an op reads its tokens up to its end
         assert_saved_what_was_decided(h, o)
     assert st not in h.connector._requests
     assert h.lookups.ended.count(st.lmc_id) == 1
@@ -976,3 +976,25 @@ def test_requests_holding_blocks_for_loads_never_exceed_max_num_seqs(make):
     h.run(seqs)
     assert [s.counters.tier_hit_tokens for s in seqs] == [48] * len(prompts)
     h.shutdown()
+
+
+@pytest.mark.parametrize("num_blocks", [12, 14])
+def test_a_tier_hit_without_room_waits_for_running_requests_instead_of_recomputing(
+    make, num_blocks
+):
+    """Found on the H200 serving run (82.5% of the reuse ceiling): a request whose load did not
+    fit while others ran was admitted with its HBM hit alone and recomputed what the tier held.
+    While requests run (and will free blocks), it now waits for room and loads."""
+    big = make()
+    p = prompt_of(87, 22)
+    fill_tier(big, p)
+    h = make(server=big.server, num_blocks=num_blocks, max_num_batched_tokens=16)
+    h.transfers.auto = {"load", "save"}
+    a = h.add(prompt_of(120, 5), max_tokens=4)  # fills most of the pool while it runs
+    h.step_until(lambda: a.num_computed >= 96)
+    b = h.add(p, max_tokens=1)
+    h.run([a, b])
+    assert b.counters.tier_hit_tokens == 80
+    assert b.counters.computed_prompt_tokens == 7
+    h.shutdown()
+    big.shutdown()

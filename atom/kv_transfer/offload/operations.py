@@ -70,7 +70,7 @@ class _Settles:
 class TransferOp(_Settles):
     kind: str  # "load" | "save"
     lmc_id: str  # the LMCache request id (one per token sequence)
-    token_ids: list[int]  # tokens [0, end)
+    token_ids: list[int]  # the sequence's tokens; an op reads [0, end) only (append-only list)
     start: int
     end: int
     page_blocks: list[int]  # blocks of [start, end), in order

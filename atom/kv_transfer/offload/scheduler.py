@@ -184,7 +184,7 @@ class OffloadConnector(Connector):
         op = TransferOp(
             "load",
             st.lmc_id,
-            seq.tokens[:end],
+            seq.tokens,  # the live list: ops read tokens [0, end), which never change
             start,
             end,
             list(blocks),
@@ -370,7 +370,7 @@ class OffloadConnector(Connector):
         op = TransferOp(
             "save",
             st.lmc_id,
-            seq.tokens[:end],
+            seq.tokens,  # the live list: ops read tokens [0, end), which never change
             start,
             end,
             seq.block_table[start // bs : end // bs],

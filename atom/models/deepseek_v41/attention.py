@@ -62,8 +62,9 @@ class Indexer(nn.Module):
             self.k_norm = RMSNorm(self.dim, config.rms_norm_eps, dtype)
 
     def scores(self, qi: torch.Tensor, w: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-        """qi [T, Hi, D], w [T, Hi], keys [R, D] (all float32) -> s [T, R] = sum_h w ReLU(q.k)."""
-        dots = torch.einsum("thd,rd->thr", qi, keys)
+        """qi [T, Hi, D], w [T, Hi], keys [R, D] shared or [T, R, D] per query (all float32)
+        -> s [T, R] = sum_h w ReLU(q.k)."""
+        dots = torch.einsum("thd,trd->thr" if keys.dim() == 3 else "thd,rd->thr", qi, keys)
         return torch.einsum("th,thr->tr", w, torch.relu(dots))
 
 
@@ -140,17 +141,20 @@ class CSA2Attention(nn.Module):
         comp: torch.Tensor | None,
         comp_valid: torch.Tensor | None,
     ) -> torch.Tensor:
-        """q [T, H, hd]; window keys [Nw, hd] with mask [T, Nw]; selected compressed rows
-        [T, K, hd] with validity [T, K]. K = V (MQA); the sink joins the denominator."""
-        parts = [torch.einsum("thd,nd->thn", q, win_k).float() * self.scale]
+        """q [T, H, hd]; window keys [Nw, hd] shared (or [T, Nw, hd] per query) with mask
+        [T, Nw]; selected compressed rows [T, K, hd] with validity [T, K]. K = V (MQA); the
+        sink joins the denominator."""
+        per_query = win_k.dim() == 3
+        parts = [torch.einsum("thd,tnd->thn" if per_query else "thd,nd->thn", q, win_k).float()]
+        parts[0] = parts[0] * self.scale
         parts[0] = parts[0].masked_fill(~win_mask[:, None, :], NEG_INF)
         if comp is not None:
             sc = torch.einsum("thd,tkd->thk", q, comp).float() * self.scale
             parts.append(sc.masked_fill(~comp_valid[:, None, :], NEG_INF))
         sink = self.attn_sink.view(1, -1, 1).expand(q.shape[0], -1, 1)
         probs = torch.softmax(torch.cat(parts + [sink], dim=-1), dim=-1).to(q.dtype)
-        nw = win_k.shape[0]
-        out = torch.einsum("thn,nd->thd", probs[..., :nw], win_k)
+        nw = win_k.shape[-2]
+        out = torch.einsum("thn,tnd->thd" if per_query else "thn,nd->thd", probs[..., :nw], win_k)
         if comp is not None:
             out = out + torch.einsum("thk,tkd->thd", probs[..., nw:-1], comp)
         return out
@@ -193,9 +197,13 @@ def candidate_row_mask(
     return chosen.repeat_interleave(block_rows, dim=1)[:, :r]
 
 
-def select_topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top min(k, R) rows per query, ties to the smaller row; ineligible rows are -inf.
-    Returns (row ids [T, K], valid [T, K])."""
+def select_topk(
+    scores: torch.Tensor, k: int, fixed: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top min(k, R) rows per query (exactly k with ``fixed``: short rows padded invalid), ties
+    to the smaller row; ineligible rows are -inf. Returns (row ids [T, K], valid [T, K])."""
+    if fixed and scores.shape[1] < k:
+        scores = torch.nn.functional.pad(scores, (0, k - scores.shape[1]), value=NEG_INF)
     k = min(k, scores.shape[1])
     ranked = torch.sort(scores, dim=-1, descending=True, stable=True)
     return ranked.indices[:, :k], ranked.values[:, :k] > NEG_INF
@@ -220,11 +228,14 @@ def layer_selection(
     keys: torch.Tensor,
     visible: torch.Tensor,
     candidates: torch.Tensor | None,
+    fixed_k: bool = False,
 ) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor | None]:
-    """Run an index-source layer's indexer for T queries over R index keys.
+    """Run an index-source layer's indexer for T queries over R index keys ([R, D] shared, or
+    [T, R, D] per query with ``visible`` per query hiding each one's padding).
 
     Returns ((row ids, valid), candidate mask): the candidate source computes the mask its
-    REINDEX layers restrict to; a REINDEX layer applies ``candidates``.
+    REINDEX layers restrict to; a REINDEX layer applies ``candidates``. ``fixed_k`` pads the
+    selection to exactly ``index_topk`` picks (shapes independent of R).
     """
     qi, w = attn.index_query(qlat, u, cs)
     scores = mask_invisible(attn.indexer.scores(qi, w, keys), visible)
@@ -233,7 +244,7 @@ def layer_selection(
         new_candidates = candidate_row_mask(scores, visible, attn.cand_block_size, attn.cand_blocks)
     if attn.mode is LayerMode.REINDEX:
         scores = scores.masked_fill(~candidates, NEG_INF)
-    return select_topk(scores, attn.topk), new_candidates
+    return select_topk(scores, attn.topk, fixed_k), new_candidates
 
 
 def gather_selected(rows: torch.Tensor, sel: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from atom.kernels.sinkhorn import sinkhorn
 from atom.models.deepseek_v41.config import V41Config
 
 
@@ -68,11 +69,7 @@ class HyperConnection(nn.Module):
         if self.head:
             return h, None, None
         post = 2 * torch.sigmoid(mix[:, hc : 2 * hc])
-        c = torch.softmax(mix[:, 2 * hc :].view(-1, hc, hc), dim=-1) + self.eps
-        for _ in range(self.iters):
-            c = c / c.sum(1, keepdim=True)
-            c = c / c.sum(2, keepdim=True)
-        return h, post, c
+        return h, post, sinkhorn(mix[:, 2 * hc :], hc, self.iters, self.eps)
 
     @staticmethod
     def post(x: torch.Tensor, out: torch.Tensor, post: torch.Tensor, c: torch.Tensor):
@@ -109,17 +106,29 @@ class MoEGate(nn.Module):
 
 
 class MoE(nn.Module):
-    """Routed experts (top-k on sqrt(softplus) scores + bias) plus shared experts."""
+    """Routed experts (top-k on sqrt(softplus) scores + bias) plus shared experts.
+
+    Two ways to run the routed experts, same math: *routed* sends each expert its tokens (one
+    host sync per layer, for the counts); *dense* runs every expert on every token as three
+    batched matmuls and weights the outputs by the (mostly zero) routing matrix. Dense is used
+    for small batches that would touch most experts anyway (``n * top_k >= experts`` and
+    ``n <= DENSE_MAX_TOKENS``: decode), where it reads the same weights with no sync and a
+    handful of launches instead of ten per expert.
+    """
+
+    DENSE_MAX_TOKENS = 64
 
     def __init__(self, config: V41Config, dtype: torch.dtype):
         super().__init__()
         d, inter = config.hidden_size, config.moe_intermediate_size
         self.top_k, self.scale = config.num_experts_per_tok, config.routed_scaling_factor
+        self.limit = config.swiglu_limit
         self.gate = MoEGate(config, dtype)
         self.experts = nn.ModuleList(
             Expert(d, inter, config.swiglu_limit, dtype) for _ in range(config.n_routed_experts)
         )
         self.shared_experts = Expert(d, inter * config.n_shared_experts, config.swiglu_limit, dtype)
+        self._stack: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         scores = torch.sqrt(F.softplus(F.linear(x, self.gate.weight).float()))
@@ -129,13 +138,51 @@ class MoE(nn.Module):
         w = scores.gather(1, idx)
         w = w / w.sum(-1, keepdim=True) * self.scale
         out = self.shared_experts(x).float()
-        for e, expert in enumerate(self.experts):
-            rows, slot = torch.nonzero(idx == e, as_tuple=True)
-            if rows.numel() == 0:
-                continue
-            y = expert(x.index_select(0, rows)).float() * w[rows, slot][:, None]
-            out.index_add_(0, rows, y)
+        n = x.shape[0]
+        if n * self.top_k >= len(self.experts) and n <= self.DENSE_MAX_TOKENS:
+            return (out + self._dense(x, idx, w)).to(x.dtype)
+        flat = idx.flatten()
+        order = torch.argsort(flat, stable=True)  # token rows grouped by expert, rows ascending
+        counts = torch.bincount(flat, minlength=len(self.experts)).tolist()  # the one sync
+        rows, slot = order // self.top_k, order % self.top_k
+        start = 0
+        for expert, count in zip(self.experts, counts):
+            if count:
+                r = rows[start : start + count]
+                y = expert(x.index_select(0, r)).float() * w[r, slot[start : start + count], None]
+                out.index_add_(0, r, y)
+                start += count
         return out.to(x.dtype)
+
+    def _dense(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        gate, up, down = self.stacked_weights()
+        xb = x.unsqueeze(0).expand(gate.shape[0], -1, -1)
+        g = torch.bmm(xb, gate.transpose(1, 2)).clamp(max=self.limit)
+        u = torch.bmm(xb, up.transpose(1, 2)).clamp(-self.limit, self.limit)
+        y = torch.bmm(F.silu(g) * u, down.transpose(1, 2)).float()  # [E, n, d]
+        route = torch.zeros(x.shape[0], gate.shape[0], dtype=torch.float32, device=x.device)
+        route.scatter_(1, idx, w)
+        return (y * route.t()[:, :, None]).sum(0)
+
+    def stacked_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Expert weights as [E, ...] tensors. Without autograd, the experts' parameters are
+        made views of one stacked tensor each (no second copy; loads and in-place updates show
+        through); restacked if the parameters were replaced (``.to()``, a new ``.data``)."""
+        per = [(e.gate_proj.weight, e.up_proj.weight, e.down_proj.weight) for e in self.experts]
+        if torch.is_grad_enabled() and per[0][0].requires_grad:
+            return tuple(torch.stack(ws) for ws in zip(*per))  # differentiable (training)
+        stack = self._stack
+        if stack is None or any(
+            p.data_ptr() != s[i].data_ptr() or p.device != s.device
+            for i, ps in enumerate(per)
+            for p, s in zip(ps, stack)
+        ):
+            stack = tuple(torch.stack([p.detach() for p in ws]) for ws in zip(*per))
+            for i, ps in enumerate(per):
+                for p, s in zip(ps, stack):
+                    p.data = s[i]
+            self._stack = stack
+        return stack
 
 
 def _primes_below(n: int, count: int) -> list[int]:

@@ -16,6 +16,7 @@ from atom.models.deepseek_v41.config import V41Config
 from atom.models.deepseek_v41.layers import Engram, HyperConnection, MoE, RMSNorm
 from atom.models.deepseek_v41.paged import PagedKV, StateMismatchError, StateSlots
 from atom.models.deepseek_v41.paged_attention import SeqCarry, paged_attention
+from atom.models.deepseek_v41.paged_decode import DecodeBatch
 from atom.models.deepseek_v41.pool_geometry import INDEX_DTYPES, KV_DTYPES, GeometryError
 
 COMPUTE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -103,6 +104,11 @@ class DeepseekV41ForCausalLM(nn.Module):
     def check_spans(self, spans: list[Span], slots: StateSlots) -> None:
         """Refuse spans whose start is not their slot's cursor (before anything is written)."""
         seen = set()
+        resumed = [sp.slot for sp in spans if sp.start > 0 and 0 <= sp.slot < slots.num_slots]
+        states = {}  # slot -> (cursor, tag), read in one transfer (one host sync per forward)
+        if resumed:
+            at = torch.stack([slots.cursor[resumed, 0], slots.header[resumed, 0]], 1).tolist()
+            states = dict(zip(resumed, at))
         for sp in spans:
             if sp.end <= sp.start:
                 raise ValueError(f"empty span [{sp.start}, {sp.end}) for slot {sp.slot}")
@@ -113,8 +119,7 @@ class DeepseekV41ForCausalLM(nn.Module):
                 raise ValueError(f"slot {sp.slot} out of range [0, {slots.num_slots})")
             if sp.start == 0:
                 continue
-            at = slots.position(sp.slot)
-            tag = int(slots.header[sp.slot, 0])
+            at, tag = states[sp.slot]
             if tag != slots.tag:
                 raise StateMismatchError(
                     f"slot {sp.slot} holds no state of this layout (tag {tag:#x}), "
@@ -159,11 +164,16 @@ class DeepseekV41ForCausalLM(nn.Module):
             positions.append(pos)
             lo += sp.num_tokens
         grams_t, pos_t = torch.cat(grams), torch.cat(positions)
+        longer = [s for s in seqs if s.span.num_tokens > 1]
+        single = [s for s in seqs if s.span.num_tokens == 1]
+        decode = DecodeBatch.build([s.span for s in single], [s.lo for s in single], dev)
         x = self._embed(token_ids)
         for layer in self.model.layers:
             attn = layer.self_attn
             x = layer.block(
-                x, grams_t, lambda u, a=attn: paged_attention(a, u, pos_t, seqs, kv, slots)
+                x,
+                grams_t,
+                lambda u, a=attn: paged_attention(a, u, pos_t, longer, decode, kv, slots),
             )
         for seq, g in zip(seqs, grams):
             slots.cursor[seq.span.slot, 0] = seq.span.end

@@ -122,3 +122,46 @@ class PagedKV:
         payload = pay_view[blocks].flatten(0, 1)[:count]
         scale = scale_view[blocks].flatten(0, 1)[:count] if scale_view is not None else None
         return main, payload, scale
+
+    # ---- batched accessors (one row or one row set per sequence; tables [B, blocks] padded) --
+
+    def gather_rows(self, owner: int, tables: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Main rows ``ids`` [B, K] of each sequence's blocks -> [B, K, hd] storage dtype."""
+        per_block = self.main[owner].shape[1]
+        blocks = tables.gather(1, torch.div(ids, per_block, rounding_mode="floor"))
+        return self.main[owner][blocks, ids % per_block]
+
+    def read_index_rows(self, owner: int, tables: torch.Tensor, count: int):
+        """Index rows [0, count) of every sequence: (payload [B, count, D], scale or None).
+        Rows past a sequence's own count hold whatever its (or padding) blocks hold."""
+        per_block = self.main[owner].shape[1]
+        blocks = tables[:, : -(-count // per_block)]
+        pay_view, scale_view = self.index[owner]
+        payload = pay_view[blocks].flatten(1, 2)[:, :count]
+        scale = scale_view[blocks].flatten(1, 2)[:, :count] if scale_view is not None else None
+        return payload, scale
+
+    def write_rows_where(
+        self,
+        owner: int,
+        tables: torch.Tensor,
+        rows: torch.Tensor,
+        where: torch.Tensor,
+        main: torch.Tensor,
+        payload: torch.Tensor,
+        scale: torch.Tensor | None,
+    ) -> None:
+        """Row ``rows[b]`` of sequence b gets (main, payload, scale)[b] where ``where[b]``; the
+        other sequences' rows keep their bytes (no host sync to pick the writers)."""
+        per_block = self.main[owner].shape[1]
+        blocks = tables.gather(1, torch.div(rows, per_block, rounding_mode="floor")[:, None])[:, 0]
+        offs = rows % per_block
+        pay_view, scale_view = self.index[owner]
+        targets = [(self.main[owner], main.to(self.main[owner].dtype)), (pay_view, payload)]
+        if scale_view is not None:
+            targets.append((scale_view, scale))
+        for view, new in targets:
+            if view.dtype == FP8_DTYPE:  # torch.where has no fp8 kernels: select the bytes
+                view, new = view.view(torch.uint8), new.view(torch.uint8)
+            keep = where.view(-1, *([1] * (new.dim() - 1)))
+            view[blocks, offs] = torch.where(keep, new, view[blocks, offs])

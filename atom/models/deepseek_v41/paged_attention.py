@@ -8,6 +8,8 @@ Per sequence, for its span [s, e) (positions pos, T = e - s tokens):
   every compressed layer reads its owner's rows [0, e // r) from PAGE and attends the top-k
       selection of its index-source layer (computed here on FULL/REINDEX layers, carried in
       ``SeqCarry`` to REUSE layers of the same forward).
+
+Single-token spans (decode) take the batched path of ``paged_decode`` instead of this loop.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from atom.models.deepseek_v41.attention import (
 )
 from atom.models.deepseek_v41.config import LayerMode
 from atom.models.deepseek_v41.paged import PagedKV, StateSlots
+from atom.models.deepseek_v41.paged_decode import DecodeBatch, decode_attention
 from atom.models.deepseek_v41.quant import pack_index, unpack_index
 
 
@@ -84,10 +87,12 @@ def paged_attention(
     u: torch.Tensor,
     positions: torch.Tensor,
     seqs: list[SeqCarry],
+    decode: DecodeBatch | None,
     kv: PagedKV,
     slots: StateSlots,
 ) -> torch.Tensor:
-    """u [N, d] (normed sublayer input of the whole flat batch) -> attention output [N, d]."""
+    """u [N, d] (normed sublayer input of the whole flat batch) -> attention output [N, d].
+    ``seqs`` are the multi-token spans, ``decode`` the single-token ones."""
     cs = attn.rope.cos_sin(positions)
     q, qlat = attn.queries(u, cs)
     win = attn.window_kv(u, cs)
@@ -126,4 +131,6 @@ def paged_attention(
         out[lo:hi] = attn.attend(q[lo:hi], win_k, mask, comp, valid)
         keep = min(rw, e - s)
         ring[torch.arange(e - keep, e, device=u.device) % rw] = win[hi - keep : hi].to(ring.dtype)
+    if decode is not None:
+        decode_attention(attn, u, cs, q, qlat, win, decode, kv, slots, out)
     return attn.output(out, cs)

@@ -70,7 +70,8 @@ def save_weights(model: DeepseekV41ForCausalLM, directory: str | Path) -> Path:
     """Write config.json and model.safetensors into ``directory``; returns the directory."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    tensors = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    # clone: expert weights may be views of one stacked tensor (safetensors refuses shared storage)
+    tensors = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
     save_file(tensors, str(directory / "model.safetensors"))
     (directory / "config.json").write_text(json.dumps(model.config.to_dict(), indent=2))
     return directory

@@ -1,0 +1,32 @@
+"""mHC's doubly stochastic mixing matrix: row softmax + eps, then ``iters`` rounds of column and
+row normalization, per token, in one kernel.
+
+The torch expression launches 4 kernels per round (20 rounds, two hyper-connections per layer:
+160 launches per layer per forward); on a GPU that is launch time, not math.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from atom.kernels import use_triton
+
+
+def sinkhorn_torch(logits: torch.Tensor, hc: int, iters: int, eps: float) -> torch.Tensor:
+    """logits [N, hc * hc] float32 -> C [N, hc, hc] float32 (the reference expression)."""
+    c = torch.softmax(logits.reshape(-1, hc, hc), dim=-1) + eps
+    for _ in range(iters):
+        c = c / c.sum(1, keepdim=True)
+        c = c / c.sum(2, keepdim=True)
+    return c
+
+
+def sinkhorn(logits: torch.Tensor, hc: int, iters: int, eps: float) -> torch.Tensor:
+    """Same as ``sinkhorn_torch``; one Triton kernel where ``use_triton`` allows (hc a power
+    of two, no gradient wanted: the kernel has no backward), the torch expression elsewhere."""
+    wants_grad = logits.requires_grad and torch.is_grad_enabled()
+    if wants_grad or not use_triton(logits) or hc & (hc - 1) or logits.dtype != torch.float32:
+        return sinkhorn_torch(logits, hc, iters, eps)
+    from atom.kernels._sinkhorn_triton import sinkhorn_triton
+
+    return sinkhorn_triton(logits, hc, iters, eps)

@@ -1,0 +1,129 @@
+"""CSA2 attention of a forward's single-token spans (decode), batched across sequences.
+
+The per-sequence loop of ``paged_attention`` launches some hundred small kernels per sequence
+per layer; a decode step of 16 sequences spent most of its time launching them. Here every
+single-token span of the forward runs through one set of batched operations per layer, with the
+same math as the loop for a span [p, p + 1):
+
+  window keys: the ring rows of positions p - window + 1 .. p - 1 (those before 0 masked) and
+      p's own KV: always ``window`` keys;
+  a FULL owner's group completing at p ((p + 1) % ratio == 0) is pooled from the compressor
+      ring's earlier tokens and p's projection and written to PAGE; sequences whose group does
+      not complete keep their row bytes (selected on the device: no host sync);
+  index keys: rows [0, R) of every sequence, R the batch's largest row count; rows at or past a
+      sequence's own count are invisible to it; the selection is padded to exactly
+      ``index_topk`` picks, and only the picked main rows are gathered from PAGE.
+
+Every shape a token's arithmetic sees is fixed by the config (window, index_topk), not by the
+other sequences in its batch, except the indexer's row axis, which only ranks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch.nn.utils.rnn import pad_sequence
+
+from atom.models.deepseek_v41.attention import CSA2Attention, layer_selection, visible_rows
+from atom.models.deepseek_v41.config import LayerMode
+from atom.models.deepseek_v41.paged import PagedKV, StateSlots
+from atom.models.deepseek_v41.quant import pack_index, unpack_index
+
+
+@dataclass
+class DecodeBatch:
+    """The single-token spans of one forward; selections flow from index layers to REUSE
+    layers through it, as ``SeqCarry`` does for longer spans."""
+
+    idx: torch.Tensor  # [B] each token's index in the flat batch
+    slots: torch.Tensor  # [B] state slots
+    pos: torch.Tensor  # [B] positions
+    tables: torch.Tensor  # [B, blocks] block tables, padded with block 0 (never used for rows)
+    max_end: int
+    selections: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    candidates: torch.Tensor | None = None
+
+    @classmethod
+    def build(cls, spans: list, offsets: list[int], device) -> DecodeBatch | None:
+        """From single-token spans and their tokens' offsets in the flat batch."""
+        if not spans:
+            return None
+        meta = torch.tensor(
+            [offsets, [sp.slot for sp in spans], [sp.start for sp in spans]], dtype=torch.int64
+        ).to(device)
+        tables = pad_sequence([sp.block_table.to(device) for sp in spans], batch_first=True)
+        return cls(meta[0], meta[1], meta[2], tables, max(sp.end for sp in spans))
+
+
+def _complete_groups(
+    attn: CSA2Attention, u: torch.Tensor, batch: DecodeBatch, kv: PagedKV, slots: StateSlots
+) -> None:
+    """A FULL owner's step at p: write the group completing at p, refresh the ring."""
+    geo, r, p = kv.geometry, attn.ratio, batch.pos
+    o = geo.index_planes.index(geo.index_plane(attn.layer))
+    rc = geo.compressor_rows
+    values, scores = attn.compressor.raw(u)  # [B, hd] float32
+    v, sc = values[:, None], None if scores is None else scores[:, None]
+    if r > 1:
+        earlier = p[:, None] - (r - 1) + torch.arange(r - 1, device=p.device)
+        ring_rows = (batch.slots[:, None], o, earlier.clamp(min=0) % rc)
+        v = torch.cat([slots.comp_values[ring_rows], v], 1)
+        if scores is not None:
+            sc = torch.cat([slots.comp_scores[ring_rows], sc], 1)
+    group = torch.div(p, r, rounding_mode="floor")
+    main, keys = attn.compressed_rows(attn.compressor.pool(v, sc), attn.rope.cos_sin(group * r))
+    payload, scale = pack_index(keys, geo.index_dtype)
+    complete = (p + 1) % r == 0
+    kv.write_rows_where(attn.layer, batch.tables, group, complete, main, payload, scale)
+    if r > 1:
+        slots.comp_values[batch.slots, o, p % rc] = values
+        if scores is not None:
+            slots.comp_scores[batch.slots, o, p % rc] = scores
+
+
+def decode_attention(
+    attn: CSA2Attention,
+    u: torch.Tensor,
+    cs: tuple[torch.Tensor, torch.Tensor],
+    q: torch.Tensor,
+    qlat: torch.Tensor,
+    win: torch.Tensor,
+    batch: DecodeBatch,
+    kv: PagedKV,
+    slots: StateSlots,
+    out: torch.Tensor,
+) -> None:
+    """Fill ``out`` [N, H, hd] at the batch's tokens; write their window ring rows."""
+    rw, window, p, i = kv.geometry.window_rows, attn.window, batch.pos, batch.idx
+    prev = p[:, None] - (window - 1) + torch.arange(window - 1, device=p.device)
+    ring = slots.window[batch.slots[:, None], attn.layer, prev.clamp(min=0) % rw]
+    own = win[i]
+    win_k = torch.cat([ring.to(win.dtype), own[:, None]], 1)
+    win_valid = torch.cat([prev >= 0, torch.ones_like(prev[:, :1], dtype=torch.bool)], 1)
+    comp = valid = None
+    if attn.ratio > 0:
+        u_b = u[i]
+        if attn.mode is LayerMode.FULL:
+            _complete_groups(attn, u_b, batch, kv, slots)
+        if attn.mode in (LayerMode.FULL, LayerMode.REINDEX):
+            count = batch.max_end // attn.ratio
+            keys = unpack_index(*kv.read_index_rows(attn.kv_owner, batch.tables, count))
+            sel, cand = layer_selection(
+                attn,
+                qlat[i],
+                u_b,
+                (cs[0][i], cs[1][i]),
+                keys,
+                visible_rows(p, attn.ratio),
+                batch.candidates,
+                fixed_k=True,
+            )
+            batch.selections[attn.layer] = sel
+            if cand is not None:
+                batch.candidates = cand
+        ids, valid = batch.selections[attn.sel_owner]
+        picked = torch.where(valid, ids, torch.zeros_like(ids))
+        comp = kv.gather_rows(attn.kv_owner, batch.tables, picked).to(q.dtype)
+    out[i] = attn.attend(q[i], win_k, win_valid, comp, valid)
+    slots.window[batch.slots, attn.layer, p % rw] = own.to(slots.window.dtype)

@@ -1,0 +1,140 @@
+"""Where a paged forward's time goes: wall time, op counts and host syncs per forward, and the
+ops that take the most time, for a prefill chunk batch and a decode batch at a serving position.
+
+python -m benchmarks.profile_forward --model v41-bench --device cuda --dtype bfloat16 \
+    --position 4096 --batch 16
+
+Prints (and writes under benchmarks/results/ with ``--name``) one row per shape: milliseconds
+per forward, aten ops, kernel launches and host synchronizations per forward; then the top ops
+by self device time and by self host time. Launch-bound forwards show many launches and host
+time well above device time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from atom.model_api import Span
+from atom.models.registry import default_block_size, load_runtime
+from benchmarks.common import md_table, write_results
+
+SYNC_EVENTS = ("cudaStreamSynchronize", "cudaDeviceSynchronize")
+
+
+def _shape_runs(rt, args, tables, gen):
+    """(name, callable running one forward) for the shapes we profile; state is advanced to
+    ``--position`` first so decode reads a realistic number of compressed rows."""
+    bs, batch = default_block_size(args.model), args.batch
+    prompts = torch.randint(0, 300, (batch, args.position), generator=gen)
+    for start in range(0, args.position, bs):
+        end = min(args.position, start + bs)
+        spans = [Span(start, end, i, tables[i]) for i in range(batch)]
+        rt.forward(prompts[:, start:end].reshape(-1), spans)
+    state = {"pos": args.position}
+
+    def decode():
+        pos = state["pos"]
+        spans = [Span(pos, pos + 1, i, tables[i]) for i in range(batch)]
+        rt.forward(torch.zeros(batch, dtype=torch.int64), spans).argmax(-1).cpu()
+        state["pos"] += 1
+
+    chunk_batch = max(1, args.prefill_tokens // bs)
+
+    def prefill():
+        # a fresh chunk at the start of each of the first sequences (resets their slots: run last)
+        spans = [Span(0, bs, i, tables[i]) for i in range(chunk_batch)]
+        rt.forward(prompts[:chunk_batch, :bs].reshape(-1), spans).argmax(-1).cpu()
+
+    return [
+        (f"decode batch {batch} at {args.position}", decode),
+        (f"prefill {chunk_batch} x {bs} tokens", prefill),
+    ]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--model", default="v41-mini")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--position", type=int, default=1024)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--prefill-tokens", type=int, default=2048)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--top", type=int, default=20)
+    ap.add_argument("--name", default="")
+    args = ap.parse_args()
+    dtype = getattr(torch, args.dtype)
+    bs = default_block_size(args.model)
+    rt = load_runtime(
+        args.model,
+        dtype=dtype,
+        kv_dtype="fp32" if dtype == torch.float32 else "bf16",
+        index_dtype="fp8",
+        block_size=bs,
+        device=args.device,
+        seed=0,
+    )
+    per_seq = -(-(args.position + args.repeats + 8) // bs)
+    spec = rt.spec
+    pool = torch.zeros(
+        spec.pool_shape(per_seq * args.batch), dtype=spec.pool_dtype, device=args.device
+    )
+    slots = torch.zeros(args.batch, spec.state_bytes, dtype=torch.uint8, device=args.device)
+    rt.bind(pool, slots)
+    tables = [
+        torch.arange(i * per_seq, (i + 1) * per_seq, device=args.device) for i in range(args.batch)
+    ]
+    cuda = args.device.startswith("cuda")
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    rows, tops = [], []
+    for name, run in _shape_runs(rt, args, tables, torch.Generator().manual_seed(0)):
+        run()  # warm
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(args.repeats):
+            run()
+        sync()
+        ms = 1000 * (time.perf_counter() - t0) / args.repeats
+        with profile(activities=activities) as prof:
+            run()
+            sync()
+        events = prof.key_averages()
+        aten = sum(e.count for e in events if e.key.startswith("aten::"))
+        launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernel"))
+        syncs = sum(e.count for e in events if e.key in SYNC_EVENTS)
+        rows.append([name, round(ms, 2), aten, launches, syncs])
+        print(rows[-1], flush=True)
+        sort = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+        top = events.table(sort_by=sort, row_limit=args.top, max_name_column_width=48)
+        host = events.table(
+            sort_by="self_cpu_time_total", row_limit=args.top, max_name_column_width=48
+        )
+        tops.append(
+            f"## {name}: top by {sort}\n\n```\n{top}\n```\n\n"
+            f"## {name}: top by host time\n\n```\n{host}\n```\n"
+        )
+        print(tops[-1], flush=True)
+    table = md_table(["shape", "ms/forward", "aten ops", "kernel launches", "host syncs"], rows)
+    if args.name:
+        cmd = "python -m benchmarks.profile_forward " + " ".join(
+            f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
+        )
+        print(
+            write_results(
+                args.name,
+                {"model": args.model, "rows": rows},
+                table + "\n\n" + "\n".join(tops),
+                cmd,
+            )
+        )
+    else:
+        print(table)
+
+
+if __name__ == "__main__":
+    main()

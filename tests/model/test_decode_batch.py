@@ -1,0 +1,124 @@
+"""The batched decode path (single-token spans of a forward) against the oracle, mixed with
+longer spans, and the MoE's dense and routed paths against each other."""
+
+import pytest
+import torch
+
+from atom.models.deepseek_v41.layers import MoE
+from atom.models.deepseek_v41.model import DeepseekV41ForCausalLM
+from atom.models.deepseek_v41.reference import reference_forward
+from atom.models.deepseek_v41.weights import load_weights, save_weights
+
+from .harness import Harness
+from .test_paged_vs_reference import assert_matches, tokens
+
+
+def _decode_with_neighbours(h, seqs, tables, prefill, chunks):
+    """Prefill each sequence to ``prefill[i]``, then step every sequence one token at a time
+    while sequence ``chunks[0]`` advances ``chunks[1]`` tokens per step (a multi-token span in
+    the same forwards). Returns each sequence's logits per position it computed."""
+    pos = list(prefill)
+    got = {i: {} for i in range(len(seqs))}
+    logits = h.step([(s, 0, p, 1 + i, tables[i]) for i, (s, p) in enumerate(zip(seqs, pos))])
+    for i, row in enumerate(logits):
+        got[i][pos[i] - 1] = row
+    chunked, width = chunks
+    while any(p < len(s) for p, s in zip(pos, seqs)):
+        work, who = [], []
+        for i, s in enumerate(seqs):
+            if pos[i] < len(s):
+                end = min(len(s), pos[i] + (width if i == chunked else 1))
+                work.append((s, pos[i], end, 1 + i, tables[i]))
+                who.append((i, end))
+        for row, (i, end) in zip(h.step(work), who):
+            got[i][end - 1] = row
+            pos[i] = end
+    return got
+
+
+def test_decode_batch_at_different_positions_with_a_chunk_alongside_matches_reference(
+    tiny_model, tiny_config
+):
+    """Four sequences decode together from 1, 6, 33 and 52 tokens (fewer rows than top-k, odd
+    and even positions: ratio-2 groups completing for some and not others, windows wrapping),
+    while a fifth runs 7-token chunks in the same forwards."""
+    c = tiny_config
+    h = Harness(tiny_model, block_size=16, num_slots=7)
+    lengths = [30, 30, 60, 70, 66]
+    seqs = [tokens(n, seed=40 + i) for i, n in enumerate(lengths)]
+    tables = [h.blocks(5) for _ in seqs]
+    prefill = [1, 6, 33, 52, 5]
+    assert prefill[1] // 2 < c.index_topk < prefill[3] // 2  # short and long row counts
+    got = _decode_with_neighbours(h, seqs, tables, prefill, chunks=(4, 7))
+    for i, s in enumerate(seqs):
+        ref = reference_forward(tiny_model, s)
+        positions = sorted(got[i])
+        assert positions[-1] == len(s) - 1
+        assert_matches(torch.stack([got[i][p] for p in positions]), ref[torch.tensor(positions)])
+
+
+def test_a_decode_token_computes_the_same_alone_or_in_a_batch(tiny_model):
+    """Logits of a sequence's decode steps do not depend on which others share the batch."""
+    seqs = [tokens(40, seed=7), tokens(40, seed=8), tokens(40, seed=9)]
+    alone, batched = Harness(tiny_model, block_size=16), Harness(tiny_model, block_size=16)
+    t_alone = [alone.blocks(3)]
+    t_batched = [batched.blocks(3) for _ in seqs]
+    a = _decode_with_neighbours(alone, seqs[:1], t_alone, [20], chunks=(-1, 1))
+    b = _decode_with_neighbours(batched, seqs, t_batched, [20, 9, 31], chunks=(-1, 1))
+    for p in range(20, 40):
+        assert torch.allclose(a[0][p], b[0][p], atol=1e-5, rtol=0)
+        assert torch.equal(a[0][p].argmax(), b[0][p].argmax())
+
+
+def _moe(config):
+    torch.manual_seed(0)
+    m = MoE(config, torch.float32)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.normal_(std=0.05)
+    return m
+
+
+@pytest.mark.parametrize("tokens_n", [1, 4, 9])
+def test_moe_dense_and_routed_paths_agree(tiny_config, tokens_n):
+    m = _moe(tiny_config)
+    x = torch.randn(tokens_n, tiny_config.hidden_size)
+    with torch.no_grad():
+        dense_used = tokens_n * m.top_k >= len(m.experts)
+        a = m(x)
+        m.DENSE_MAX_TOKENS = 0  # force routed
+        b = m(x)
+    assert dense_used == (tokens_n >= 2)
+    assert torch.allclose(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_moe_stacked_weights_follow_loads_moves_and_saves(tiny_config, tmp_path):
+    model = DeepseekV41ForCausalLM(tiny_config).init_weights(1)
+    moe = model.model.layers[0].mlp
+    x = torch.randn(4, tiny_config.hidden_size)
+    with torch.no_grad():
+        first = moe(x)  # dense: stacks the experts' weights, parameters become views
+        gate, _, _ = moe.stacked_weights()
+        assert moe.experts[1].gate_proj.weight.data_ptr() == gate[1].data_ptr()
+        save_weights(model, tmp_path)  # shared storage must not stop a save
+        other = DeepseekV41ForCausalLM(tiny_config).init_weights(2)
+        save_weights(other, tmp_path / "other")
+        load_weights(model, tmp_path / "other")  # loads copy into the views
+        theirs = other.model.layers[0].mlp.experts[1].gate_proj.weight
+        assert torch.equal(moe.stacked_weights()[0][1], theirs)
+        assert not torch.allclose(moe(x), first)
+        load_weights(model, tmp_path)
+        assert torch.equal(moe(x), first)
+        model.to(torch.float64).to(torch.float32)  # replaced parameters: restacked, same math
+        gate, _, _ = moe.stacked_weights()
+        assert moe.experts[1].gate_proj.weight.data_ptr() == gate[1].data_ptr()
+        assert torch.allclose(moe(x), first, atol=1e-6)
+
+
+def test_moe_trains_through_the_dense_path(tiny_config):
+    m = _moe(tiny_config)
+    x = torch.randn(4, tiny_config.hidden_size)
+    m(x).square().sum().backward()
+    grads = [e.gate_proj.weight.grad for e in m.experts]
+    assert all(g is not None for g in grads)
+    assert sum(float(g.abs().sum()) for g in grads) > 0
