@@ -49,7 +49,7 @@ PRESETS = {
     "gpu": dict(
         model="v41-bench",
         # 16 running requests need up to 16 x 28 blocks plus images in flight; 64 requests'
-        # tails (64 x 12 blocks) must not fit. A run takes about 20 minutes on the H200.
+        # tails (64 x 12 blocks) must not fit. A run takes about 5 minutes on the H200.
         requests=64,
         prefixes=4,
         prefix_len=4096,
