@@ -51,6 +51,11 @@ class BlockPool:
         self._cached: OrderedDict[int, None] = OrderedDict()  # LRU first
         self.on_evict: Callable[[int], None] = lambda h: None
         self.evictions = 0
+        # twins: live blocks whose computed content duplicates a registered hash (a request
+        # that recomputed a prefix another block holds); they keep the hash resident when
+        # the registered holder is evicted, so images depending on it stay valid
+        self._twins: dict[int, set[int]] = {}
+        self._twin_of: dict[int, int] = {}
 
     # ---- queries ------------------------------------------------------------------------
 
@@ -115,21 +120,35 @@ class BlockPool:
                 raise RuntimeError(f"block {b} released more often than acquired")
             self.ref[b] -= 1
             if self.ref[b] == 0:
+                self._drop_twin(b)
                 if self.hash_of[b] is not None:
                     self._cached[b] = None
                 else:
                     self._free[b] = None
 
     def register(self, block: int, h: int) -> bool:
-        """Publish a full, computed block under its chained hash. Returns False (and leaves
-        the block unhashed) when another block already holds that hash."""
+        """Publish a full, computed block under its chained hash. When another block holds
+        the hash: a cached holder hands it over (it becomes free; the hash stays resident,
+        nothing is evicted); a live holder keeps it and ``block`` becomes its twin (unhashed,
+        returns False), taking the hash over if the holder is evicted first."""
         if self.hash_of[block] is not None:
             return self.hash_of[block] == h
-        if h in self.by_hash:
+        holder = self.by_hash.get(h)
+        if holder is not None and self.ref[holder] > 0:
+            self._twins.setdefault(h, set()).add(block)
+            self._twin_of[block] = h
             return False
+        if holder is not None:
+            del self._cached[holder]
+            self._free[holder] = None
+            self.hash_of[holder] = None
         self.hash_of[block] = h
         self.by_hash[h] = block
         return True
+
+    def twins(self) -> dict[int, int]:
+        """block -> hash of every live twin (integrity checks)."""
+        return dict(self._twin_of)
 
     def forget(self, block: int) -> None:
         """Unregister a block's hash (its bytes can no longer be trusted); an unowned block
@@ -146,4 +165,19 @@ class BlockPool:
         if h is not None:
             self.hash_of[block] = None
             del self.by_hash[h]
+            twins = self._twins.get(h)
+            if twins:  # a live copy takes the hash over: still resident, nothing evicted
+                twin = twins.pop()
+                del self._twin_of[twin]
+                if not twins:
+                    del self._twins[h]
+                self.hash_of[twin], self.by_hash[h] = h, twin
+                return
             self.on_evict(h)
+
+    def _drop_twin(self, block: int) -> None:
+        h = self._twin_of.pop(block, None)
+        if h is not None:
+            self._twins[h].discard(block)
+            if not self._twins[h]:
+                del self._twins[h]

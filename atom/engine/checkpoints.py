@@ -116,9 +116,15 @@ class CheckpointStore:
         self._doom(ckpt)
 
     def evict_lru(self) -> bool:
+        """Evict the least recently used unpinned image that no other image extends (a leaf:
+        the images of shared prefixes outlive the tails that hang below them); failing that,
+        the least recently used one."""
         if not self._lru:
             return False
-        key, _ = self._lru.popitem(last=False)
+        key = next((k for k in self._lru if len(self._dependents.get(k, ())) <= 1), None)
+        if key is None:
+            key = next(iter(self._lru))
+        del self._lru[key]
         self.evicted += 1
         self._doom(self.images[key])
         return True

@@ -383,6 +383,9 @@ class Scheduler:
                 assert pool.hash_of[b] is not None, f"cached block {b} has no hash"
             if free:
                 assert pool.hash_of[b] is None, f"free block {b} still carries a hash"
+        for b, h in pool.twins().items():
+            assert owners[b] and pool.hash_of[b] is None, f"twin block {b} is not live/unhashed"
+            assert pool.lookup(h) not in (None, b), f"twin block {b}: its hash has no holder"
         in_use = sum(1 for b in range(pool.num_blocks) if owners[b])
         assert pool.num_free + pool.num_cached + in_use == pool.num_blocks
         assert unit_count == store.counts()["units"]

@@ -84,3 +84,68 @@ def test_image_eviction_is_lru_and_skips_pinned():
     store.get_ready(1)  # touch 1: 2 is now LRU among unpinned
     assert store.make_room(2)
     assert 2 not in store.images and 0 in store.images and 1 in store.images
+
+
+def test_image_eviction_takes_leaves_first_so_shared_prefix_images_outlive_their_tails():
+    """Without it, the images of shared prefixes (older, so least recently used) went first and
+    HBM prefix hits collapsed (0 of 65,536 possible prefix tokens on the CPU repro of the H200
+    serving preset once tail images stopped dying early; 65,536 with leaves first)."""
+    pool = BlockPool(12)
+    store = CheckpointStore(pool, units_per_image=2)
+    kv = pool.allocate(3)
+    for b, h in zip(kv, (100, 101, 200)):
+        pool.register(b, h)
+    shared = store.create(100, 4, (100,))  # oldest; extended by the tail image below
+    other = store.create(200, 4, (200,))  # a leaf of its own
+    tail = store.create(101, 8, (100, 101))
+    for img in (shared, other, tail):
+        assert store.mark_ready(img)
+        store.unpin(img)
+    assert store.evict_lru() and 200 not in store.images  # oldest leaf, not the shared prefix
+    assert store.evict_lru() and 101 not in store.images  # then the tail
+    assert store.evict_lru() and 100 not in store.images  # the prefix is a leaf now
+
+
+def test_a_recomputed_block_takes_the_hash_from_a_cached_copy_without_an_eviction():
+    pool = BlockPool(3)
+    evicted = []
+    pool.on_evict = evicted.append
+    old, new = pool.allocate(2)
+    assert pool.register(old, 7)
+    pool.release([old])  # cached copy
+    assert pool.register(new, 7)  # the live block takes the hash over
+    assert pool.lookup(7) == new and pool.is_free(old) and pool.hash_of[old] is None
+    assert evicted == []
+
+
+def test_a_twin_keeps_its_hash_resident_when_the_holder_is_evicted():
+    """Found in the H200 serving run (82.5% of the reuse ceiling): a request that recomputed a
+    prefix another request's block held stayed unhashed; when that cached block was evicted,
+    every image the request took (whose prefix included the hash) was dropped, so its tail was
+    never stored. The live copy now takes the hash over."""
+    pool = BlockPool(3)
+    evicted = []
+    pool.on_evict = evicted.append
+    holder, twin = pool.allocate(2)
+    assert pool.register(holder, 7)
+    assert not pool.register(twin, 7)  # holder is live: twin stays unhashed
+    assert pool.twins() == {twin: 7}
+    pool.release([holder])  # holder cached, then evicted by an allocation
+    pool.allocate(2)
+    assert evicted == [] and pool.lookup(7) == twin and pool.twins() == {}
+    pool.release([twin])
+    assert pool.is_cached(twin)
+
+
+def test_a_released_twin_no_longer_keeps_the_hash():
+    pool = BlockPool(2)
+    evicted = []
+    pool.on_evict = evicted.append
+    holder, twin = pool.allocate(2)
+    pool.register(holder, 7)
+    pool.register(twin, 7)
+    pool.release([twin])  # unhashed: free
+    assert pool.is_free(twin) and pool.twins() == {}
+    pool.release([holder])
+    pool.allocate(2)
+    assert evicted == [7] and pool.lookup(7) is None

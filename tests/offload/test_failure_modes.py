@@ -998,3 +998,31 @@ def test_a_tier_hit_without_room_waits_for_running_requests_instead_of_recomputi
     assert b.counters.computed_prompt_tokens == 7
     h.shutdown()
     big.shutdown()
+
+
+def test_a_request_that_recomputed_a_cached_prefix_still_stores_its_tail(make):
+    """Found on the H200 serving run (82.5% of the reuse ceiling): a request that recomputed a
+    prefix whose cached copy was still in the pool kept its own blocks unhashed; when the
+    cached copy was evicted, every later image of the request (its prefix holds those hashes)
+    was dropped at once, and its tail was never stored. The live blocks now take the hashes
+    over, so the images stay and every boundary is stored."""
+    h = make(max_num_batched_tokens=BLOCK)
+    h.transfers.auto = {"save"}
+    p = prompt_of(88, 31)
+    first = h.add(p[:48], max_tokens=1)
+    h.run([first])
+    h.step()
+    h.server.forget()  # the tier does not have the prefix: the request must compute it
+    store, pool = h.engine.scheduler.store, h.engine.scheduler.pool
+    cached = [b for b in range(pool.num_blocks) if pool.is_cached(b)]
+    while store.evict_lru():  # no image left: the prefix blocks stay cached, unusable as a hit
+        pass
+    s = h.add(p, max_tokens=1)
+    h.step_until(lambda: s.num_computed >= 48)
+    assert s.counters.hbm_hit_tokens == 0
+    for b in cached:
+        pool.forget(b)  # the cached copy of the prefix leaves the pool
+    h.run([s])
+    h.step()
+    assert h.server.hit(p[:87]) == 80
+    h.shutdown()
