@@ -24,6 +24,7 @@ import argparse
 import statistics
 import time
 
+import psutil
 import torch
 
 from atom import LLM, SamplingParams
@@ -100,6 +101,20 @@ def plain_copy_seconds(nbytes: int, device: str, repeats: int = 20) -> float:
     return statistics.median(times)
 
 
+def owned_server_process(engine) -> psutil.Process | None:
+    """The LMCache server process the engine started (None for an external one)."""
+    server = getattr(getattr(engine, "tier", None), "server", None)
+    proc = getattr(server, "proc", None)
+    return psutil.Process(proc.pid) if proc is not None else None
+
+
+def cpu_seconds(proc: psutil.Process | None) -> float:
+    if proc is None:
+        return 0.0
+    t = proc.cpu_times()
+    return t.user + t.system
+
+
 def instrument(connector) -> dict:
     """Accumulate step-thread time spent inside the connector's hooks."""
     spent = {"s": 0.0, **{name: 0.0 for name in CONNECTOR_HOOKS}}
@@ -142,10 +157,13 @@ def run_arm(name: str, prompts: list[list[int]], args, fill: bool = True, **engi
         eng.wait_for_progress(0.05)
         conn.update()
     spent = instrument(conn) if conn is not None else {"s": 0.0}
+    server = owned_server_process(eng)
+    server_cpu0 = cpu_seconds(server)
     steps0 = eng.steps
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params)
     wall = time.perf_counter() - t0
+    server_cpu = cpu_seconds(server) - server_cpu0 if server is not None else None
     steps = eng.steps - steps0
     itls = [x for o in outs for x in o.itl_s]
     res = {
@@ -163,6 +181,8 @@ def run_arm(name: str, prompts: list[list[int]], args, fill: bool = True, **engi
         n_loads = len(lat)
         res["loads"] = n_loads
         res["connector_ms_per_step"] = round(1000 * spent["s"] / max(steps, 1), 4)
+        if server_cpu is not None:  # an owned server shares this machine's cores
+            res["server_cpu_s"] = round(server_cpu, 3)
         res["connector_ms_per_step_by_hook"] = {
             name: round(1000 * spent[name] / max(steps, 1), 4) for name in CONNECTOR_HOOKS
         }
@@ -213,6 +233,7 @@ def idle(args) -> None:
     rows = [
         [a["arm"], a["req_per_s"], a["wall_s"], a["ttft_p50_ms"], a.get("itl_p50_ms", "")]
         + [a["tier_hit_tokens"], a.get("loads", ""), a.get("connector_ms_per_step", "")]
+        + [a.get("server_cpu_s", "")]
         for a in arms
     ]
     table = md_table(
@@ -225,16 +246,21 @@ def idle(args) -> None:
             "tier tokens",
             "loads",
             "connector ms/step",
+            "server CPU s",
         ],
         rows,
     )
     table += (
+        "\n\nserver CPU s: CPU time the owned LMCache server used during the measured pass (it "
+        "shares the engine's cores)."
         f"\n\nIdle-tier overhead (mean wall of the tier arms over the HBM-only arms - 1): "
         f"{100 * summary['idle_tier_overhead']:+.2f}%; loads in the tier arms: "
         f"{summary['tier_loads']}.\n"
     )
     print(table)
-    cmd = f"python -m benchmarks.serving --preset {args.preset} --arms idle"
+    cmd = (
+        f"python -m benchmarks.serving --preset {args.preset} --arms idle --repeats {args.repeats}"
+    )
     print(
         write_results(
             f"{args.name}_idle", {"args": vars(args), "arms": arms, "summary": summary}, table, cmd
