@@ -53,3 +53,23 @@ def md_table(headers: list[str], rows: list[list]) -> str:
     for r in rows:
         out.append("| " + " | ".join(str(c) for c in r) + " |")
     return "\n".join(out)
+
+
+def bound_runtime(model: str, dtype: torch.dtype, device: str, blocks: int, slots: int):
+    """A model runtime (random weights, seed 0; fp8 index rows, KV stored in the compute dtype)
+    bound to a fresh pool of ``blocks`` blocks and ``slots`` state slots."""
+    from atom.models.registry import default_block_size, load_runtime
+
+    rt = load_runtime(
+        model,
+        dtype=dtype,
+        kv_dtype="fp32" if dtype == torch.float32 else "bf16",
+        index_dtype="fp8",
+        block_size=default_block_size(model),
+        device=device,
+        seed=0,
+    )
+    spec = rt.spec
+    pool = torch.zeros(spec.pool_shape(blocks), dtype=spec.pool_dtype, device=device)
+    rt.bind(pool, torch.zeros(slots, spec.state_bytes, dtype=torch.uint8, device=device))
+    return rt

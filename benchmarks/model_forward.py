@@ -11,8 +11,8 @@ import time
 import torch
 
 from atom.model_api import Span
-from atom.models.registry import default_block_size, load_runtime
-from benchmarks.common import md_table, write_results
+from atom.models.registry import default_block_size
+from benchmarks.common import bound_runtime, md_table, write_results
 
 
 def main() -> None:
@@ -25,26 +25,12 @@ def main() -> None:
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--name", default="model_forward_cpu")
     args = ap.parse_args()
-    dtype = getattr(torch, args.dtype)
-    kv = "fp32" if dtype == torch.float32 else "bf16"
     bs = default_block_size(args.model)
-    rt = load_runtime(
-        args.model,
-        dtype=dtype,
-        kv_dtype=kv,
-        index_dtype="fp8",
-        block_size=bs,
-        device=args.device,
-        seed=0,
-    )
     max_batch = max(args.batch)
     blocks_per_seq = -(-(args.prompt_len + args.decode_steps) // bs)
-    spec = rt.spec
-    pool = torch.zeros(
-        spec.pool_shape(blocks_per_seq * max_batch), dtype=spec.pool_dtype, device=args.device
+    rt = bound_runtime(
+        args.model, getattr(torch, args.dtype), args.device, blocks_per_seq * max_batch, max_batch
     )
-    slots = torch.zeros(max_batch, spec.state_bytes, dtype=torch.uint8, device=args.device)
-    rt.bind(pool, slots)
     gen = torch.Generator().manual_seed(0)
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
     rows = []

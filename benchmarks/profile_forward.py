@@ -19,8 +19,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from atom.model_api import Span
-from atom.models.registry import default_block_size, load_runtime
-from benchmarks.common import md_table, write_results
+from atom.models.registry import default_block_size
+from benchmarks.common import bound_runtime, md_table, write_results
 
 SYNC_EVENTS = ("cudaStreamSynchronize", "cudaDeviceSynchronize")
 
@@ -67,24 +67,10 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=20)
     ap.add_argument("--name", default="")
     args = ap.parse_args()
-    dtype = getattr(torch, args.dtype)
-    bs = default_block_size(args.model)
-    rt = load_runtime(
-        args.model,
-        dtype=dtype,
-        kv_dtype="fp32" if dtype == torch.float32 else "bf16",
-        index_dtype="fp8",
-        block_size=bs,
-        device=args.device,
-        seed=0,
+    per_seq = -(-(args.position + args.repeats + 8) // default_block_size(args.model))
+    rt = bound_runtime(
+        args.model, getattr(torch, args.dtype), args.device, per_seq * args.batch, args.batch
     )
-    per_seq = -(-(args.position + args.repeats + 8) // bs)
-    spec = rt.spec
-    pool = torch.zeros(
-        spec.pool_shape(per_seq * args.batch), dtype=spec.pool_dtype, device=args.device
-    )
-    slots = torch.zeros(args.batch, spec.state_bytes, dtype=torch.uint8, device=args.device)
-    rt.bind(pool, slots)
     tables = [
         torch.arange(i * per_seq, (i + 1) * per_seq, device=args.device) for i in range(args.batch)
     ]

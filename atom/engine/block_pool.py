@@ -52,9 +52,8 @@ class BlockPool:
         self.on_evict: Callable[[int], None] = lambda h: None
         self.evictions = 0
         # twins: live blocks whose computed content duplicates a registered hash (a request
-        # that recomputed a prefix another block holds); they keep the hash resident when
-        # the registered holder is evicted, so images depending on it stay valid
-        self._twins: dict[int, set[int]] = {}
+        # that recomputed a prefix another block holds), block -> hash; one takes the hash
+        # over when the registered holder is evicted, so images depending on it stay valid
         self._twin_of: dict[int, int] = {}
 
     # ---- queries ------------------------------------------------------------------------
@@ -120,7 +119,7 @@ class BlockPool:
                 raise RuntimeError(f"block {b} released more often than acquired")
             self.ref[b] -= 1
             if self.ref[b] == 0:
-                self._drop_twin(b)
+                self._twin_of.pop(b, None)  # an unhashed twin just becomes free
                 if self.hash_of[b] is not None:
                     self._cached[b] = None
                 else:
@@ -135,7 +134,6 @@ class BlockPool:
             return self.hash_of[block] == h
         holder = self.by_hash.get(h)
         if holder is not None and self.ref[holder] > 0:
-            self._twins.setdefault(h, set()).add(block)
             self._twin_of[block] = h
             return False
         if holder is not None:
@@ -165,19 +163,11 @@ class BlockPool:
         if h is not None:
             self.hash_of[block] = None
             del self.by_hash[h]
-            twins = self._twins.get(h)
-            if twins:  # a live copy takes the hash over: still resident, nothing evicted
-                twin = twins.pop()
+            # a live copy takes the hash over: still resident, nothing evicted (twins are few:
+            # only blocks recomputed while their holder was live)
+            twin = next((b for b, th in self._twin_of.items() if th == h), None)
+            if twin is not None:
                 del self._twin_of[twin]
-                if not twins:
-                    del self._twins[h]
                 self.hash_of[twin], self.by_hash[h] = h, twin
                 return
             self.on_evict(h)
-
-    def _drop_twin(self, block: int) -> None:
-        h = self._twin_of.pop(block, None)
-        if h is not None:
-            self._twins[h].discard(block)
-            if not self._twins[h]:
-                del self._twins[h]

@@ -145,9 +145,8 @@ class CSA2Attention(nn.Module):
         [T, Nw]; selected compressed rows [T, K, hd] with validity [T, K]. K = V (MQA); the
         sink joins the denominator."""
         per_query = win_k.dim() == 3
-        parts = [torch.einsum("thd,tnd->thn" if per_query else "thd,nd->thn", q, win_k).float()]
-        parts[0] = parts[0] * self.scale
-        parts[0] = parts[0].masked_fill(~win_mask[:, None, :], NEG_INF)
+        win = torch.einsum("thd,tnd->thn" if per_query else "thd,nd->thn", q, win_k).float()
+        parts = [(win * self.scale).masked_fill(~win_mask[:, None, :], NEG_INF)]
         if comp is not None:
             sc = torch.einsum("thd,tkd->thk", q, comp).float() * self.scale
             parts.append(sc.masked_fill(~comp_valid[:, None, :], NEG_INF))
@@ -247,7 +246,12 @@ def layer_selection(
     return select_topk(scores, attn.topk, fixed_k), new_candidates
 
 
-def gather_selected(rows: torch.Tensor, sel: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """rows [R, hd], selection ids [T, K] -> [T, K, hd] (invalid picks point at row 0)."""
+def picked_ids(sel: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Selection ids [T, K] safe to gather with: invalid picks point at row 0."""
     ids, valid = sel
-    return rows[torch.where(valid, ids, torch.zeros_like(ids))]
+    return torch.where(valid, ids, torch.zeros_like(ids))
+
+
+def gather_selected(rows: torch.Tensor, sel: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """rows [R, hd], selection ids [T, K] -> [T, K, hd] (invalid picks read row 0)."""
+    return rows[picked_ids(sel)]

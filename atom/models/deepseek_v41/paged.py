@@ -125,11 +125,14 @@ class PagedKV:
 
     # ---- batched accessors (one row or one row set per sequence; tables [B, blocks] padded) --
 
+    def _locate_each(self, owner: int, tables: torch.Tensor, ids: torch.Tensor):
+        """Rows ``ids`` [B, K] of each sequence (its table row) -> (blocks, offsets) [B, K]."""
+        per_block = self.main[owner].shape[1]
+        return tables.gather(1, torch.div(ids, per_block, rounding_mode="floor")), ids % per_block
+
     def gather_rows(self, owner: int, tables: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Main rows ``ids`` [B, K] of each sequence's blocks -> [B, K, hd] storage dtype."""
-        per_block = self.main[owner].shape[1]
-        blocks = tables.gather(1, torch.div(ids, per_block, rounding_mode="floor"))
-        return self.main[owner][blocks, ids % per_block]
+        return self.main[owner][self._locate_each(owner, tables, ids)]
 
     def read_index_rows(self, owner: int, tables: torch.Tensor, count: int):
         """Index rows [0, count) of every sequence: (payload [B, count, D], scale or None).
@@ -153,9 +156,7 @@ class PagedKV:
     ) -> None:
         """Row ``rows[b]`` of sequence b gets (main, payload, scale)[b] where ``where[b]``; the
         other sequences' rows keep their bytes (no host sync to pick the writers)."""
-        per_block = self.main[owner].shape[1]
-        blocks = tables.gather(1, torch.div(rows, per_block, rounding_mode="floor")[:, None])[:, 0]
-        offs = rows % per_block
+        blocks, offs = (t[:, 0] for t in self._locate_each(owner, tables, rows[:, None]))
         pay_view, scale_view = self.index[owner]
         targets = [(self.main[owner], main.to(self.main[owner].dtype)), (pay_view, payload)]
         if scale_view is not None:

@@ -25,7 +25,12 @@ from dataclasses import dataclass, field
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
-from atom.models.deepseek_v41.attention import CSA2Attention, layer_selection, visible_rows
+from atom.models.deepseek_v41.attention import (
+    CSA2Attention,
+    layer_selection,
+    picked_ids,
+    visible_rows,
+)
 from atom.models.deepseek_v41.config import LayerMode
 from atom.models.deepseek_v41.paged import PagedKV, StateSlots
 from atom.models.deepseek_v41.quant import pack_index, unpack_index
@@ -43,6 +48,19 @@ class DecodeBatch:
     max_end: int
     selections: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     candidates: torch.Tensor | None = None
+    _windows: dict[tuple[int, int], tuple] = field(default_factory=dict)
+
+    def window_index(self, window: int, ring_rows: int):
+        """(ring rows of positions p - window + 1 .. p - 1 [B, window - 1], key validity
+        [B, window], ring row of p [B]): the same for every layer, computed once a forward."""
+        got = self._windows.get((window, ring_rows))
+        if got is None:
+            p = self.pos
+            prev = p[:, None] - (window - 1) + torch.arange(window - 1, device=p.device)
+            valid = torch.cat([prev >= 0, torch.ones_like(prev[:, :1], dtype=torch.bool)], 1)
+            got = (prev.clamp(min=0) % ring_rows, valid, p % ring_rows)
+            self._windows[(window, ring_rows)] = got
+        return got
 
     @classmethod
     def build(cls, spans: list, offsets: list[int], device) -> DecodeBatch | None:
@@ -95,12 +113,11 @@ def decode_attention(
     out: torch.Tensor,
 ) -> None:
     """Fill ``out`` [N, H, hd] at the batch's tokens; write their window ring rows."""
-    rw, window, p, i = kv.geometry.window_rows, attn.window, batch.pos, batch.idx
-    prev = p[:, None] - (window - 1) + torch.arange(window - 1, device=p.device)
-    ring = slots.window[batch.slots[:, None], attn.layer, prev.clamp(min=0) % rw]
+    p, i = batch.pos, batch.idx
+    ring_rows, win_valid, own_row = batch.window_index(attn.window, kv.geometry.window_rows)
+    ring = slots.window[batch.slots[:, None], attn.layer, ring_rows]
     own = win[i]
     win_k = torch.cat([ring.to(win.dtype), own[:, None]], 1)
-    win_valid = torch.cat([prev >= 0, torch.ones_like(prev[:, :1], dtype=torch.bool)], 1)
     comp = valid = None
     if attn.ratio > 0:
         u_b = u[i]
@@ -122,8 +139,8 @@ def decode_attention(
             batch.selections[attn.layer] = sel
             if cand is not None:
                 batch.candidates = cand
-        ids, valid = batch.selections[attn.sel_owner]
-        picked = torch.where(valid, ids, torch.zeros_like(ids))
-        comp = kv.gather_rows(attn.kv_owner, batch.tables, picked).to(q.dtype)
+        sel = batch.selections[attn.sel_owner]
+        comp = kv.gather_rows(attn.kv_owner, batch.tables, picked_ids(sel)).to(q.dtype)
+        valid = sel[1]
     out[i] = attn.attend(q[i], win_k, win_valid, comp, valid)
-    slots.window[batch.slots, attn.layer, p % rw] = own.to(slots.window.dtype)
+    slots.window[batch.slots, attn.layer, own_row] = own.to(slots.window.dtype)
