@@ -29,6 +29,7 @@ import torch
 
 from atom import LLM, SamplingParams
 from benchmarks.common import md_table, write_results
+from benchmarks.step_log import STEPS_HEADER, StepLog, steps_table
 from benchmarks.workload import pct, shared_prefix_prompts, summarize
 
 PRESETS = {
@@ -160,6 +161,7 @@ def run_arm(name: str, prompts: list[list[int]], args, fill: bool = True, **engi
     server = owned_server_process(eng)
     server_cpu0 = cpu_seconds(server)
     steps0 = eng.steps
+    log = StepLog(eng)
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params)
     wall = time.perf_counter() - t0
@@ -171,6 +173,7 @@ def run_arm(name: str, prompts: list[list[int]], args, fill: bool = True, **engi
         **summarize(outs, wall, itls),
         "pass1_wall_s": round(pass1, 3),
         "steps": steps,
+        "step_kinds": log.summary(wall),
         "engine": {k: str(v) for k, v in engine.items()},
     }
     if first is not None:
@@ -372,6 +375,12 @@ def main() -> None:
         f"Calibrated model t(c) = {a * 1e3:.4f} ms/token * c + {b * 1e3:.1f} ms: predicts "
         f"{predicted:.3f} req/s for the tier arm; measured {tier['req_per_s']:.3f} "
         f"({100 * model['tier_measured_over_predicted']:.1f}% of predicted).\n"
+    )
+    table += (
+        "\nSteps of the measured pass by kind (decode: every span one token; prefill: none; "
+        "outside steps: the loop waiting with nothing to run):\n\n"
+        + md_table(STEPS_HEADER, steps_table(arms))
+        + "\n"
     )
     cmd = f"python -m benchmarks.serving --preset {args.preset}"
     print(table)

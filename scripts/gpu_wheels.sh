@@ -23,4 +23,14 @@ for p in "${PKGS[@]}"; do
     --platform manylinux1_x86_64 --platform manylinux_2_34_x86_64 --platform any \
     -d .whl "$p" || echo "FAILED: $p" >&2
 done
-du -sh .whl
+du -sh .whl  # wheels
+
+# lmcache's CUDA sources (csrc/), to build lmcache.cuda_ops on the GPU machine against the torch
+# found there: the wheel's build does not load with that torch, and the server then copies
+# through torch ops (benchmarks/gpu/build_cuda_ops.py; benchmarks/gpu/README.md).
+SDIST=https://files.pythonhosted.org/packages/84/25/3ccd46844c94e08897aa8d72716a538c07e4583410d84dbc6cd12cb60dc1/lmcache-0.5.6.tar.gz
+rm -rf .whl/lmcache-csrc && mkdir -p .whl/lmcache-csrc
+curl -sSfL "$SDIST" | tar xz -C .whl/lmcache-csrc --strip-components=1 \
+  lmcache-0.5.6/csrc/cuda lmcache-0.5.6/csrc/engine_kv_format.h \
+  lmcache-0.5.6/csrc/kv_transfer_plan_types.h lmcache-0.5.6/csrc/kv_transfer_types.h
+du -sh .whl/lmcache-csrc

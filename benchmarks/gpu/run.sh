@@ -1,10 +1,14 @@
 #!/usr/bin/env bash
 # On the GPU machine: install carried wheels, run GPU tests and benchmarks, keep results.
 # Usage: bash benchmarks/gpu/run.sh STEP...
-#   steps: tests tier forward profile transfer serving idle train
+#   steps: tests tier forward profile transfer cuda_ops transfer_native serving idle train
+# cuda_ops builds lmcache.cuda_ops from lmcache's sources against this machine's torch
+# (benchmarks/gpu/build_cuda_ops.py); once built (build/ stays while the machine is warm, or
+# carried back), every later step's LMCache server uses it.
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl || exit 1
+[ -f build/lmcache_cuda_ops/cuda_ops.so ] && { python3 benchmarks/gpu/build_cuda_ops.py || exit 1; }
 export PYTHONPATH=/tmp/site:$PWD LMCACHE_TRACK_USAGE=false PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/out}
@@ -25,6 +29,10 @@ for s in "$@"; do
       --name profile_forward_h200 ;;
     transfer) step 150 python3 -m benchmarks.transfer --device cuda --chunks 1 4 16 28 \
       --repeats 5 ;;
+    cuda_ops) step 420 python3 benchmarks/gpu/build_cuda_ops.py \
+      && cp build/lmcache_cuda_ops/cuda_ops.so "$OUT"/ ;;
+    transfer_native) step 150 python3 -m benchmarks.transfer --device cuda --chunks 1 4 16 28 \
+      --repeats 5 --name transfer_h200_native ;;
     serving) step 585 python3 -m benchmarks.serving --preset gpu ;;
     idle) step 300 python3 -m benchmarks.serving --preset gpu --arms idle ;;
     train)  # a sweep of recipes in parallel (one GPU, launch-bound processes); keep every model
