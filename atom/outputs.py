@@ -19,6 +19,7 @@ class RequestOutput:
     tier_hit_tokens: int
     computed_prompt_tokens: int
     preemptions: int
+    tier_tokens_recomputed: int  # held by the tier, computed for lack of room to load them
     ttft_s: float | None
     latency_s: float | None
     itl_s: list[float]  # gaps between consecutive output tokens
@@ -39,6 +40,7 @@ class RequestOutput:
             tier_hit_tokens=c.tier_hit_tokens,
             computed_prompt_tokens=c.computed_prompt_tokens,
             preemptions=c.preemptions,
+            tier_tokens_recomputed=c.tier_tokens_recomputed,
             ttft_s=ttft,
             latency_s=latency,
             itl_s=[b - a for a, b in zip(seq.token_times, seq.token_times[1:])],

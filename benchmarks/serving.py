@@ -30,6 +30,7 @@ import torch
 from atom import LLM, SamplingParams
 from benchmarks.common import md_table, write_results
 from benchmarks.step_log import STEPS_HEADER, StepLog, steps_table
+from benchmarks.tier_probe import tier_holds
 from benchmarks.workload import pct, shared_prefix_prompts, summarize
 
 PRESETS = {
@@ -135,6 +136,21 @@ def instrument(connector) -> dict:
     return spent
 
 
+def record_lookups(connector) -> dict:
+    """request id -> the tier's lookup answer in tokens (None: no answer), kept as each
+    request finishes."""
+    answers: dict = {}
+    inner = connector.request_finished
+
+    def finished(seq):
+        st = seq.connector_state
+        answers[seq.request_id] = None if st is None else st.tier_hit
+        return inner(seq)
+
+    connector.request_finished = finished
+    return answers
+
+
 def run_arm(name: str, prompts: list[list[int]], args, fill: bool = True, **engine) -> dict:
     """Pass 1 (unless ``fill`` is False: nothing to fill) then the measured pass 2."""
     llm = LLM(
@@ -157,7 +173,9 @@ def run_arm(name: str, prompts: list[list[int]], args, fill: bool = True, **engi
     while conn is not None and conn.busy():  # pass 1's stores drain before pass 2
         eng.wait_for_progress(0.05)
         conn.update()
+    held = tier_holds(eng, prompts) if conn is not None and fill else None
     spent = instrument(conn) if conn is not None else {"s": 0.0}
+    answers = record_lookups(conn) if conn is not None else {}
     server = owned_server_process(eng)
     server_cpu0 = cpu_seconds(server)
     steps0 = eng.steps
@@ -176,6 +194,12 @@ def run_arm(name: str, prompts: list[list[int]], args, fill: bool = True, **engi
         "step_kinds": log.summary(wall),
         "engine": {k: str(v) for k, v in engine.items()},
     }
+    if held is not None:
+        block = eng.scheduler.block_size
+        res["tier_held_after_pass1"] = sum(held)
+        res["tier_held_by_request"] = held
+        res["tier_held_ceiling"] = sum((len(p) - 1) // block * block for p in prompts)
+        res["lookup_answers_by_request"] = [answers.get(o.request_id) for o in outs]
     if first is not None:
         res["same_tokens_as_pass1"] = all(a.token_ids == b.token_ids for a, b in zip(first, outs))
     if conn is not None:
@@ -372,6 +396,9 @@ def main() -> None:
         f"({100 * reused / ceiling:.2f}%). HBM + tier vs HBM-only: "
         f"{summary['tier_over_hbm_req_per_s']:.2f}x req/s; vs no reuse: "
         f"{summary['tier_over_no_reuse_req_per_s']:.2f}x.\n"
+        f"The tier held {tier.get('tier_held_after_pass1', 0)} of those tokens after pass 1 "
+        f"(a direct lookup of every prompt); tokens it held that pass 2 recomputed for lack of "
+        f"room to load them: {tier['tier_tokens_recomputed']}.\n"
         f"Calibrated model t(c) = {a * 1e3:.4f} ms/token * c + {b * 1e3:.1f} ms: predicts "
         f"{predicted:.3f} req/s for the tier arm; measured {tier['req_per_s']:.3f} "
         f"({100 * model['tier_measured_over_predicted']:.1f}% of predicted).\n"

@@ -47,6 +47,11 @@ def summarize(outs: list[RequestOutput], wall_s: float, itls: list[float] | None
         "computed_prompt_tokens": sum(o.computed_prompt_tokens for o in outs),
         "output_tokens": sum(len(o.token_ids) for o in outs),
         "preemptions": sum(o.preemptions for o in outs),
+        "tier_tokens_recomputed": sum(o.tier_tokens_recomputed for o in outs),
+        # each request in prompt order: "hbm/tier/computed"
+        "by_request": [
+            f"{o.hbm_hit_tokens}/{o.tier_hit_tokens}/{o.computed_prompt_tokens}" for o in outs
+        ],
         # requests by where their prompt came from: "hbm/tier/computed" -> count
         "sources": dict(
             Counter(

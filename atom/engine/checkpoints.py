@@ -6,9 +6,11 @@ Lifecycle of one Checkpoint:
   pin()/unpin() held while restored into a slot or read by a tier store; never evicted pinned
   drop()        units return to the pool
 
-Invariant (state within KV): an image lives only while every block hash of its prefix is
-registered in the pool. When the pool evicts or forgets a hash, every image whose prefix holds
-it is dropped (a pinned one as soon as it is unpinned, and it stops being hit-able at once).
+Invariant (state within KV): a READY image lives only while every block hash of its prefix is
+registered in the pool. When the pool evicts or forgets a hash, every READY image whose prefix
+holds it is dropped (a pinned one as soon as it is unpinned, and it stops being hit-able at
+once). A PENDING image is checked when its writer marks it READY, after the writer registered
+its own prefix blocks (a tier load lands blocks whose hashes a cached copy may have held).
 """
 
 from __future__ import annotations
@@ -139,11 +141,21 @@ class CheckpointStore:
     # ---- internals ------------------------------------------------------------------------
 
     def _on_hash_evicted(self, h: int) -> None:
+        """Drop the READY images whose prefix holds ``h``. A PENDING one stays: its writer (a
+        tier load, or the span whose forward ends at it) registers its own prefix blocks
+        before ``mark_ready``, which checks the prefix then; until then it is no hit."""
+        pending = set()
         for key in self._dependents.pop(h, ()):
             ckpt = self.images.get(key)
-            if ckpt is not None:
-                self.dropped_with_prefix += 1
-                self._doom(ckpt)
+            if ckpt is None:
+                continue
+            if ckpt.state is CkptState.PENDING:
+                pending.add(key)
+                continue
+            self.dropped_with_prefix += 1
+            self._doom(ckpt)
+        if pending:
+            self._dependents[h] = pending
 
     def _doom(self, ckpt: Checkpoint) -> None:
         if self.images.get(ckpt.key) is ckpt:

@@ -118,6 +118,12 @@ class LLMEngine:
             "counter",
         )
         m.gauge(
+            "tier_tokens_recomputed_total",
+            "Prompt tokens the tier held that were computed: no room to load them.",
+            lambda: sched.tier_tokens_recomputed,
+            "counter",
+        )
+        m.gauge(
             "pool_blocks",
             "PAGE blocks by state.",
             lambda: {
@@ -291,6 +297,7 @@ class LLMEngine:
             "images_created": self.store.created,
             "images_evicted": self.store.evicted,
             "preemptions": s.preemptions,
+            "tier_tokens_recomputed": s.tier_tokens_recomputed,
             "steps": self.steps,
         }
 

@@ -82,6 +82,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.free_slots = list(range(num_slots - 1, -1, -1))
         self.preemptions = 0
+        self.tier_tokens_recomputed = 0
 
     # ---- requests -----------------------------------------------------------------------
 
@@ -241,6 +242,8 @@ class Scheduler:
                     # No room to load now, but running requests will free some: waiting for
                     # it beats recomputing what the tier holds (the lookup's answer is kept).
                     return Admit.BLOCKED
+                seq.counters.tier_tokens_recomputed = tier - hit
+                self.tier_tokens_recomputed += tier - hit
             self.connector.settle_lookup(seq)
         end = self._chunk_end(seq, hit, budget)
         if end is None:

@@ -27,6 +27,9 @@ class SeqCounters:
     computed_prompt_tokens: int = 0
     preemptions: int = 0
     failed_loads: int = 0
+    # tokens the tier held beyond the HBM hit that were computed instead: no room to load them
+    # and nothing running or loading that would free any
+    tier_tokens_recomputed: int = 0
 
 
 _ids = itertools.count()

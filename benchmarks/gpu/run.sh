@@ -49,5 +49,5 @@ for s in "$@"; do
       wait ;;
   esac
 done
-cp benchmarks/results/*h200* "$OUT"/ 2>/dev/null
+find benchmarks/results -name "*h200*" -newer "$OUT/gpu.txt" -exec cp {} "$OUT"/ \;  # this call's results
 ls "$OUT"

@@ -1026,3 +1026,35 @@ def test_a_request_that_recomputed_a_cached_prefix_still_stores_its_tail(make):
     h.step()
     assert h.server.hit(p[:87]) == 80
     h.shutdown()
+
+
+def test_a_load_survives_the_eviction_of_cached_copies_of_the_prefix_it_loads(make):
+    """Found on the H200 serving run (8 of 64 requests recomputed 6,912 tokens the tier held):
+    a load's PENDING image was dropped when the pool evicted a cached block whose hash is in
+    the image's prefix, although the load itself registers that hash when it lands; the load
+    then ended as a recompute. A PENDING image is now checked when it becomes READY, not
+    dropped with a prefix hash its writer will register."""
+    h = make()
+    p = prompt_of(40, 77)
+    h.transfers.auto = {"save"}
+    first = h.add(p, max_tokens=1)
+    h.run([first])
+    h.step()
+    h.transfers.auto = set()
+    store, pool = h.engine.scheduler.store, h.engine.scheduler.pool
+    cached = [b for b in range(pool.num_blocks) if pool.is_cached(b)]
+    assert cached, "the prefix's blocks should be cached"
+    while store.evict_lru():  # no image left: the cached prefix is no hit, its hashes resident
+        pass
+    seq = h.add(p, max_tokens=1)
+    h.step_until(lambda: h.transfers.loads)
+    load = h.transfers.loads[-1]
+    assert (load.start, load.end) == (0, 32)
+    for b in cached:
+        pool.forget(b)  # the cached copies leave the pool while the load is in flight
+    assert not load.image.doomed
+    h.transfers.complete(load)
+    h.run([seq])
+    assert seq.counters.failed_loads == 0
+    assert (seq.counters.hbm_hit_tokens, seq.counters.tier_hit_tokens) == (0, 32)
+    h.shutdown()
