@@ -34,7 +34,8 @@ for s in "$@"; do
     transfer_native) step 150 python3 -m benchmarks.transfer --device cuda --chunks 1 4 16 28 \
       --repeats 5 --name transfer_h200_native ;;
     serving) step 585 python3 -m benchmarks.serving --preset gpu ;;
-    idle) step 300 python3 -m benchmarks.serving --preset gpu --arms idle ;;
+    idle) step 560 python3 -m benchmarks.serving --preset gpu --arms idle \
+      --repeats "${IDLE_REPEATS:-2}" ;;
     train)  # a sweep of recipes in parallel (one GPU, launch-bound processes); keep every model
       m=${TRAIN_MINUTES:-6}; t=$(( ${TRAIN_MINUTES:-6} * 60 + 150 ))
       base="--minutes $m --batch 32 --far 80"
