@@ -179,7 +179,7 @@ def run_arm(name: str, prompts: list[list[int]], args, fill: bool = True, **engi
     server = owned_server_process(eng)
     server_cpu0 = cpu_seconds(server)
     steps0 = eng.steps
-    log = StepLog(eng)
+    log = StepLog(eng, busy=conn.busy if conn is not None else None)
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params)
     wall = time.perf_counter() - t0
@@ -302,10 +302,11 @@ def main() -> None:
     ap.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
     ap.add_argument(
         "--arms",
-        choices=("main", "idle"),
+        choices=("main", "idle", "tier"),
         default="main",
         help="main: the three arms on a pool too small for the tails; idle: HBM-only against "
-        "HBM + an attached tier on a workload that fits the pool (the idle-tier overhead)",
+        "HBM + an attached tier on a workload that fits the pool (the idle-tier overhead); "
+        "tier: the HBM + tier arm of main alone (diagnosis: its steps and sources)",
     )
     ap.add_argument("--repeats", type=int, default=2, help="idle: A/B pairs to interleave")
     for key, value in PRESETS["cpu"].items():
@@ -318,14 +319,20 @@ def main() -> None:
         idle(args)
         return
     prompts = shared_prefix_prompts(args.requests, args.prefixes, args.prefix_len, args.tail_len)
+    tier_engine = dict(offload="lmcache_mp", lmcache={"l1_size_gb": args.l1_gb})
+    if args.arms == "tier":
+        arm = run_arm("HBM + tier", prompts, args, **tier_engine)
+        table = md_table(STEPS_HEADER, steps_table([arm]))
+        cmd = f"python -m benchmarks.serving --preset {args.preset} --arms tier"
+        print(table)
+        print(write_results(f"{args.name}_tier", {"args": vars(args), "arms": [arm]}, table, cmd))
+        return
     block = 256
     ceiling = sum((len(p) - 1) // block * block for p in prompts)
     arms = [
         run_arm("no prefix reuse", prompts, args, fill=False, enable_prefix_caching=False),
         run_arm("HBM prefix caching", prompts, args),
-        run_arm(
-            "HBM + tier", prompts, args, offload="lmcache_mp", lmcache={"l1_size_gb": args.l1_gb}
-        ),
+        run_arm("HBM + tier", prompts, args, **tier_engine),
     ]
     # calibrated model on the arms that move no bytes: time per request = a * computed + b
     xs = [a["computed_prompt_tokens"] / a["requests"] for a in arms[:2]]

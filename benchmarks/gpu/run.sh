@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # On the GPU machine: install carried wheels, run GPU tests and benchmarks, keep results.
 # Usage: bash benchmarks/gpu/run.sh STEP...
-#   steps: tests tier forward profile transfer cuda_ops transfer_native serving idle train
+#   steps: tests tier forward profile transfer cuda_ops transfer_native serving tier_only idle
+#          train
 # cuda_ops builds lmcache.cuda_ops from lmcache's sources against this machine's torch
 # (benchmarks/gpu/build_cuda_ops.py); once built (build/ stays while the machine is warm, or
 # carried back), every later step's LMCache server uses it.
@@ -34,6 +35,7 @@ for s in "$@"; do
     transfer_native) step 150 python3 -m benchmarks.transfer --device cuda --chunks 1 4 16 28 \
       --repeats 5 --name transfer_h200_native ;;
     serving) step 585 python3 -m benchmarks.serving --preset gpu ;;
+    tier_only) step 300 python3 -m benchmarks.serving --preset gpu --arms tier ;;
     idle) step 560 python3 -m benchmarks.serving --preset gpu --arms idle \
       --repeats "${IDLE_REPEATS:-2}" ;;
     train)  # a sweep of recipes in parallel (one GPU, launch-bound processes); keep every model
