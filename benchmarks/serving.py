@@ -68,6 +68,14 @@ PRESETS = {
     ),
 }
 
+PASS1_KEYS = (
+    "wall_s",
+    "hbm_hit_tokens",
+    "tier_hit_tokens",
+    "computed_prompt_tokens",
+    "preemptions",
+)
+
 CONNECTOR_HOOKS = (
     "update",
     "lookup",
@@ -167,8 +175,15 @@ def run_arm(name: str, prompts: list[list[int]], args, fill: bool = True, **engi
     llm.generate([[7] * 8], SamplingParams(max_tokens=2, ignore_eos=True))  # warm-up
     eng.reset_prefix_cache()
     t0 = time.perf_counter()
+    log1 = StepLog(eng)
     first = llm.generate(prompts, params) if fill else None
     pass1 = time.perf_counter() - t0
+    pass1_summary = None
+    if first is not None:  # the cold pass: what filling the caches cost
+        pass1_summary = {k: v for k, v in summarize(first, pass1).items() if k in PASS1_KEYS} | {
+            "step_kinds": log1.summary(pass1)
+        }
+    log1.detach()
     conn = eng.scheduler.connector
     while conn is not None and conn.busy():  # pass 1's stores drain before pass 2
         eng.wait_for_progress(0.05)
@@ -190,6 +205,7 @@ def run_arm(name: str, prompts: list[list[int]], args, fill: bool = True, **engi
         "arm": name,
         **summarize(outs, wall, itls),
         "pass1_wall_s": round(pass1, 3),
+        "pass1": pass1_summary,
         "steps": steps,
         "step_kinds": log.summary(wall),
         "engine": {k: str(v) for k, v in engine.items()},

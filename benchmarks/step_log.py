@@ -52,6 +52,11 @@ class StepLog:
 
         scheduler.schedule = schedule
         engine.step = step
+        self._engine = engine
+
+    def detach(self) -> None:
+        """Stop recording: the engine's own methods are back."""
+        del self._engine.scheduler.schedule, self._engine.step
 
     def summary(self, wall_s: float) -> dict:
         res: dict = {}

@@ -7,10 +7,19 @@ A block is in exactly one of three pool states:
 
 Evicting a cached block unregisters its hash and reports it through ``on_evict`` (the
 checkpoint store drops every image whose prefix contained that hash: state within KV).
+
+Recency: cached blocks are evicted in the order their users released them. A user is a
+sequence or a prefix hit; a transfer lease (a tier store still reading the block) is not: a
+block whose last reference was a lease keeps the recency its sequence gave it. Otherwise a
+request's tail, whose stores finish after the request does, would look newer than its prefix
+and outlive it (found in the tier arm's cold pass: shared-prefix blocks evicted first, their
+checkpoint images dropped with them, no HBM hits).
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 
@@ -48,7 +57,11 @@ class BlockPool:
         self.hash_of: list[int | None] = [None] * num_blocks
         self.by_hash: dict[int, int] = {}
         self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
-        self._cached: OrderedDict[int, None] = OrderedDict()  # LRU first
+        # cached block -> its recency stamp; the heap orders them (stale entries skipped)
+        self._cached: dict[int, int] = {}
+        self._lru: list[tuple[int, int]] = []
+        self._clock = itertools.count()
+        self._stamp = [0] * num_blocks  # when a user last released the block
         self.on_evict: Callable[[int], None] = lambda h: None
         self.evictions = 0
         # twins: live blocks whose computed content duplicates a registered hash (a request
@@ -93,7 +106,7 @@ class BlockPool:
             if self._free:
                 b, _ = self._free.popitem(last=False)
             else:
-                b, _ = self._cached.popitem(last=False)
+                b = self._pop_lru()
                 self._uncache(b)
                 self.evictions += 1
             self.ref[b] = 1
@@ -110,18 +123,21 @@ class BlockPool:
                     raise RuntimeError(f"block {b} is free and holds nothing to share")
             self.ref[b] += 1
 
-    def release(self, blocks: Iterable[int]) -> None:
+    def release(self, blocks: Iterable[int], lease: bool = False) -> None:
         """Drop one reference on each block, in the given order; a block reaching 0 becomes
-        cached (if hashed) at the MRU end, else free. Pass a sequence's blocks tail first so
-        prefixes outlive their tails."""
+        cached (if hashed), else free. A user's release (``lease`` False) makes the block the
+        most recent; pass a sequence's blocks tail first so prefixes outlive their tails. A
+        lease's release leaves the recency as the block's last user set it."""
         for b in blocks:
             if self.ref[b] <= 0:
                 raise RuntimeError(f"block {b} released more often than acquired")
             self.ref[b] -= 1
+            if not lease:
+                self._stamp[b] = next(self._clock)
             if self.ref[b] == 0:
                 self._twin_of.pop(b, None)  # an unhashed twin just becomes free
                 if self.hash_of[b] is not None:
-                    self._cached[b] = None
+                    self._cache(b)
                 else:
                     self._free[b] = None
 
@@ -157,6 +173,22 @@ class BlockPool:
             del self._cached[block]
             self._free[block] = None
         self._uncache(block)
+
+    def _cache(self, b: int) -> None:
+        self._cached[b] = self._stamp[b]
+        heapq.heappush(self._lru, (self._stamp[b], b))
+        if len(self._lru) > 2 * len(self._cached) + 64:  # drop stale entries now and then
+            self._lru = [(s, c) for c, s in self._cached.items()]
+            heapq.heapify(self._lru)
+
+    def _pop_lru(self) -> int:
+        """The least recent cached block, taken out of the cache (the heap's stale entries,
+        left by acquires and hand-overs, are dropped on the way)."""
+        while True:
+            stamp, b = heapq.heappop(self._lru)
+            if self._cached.get(b) == stamp:
+                del self._cached[b]
+                return b
 
     def _uncache(self, block: int) -> None:
         h = self.hash_of[block]

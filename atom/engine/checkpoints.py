@@ -118,14 +118,20 @@ class CheckpointStore:
         self._doom(ckpt)
 
     def evict_lru(self) -> bool:
-        """Evict the least recently used unpinned image that no other image extends (a leaf:
-        the images of shared prefixes outlive the tails that hang below them); failing that,
-        the least recently used one."""
+        """Evict the unpinned image that the fewest images extend, least recently used first:
+        a leaf (extended by none) when there is one, else the one closest to the leaves. The
+        images of shared prefixes outlive the tails below them, also while the newest tails
+        are pinned by stores in flight and no unpinned leaf is left."""
         if not self._lru:
             return False
-        key = next((k for k in self._lru if len(self._dependents.get(k, ())) <= 1), None)
-        if key is None:
-            key = next(iter(self._lru))
+        key, fewest = None, None
+        for k in self._lru:
+            n = len(self._dependents.get(k, ()))  # itself included
+            if n <= 1:
+                key = k
+                break
+            if fewest is None or n < fewest:
+                key, fewest = k, n
         del self._lru[key]
         self.evicted += 1
         self._doom(self.images[key])

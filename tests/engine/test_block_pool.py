@@ -149,3 +149,58 @@ def test_a_released_twin_no_longer_keeps_the_hash():
     pool.release([holder])
     pool.allocate(2)
     assert evicted == [7] and pool.lookup(7) is None
+
+
+def test_a_block_whose_last_reference_is_a_lease_keeps_the_recency_its_sequence_gave_it():
+    """A request's tail, whose tier stores finish after the request does, must not look newer
+    than its prefix: released by its sequence first (tail first), it is evicted first."""
+    pool = BlockPool(3)
+    evicted = []
+    pool.on_evict = evicted.append
+    prefix, tail = pool.allocate(2)
+    pool.register(prefix, 1)
+    pool.register(tail, 2)
+    pool.acquire([tail])  # a store in flight leases the tail
+    pool.release([tail, prefix])  # the request finishes: tail first
+    pool.release([tail], lease=True)  # the store ends later
+    pool.allocate(2)  # the free block, then one eviction
+    assert evicted == [2], "the prefix was evicted before its tail"
+
+
+def test_image_eviction_without_an_unpinned_leaf_takes_the_image_closest_to_the_leaves():
+    """While stores in flight pin the newest tail images, no unpinned leaf is left: the LRU
+    fallback evicted the oldest image, a shared prefix's (the tier arm's cold pass lost its
+    HBM prefix hits). The image the fewest images extend goes first now."""
+    pool = BlockPool(16)
+    store = CheckpointStore(pool, units_per_image=1)
+    kv = pool.allocate(3)
+    for b, h in zip(kv, (100, 101, 102)):
+        pool.register(b, h)
+    root = store.create(100, 4, (100,))  # oldest: extended by everything below
+    mid = store.create(101, 8, (100, 101))
+    leaf = store.create(102, 12, (100, 101, 102))
+    for img in (root, mid, leaf):
+        assert store.mark_ready(img)
+        store.unpin(img)
+    store.pin(leaf)  # a store of the newest tail is in flight
+    assert store.evict_lru() and 101 not in store.images and 100 in store.images
+
+
+def test_a_pending_image_survives_the_eviction_of_a_prefix_hash_its_writer_registers():
+    """A tier load's image is PENDING while the load runs; a cached copy of a block it loads
+    may be evicted meanwhile. The load registers that hash itself, so the image is checked
+    when it becomes READY instead of being dropped (8 of 64 H200 requests lost their load)."""
+    pool = BlockPool(6)
+    store = CheckpointStore(pool, units_per_image=1)
+    cached = pool.allocate(1)[0]
+    pool.register(cached, 100)
+    pool.release([cached])  # an old copy of the prefix block, cached
+    landing = pool.allocate(1)[0]  # where the load puts the block
+    image = store.create(100, 4, (100,))
+    pool.forget(cached)  # the cached copy leaves the pool while the load runs
+    assert not image.doomed
+    pool.register(landing, 100)  # the load lands and publishes its block
+    assert store.mark_ready(image) and store.get_ready(100) is image
+    # a PENDING image whose prefix nobody registers is still refused when it becomes READY
+    other = store.create(200, 4, (200,))
+    assert not store.mark_ready(other)

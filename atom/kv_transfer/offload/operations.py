@@ -104,7 +104,7 @@ class TransferOp(_Settles):
         if not self._leased:
             return False
         self._leased = False
-        pool.release(reversed(self.page_blocks))
+        pool.release(reversed(self.page_blocks), lease=True)
         store.unpin(self.image)
         return True
 
