@@ -10,6 +10,10 @@ terminal future (lookup excluded, measured separately: the lookup that first see
 which the server makes visible on a 5 ms commit timer); events come from a warm pool, as in
 the engine; the plain copy is a memcpy on CPU and a
 pinned host-to-device copy on CUDA, the copy a perfect load path would do.
+
+``--burst B`` also submits B loads of the largest size at once (as a wave of requests admitted
+together does in serving) and reports each one's latency and the aggregate GB/s: whether the
+server overlaps loads or serves them one after another.
 """
 
 from __future__ import annotations
@@ -56,6 +60,7 @@ def main() -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--chunks", type=int, nargs="+", default=[1, 4, 16, 28])
     ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--burst", type=int, default=0, help="loads submitted at once (0: none)")
     ap.add_argument("--name", default=None)
     args = ap.parse_args()
     os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
@@ -75,7 +80,7 @@ def main() -> None:
     spec = geo.state_spec()
     k = spec.units_per_image
     max_chunks = max(args.chunks)
-    num_blocks = 2 * (max_chunks + k) + 4
+    num_blocks = (2 + args.burst) * (max_chunks + k) + 4
     pool = torch.zeros(spec.pool_shape(num_blocks), dtype=spec.pool_dtype, device=args.device)
     segment = share_pool(pool)
     pool.view(torch.uint8).view(num_blocks, -1)[: max_chunks + k].random_(0, 255)
@@ -100,6 +105,74 @@ def main() -> None:
     events = EventPool(torch.device(args.device))
     shape = SpecShape(256, 256, k)
     rows, raw = [], []
+
+    def store_visible(rid, tokens, n, src, src_units) -> tuple[float, float]:
+        """Store n chunks + an image; returns (store seconds, seconds of the lookup that first
+        saw it: the server commits a store on a 5 ms timer)."""
+        store = TransferOp("save", rid, tokens, 0, n * 256, src, _Image(src_units), 0)
+        event = events.acquire()  # pooled and recorded, as the engine's step thread does
+        t0 = time.perf_counter()
+        wait(worker.submit_store_request(rid, build_spec(store, shape), event))
+        store_s = time.perf_counter() - t0
+        events.recycle(event)
+        while True:
+            t0 = time.perf_counter()
+            sched.maybe_submit_lookup_request(rid, tokens)
+            hit = None
+            while hit is None:
+                hit = sched.check_lookup_result(rid)
+            sched.cleanup_lookup_result(rid)
+            if hit == n * 256:
+                return store_s, time.perf_counter() - t0
+            if hit:
+                sched.free_lookup_locks(tokens, 0, hit, rid)
+
+    def burst(n: int, b: int) -> dict:
+        """b stored prompts loaded at once into distinct blocks; every load verified."""
+        src, src_units = list(range(n)), list(range(max_chunks, max_chunks + k))
+        base = 2 * (max_chunks + k)
+        jobs = []
+        for i in range(b):
+            tokens = torch.randint(0, 256, (n * 256 + 1,)).tolist()
+            rid = f"burst-{n}-{i}"
+            store_visible(rid, tokens, n, src, src_units)
+            dst = list(range(base + i * (n + k), base + i * (n + k) + n))
+            units = list(range(dst[-1] + 1, dst[-1] + 1 + k))
+            op = TransferOp("load", rid, tokens, 0, n * 256, dst, _Image(units), 0)
+            jobs.append((rid, op, events.acquire()))
+        t0 = time.perf_counter()
+        futs = [
+            worker.submit_retrieve_request(rid, build_spec(op, shape), ev) for rid, op, ev in jobs
+        ]
+        submitted = time.perf_counter() - t0
+        done: dict[int, float] = {}
+        while len(done) < b:
+            for i, fut in enumerate(futs):
+                if i not in done and fut.query():
+                    assert fut.result(), "transfer failed"
+                    done[i] = time.perf_counter() - t0
+            time.sleep(0.0002)
+        if gpu:
+            torch.cuda.synchronize()
+        pb = pool.view(torch.uint8).view(num_blocks, -1)
+        for rid, op, ev in jobs:
+            assert torch.equal(pb[op.page_blocks], pb[src])
+            assert torch.equal(pb[op.image.units], pb[src_units])
+            events.recycle(ev)
+            sched.end_session(rid)
+        lat = sorted(done.values())
+        nbytes = (n + k) * spec.block_bytes
+        return {
+            "burst": b,
+            "chunks": n,
+            "mib_each": round(nbytes / 2**20, 2),
+            "submit_all_ms": round(1e3 * submitted, 2),
+            "latency_p50_ms": round(1e3 * statistics.median(lat), 2),
+            "latency_max_ms": round(1e3 * lat[-1], 2),
+            "aggregate_gbps": round(b * nbytes / lat[-1] / 1e9, 3),
+        }
+
+    bursts = []
     try:
         for n in args.chunks:
             stores, loads, lookups = [], [], []
@@ -111,27 +184,9 @@ def main() -> None:
                 dst = list(range(max_chunks + k, max_chunks + k + n))
                 dst_units = list(range(2 * max_chunks + k, 2 * max_chunks + 2 * k))
                 rid = f"bench-{n}-{r}"
-                store = TransferOp("save", rid, tokens, 0, n * 256, src, _Image(src_units), 0)
-                event = events.acquire()  # pooled and recorded, as the engine's step thread does
-                t0 = time.perf_counter()
-                fut = worker.submit_store_request(rid, build_spec(store, shape), event)
-                wait(fut)
-                stores.append(time.perf_counter() - t0)
-                events.recycle(event)
-                # the server commits a store on a 5 ms timer: poll until it is visible and time
-                # the lookup that saw it
-                while True:
-                    t0 = time.perf_counter()
-                    sched.maybe_submit_lookup_request(rid, tokens)
-                    hit = None
-                    while hit is None:
-                        hit = sched.check_lookup_result(rid)
-                    sched.cleanup_lookup_result(rid)
-                    if hit == n * 256:
-                        break
-                    if hit:
-                        sched.free_lookup_locks(tokens, 0, hit, rid)
-                lookups.append(time.perf_counter() - t0)
+                store_s, lookup_s = store_visible(rid, tokens, n, src, src_units)
+                stores.append(store_s)
+                lookups.append(lookup_s)
                 load = TransferOp("load", rid, tokens, 0, n * 256, dst, _Image(dst_units), 0)
                 event = events.acquire()
                 t0 = time.perf_counter()
@@ -161,6 +216,9 @@ def main() -> None:
             raw.append({**row, "stores_s": stores, "loads_s": loads})
             rows.append(row)
             print(row, flush=True)
+        if args.burst:
+            bursts.append(burst(max_chunks, args.burst))
+            print(bursts[-1], flush=True)
     finally:
         worker.shutdown()
         sched.shutdown()
@@ -186,13 +244,24 @@ def main() -> None:
         f"\n\nGeometry: {model}, block {spec.block_bytes} B, image {k} units "
         f"({spec.state_bytes} B). Every load verified byte-exact against its source.\n"
     )
+    for row in bursts:
+        single = next(r for r in rows if r["chunks"] == row["chunks"])
+        table += (
+            f"\n{row['burst']} loads of {row['chunks']} chunks ({row['mib_each']} MiB each) "
+            f"submitted at once (in {row['submit_all_ms']} ms): latency p50 "
+            f"{row['latency_p50_ms']} ms, last {row['latency_max_ms']} ms, aggregate "
+            f"{row['aggregate_gbps']} GB/s (one load alone: {single['load_p50_ms']} ms, "
+            f"{single['load_gbps']} GB/s).\n"
+        )
     name = args.name or ("transfer_h200" if gpu else "transfer_cpu")
     cmd = (
         f"python -m benchmarks.transfer --device {args.device} --chunks "
         f"{' '.join(map(str, args.chunks))} --repeats {args.repeats}"
+        + (f" --burst {args.burst}" if args.burst else "")
     )
     print(table)
-    print(write_results(name, {"geometry": geo.describe(), "rows": raw}, table, cmd))
+    data = {"geometry": geo.describe(), "rows": raw, "bursts": bursts}
+    print(write_results(name, data, table, cmd))
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ for s in "$@"; do
     cuda_ops) step 420 python3 benchmarks/gpu/build_cuda_ops.py \
       && cp build/lmcache_cuda_ops/cuda_ops.so "$OUT"/ ;;
     transfer_native) step 150 python3 -m benchmarks.transfer --device cuda --chunks 1 4 16 28 \
-      --repeats 5 --name transfer_h200_native ;;
+      --repeats 5 --burst 16 --name transfer_h200_native ;;
     serving) step 585 python3 -m benchmarks.serving --preset gpu ;;
     tier_only) step 300 python3 -m benchmarks.serving --preset gpu --arms tier ;;
     idle) step 560 python3 -m benchmarks.serving --preset gpu --arms idle \
