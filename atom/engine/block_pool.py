@@ -6,7 +6,7 @@ A block is in exactly one of three pool states:
   owned    ref > 0                         by sequences, checkpoint images or transfer leases
 
 Evicting a cached block unregisters its hash and reports it through ``on_evict`` (the
-checkpoint store drops every image whose prefix contained that hash: state within KV).
+checkpoint store drops every READY image whose prefix contained that hash: state within KV).
 
 Recency: cached blocks are evicted in the order their users released them. A user is a
 sequence or a prefix hit; a transfer lease (a tier store still reading the block) is not: a

@@ -37,6 +37,12 @@ class Connector(ABC):
         answer is pending (the sequence waits; nothing sleeps)."""
 
     @abstractmethod
+    def holds(self, seq: Sequence) -> bool:
+        """True while the tier holds something for a waiting ``seq``: a lookup outstanding, or
+        answered with a hit and not yet settled (the server keeps its chunks locked, for a
+        limited time). The scheduler counts such a sequence against max_num_seqs."""
+
+    @abstractmethod
     def start_load(
         self, seq: Sequence, start: int, end: int, blocks: list[int], image: Checkpoint
     ) -> None:

@@ -274,11 +274,15 @@ class LLMEngine:
     # ---- introspection ------------------------------------------------------------------
 
     def reset_prefix_cache(self) -> None:
-        """Forget every cached block and unpinned image (only when nothing is running)."""
+        """Forget every cached block and unpinned image (only when nothing is running). A
+        PENDING image (a tier load still in flight for an aborted request) is dropped too: it
+        would otherwise become a hit when its load lands."""
         if self.scheduler.has_work():
             raise RuntimeError("reset_prefix_cache() needs an idle engine")
         while self.store.evict_lru():
             pass
+        for ckpt in [c for c in self.store.images.values() if not c.ready]:
+            self.store.drop(ckpt)
         for b in range(self.pool.num_blocks):
             if self.pool.is_cached(b):
                 self.pool.forget(b)

@@ -10,8 +10,9 @@ Admission: the local hit is the longest resident block prefix, capped to the las
 at or below it and to ``num_tokens - 1`` (the step must compute at least one token to have
 logits). With a tier, a connector may extend the hit past it with a load.
 
-Pool pressure: allocations evict cached blocks (LRU, dropping the images that depended on
-them), then unpinned images (LRU), then preempt the newest running sequence (recompute).
+Pool pressure: allocations evict cached blocks (LRU, dropping the READY images that depended
+on them), then unpinned images (those the fewest images extend first, LRU among equals), then
+preempt the newest running sequence (recompute).
 A preempted sequence's blocks keep their hashes, so its own images can resume it.
 """
 
@@ -116,7 +117,10 @@ class Scheduler:
         # Requests holding blocks while they wait (a tier load in flight, or loaded and not yet
         # running) count against max_num_seqs: otherwise loads planned for the whole queue can
         # fill the pool with requests that then have no block to run with, and none finishes.
-        holding = sum(1 for s in self.waiting if s.block_table)
+        # So do requests holding a tier lookup: otherwise a long queue is looked up at once and
+        # its chunks stay locked on the server until each request's turn, past the server's
+        # lock lifetime under load (found in CI: 143 of 256 loads refused, pass 2 100x slower).
+        holding = sum(1 for s in self.waiting if self._holds(s))
         for seq in list(self.waiting):
             if budget <= 0 or out.preempted:
                 break
@@ -124,21 +128,25 @@ class Scheduler:
                 break
             if seq.status is SeqStatus.WAITING_FOR_TIER:
                 continue
-            held = bool(seq.block_table)
+            held = self._holds(seq)
             if not held and len(self.running) + holding >= self.cfg.max_num_seqs:
-                continue  # the requests already holding blocks go first
+                continue  # the requests already holding blocks or lookups go first
             span = self._admit(seq, budget)
             if span is Admit.BLOCKED:
                 break
             if span is Admit.WAIT:
-                if seq.block_table and not held:
-                    holding += 1  # a load was planned for it
+                if not held and self._holds(seq):
+                    holding += 1  # a lookup was sent or a load planned for it
                 continue
             holding -= held
             self.waiting.remove(seq)
             out.spans.append(span)
             budget -= span.end - span.start
         return out
+
+    def _holds(self, seq: Sequence) -> bool:
+        """A waiting sequence holds pool blocks or a tier lookup."""
+        return bool(seq.block_table) or (self.connector is not None and self.connector.holds(seq))
 
     def _chunk_end(self, seq: Sequence, start: int, budget: int) -> int | None:
         target, bs = seq.num_tokens, self.block_size
@@ -242,8 +250,7 @@ class Scheduler:
                     # No room to load now, but running requests will free some: waiting for
                     # it beats recomputing what the tier holds (the lookup's answer is kept).
                     return Admit.BLOCKED
-                seq.counters.tier_tokens_recomputed = tier - hit
-                self.tier_tokens_recomputed += tier - hit
+                seq.tier_unloaded = tier  # counted in _start against the hit it runs with
             self.connector.settle_lookup(seq)
         end = self._chunk_end(seq, hit, budget)
         if end is None:
@@ -270,6 +277,10 @@ class Scheduler:
         c.hbm_hit_tokens = min(local, seq.num_prompt)
         c.tier_hit_tokens = min(hit, seq.num_prompt) - c.hbm_hit_tokens
         c.computed_prompt_tokens = max(0, seq.num_prompt - hit)
+        if seq.tier_unloaded:
+            c.tier_tokens_recomputed = max(0, min(seq.tier_unloaded, seq.num_prompt) - hit)
+            self.tier_tokens_recomputed += c.tier_tokens_recomputed
+            seq.tier_unloaded = 0
         self.running.append(seq)
         return self._span(seq, hit, end, restore=ckpt)
 

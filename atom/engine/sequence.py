@@ -27,8 +27,8 @@ class SeqCounters:
     computed_prompt_tokens: int = 0
     preemptions: int = 0
     failed_loads: int = 0
-    # tokens the tier held beyond the HBM hit that were computed instead: no room to load them
-    # and nothing running or loading that would free any
+    # tokens the tier held beyond the hit this admission ran with, computed instead: there was
+    # no room to load them and no running request to wait for
     tier_tokens_recomputed: int = 0
 
 
@@ -50,6 +50,7 @@ class Sequence:
     slot: int | None = None
     resume: Any = None  # a connector.Resume: a prefix prepared outside a forward
     connector_state: Any = None  # opaque to the engine: the tier's per-request state
+    tier_unloaded: int = 0  # a tier answer this admission could not load (no room)
     finish_reason: str | None = None
     counters: SeqCounters = field(default_factory=SeqCounters)
     arrival_time: float = 0.0

@@ -1058,3 +1058,81 @@ def test_a_load_survives_the_eviction_of_cached_copies_of_the_prefix_it_loads(ma
     assert seq.counters.failed_loads == 0
     assert (seq.counters.hbm_hit_tokens, seq.counters.tier_hit_tokens) == (0, 32)
     h.shutdown()
+
+
+def test_a_tier_hit_that_can_never_fit_is_computed_and_counted(make):
+    """With nothing running there is nothing to wait for: a load that does not fit the pool
+    is given up and the prompt computed chunk by chunk. What the tier held beyond the hit is
+    reported (per request and as tier_tokens_recomputed_total) instead of passing silently."""
+    big = make()
+    p = prompt_of(72, 23)  # 5 blocks; the tier holds 64 tokens: a load needs 4 + an image's 2
+    fill_tier(big, p)
+    h = make(server=big.server, num_blocks=5, max_num_batched_tokens=16)
+    h.transfers.auto = {"load", "save"}
+    s = h.add(p, max_tokens=1)
+    h.run([s])
+    assert h.transfers.loads == []
+    c = s.counters
+    assert (c.tier_hit_tokens, c.computed_prompt_tokens, c.tier_tokens_recomputed) == (0, 72, 64)
+    assert h.engine.stats()["tier_tokens_recomputed"] == 64
+    assert "atom_tier_tokens_recomputed_total 64" in h.engine.metrics.render()
+    h.shutdown()
+    big.shutdown()
+
+
+def test_reset_prefix_cache_drops_the_image_of_a_load_still_in_flight(make):
+    """An aborted request's load can land after a reset; its image must not become an HBM hit
+    of the emptied cache (the PENDING image used to die with its prefix hashes at the reset;
+    it now outlives hash evictions, so the reset drops it itself)."""
+    h = make()
+    p = prompt_of(40, 77)
+    h.transfers.auto = {"save"}
+    first = h.add(p, max_tokens=1)
+    h.run([first])
+    h.step()
+    h.transfers.auto = set()
+    store = h.engine.scheduler.store
+    while store.evict_lru():  # cached blocks stay, no image: the next run loads from the tier
+        pass
+    seq = h.add(p, max_tokens=1)
+    h.step_until(lambda: h.transfers.loads)
+    load = h.transfers.loads[-1]
+    h.engine.abort(seq.request_id)
+    h.engine.reset_prefix_cache()
+    assert load.image.doomed
+    h.transfers.complete(load)
+    h.step()
+    assert not [c for c in store.images.values() if c.ready]
+    again = h.add(p, max_tokens=1)
+    assert h.engine.scheduler.local_hit(again)[0] == 0
+    h.engine.abort(again.request_id)
+    h.shutdown(check=False)
+
+
+def test_a_long_queue_is_looked_up_only_as_far_as_it_can_be_admitted(make):
+    """Found in CI under CPU contention: with nothing running, the whole queue (256 requests)
+    was looked up at once; each lookup locks its chunks on the server, and by the time the
+    last requests ran (minutes later) the server's lock lifetime (300 s) had passed: 143 of
+    256 loads were refused and recomputed, and pass 2 took 794 s instead of 8. A request
+    holding a lookup now counts against max_num_seqs like one holding blocks."""
+    h = make(max_num_seqs=3)
+    prompts = [prompt_of(50, 400 + i) for i in range(8)]
+    for p in prompts:
+        fill_tier(h, p, max_tokens=1)
+    h.lookups.auto = False  # the test answers lookups itself, after each step
+    h.lookups.ops.clear()
+    h.transfers.auto = {"load", "save"}
+    seqs = [h.add(p, max_tokens=1) for p in prompts]
+    for _ in range(3):
+        h.step()
+        assert len([op for op in h.lookups.ops if not op.terminal]) <= 3
+    assert len(h.lookups.ops) == 3
+    while not all(s.is_finished for s in seqs):  # answer what is asked, as it is asked
+        for op in list(h.lookups.ops):
+            if not op.terminal:
+                h.lookups.answer(op)
+        h.step()
+        pending = [s for s in h.engine.scheduler.waiting if h.connector.holds(s)]
+        assert len(h.engine.scheduler.running) + len(pending) <= 3
+    assert [s.counters.tier_hit_tokens for s in seqs] == [48] * len(prompts)
+    h.shutdown()

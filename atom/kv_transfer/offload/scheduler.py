@@ -166,6 +166,16 @@ class OffloadConnector(Connector):
                 return 0
         return None
 
+    def holds(self, seq: Sequence) -> bool:
+        st = seq.connector_state
+        return (
+            st is not None
+            and st.lookup is not None
+            and not st.settled
+            and not st.background
+            and (st.tier_hit is None or st.tier_hit > 0)
+        )
+
     def settle_lookup(self, seq: Sequence) -> None:
         st = seq.connector_state
         if st is None or st.settled or st.tier_hit is None:
