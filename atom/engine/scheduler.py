@@ -119,7 +119,7 @@ class Scheduler:
         # fill the pool with requests that then have no block to run with, and none finishes.
         # So do requests holding a tier lookup: otherwise a long queue is looked up at once and
         # its chunks stay locked on the server until each request's turn, past the server's
-        # lock lifetime under load (found in CI: 143 of 256 loads refused, pass 2 100x slower).
+        # lock lifetime under load (a local CI run on shared cores: 143 of 256 loads refused).
         holding = sum(1 for s in self.waiting if self._holds(s))
         for seq in list(self.waiting):
             if budget <= 0 or out.preempted:

@@ -1110,11 +1110,12 @@ def test_reset_prefix_cache_drops_the_image_of_a_load_still_in_flight(make):
 
 
 def test_a_long_queue_is_looked_up_only_as_far_as_it_can_be_admitted(make):
-    """Found in CI under CPU contention: with nothing running, the whole queue (256 requests)
-    was looked up at once; each lookup locks its chunks on the server, and by the time the
-    last requests ran (minutes later) the server's lock lifetime (300 s) had passed: 143 of
-    256 loads were refused and recomputed, and pass 2 took 794 s instead of 8. A request
-    holding a lookup now counts against max_num_seqs like one holding blocks."""
+    """Found in a local run of .ci/run while other jobs shared its 2 cores: with nothing
+    running, the whole queue (256 requests) was looked up at once; each lookup locks its chunks
+    on the server, and by the time the last requests ran (minutes later) the server's lock
+    lifetime (300 s) had passed: 143 of 256 loads were refused and recomputed, and pass 2 took
+    794 s instead of 8. A request holding a lookup now counts against max_num_seqs like one
+    holding blocks."""
     h = make(max_num_seqs=3)
     prompts = [prompt_of(50, 400 + i) for i in range(8)]
     for p in prompts:
