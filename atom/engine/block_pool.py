@@ -57,8 +57,8 @@ class BlockPool:
         self.hash_of: list[int | None] = [None] * num_blocks
         self.by_hash: dict[int, int] = {}
         self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
-        # cached block -> its recency stamp; the heap orders them (stale entries skipped)
-        self._cached: dict[int, int] = {}
+        # cached blocks; the heap of (stamp, block) orders them (stale entries are skipped)
+        self._cached: set[int] = set()
         self._lru: list[tuple[int, int]] = []
         self._clock = itertools.count()
         self._stamp = [0] * num_blocks  # when a user last released the block
@@ -118,7 +118,7 @@ class BlockPool:
         for b in blocks:
             if self.ref[b] == 0:
                 if b in self._cached:
-                    del self._cached[b]
+                    self._cached.remove(b)
                 else:
                     raise RuntimeError(f"block {b} is free and holds nothing to share")
             self.ref[b] += 1
@@ -153,7 +153,7 @@ class BlockPool:
             self._twin_of[block] = h
             return False
         if holder is not None:
-            del self._cached[holder]
+            self._cached.remove(holder)
             self._free[holder] = None
             self.hash_of[holder] = None
         self.hash_of[block] = h
@@ -170,15 +170,15 @@ class BlockPool:
         if self.hash_of[block] is None:
             return
         if block in self._cached:
-            del self._cached[block]
+            self._cached.remove(block)
             self._free[block] = None
         self._uncache(block)
 
     def _cache(self, b: int) -> None:
-        self._cached[b] = self._stamp[b]
+        self._cached.add(b)
         heapq.heappush(self._lru, (self._stamp[b], b))
         if len(self._lru) > 2 * len(self._cached) + 64:  # drop stale entries now and then
-            self._lru = [(s, c) for c, s in self._cached.items()]
+            self._lru = [(self._stamp[c], c) for c in self._cached]
             heapq.heapify(self._lru)
 
     def _pop_lru(self) -> int:
@@ -186,8 +186,8 @@ class BlockPool:
         left by acquires and hand-overs, are dropped on the way)."""
         while True:
             stamp, b = heapq.heappop(self._lru)
-            if self._cached.get(b) == stamp:
-                del self._cached[b]
+            if b in self._cached and self._stamp[b] == stamp:  # a cached block keeps its stamp
+                self._cached.remove(b)
                 return b
 
     def _uncache(self, block: int) -> None:

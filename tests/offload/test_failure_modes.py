@@ -74,6 +74,19 @@ def fill_tier(h, prompt, max_tokens=2):
     return seq
 
 
+def cached_without_images(h, prompt) -> None:
+    """Run ``prompt`` with every save completing (the tier holds each boundary), then evict
+    every image: its blocks stay cached with their hashes but are no hit, so the next run of
+    it loads from the tier."""
+    h.transfers.auto = {"save"}
+    first = h.add(prompt, max_tokens=1)
+    h.run([first])
+    h.step()
+    h.transfers.auto = set()
+    while h.engine.scheduler.store.evict_lru():
+        pass
+
+
 def ops_of(h, seq, kind=None):
     if seq.connector_state is None:
         return []
@@ -1036,16 +1049,10 @@ def test_a_load_survives_the_eviction_of_cached_copies_of_the_prefix_it_loads(ma
     dropped with a prefix hash its writer will register."""
     h = make()
     p = prompt_of(40, 77)
-    h.transfers.auto = {"save"}
-    first = h.add(p, max_tokens=1)
-    h.run([first])
-    h.step()
-    h.transfers.auto = set()
-    store, pool = h.engine.scheduler.store, h.engine.scheduler.pool
+    cached_without_images(h, p)
+    pool = h.engine.scheduler.pool
     cached = [b for b in range(pool.num_blocks) if pool.is_cached(b)]
     assert cached, "the prefix's blocks should be cached"
-    while store.evict_lru():  # no image left: the cached prefix is no hit, its hashes resident
-        pass
     seq = h.add(p, max_tokens=1)
     h.step_until(lambda: h.transfers.loads)
     load = h.transfers.loads[-1]
@@ -1086,14 +1093,8 @@ def test_reset_prefix_cache_drops_the_image_of_a_load_still_in_flight(make):
     it now outlives hash evictions, so the reset drops it itself)."""
     h = make()
     p = prompt_of(40, 77)
-    h.transfers.auto = {"save"}
-    first = h.add(p, max_tokens=1)
-    h.run([first])
-    h.step()
-    h.transfers.auto = set()
+    cached_without_images(h, p)
     store = h.engine.scheduler.store
-    while store.evict_lru():  # cached blocks stay, no image: the next run loads from the tier
-        pass
     seq = h.add(p, max_tokens=1)
     h.step_until(lambda: h.transfers.loads)
     load = h.transfers.loads[-1]
