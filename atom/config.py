@@ -112,8 +112,8 @@ class EngineConfig(BaseModel):
         max_model_len), as the engine will run it."""
         import torch
 
-        from atom.models.deepseek_v41.pool_geometry import GeometryError, build_v41_pool_geometry
-        from atom.models.registry import default_block_size, resolve_config
+        from atom.models.deepseek_v41.pool_geometry import GeometryError
+        from atom.models.registry import default_block_size, pool_geometry, resolve_config
 
         model_cfg, _ = resolve_config(self.model)
         device = self.device
@@ -133,7 +133,7 @@ class EngineConfig(BaseModel):
         if index == "auto":
             index = "fp8" if on_gpu else kv
         try:
-            geo = build_v41_pool_geometry(
+            geo = pool_geometry(
                 model_cfg, kv_dtype=kv, index_dtype=index, block_size=block, speculative_tokens=0
             )
         except GeometryError as exc:
@@ -141,7 +141,7 @@ class EngineConfig(BaseModel):
                 raise EngineConfigError(f"index_dtype={index!r}: {exc}") from None
             index = kv
             try:
-                geo = build_v41_pool_geometry(
+                geo = pool_geometry(
                     model_cfg,
                     kv_dtype=kv,
                     index_dtype=index,

@@ -1,45 +1,134 @@
 """Model resolution: a preset name (random weights from a seed) or a checkpoint directory.
 
-The engine asks this module for a ``ModelRuntime``; it never names a model class itself.
+One table, ``FAMILIES``, maps each ``model_type`` to what the rest of atom needs of a model: its
+config class, its presets, its pool geometry, its model and runtime classes and its weight
+loader. The engine asks this module for a ``ModelRuntime`` and ``atom.config`` asks it for the
+pool geometry; neither names a model class itself.
 """
 
 from __future__ import annotations
 
+import importlib
 import json
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from atom.models.deepseek_v41.config import ConfigError, V41Config
-from atom.models.deepseek_v41.model import DeepseekV41ForCausalLM
-from atom.models.deepseek_v41.presets import PRESET_BLOCK_SIZE, PRESETS, preset_config
-from atom.models.deepseek_v41.runtime import V41Runtime
-from atom.models.deepseek_v41.weights import load_weights
-
-SUPPORTED_MODEL_TYPES = ("deepseek_v41", "deepseek_v4")
+from atom.models.deepseek_v41.config import ConfigError
 
 
-def resolve_config(model: str) -> tuple[V41Config, Path | None]:
+@dataclass(frozen=True)
+class ModelFamily:
+    """Where one model's pieces live (``module:attribute``, imported on first use)."""
+
+    model_type: str
+    config: str  # config class: from_dict(data, source=...)
+    presets: str  # module with PRESETS, PRESET_BLOCK_SIZE and preset_config(name)
+    geometry: str  # (config, *, kv_dtype, index_dtype, block_size, speculative_tokens)
+    model: str  # model class: (config, *, dtype, kv_dtype, index_dtype, device)
+    runtime: str  # runtime class: (model, *, block_size, speculative_tokens)
+    loader: str  # load_weights(model, path)
+
+    def get(self, what: str) -> Any:
+        module, _, attr = getattr(self, what).partition(":")
+        mod = importlib.import_module(module)
+        return getattr(mod, attr) if attr else mod
+
+
+_V41 = "atom.models.deepseek_v41"
+_V4 = "atom.models.deepseek_v4"
+FAMILIES: dict[str, ModelFamily] = {
+    "deepseek_v41": ModelFamily(
+        model_type="deepseek_v41",
+        config=f"{_V41}.config:V41Config",
+        presets=f"{_V41}.presets",
+        geometry=f"{_V41}.pool_geometry:build_v41_pool_geometry",
+        model=f"{_V41}.model:DeepseekV41ForCausalLM",
+        runtime=f"{_V41}.runtime:V41Runtime",
+        loader=f"{_V41}.weights:load_weights",
+    ),
+    "deepseek_v4": ModelFamily(
+        model_type="deepseek_v4",
+        config=f"{_V4}.config:V4Config",
+        presets=f"{_V4}.presets",
+        geometry=f"{_V4}.geometry:build_v4_pool_geometry",
+        model=f"{_V4}.model:DeepseekV4ForCausalLM",
+        runtime=f"{_V4}.runtime:V4Runtime",
+        loader=f"{_V4}.checkpoint:load_checkpoint",
+    ),
+}
+SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
+
+
+def _preset_family(model: str) -> ModelFamily | None:
+    for fam in FAMILIES.values():
+        if model in fam.get("presets").PRESETS:
+            return fam
+    return None
+
+
+def all_presets() -> list[str]:
+    return sorted(name for fam in FAMILIES.values() for name in fam.get("presets").PRESETS)
+
+
+def family(config: Any) -> ModelFamily:
+    """The family a config object belongs to (by its ``model_type``)."""
+    return FAMILIES[config.model_type]
+
+
+def config_from_dict(data: dict, source: str = "config"):
+    """Parse a config.json's content with the config class its ``model_type`` names."""
+    kind = data.get("model_type", "deepseek_v41")  # older atom checkpoints omit it
+    if kind not in FAMILIES:
+        raise ConfigError(
+            f"{source} has model_type={kind!r}; supported: {list(SUPPORTED_MODEL_TYPES)}"
+        )
+    return FAMILIES[kind].get("config").from_dict(data, source=source)
+
+
+def resolve_config(model: str) -> tuple[Any, Path | None]:
     """(config, checkpoint directory or None for a preset)."""
-    if model in PRESETS:
-        return preset_config(model), None
+    fam = _preset_family(model)
+    if fam is not None:
+        return fam.get("presets").preset_config(model), None
     path = Path(model)
     if path.is_dir() and (path / "config.json").exists():
-        data = json.loads((path / "config.json").read_text())
-        kind = data.get("model_type", "deepseek_v41")
-        if kind not in SUPPORTED_MODEL_TYPES:
-            raise ConfigError(
-                f"{path}/config.json has model_type={kind!r}; supported: {SUPPORTED_MODEL_TYPES}"
-            )
-        return V41Config.from_dict(data, source=str(path / "config.json")), path
+        source = str(path / "config.json")
+        try:
+            data = json.loads((path / "config.json").read_text())
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{source} is not valid JSON: {exc}") from None
+        return config_from_dict(data, source=source), path
     raise ConfigError(
-        f"model={model!r} is neither a preset ({', '.join(sorted(PRESETS))}) nor a directory "
+        f"model={model!r} is neither a preset ({', '.join(all_presets())}) nor a directory "
         "holding config.json and *.safetensors"
     )
 
 
 def default_block_size(model: str) -> int:
-    return PRESET_BLOCK_SIZE.get(model, 256)
+    fam = _preset_family(model)
+    return fam.get("presets").PRESET_BLOCK_SIZE.get(model, 256) if fam else 256
+
+
+def pool_geometry(
+    config: Any,
+    *,
+    kv_dtype: str,
+    index_dtype: str,
+    block_size: int,
+    speculative_tokens: int,
+):
+    """The model's PAGE and state geometry (``block_bytes``, ``units_per_image``,
+    ``state_spec()``); raises ``GeometryError`` for arguments the model cannot lay out."""
+    return family(config).get("geometry")(
+        config,
+        kv_dtype=kv_dtype,
+        index_dtype=index_dtype,
+        block_size=block_size,
+        speculative_tokens=speculative_tokens,
+    )
 
 
 def load_runtime(
@@ -52,14 +141,15 @@ def load_runtime(
     device: str | torch.device,
     seed: int,
     speculative_tokens: int = 0,
-) -> V41Runtime:
+):
     config, path = resolve_config(model)
-    net = DeepseekV41ForCausalLM(
+    fam = family(config)
+    net = fam.get("model")(
         config, dtype=dtype, kv_dtype=kv_dtype, index_dtype=index_dtype, device=device
     )
     if path is None:
         net.init_weights(seed)
     else:
-        load_weights(net, path)
+        fam.get("loader")(net, path)
     net.eval()
-    return V41Runtime(net, block_size=block_size, speculative_tokens=speculative_tokens)
+    return fam.get("runtime")(net, block_size=block_size, speculative_tokens=speculative_tokens)

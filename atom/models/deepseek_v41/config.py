@@ -13,11 +13,15 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
 
 
 class ConfigError(ValueError):
     """A model config value that cannot be used; the message names the field and the fix."""
+
+
+V41_MODEL_TYPE = "deepseek_v41"
+SCORING_ALIASES = {"sqrtsoftplus": "sqrt_softplus"}
 
 
 class LayerMode(str, enum.Enum):
@@ -80,6 +84,25 @@ class V41Config(BaseModel):
     num_nextn_predict_layers: int = 0
     tie_word_embeddings: bool = False
     initializer_range: float = 0.02
+
+    @field_validator("scoring_func", mode="before")
+    @classmethod
+    def _scoring_alias(cls, v: Any) -> Any:
+        # DeepSeek's configs spell it "sqrtsoftplus"; both spellings are one function, kept
+        # under one name so the layout id (and the tier namespace) does not depend on spelling
+        return SCORING_ALIASES.get(v, v)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _model_type(cls, data: Any) -> Any:
+        # checked before the fields, so a V4 file is named as such, not as a missing V4.1 field
+        kind = data.get("model_type", V41_MODEL_TYPE) if isinstance(data, dict) else None
+        if kind not in (None, V41_MODEL_TYPE):
+            raise ValueError(
+                f"model_type={kind!r} is invalid: a V4.1 config has model_type "
+                f"{V41_MODEL_TYPE!r} (atom.models.registry picks the model from model_type)"
+            )
+        return data
 
     @model_validator(mode="after")
     def _validate(self) -> V41Config:
@@ -222,7 +245,11 @@ def _check_config(c: V41Config) -> None:
     if c.num_experts_per_tok > c.n_routed_experts:
         _fail("num_experts_per_tok", c.num_experts_per_tok, f"<= {c.n_routed_experts}")
     if c.scoring_func != "sqrt_softplus":
-        _fail("scoring_func", c.scoring_func, "only 'sqrt_softplus' is implemented")
+        _fail(
+            "scoring_func",
+            c.scoring_func,
+            "only 'sqrtsoftplus' (alias 'sqrt_softplus') is implemented",
+        )
     if c.rms_norm_eps < 0 or c.rms_norm_eps != c.rms_norm_eps:
         _fail("rms_norm_eps", c.rms_norm_eps, "must be a non-negative number")
     if c.hc_sinkhorn_iters < 0:
