@@ -67,6 +67,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=30.0,
         help="seconds to let in-flight requests and pending saves finish on exit",
     )
+    ap.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on every endpoint but /health, /ping, "
+        "/metrics and /version (401 otherwise); default: $ATOM_API_KEY, else no key",
+    )
+    ap.add_argument(
+        "--max-log-len",
+        type=int,
+        default=200,
+        help="characters (or token ids) of each prompt shown in the per-request log line",
+    )
+    ap.add_argument("--disable-log-requests", action="store_true", help="no per-request log lines")
     ap.add_argument("--log-interval", type=float, default=10.0)
     ap.add_argument("--log-level", default="INFO")
     ap.add_argument(

@@ -1,13 +1,21 @@
-"""The HTTP front end: OpenAI-compatible completions and chat, health, metrics.
+"""The HTTP front end: OpenAI-compatible completions and chat, vLLM's extra endpoints, health,
+metrics.
 
-Bad input is answered with HTTP 400 and an OpenAI-style error body; the engine keeps serving.
-While draining (SIGTERM/SIGINT) new requests get 503 and in-flight ones finish.
+Every error is OpenAI's error JSON (``{"error": {"message", "type", "param", "code"}}``): bad
+input is a 4xx whose message names the field, the value and what is allowed, and the engine
+keeps serving; an unexpected exception is a 500 in the same shape (a bug: the log has the
+traceback). Every response is counted in ``atom_http_requests_total``. While draining
+(SIGTERM/SIGINT) the server keeps accepting connections: new generation requests get 503,
+/health answers 503 with ``"status": "draining"``, and in-flight requests finish.
 """
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import json
 import logging
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -16,13 +24,42 @@ from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from atom.serve.engine_loop import Delta, EngineLoop, RequestStream
-from atom.serve.protocol import ChatCompletionRequest, CompletionRequest, render_chat
+from atom.serve.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    render_chat,
+)
 from atom.tokenizer import Tokenizer
 
 log = logging.getLogger("atom.serve")
+
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+OPEN_PATHS = ("/health", "/ping", "/metrics", "/version")  # reachable without --api-key
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    409: "conflict_error",
+    501: "not_implemented_error",
+    503: "service_unavailable",
+}
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("atom")
+    except Exception:
+        return "unknown"
 
 
 @dataclass
@@ -35,14 +72,117 @@ class ServerState:
     draining: bool = False
     started: float = field(default_factory=time.time)
     http_requests: dict[tuple[str, int], int] = field(default_factory=dict)
+    api_key: str | None = None
+    max_log_len: int | None = 200  # characters of the prompt in the request log; None: all
+    log_requests: bool = True
+    max_model_len: int | None = None
+    active_http: int = 0  # generation requests whose response is not finished
+    active_ids: set[str] = field(default_factory=set)  # their engine request ids
 
 
-def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
-    kind = "invalid_request_error" if status == 400 else "server_error"
-    if status == 503:
-        kind = "service_unavailable"
+def error_response(
+    status: int, message: str, param: str | None = None, headers: dict | None = None
+) -> JSONResponse:
+    kind = ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
     body = {"error": {"message": message, "type": kind, "param": param, "code": status}}
-    return JSONResponse(body, status_code=status)
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def _short(value, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def validation_message(errors: list[dict]) -> tuple[str, str | None]:
+    """pydantic's errors as one message naming each field, its value and what is allowed."""
+    msgs, param = [], None
+    for err in errors:
+        loc = ".".join(str(p) for p in err["loc"] if p != "body")
+        msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden":
+            msg = f"unknown field (value {_short(err.get('input'))}); unknown fields are refused"
+        elif err["type"] == "json_invalid":
+            at = f" at position {loc}" if loc else ""
+            msg, loc = f"malformed JSON{at}: {err.get('ctx', {}).get('error', msg)}", ""
+        elif err["type"] == "missing":
+            msg = "field required"
+        elif err["type"] != "value_error" and "input" in err:
+            msg = f"{msg} (got {_short(err['input'])})"
+        if param is None:
+            named = re.match(r"([A-Za-z_][\w.]*):", msg)  # a model-level check names its field
+            param = loc or (named.group(1) if named else None)
+        msgs.append(f"{loc}: {msg}" if loc and not msg.startswith(f"{loc}:") else msg)
+    return "; ".join(msgs) or "invalid request", param
+
+
+class _Edge:
+    """Pure ASGI middleware (BaseHTTPMiddleware would hide client disconnects): the API key,
+    ``X-Request-Id``, a JSON 500 for any exception, and the HTTP metrics for every response."""
+
+    def __init__(self, app, state: ServerState):
+        self.app, self.state = app, state
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        state, path = self.state, scope["path"]
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        given = headers.get("x-request-id")
+        slots = scope.setdefault("state", {})
+        status: int | None = None
+
+        async def send_out(msg):
+            nonlocal status
+            if msg["type"] == "http.response.start":
+                status = msg["status"]
+                rid = given or slots.get("request_id")
+                if rid:
+                    extra = [(b"x-request-id", rid.encode("latin-1", "replace"))]
+                    msg = {**msg, "headers": [*msg.get("headers", []), *extra]}
+            await send(msg)
+
+        generation = path in GENERATION_PATHS
+        if generation:
+            state.active_http += 1
+        try:
+            if given is not None and not (0 < len(given) <= 256 and given.isprintable()):
+                response = error_response(
+                    400, "X-Request-Id: must be 1-256 printable characters", "X-Request-Id"
+                )
+                given = None
+            elif state.api_key and path not in OPEN_PATHS and not _authorized(state, headers):
+                response = error_response(
+                    401,
+                    "missing or wrong API key: send 'Authorization: Bearer <key>' with the key "
+                    "this server was started with (--api-key)",
+                    headers={"WWW-Authenticate": "Bearer"},
+                )
+            else:
+                response = None
+            if response is not None:
+                await response(scope, receive, send_out)
+            else:
+                await self.app(scope, receive, send_out)
+        except Exception as exc:
+            log.exception("unhandled error in %s %s", scope.get("method"), path)
+            if status is None:
+                msg = f"internal error ({type(exc).__name__}); this is a bug, the log has details"
+                await error_response(500, msg)(scope, receive, send_out)
+        finally:
+            if generation:
+                state.active_http -= 1
+            route = scope.get("route")
+            label = getattr(route, "path", None) or "(unmatched)"
+            key = (label, status or 500)
+            state.http_requests[key] = state.http_requests.get(key, 0) + 1
+
+
+def _authorized(state: ServerState, headers: dict[str, str]) -> bool:
+    import hmac
+
+    auth = headers.get("authorization", "")
+    scheme, _, token = auth.partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip(), state.api_key)
 
 
 class _Stopper:
@@ -70,55 +210,104 @@ class _Stopper:
         return out
 
 
+async def _wait_disconnect(request: Request) -> None:
+    """Returns when the client has gone (the body is read: the next message is the end)."""
+    while True:
+        msg = await request.receive()
+        if msg["type"] == "http.disconnect":
+            return
+
+
+async def _next_delta(stream: RequestStream, gone: asyncio.Task) -> Delta | None:
+    """The next delta, or None if the client disconnected first."""
+    if not stream.queue.empty():
+        return stream.queue.get_nowait()
+    get = asyncio.ensure_future(stream.queue.get())
+    done, _ = await asyncio.wait({get, gone}, return_when=asyncio.FIRST_COMPLETED)
+    if get in done:
+        return get.result()
+    get.cancel()
+    return None
+
+
 def build_app(state: ServerState, on_shutdown: Callable[[], None] | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        import asyncio
-
         state.loop.start(asyncio.get_running_loop())
         yield
         state.draining = True
         if on_shutdown is not None:
             on_shutdown()
 
-    app = FastAPI(title="atom", lifespan=lifespan)
+    app = FastAPI(title="atom", version=_version(), lifespan=lifespan)
+    app.add_middleware(_Edge, state=state)
+    abort_takes_reason = "reason" in inspect.signature(state.loop.abort).parameters
 
-    @app.middleware("http")
-    async def count(request: Request, call_next):
-        response = await call_next(request)
-        key = (request.url.path, response.status_code)
-        state.http_requests[key] = state.http_requests.get(key, 0) + 1
-        return response
+    def end_by_stop_string(rid: str) -> None:
+        """A stop string matched: end the request, counted as finish_reason="stop" where the
+        engine loop can say so (EngineLoop.abort(request_id, reason=...))."""
+        if abort_takes_reason:
+            state.loop.abort(rid, reason="stop")
+        else:
+            state.loop.abort(rid)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError):
-        msgs = []
-        for err in exc.errors():
-            loc = ".".join(str(p) for p in err["loc"] if p != "body")
-            msg = err["msg"].removeprefix("Value error, ")
-            if err["type"] == "extra_forbidden":
-                msg = "unknown field"
-            if err["type"] == "json_invalid":
-                msg = f"malformed JSON: {err.get('ctx', {}).get('error', msg)}"
-            msgs.append(f"{loc}: {msg}" if loc else msg)
-        return error_response(400, "; ".join(msgs) or "invalid request")
+        message, param = validation_message(exc.errors())
+        return error_response(400, message, param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):
+        message = str(exc.detail)
+        if exc.status_code == 404:
+            message = f"no such endpoint: {request.method} {request.url.path}"
+        elif exc.status_code == 405:
+            allowed = (exc.headers or {}).get("Allow", "")
+            message = f"method {request.method} is not allowed on {request.url.path}" + (
+                f"; allowed: {allowed}" if allowed else ""
+            )
+        elif exc.status_code == 400 and exc.__cause__ is not None:
+            cause = exc.__cause__
+            if isinstance(cause, RecursionError):
+                message = "the request body is not usable JSON: it is nested too deeply"
+            elif isinstance(cause, UnicodeDecodeError):
+                message = (
+                    f"the request body is not UTF-8 JSON ({cause.reason} at byte {cause.start})"
+                )
+            else:
+                message = f"the request body is not usable JSON ({type(cause).__name__}: {cause})"
+        return error_response(exc.status_code, message, headers=exc.headers)
+
+    # ---- operations -----------------------------------------------------------------------
 
     @app.get("/health")
     async def health():
+        alive = state.loop.alive
+        status = "draining" if state.draining else ("ok" if alive else "unavailable")
         body = {
-            "status": "ok" if state.loop.alive and not state.draining else "unavailable",
+            "status": status,
             "model": state.model_name,
             "draining": state.draining,
             "uptime_s": round(time.time() - state.started, 1),
-            "engine": state.loop.engine.stats() if state.loop.alive else None,
+            "engine": state.loop.engine.stats() if alive else None,
             "tier": state.tier_health(),
         }
-        return JSONResponse(body, status_code=200 if body["status"] == "ok" else 503)
+        return JSONResponse(body, status_code=200 if status == "ok" else 503)
+
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping():
+        if state.draining or not state.loop.alive:
+            return error_response(503, "the server is draining or its engine has stopped")
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version():
+        return {"version": _version()}
 
     @app.get("/metrics")
     async def metrics():
         lines = [state.loop.engine.metrics.render()]
-        lines.append("# HELP atom_http_requests_total HTTP requests by path and status.")
+        lines.append("# HELP atom_http_requests_total HTTP responses by route and status.")
         lines.append("# TYPE atom_http_requests_total counter")
         for (path, status), n in sorted(state.http_requests.items()):
             lines.append(f'atom_http_requests_total{{path="{path}",status="{status}"}} {n}')
@@ -128,77 +317,201 @@ def build_app(state: ServerState, on_shutdown: Callable[[], None] | None = None)
         lines.append(f"atom_tier_healthy {1 if tier.get('healthy') else 0}")
         return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
 
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache(tier: bool = False):
+        if tier:
+            return error_response(
+                501,
+                "tier=true: resetting the LMCache tier is not supported (LMCache 0.5.6's MP "
+                "server offers no clear to its clients); only the HBM prefix cache is reset "
+                "with tier=false",
+                "tier",
+            )
+        call = getattr(state.loop, "call", None)
+        if call is None:
+            return error_response(
+                501, "this build's engine loop cannot run a reset on the engine thread"
+            )
+        try:
+            await asyncio.wrap_future(call(state.loop.engine.reset_prefix_cache))
+        except RuntimeError as exc:
+            return error_response(409, f"{exc}; retry when no request is running")
+        return {"status": "ok", "reset": ["hbm"]}
+
+    # ---- models and tokens ----------------------------------------------------------------
+
+    def model_card() -> dict:
+        return {
+            "id": state.model_name,
+            "object": "model",
+            "created": int(state.started),
+            "owned_by": "atom",
+            "root": state.model_name,
+            "parent": None,
+            "max_model_len": state.max_model_len,
+        }
+
+    def unknown_model(name) -> JSONResponse:
+        return error_response(
+            404,
+            f"model {name!r} does not exist here; this server serves {state.model_name!r}",
+            "model",
+        )
+
     @app.get("/v1/models")
     async def models():
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        return model_card() if model_id == state.model_name else unknown_model(model_id)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        if body.model is not None and body.model != state.model_name:
+            return unknown_model(body.model)
+        ids = state.tokenizer.encode(body.text())
+        strs = [state.tokenizer.decode([t]) for t in ids] if body.return_token_strs else None
         return {
-            "object": "list",
-            "data": [
-                {
-                    "id": state.model_name,
-                    "object": "model",
-                    "created": int(state.started),
-                    "owned_by": "atom",
-                }
-            ],
+            "count": len(ids),
+            "max_model_len": state.max_model_len,
+            "tokens": ids,
+            "token_strs": strs,
         }
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        if body.model is not None and body.model != state.model_name:
+            return unknown_model(body.model)
+        return {"prompt": state.tokenizer.decode(body.tokens)}
+
+    # ---- generation -----------------------------------------------------------------------
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         prompt = body.prompt
-        ids = state.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        return await _serve(body, ids, request, chat=False)
+        if isinstance(prompt, str):
+            ids, text = state.tokenizer.encode(prompt), prompt
+        else:
+            ids, text = list(prompt), None
+        return await _serve(body, ids, text, request, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request):
-        ids = state.tokenizer.encode(render_chat(body.messages))
-        return await _serve(body, ids, request, chat=True)
+        text = render_chat(body.messages)
+        return await _serve(body, state.tokenizer.encode(text), text, request, chat=True)
 
-    async def _serve(body, ids: list[int], request: Request, chat: bool):
+    def log_request(rid: str, ids: list[int], text: str | None, body) -> None:
+        if not state.log_requests:
+            return
+        shown = text if text is not None else ids
+        n = state.max_log_len
+        if n is not None:
+            shown = shown[:n]
+        log.info(
+            "request %s: %d prompt tokens %r | max_tokens=%s temperature=%g top_p=%g top_k=%d "
+            "seed=%s stop=%r stream=%s",
+            rid,
+            len(ids),
+            shown,
+            body.max_tokens,
+            body.temperature,
+            body.top_p,
+            body.top_k,
+            body.seed,
+            body.stops,
+            body.stream,
+        )
+
+    def log_done(rid: str, reason: str | None, seq, n: int, t0: float) -> None:
+        if not state.log_requests:
+            return
+        c = seq.counters if seq is not None else None
+        log.info(
+            "request %s finished: %s, %d completion tokens, %.2f s%s",
+            rid,
+            reason,
+            n,
+            time.monotonic() - t0,
+            (
+                f" | prompt hbm {c.hbm_hit_tokens} tier {c.tier_hit_tokens} "
+                f"computed {c.computed_prompt_tokens}"
+                if c is not None
+                else ""
+            ),
+        )
+
+    async def _serve(body, ids: list[int], text: str | None, request: Request, chat: bool):
         if state.draining or not state.loop.alive:
             return error_response(503, "the server is shutting down; retry on another replica")
         if body.model != state.model_name:
-            return error_response(
-                400,
-                f"model {body.model!r} is not served here; this server serves "
-                f"{state.model_name!r}",
-                "model",
-            )
-        params = body.sampling_params(state.default_max_tokens)
-        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+            return unknown_model(body.model)
+        try:
+            params = body.sampling_params(state.default_max_tokens)
+        except ValidationError as exc:
+            message, param = validation_message(exc.errors())
+            return error_response(400, message, param)
+        given = request.headers.get("x-request-id")
+        rid = ("chatcmpl-" if chat else "cmpl-") + (given or uuid.uuid4().hex[:24])
+        request.state.request_id = given or rid
+        log_request(rid, ids, text, body)
+        t0 = time.monotonic()
+        gone = asyncio.ensure_future(_wait_disconnect(request))
         stream = state.loop.submit(rid, ids, params, state.tokenizer.eos_token_id)
-        first = await stream.queue.get()
-        if first.error:
-            return error_response(400, first.error)
-        stopper = _Stopper(state.tokenizer, body.stops)
-        if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            gen = _sse(stream, first, stopper, body, rid, chat, request, include_usage)
-            return StreamingResponse(gen, media_type="text/event-stream")
-        text, delta = "", first
-        while True:
-            text += stopper.feed(delta.token_ids, delta.finished)
-            if delta.finished or stopper.stopped:
-                break
-            delta = await stream.queue.get()
-        if stopper.stopped and not delta.finished:
-            state.loop.abort(rid)
-        reason = "stop" if stopper.stopped else delta.finish_reason
-        if reason == "error":
-            return error_response(500, delta.error or "engine failure")
-        seq = stream.seq or delta.seq
-        choice = (
-            {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason}
-            if chat
-            else {"index": 0, "text": text, "finish_reason": reason, "logprobs": None}
-        )
-        return {
-            "id": rid,
-            "object": "chat.completion" if chat else "text_completion",
-            "created": int(time.time()),
-            "model": state.model_name,
-            "choices": [choice],
-            "usage": _usage(seq, len(stopper.ids)),
-        }
+        state.active_ids.add(rid)
+        handed_over = False
+        try:
+            first = await _next_delta(stream, gone)
+            if first is None:
+                state.loop.abort(rid)
+                log_done(rid, "client disconnected", stream.seq, 0, t0)
+                return Response(status_code=499)
+            if first.error:
+                if first.finish_reason == "error" and not state.loop.alive:
+                    return error_response(500, first.error)
+                return error_response(400, first.error)
+            stopper = _Stopper(state.tokenizer, body.stops)
+            if body.stream:
+                include_usage = bool(body.stream_options and body.stream_options.include_usage)
+                gone.cancel()
+                gen = _sse(stream, first, stopper, body, rid, chat, request, include_usage, t0)
+                handed_over = True
+                return StreamingResponse(gen, media_type="text/event-stream")
+            text_out, delta = "", first
+            while True:
+                text_out += stopper.feed(delta.token_ids, delta.finished)
+                if delta.finished or stopper.stopped:
+                    break
+                delta = await _next_delta(stream, gone)
+                if delta is None:  # the client is gone: stop generating for it
+                    state.loop.abort(rid)
+                    log_done(rid, "client disconnected", stream.seq, len(stopper.ids), t0)
+                    return Response(status_code=499)
+            if stopper.stopped and not delta.finished:
+                end_by_stop_string(rid)
+            reason = "stop" if stopper.stopped else delta.finish_reason
+            seq = stream.seq or delta.seq
+            log_done(rid, reason, seq, len(stopper.ids), t0)
+            if reason == "error":
+                return error_response(500, delta.error or "engine failure")
+            message = {"role": "assistant", "content": text_out}
+            choice = (
+                {"index": 0, "message": message, "finish_reason": reason}
+                if chat
+                else {"index": 0, "text": text_out, "finish_reason": reason, "logprobs": None}
+            )
+            return {
+                "id": rid,
+                "object": "chat.completion" if chat else "text_completion",
+                "created": int(time.time()),
+                "model": state.model_name,
+                "choices": [choice],
+                "usage": _usage(seq, len(stopper.ids)),
+            }
+        finally:
+            gone.cancel()
+            if not handed_over:
+                state.active_ids.discard(rid)
 
     async def _sse(
         stream: RequestStream,
@@ -209,6 +522,7 @@ def build_app(state: ServerState, on_shutdown: Callable[[], None] | None = None)
         chat: bool,
         request: Request,
         include_usage: bool,
+        t0: float,
     ) -> AsyncIterator[str]:
         created = int(time.time())
         obj = "chat.completion.chunk" if chat else "text_completion"
@@ -230,10 +544,10 @@ def build_app(state: ServerState, on_shutdown: Callable[[], None] | None = None)
             }
             return f"data: {json.dumps(payload)}\n\n"
 
-        if chat:
-            yield chunk(None, None, role=True)
-        delta = first
+        delta, ended = first, False
         try:
+            if chat:
+                yield chunk(None, None, role=True)
             while True:
                 text = stopper.feed(delta.token_ids, delta.finished)
                 done = delta.finished or stopper.stopped
@@ -242,13 +556,18 @@ def build_app(state: ServerState, on_shutdown: Callable[[], None] | None = None)
                 if done:
                     break
                 if await request.is_disconnected():
-                    state.loop.abort(rid)
                     return
                 delta = await stream.queue.get()
+            ended = True
+            if stopper.stopped and not delta.finished:
+                end_by_stop_string(rid)
         finally:
-            if not delta.finished:
+            state.active_ids.discard(rid)
+            if not ended and not delta.finished:
                 state.loop.abort(rid)
+                log_done(rid, "client disconnected", stream.seq, len(stopper.ids), t0)
         reason = "stop" if stopper.stopped else delta.finish_reason
+        log_done(rid, reason, stream.seq or delta.seq, len(stopper.ids), t0)
         yield chunk(None, reason)
         if include_usage:
             payload = {

@@ -1,12 +1,33 @@
-"""OpenAI-compatible request bodies. Unknown fields are refused (HTTP 400), never ignored."""
+"""OpenAI-compatible request bodies. Unknown fields are refused (HTTP 400), never ignored.
+
+Every refusal names the field, the value and what is allowed; ``app.py`` turns pydantic's
+errors into OpenAI's error JSON.
+"""
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from atom.sampling_params import SamplingParams
+
+SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
+
+
+def check_text(value: str, what: str = "text") -> str:
+    """Refuse a string that is not valid Unicode (a lone surrogate such as "\\ud800", which
+    JSON's \\u escapes can carry) before it reaches the tokenizer."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        bad = value[exc.start : exc.end]
+        raise ValueError(
+            f"{what}: contains a lone surrogate {bad!r} at index {exc.start}; "
+            "text must be valid Unicode (encodable as UTF-8)"
+        ) from None
+    return value
 
 
 class StreamOptions(BaseModel):
@@ -37,22 +58,75 @@ class _Sampling(BaseModel):
     @classmethod
     def _n(cls, v: int) -> int:
         if v != 1:
-            raise ValueError("only n=1 is supported")
+            raise ValueError(f"got {v}; only n=1 is supported")
         return v
 
     @field_validator("frequency_penalty", "presence_penalty")
     @classmethod
     def _penalty(cls, v: float) -> float:
         if v != 0:
-            raise ValueError("penalties are not supported; send 0 or omit the field")
+            raise ValueError(f"got {v}; penalties are not supported: send 0 or omit the field")
         return v
 
     @field_validator("max_tokens")
     @classmethod
     def _max_tokens(cls, v: int | None) -> int | None:
         if v is not None and v <= 0:
-            raise ValueError(f"max_tokens must be >= 1, got {v}")
+            raise ValueError(f"got {v}; max_tokens must be >= 1 (or omitted)")
         return v
+
+    @field_validator("temperature")
+    @classmethod
+    def _temperature(cls, v: float) -> float:
+        if not (math.isfinite(v) and v >= 0):
+            raise ValueError(f"got {v}; allowed: a finite number >= 0 (0 = greedy)")
+        return v
+
+    @field_validator("top_p")
+    @classmethod
+    def _top_p(cls, v: float) -> float:
+        if not 0 < v <= 1:  # also refuses NaN
+            raise ValueError(f"got {v}; allowed: 0 < top_p <= 1 (1 = off)")
+        return v
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k(cls, v: int) -> int:
+        if v < 0:
+            raise ValueError(f"got {v}; allowed: an integer >= 0 (0 = off)")
+        return v
+
+    @field_validator("seed")
+    @classmethod
+    def _seed(cls, v: int | None) -> int | None:
+        if v is not None and not SEED_RANGE[0] <= v <= SEED_RANGE[1]:
+            raise ValueError(f"got {v}; allowed: an integer in [-2**63, 2**64 - 1]")
+        return v
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _stop_ids(cls, v: list[int]) -> list[int]:
+        bad = [t for t in v if t < 0]
+        if bad:
+            raise ValueError(f"got {bad[:5]}; token ids must be >= 0")
+        return v
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v: str | list[str] | None) -> str | list[str] | None:
+        for s in [v] if isinstance(v, str) else v or []:
+            if s == "":
+                raise ValueError(
+                    "got ''; an empty stop string would match at once: send non-empty strings"
+                )
+            check_text(s, "stop string")
+        return v
+
+    @model_validator(mode="after")
+    def _stream_options(self) -> _Sampling:
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options: only allowed with stream=true")
+        return self
 
     @property
     def stops(self) -> list[str]:
@@ -61,6 +135,8 @@ class _Sampling(BaseModel):
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
+        # TODO(engine): pass max_tokens=None ("not given": the engine defaults it to what fits)
+        # once SamplingParams accepts None; until then the server's default applies.
         return SamplingParams(
             max_tokens=self.max_tokens or default_max_tokens,
             temperature=self.temperature,
@@ -83,22 +159,63 @@ class CompletionRequest(_Sampling):
         p = self.prompt
         if isinstance(p, list) and p and not isinstance(p[0], int):
             if len(p) != 1:
-                raise ValueError("send one prompt per request (batched prompts: one request each)")
+                raise ValueError(
+                    f"prompt: got {len(p)} prompts; send one prompt per request "
+                    "(batched prompts: one request each)"
+                )
             self.prompt = p[0]
+        if isinstance(self.prompt, str):
+            check_text(self.prompt, "prompt")
         if self.logprobs is not None:
-            raise ValueError("logprobs are not supported")
+            raise ValueError(f"logprobs: got {self.logprobs}; logprobs are not supported")
         if self.echo:
-            raise ValueError("echo is not supported")
+            raise ValueError("echo: got true; echo is not supported")
         if self.suffix:
-            raise ValueError("suffix is not supported")
+            raise ValueError("suffix: suffix is not supported")
         return self
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[dict] = ""
+    content: str | list[dict] | None = ""
     name: str | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _content(cls, v: str | list[dict] | None) -> str | list[dict] | None:
+        if isinstance(v, list):
+            for i, part in enumerate(v):
+                kind = part.get("type")
+                if kind != "text":
+                    raise ValueError(
+                        f"part {i} has type {kind!r}; only text parts are supported "
+                        "(this model reads no images or audio)"
+                    )
+                if not isinstance(part.get("text"), str):
+                    raise ValueError(f"part {i}: a text part needs a string 'text'")
+                check_text(part["text"], f"part {i}")
+        elif isinstance(v, str):
+            check_text(v, "content")
+        return v
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str | None) -> str | None:
+        if v is not None:
+            check_text(v, "name")
+            if not v or any(c in v for c in "|<>\n"):
+                raise ValueError(
+                    f"got {v!r}; a name is non-empty without '|', '<', '>' or newlines"
+                )
+        return v
+
+    @property
+    def text(self) -> str:
+        c = self.content
+        if c is None:
+            return ""
+        return c if isinstance(c, str) else "".join(p["text"] for p in c)
 
 
 class ChatCompletionRequest(_Sampling):
@@ -107,22 +224,60 @@ class ChatCompletionRequest(_Sampling):
 
     @model_validator(mode="after")
     def _max(self) -> ChatCompletionRequest:
-        if self.max_completion_tokens is not None:
-            if self.max_completion_tokens <= 0:
+        mct = self.max_completion_tokens
+        if mct is not None:
+            if mct <= 0:
+                raise ValueError(f"max_completion_tokens: got {mct}; must be >= 1 (or omitted)")
+            if self.max_tokens is not None and self.max_tokens != mct:
                 raise ValueError(
-                    f"max_completion_tokens must be >= 1, got {self.max_completion_tokens}"
+                    f"max_tokens ({self.max_tokens}) and max_completion_tokens ({mct}) differ; "
+                    "send one of them (max_tokens is the deprecated name)"
                 )
-            self.max_tokens = self.max_tokens or self.max_completion_tokens
+            self.max_tokens = mct
+        for i, m in enumerate(self.messages):
+            if m.role == "user" and not m.text:
+                raise ValueError(f"messages.{i}.content: a user message must not be empty")
         return self
 
 
 def render_chat(messages: list[ChatMessage]) -> str:
-    """A plain chat template: one "<|role|>" header per message, then the assistant's turn."""
+    """A plain chat template: one "<|role|>" header per message (``<|role name=N|>`` when the
+    message has a ``name``), then the assistant's turn."""
     parts = []
     for m in messages:
-        content = m.content
-        if isinstance(content, list):
-            content = "".join(p.get("text", "") for p in content if p.get("type") == "text")
-        parts.append(f"<|{m.role}|>\n{content}\n")
+        head = m.role if m.name is None else f"{m.role} name={m.name}"
+        parts.append(f"<|{head}|>\n{m.text}\n")
     parts.append("<|assistant|>\n")
     return "".join(parts)
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize: a ``prompt`` or chat ``messages``."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("send exactly one of prompt and messages")
+        if self.prompt is not None:
+            check_text(self.prompt, "prompt")
+        return self
+
+    def text(self) -> str:
+        if self.prompt is not None:
+            return self.prompt
+        rendered = render_chat(self.messages)
+        return rendered if self.add_generation_prompt else rendered[: -len("<|assistant|>\n")]
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    tokens: list[int]

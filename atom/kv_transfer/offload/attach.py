@@ -131,8 +131,21 @@ class LMCacheTier:
             "healthy": self.transfers.healthy,
             "namespace": self.namespace,
             "registrations": self.transfers.registrations,
+            "recoveries": self.transfers.recoveries,
             "last_error": self.transfers.last_error,
+            "since": self.transfers.since,  # wall time of the last up/down change
+            "server_pid": self.server.pid if self.server is not None else None,
         }
+
+    def release(self) -> None:
+        """What must not outlive the process, when ``shutdown`` cannot finish in time: stop
+        the owned server and unlink the pool's /dev/shm segment (both idempotent)."""
+        try:
+            unlink_segment(self.segment)
+        except Exception:  # already unlinked
+            pass
+        if self.server is not None:
+            self.server.stop(timeout_s=2.0)
 
     def shutdown(self, timeout_s: float) -> None:
         self.connector.shutdown(timeout_s)

@@ -1,8 +1,13 @@
 """Start, health-check and stop a local LMCache MP server with the flags this layout needs.
 
 Used by the tests, the benchmarks and ``atom.serve`` (which owns one when no URL is given).
-The layout needs ``--null-block-id -1`` and ``--separate-object-groups`` (image ordinals are
-recurrent groups whose non-endpoint chunks are null) and lmcache_driven transfers.
+The server runs under a small wrapper (``_CHILD``) that stops it when the process that started
+it dies, even by SIGKILL, and binds LMCache's Prometheus port to the server's host instead of
+0.0.0.0. What a process leaves on the host carries its pid (``/tmp/atom-lmcache-<pid>-*``, the
+pool's ``/dev/shm/lmcache_kv_<pid>_<n>``), so ``remove_dead_leftovers`` can remove what dead
+processes left and nothing else. The layout needs ``--null-block-id -1`` and
+``--separate-object-groups`` (image ordinals are recurrent groups whose non-endpoint chunks
+are null) and lmcache_driven transfers.
 """
 
 from __future__ import annotations
@@ -10,6 +15,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -19,6 +25,67 @@ import time
 from pathlib import Path
 
 log = logging.getLogger("atom.offload")
+
+TMP_PREFIX = "atom-lmcache-"
+SHM_PREFIX = "lmcache_kv_"  # lmcache's own name for a migrated CPU pool: lmcache_kv_<pid>_<n>
+
+# Run as ``python -c _CHILD <parent pid> <metrics host> <server args...>``: stop the server
+# when its parent is gone (polled: a parent-death signal would follow the starting *thread*),
+# and bind prometheus_client's HTTP server to the given host (lmcache passes no address).
+_CHILD = """
+import os, runpy, signal, sys, threading, time
+parent, host = int(sys.argv[1]), sys.argv[2]
+def watch():
+    while os.getppid() == parent:
+        time.sleep(0.25)
+    os.kill(os.getpid(), signal.SIGTERM)  # lmcache turns it into KeyboardInterrupt
+    time.sleep(4.0)
+    os._exit(1)
+threading.Thread(target=watch, name="atom-parent-watch", daemon=True).start()
+import prometheus_client
+_start = prometheus_client.start_http_server
+def _bound(port, addr=host, *args, **kw):
+    return _start(port, addr, *args, **kw)
+prometheus_client.start_http_server = _bound
+sys.argv = ["lmcache.v1.multiprocess.server", *sys.argv[3:]]
+runpy.run_module("lmcache.v1.multiprocess.server", run_name="__main__", alter_sys=True)
+"""
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_dead_leftovers(
+    shm_dir: str | Path = "/dev/shm", tmp_dir: str | Path | None = None
+) -> list[str]:
+    """Remove pool segments (``lmcache_kv_<pid>_<n>``) and owned-server directories
+    (``atom-lmcache-<pid>-*``) whose creating process is gone; returns what was removed.
+    Entries of live processes, and names without a pid, are left alone."""
+    removed = []
+    for path in Path(shm_dir).glob(f"{SHM_PREFIX}*_*"):
+        pid = path.name[len(SHM_PREFIX) :].split("_", 1)[0]
+        if pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)):
+            try:
+                path.unlink()
+                removed.append(str(path))
+            except OSError:
+                pass
+    for path in Path(tmp_dir or tempfile.gettempdir()).glob(f"{TMP_PREFIX}*-*"):
+        pid = path.name[len(TMP_PREFIX) :].split("-", 1)[0]
+        if path.is_dir() and pid.isdigit() and int(pid) != os.getpid():
+            if not pid_alive(int(pid)):
+                shutil.rmtree(path, ignore_errors=True)
+                removed.append(str(path))
+    if removed:
+        log.info("removed %d leftovers of dead processes: %s", len(removed), ", ".join(removed))
+    return removed
 
 
 class LMCacheServerError(RuntimeError):
@@ -63,7 +130,8 @@ class LMCacheServer:
     ):
         self.host, self.port = host, port or free_port(host)
         self.chunk_size, self.l1_size_gb = chunk_size, l1_size_gb
-        self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="atom-lmcache-"))
+        self._own_dir = log_dir is None
+        self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{os.getpid()}-"))
         self.proc: subprocess.Popen | None = None
         self.starts = 0
 
@@ -77,7 +145,7 @@ class LMCacheServer:
 
     def command(self) -> list[str]:
         return [
-            sys.executable, "-m", "lmcache.v1.multiprocess.server",
+            sys.executable, "-c", _CHILD, str(os.getpid()), self.host,
             "--host", self.host, "--port", str(self.port),
             "--chunk-size", str(self.chunk_size),
             "--l1-size-gb", f"{self.l1_size_gb:g}",
@@ -152,6 +220,10 @@ class LMCacheServer:
             if sig == signal.SIGKILL:
                 self.proc.wait()
 
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
+
     def stop(self, timeout_s: float = 15.0) -> None:
         if self.proc is None:
             return
@@ -168,6 +240,8 @@ class LMCacheServer:
                 pass
         log.info("stopped LMCache server at %s", self.url)
         self.proc = None
+        if self._own_dir:
+            shutil.rmtree(self.log_dir, ignore_errors=True)
 
     def __enter__(self) -> LMCacheServer:
         return self.start()
