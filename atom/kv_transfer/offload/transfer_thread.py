@@ -82,6 +82,8 @@ class TransferThread:
         self.recoveries = 0  # healthy again after an outage (the server may have lost data)
         self.round_errors = 0
         self.last_error = ""
+        self.since = time.time()  # wall time of the last up/down change (or of the start)
+        self._seen_up = False
         self.thread = threading.Thread(target=self._run, name="atom-lmcache-transfer", daemon=True)
 
     # ---- step thread ------------------------------------------------------------------------
@@ -128,9 +130,10 @@ class TransferThread:
             while True:
                 with self._cond:
                     while not self._queue and not self._inflight and not self._stop:
-                        wait = None if self._adapter is not None else self._retry_in()
-                        if not self._cond.wait(wait) and self._adapter is None:
-                            break  # time to try connecting again
+                        # idle: reconnect when due, or look at the tier's health now and then
+                        wait = self._retry_in() if self._adapter is None else self._health_every()
+                        if not self._cond.wait(wait):
+                            break
                     if self._inflight and not self._queue and not self._stop:
                         only_late = all(op.state is OpState.LATE for op in self._inflight)
                         self._cond.wait(0.05 if only_late else self.poll_interval_s)
@@ -147,6 +150,18 @@ class TransferThread:
                     log.exception("transfer round failed")
         finally:
             self._close()
+
+    def _health_every(self) -> float:
+        return max(0.5, float(self.cfg.heartbeat_s))
+
+    def _tier_changed(self, up: bool, error: str = "") -> None:
+        """Log and record the tier going down or coming back (called on this thread)."""
+        self.since = time.time()
+        if up:
+            log.info("LMCache tier at %s is back (registration %d)", self.url, self.registrations)
+        else:
+            self.last_error = error or "heartbeat failed: the server stopped answering"
+            log.warning("LMCache tier at %s is down: %s", self.url, self.last_error)
 
     def _retry_in(self) -> float:
         return max(0.05, self._next_connect - time.monotonic())
@@ -184,6 +199,9 @@ class TransferThread:
             self._adapter = self._connect()
         except Exception as exc:
             self._next_connect = time.monotonic() + max(1.0, self.cfg.heartbeat_s)
+            if self._was_healthy or not self.last_error:
+                self.since = time.time()
+            self.last_error = f"registration failed: {exc!r}"
             if self._was_healthy or self.registrations == 0:
                 log.warning(
                     "LMCache tier at %s unavailable (%s); serving without it, retrying",
@@ -242,6 +260,12 @@ class TransferThread:
         if healthy and not self._was_healthy and self.registrations > 0:
             self._recovered_at = now
             self.recoveries += 1
+        if healthy != self._was_healthy:
+            if healthy and not self._seen_up and not self.last_error:
+                self.since = time.time()  # the first registration: up since now
+            else:
+                self._tier_changed(healthy)
+            self._seen_up = self._seen_up or healthy
         self._was_healthy = healthy
         grace = 2 * self.cfg.heartbeat_s + 1.0
         server_dead = self.server_alive is not None and not self.server_alive()
