@@ -131,12 +131,19 @@ class MoE(nn.Module):
         self._stack: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mix(x, *self.route(x))
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(expert ids [N, top_k], weights [N, top_k] float32) of each token."""
         scores = torch.sqrt(F.softplus(F.linear(x, self.gate.weight).float()))
         biased = scores + self.gate.e_score_correction_bias
         # ties go to the smaller expert id, identically in every path
         idx = torch.sort(biased, dim=-1, descending=True, stable=True).indices[:, : self.top_k]
         w = scores.gather(1, idx)
-        w = w / w.sum(-1, keepdim=True) * self.scale
+        return idx, w / w.sum(-1, keepdim=True) * self.scale
+
+    def mix(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """The shared expert plus the routed experts ``idx`` weighted by ``w``."""
         out = self.shared_experts(x).float()
         n = x.shape[0]
         if n * self.top_k >= len(self.experts) and n <= self.DENSE_MAX_TOKENS:

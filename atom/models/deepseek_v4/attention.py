@@ -1,0 +1,200 @@
+"""V4 attention: weights and the per-row math shared by the paged forward and the oracle.
+
+Every layer attends over its own sliding window of ``kv_norm(wkv x)`` (K = V, MQA). A CSA layer
+(ratio 4) also attends the top-k of its compressed rows that its indexer picks; an HCA layer
+every visible compressed row. A query at position p sees ``(p + 1) // ratio`` rows; one learned
+sink per head joins the softmax denominator; the softmax scale is head_dim^-0.5.
+
+Compressor: per token, ``kv = wkv(x)`` and ``score = wgate(x) + ape[pos % ratio]`` in float32.
+Group j (tokens j*r .. j*r + r - 1) is a per-feature softmax-weighted sum of its tokens' kv. At
+ratio 4 the projections are twice as wide and groups overlap: group j pools the *first* half of
+group j-1's tokens together with the *second* half of its own (group 0 sees nothing before it).
+Then RMSNorm, RoPE on the last dims at position j*r, and the storage rounding: FP8 simulation of
+the NoPE dims for attention rows, Hadamard + FP4 for the indexer's own compressor (each when
+its config flag is on). How rows and partial groups are *kept* differs between the two paths;
+the math of a group, given its tokens, lives here.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from atom.models.deepseek_v4.config import CSA_RATIO, FP4_SIM_BLOCK, FP8_SIM_BLOCK, V4Config
+from atom.models.deepseek_v4.layers import InterleavedRope
+from atom.models.deepseek_v4.quant import fp4_sim, fp8_sim, hadamard
+from atom.models.deepseek_v41.layers import RMSNorm, linear, rms_norm
+from atom.models.deepseek_v41.quant import kv_roundtrip
+
+NEG_INF = float("-inf")
+
+
+class V4Compressor(nn.Module):
+    """Gated pooling of ``ratio`` tokens into one row of ``dim`` features (see module doc)."""
+
+    def __init__(self, config: V4Config, ratio: int, dim: int, for_index: bool, dtype):
+        super().__init__()
+        self.ratio, self.dim = ratio, dim
+        self.overlap = ratio == CSA_RATIO
+        width = (2 if self.overlap else 1) * dim
+        self.for_index = for_index
+        self.fp8 = config.kv_fp8_sim and not for_index
+        self.fp4 = config.index_fp4_sim and for_index
+        self.rope_dim = config.qk_rope_head_dim
+        self.ape = nn.Parameter(torch.zeros(ratio, width, dtype=torch.float32))
+        self.wkv = linear(config.hidden_size, width, dtype)
+        self.wgate = linear(config.hidden_size, width, dtype)
+        self.norm = RMSNorm(dim, config.rms_norm_eps, dtype)
+
+    def raw(self, u: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-token (kv, score) float32 [N, width], the values a partial group keeps."""
+        kv = torch.nn.functional.linear(u.float(), self.wkv.weight.float())
+        score = torch.nn.functional.linear(u.float(), self.wgate.weight.float())
+        return kv, score + self.ape[positions % self.ratio]
+
+    def pool(
+        self,
+        kv: torch.Tensor,
+        score: torch.Tensor,
+        prev_kv: torch.Tensor | None,
+        prev_score: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """kv/score [G, r, width] of G whole groups; with overlap, prev_* [G, r, dim] are the
+        first halves of each group's predecessor (zeros / -inf for group 0). -> [G, dim]."""
+        if self.overlap:
+            d = self.dim
+            kv = torch.cat([prev_kv, kv[..., d:]], dim=1)
+            score = torch.cat([prev_score, score[..., d:]], dim=1)
+        return (kv * torch.softmax(score, dim=1)).sum(1)
+
+    def rows(self, pooled: torch.Tensor, rope: InterleavedRope, cs) -> torch.Tensor:
+        """Pooled [G, dim] at positions j*r (cs) -> finished rows [G, dim] float32."""
+        x = self.norm(pooled.to(self.wkv.weight.dtype))
+        x = rope.apply(x, cs).float()
+        if self.fp8:
+            x = torch.cat(
+                [fp8_sim(x[:, : -self.rope_dim], FP8_SIM_BLOCK), x[:, -self.rope_dim :]], 1
+            )
+        if self.fp4:
+            x = fp4_sim(hadamard(x), FP4_SIM_BLOCK)
+        return x
+
+
+def overlap_prev(
+    kv: torch.Tensor, score: torch.Tensor, first: tuple[torch.Tensor, torch.Tensor] | None, d: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Predecessor halves for whole groups kv/score [G, r, 2d]: group 0 of the batch takes
+    ``first`` ([r, d] each: the last group before the batch) or nothing (zeros, -inf)."""
+    if first is None:
+        first = (kv.new_zeros(kv.shape[1], d), kv.new_full((kv.shape[1], d), NEG_INF))
+    prev_kv = torch.cat([first[0][None], kv[:-1, :, :d]])
+    prev_score = torch.cat([first[1][None], score[:-1, :, :d]])
+    return prev_kv, prev_score
+
+
+class V4Indexer(nn.Module):
+    """Scores the compressed rows for a CSA layer's queries: its own compressor makes the keys,
+    its query comes from the attention's query latent."""
+
+    def __init__(self, config: V4Config, dtype):
+        super().__init__()
+        self.heads, self.dim = config.index_n_heads, config.index_head_dim
+        self.topk, self.fp4 = config.index_topk, config.index_fp4_sim
+        self.wq_b = linear(config.q_lora_rank, self.heads * self.dim, dtype)
+        self.weights_proj = linear(config.hidden_size, self.heads, dtype)
+        self.compressor = V4Compressor(config, CSA_RATIO, self.dim, True, dtype)
+
+    def query(self, qr: torch.Tensor, u: torch.Tensor, rope: InterleavedRope, cs):
+        """(qi [N, Hi, D] float32, head weights [N, Hi] float32)."""
+        qi = rope.apply(self.wq_b(qr).view(-1, self.heads, self.dim), cs).float()
+        if self.fp4:
+            qi = fp4_sim(hadamard(qi), FP4_SIM_BLOCK)
+        w = self.weights_proj(u).float() * (self.dim**-0.5 * self.heads**-0.5)
+        return qi, w
+
+    @staticmethod
+    def scores(qi: torch.Tensor, w: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        """qi [T, Hi, D], w [T, Hi], keys [R, D] -> [T, R] = sum_h w_h ReLU(q_h . k)."""
+        return torch.einsum("th,thr->tr", w, torch.relu(torch.einsum("thd,rd->thr", qi, keys)))
+
+
+class V4Attention(nn.Module):
+    def __init__(self, config: V4Config, layer: int, dtype: torch.dtype, kv_dtype: str):
+        super().__init__()
+        c = config
+        self.layer, self.ratio = layer, c.compress_ratios[layer]
+        self.heads, self.head_dim, self.window = c.num_attention_heads, c.head_dim, c.sliding_window
+        self.groups, self.o_lora_rank = c.o_groups, c.o_lora_rank
+        self.kv_dtype, self.eps = kv_dtype, c.rms_norm_eps
+        self.rope_dim, self.fp8 = c.qk_rope_head_dim, c.kv_fp8_sim
+        theta, scaling = c.layer_rope(layer)
+        self.rope = InterleavedRope(c.qk_rope_head_dim, theta, scaling)
+        self.scale = self.head_dim**-0.5
+        d = c.hidden_size
+        self.wq_a = linear(d, c.q_lora_rank, dtype)
+        self.q_norm = RMSNorm(c.q_lora_rank, c.rms_norm_eps, dtype)
+        self.wq_b = linear(c.q_lora_rank, self.heads * self.head_dim, dtype)
+        self.wkv = linear(d, self.head_dim, dtype)
+        self.kv_norm = RMSNorm(self.head_dim, c.rms_norm_eps, dtype)
+        self.attn_sink = nn.Parameter(torch.zeros(self.heads, dtype=torch.float32))
+        self.wo_a = linear(
+            self.heads * self.head_dim // self.groups, self.groups * c.o_lora_rank, dtype
+        )
+        self.wo_b = linear(self.groups * c.o_lora_rank, d, dtype)
+        self.compressor = (
+            V4Compressor(c, self.ratio, self.head_dim, False, dtype) if self.ratio else None
+        )
+        self.indexer = V4Indexer(c, dtype) if self.ratio == CSA_RATIO else None
+
+    def queries(self, u: torch.Tensor, cs) -> tuple[torch.Tensor, torch.Tensor]:
+        """u [N, d] -> (q [N, H, hd] per-head RMS-normalized and rotated, q latent [N, q_lora])."""
+        qr = self.q_norm(self.wq_a(u))
+        q = rms_norm(self.wq_b(qr).view(-1, self.heads, self.head_dim), None, self.eps)
+        return self.rope.apply(q, cs), qr
+
+    def window_kv(self, u: torch.Tensor, cs) -> torch.Tensor:
+        """Window KV [N, hd]: normalized, rotated, FP8-simulated NoPE dims, storage-rounded."""
+        kv = self.rope.apply(self.kv_norm(self.wkv(u)), cs)
+        if self.fp8:
+            nope = fp8_sim(kv[:, : -self.rope_dim], FP8_SIM_BLOCK)
+            kv = torch.cat([nope, kv[:, -self.rope_dim :]], 1)
+        return kv_roundtrip(kv, self.kv_dtype)
+
+    def main_rows(self, pooled: torch.Tensor, cs) -> torch.Tensor:
+        """Finished compressed rows as stored in PAGE (storage-rounded), float32 -> dtype."""
+        rows = self.compressor.rows(pooled, self.rope, cs).to(self.wkv.weight.dtype)
+        return kv_roundtrip(rows, self.kv_dtype)
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        win_k: torch.Tensor,
+        win_mask: torch.Tensor,
+        comp: torch.Tensor | None,
+        comp_mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """q [T, H, hd]; window keys [Nw, hd] with mask [T, Nw]; compressed rows [R, hd] shared
+        or [T, K, hd] per query, with mask [T, R] / [T, K]. The sink joins the denominator."""
+        logits = [torch.einsum("thd,nd->thn", q, win_k).float() * self.scale]
+        logits[0] = logits[0].masked_fill(~win_mask[:, None, :], NEG_INF)
+        per_query = comp is not None and comp.dim() == 3
+        if comp is not None:
+            eq = "thd,tkd->thk" if per_query else "thd,kd->thk"
+            sc = torch.einsum(eq, q, comp).float() * self.scale
+            logits.append(sc.masked_fill(~comp_mask[:, None, :], NEG_INF))
+        sink = self.attn_sink.view(1, -1, 1).expand(q.shape[0], -1, 1)
+        probs = torch.softmax(torch.cat(logits + [sink], dim=-1), dim=-1).to(q.dtype)
+        nw = win_k.shape[0]
+        out = torch.einsum("thn,nd->thd", probs[..., :nw], win_k)
+        if comp is not None:
+            eq = "thk,tkd->thd" if per_query else "thk,kd->thd"
+            out = out + torch.einsum(eq, probs[..., nw:-1], comp)
+        return out
+
+    def output(self, o: torch.Tensor, cs) -> torch.Tensor:
+        """Inverse RoPE at the query position, then the grouped output projection."""
+        o = self.rope.apply(o, cs, inverse=True)
+        n = o.shape[0]
+        w = self.wo_a.weight.view(self.groups, self.o_lora_rank, -1)
+        mid = torch.einsum("ngi,goi->ngo", o.reshape(n, self.groups, -1), w).reshape(n, -1)
+        return self.wo_b(mid)

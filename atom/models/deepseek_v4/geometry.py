@@ -1,0 +1,238 @@
+"""The one source of DeepSeek-V4's byte geometry: PAGE planes, the state image, the live state.
+
+A PAGE block of ``block_size`` tokens holds, per compressed layer, its compressed KV rows
+(``block_size / ratio`` rows: 64 per 256-token block on a CSA layer, 2 on a ratio-128 HCA
+layer), and per CSA layer one index plane with its indexer keys (``block_size / 4`` rows).
+
+A request's state besides PAGE splits in two by what a boundary needs (every image is taken at
+a block boundary, a multiple of every ratio):
+
+* the **state slot** (= the checkpoint image, ``state_bytes``): every layer's sliding-window
+  ring; per CSA layer the overlap rows of its compressor and of its indexer's compressor (the
+  first half of the last complete group's per-token projections and gate scores, which the next
+  group's overlapping softmax reads and no PAGE row holds); the cursor and the header.
+* the **live scratch** (``scratch_bytes`` per slot, never stored or loaded): the raw
+  projections of the current, incomplete group of every compressor. At a multiple of the ratio
+  that group is empty, so an image never needs it; a ratio-128 layer's whole state is this
+  (a test restores an image into a slot whose scratch holds garbage and gets identical logits).
+
+Real DeepSeek-V4-Flash, bf16 KV + fp8 index, block 256: 1,594,624 B/block (6,229 B/token);
+state image 6,067,200 B (5.79 MiB); live scratch 11,345,920 B per request.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+
+import torch
+import xxhash
+
+from atom.model_api import StateSpec
+from atom.models.deepseek_v4.config import CSA_RATIO, V4Config, V4LayerKind
+from atom.models.deepseek_v41.pool_geometry import (
+    INDEX_DTYPES,
+    KV_DTYPES,
+    GeometryError,
+    PlaneSpec,
+    StateField,
+)
+
+FIELD_ALIGN = 64
+STATE_ALIGN = 1024
+_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
+
+def _align(n: int, a: int) -> int:
+    return -(-n // a) * a
+
+
+def _layout(specs: list[tuple[str, tuple[int, ...], str]]) -> tuple[tuple[StateField, ...], int]:
+    fields, pos = [], 0
+    for name, shape, dtype in specs:
+        pos = _align(pos, FIELD_ALIGN)
+        f = StateField(name, pos, shape, dtype)
+        fields.append(f)
+        pos += f.nbytes
+    return tuple(fields), _align(pos, STATE_ALIGN)
+
+
+@dataclass(frozen=True)
+class V4PoolGeometry:
+    block_size: int
+    kv_dtype: str
+    index_dtype: str
+    speculative_tokens: int
+    head_dim: int
+    index_head_dim: int
+    main_planes: tuple[PlaneSpec, ...]  # one per compressed layer (CSA and HCA)
+    index_planes: tuple[PlaneSpec, ...]  # one per CSA layer
+    block_bytes: int
+    window_rows: int  # ring rows per layer: sliding_window + speculative_tokens
+    state_layers: int
+    csa_layers: tuple[int, ...]
+    hca_layers: tuple[int, ...]
+    state_fields: tuple[StateField, ...]  # the image
+    state_bytes: int
+    scratch_fields: tuple[StateField, ...]  # live only
+    scratch_bytes: int
+    layout_id: str
+
+    @property
+    def image_bytes(self) -> int:
+        return self.state_bytes
+
+    @property
+    def units_per_image(self) -> int:
+        return -(-self.state_bytes // self.block_bytes)
+
+    def field(self, name: str) -> StateField:
+        return next(f for f in self.state_fields if f.name == name)
+
+    def main_plane(self, layer: int) -> PlaneSpec:
+        return next(p for p in self.main_planes if p.owner_layer == layer)
+
+    def index_plane(self, layer: int) -> PlaneSpec:
+        return next(p for p in self.index_planes if p.owner_layer == layer)
+
+    def state_spec(self) -> StateSpec:
+        return StateSpec(
+            block_size=self.block_size,
+            block_bytes=self.block_bytes,
+            state_bytes=self.state_bytes,
+            layout_id=self.layout_id,
+            header_offset=self.field("header").offset,
+        )
+
+    def describe(self) -> dict:
+        return {
+            "block_size": self.block_size,
+            "block_bytes": self.block_bytes,
+            "planes": [(p.name, p.rows, p.row_bytes) for p in self.main_planes + self.index_planes],
+            "state_bytes": self.state_bytes,
+            "state_fields": {f.name: f.nbytes for f in self.state_fields},
+            "scratch_bytes": self.scratch_bytes,
+            "units_per_image": self.units_per_image,
+            "layout_id": self.layout_id,
+        }
+
+
+def _dtype_name(value: str | torch.dtype, allowed: tuple[str, ...], arg: str) -> str:
+    name = _DTYPE_NAMES.get(value, value) if isinstance(value, torch.dtype) else value
+    if name not in allowed:
+        raise GeometryError(f"{arg}={value!r} is not supported; use one of {list(allowed)}")
+    return name
+
+
+def build_v4_pool_geometry(
+    config: V4Config,
+    *,
+    kv_dtype: str | torch.dtype,
+    index_dtype: str | torch.dtype,
+    block_size: int,
+    speculative_tokens: int,
+) -> V4PoolGeometry:
+    """PAGE planes, the image layout and the live scratch. Every argument that moves a byte is
+    required."""
+    kv = _dtype_name(kv_dtype, tuple(KV_DTYPES), "kv_dtype")
+    idx = _dtype_name(index_dtype, INDEX_DTYPES, "index_dtype")
+    if not isinstance(block_size, int) or block_size <= 0:
+        raise GeometryError(f"block_size={block_size!r} must be a positive integer")
+    if not isinstance(speculative_tokens, int) or speculative_tokens < 0:
+        raise GeometryError(f"speculative_tokens={speculative_tokens!r} must be an integer >= 0")
+    hd, ihd = config.head_dim, config.index_head_dim
+    main_row = hd * KV_DTYPES[kv].itemsize
+    index_row = {"fp8": ihd + 4, "bf16": ihd * 2, "fp32": ihd * 4}[idx]  # fp8 + fp32 scale
+
+    compressed = config.compressed_layers
+    csa = config.layers_of(V4LayerKind.CSA)
+    hca = config.layers_of(V4LayerKind.HCA)
+    mains, indexes, offset = [], [], 0
+    for layer in compressed:
+        ratio = config.compress_ratios[layer]
+        if block_size % ratio:
+            raise GeometryError(
+                f"block_size={block_size} is not a multiple of compress ratio {ratio} "
+                f"(layer {layer}); images are taken at block boundaries, where every "
+                f"compressor's current group must be empty: use a multiple of {ratio}"
+            )
+        rows = block_size // ratio
+        mains.append(PlaneSpec(f"kv.{layer}", layer, rows, main_row, offset, kv))
+        offset += rows * main_row
+    for layer in csa:
+        rows = block_size // CSA_RATIO
+        if idx == "fp8" and rows % 16:
+            raise GeometryError(
+                f"an fp8 index needs rows per block % 16 == 0; layer {layer} has {rows} rows "
+                f"with block_size={block_size}; use index_dtype='bf16' or a larger block"
+            )
+        indexes.append(PlaneSpec(f"index.{layer}", layer, rows, index_row, offset, idx))
+        offset += rows * index_row
+    block_bytes = offset
+    if block_bytes == 0:
+        raise GeometryError("the config has no compressed layer, so a PAGE block holds no bytes")
+    if block_bytes % block_size:
+        raise GeometryError(
+            f"a block of {block_bytes} B does not split into {block_size} equal token rows; "
+            "choose a block size that divides it"
+        )
+
+    state_layers = config.num_hidden_layers + (
+        config.num_nextn_predict_layers if speculative_tokens > 0 else 0
+    )
+    window_rows = config.sliding_window + speculative_tokens
+    r, nc = CSA_RATIO, len(csa)
+    fields, state_bytes = _layout(
+        [
+            ("window", (state_layers, window_rows, hd), kv),
+            ("csa_overlap_kv", (nc, r, hd), "fp32"),
+            ("csa_overlap_score", (nc, r, hd), "fp32"),
+            ("index_overlap_kv", (nc, r, ihd), "fp32"),
+            ("index_overlap_score", (nc, r, ihd), "fp32"),
+            ("cursor", (1,), "int64"),  # committed position
+            ("header", (2,), "int64"),  # layout tag, position (the boundary an image is of)
+        ]
+    )
+    hca_rows = max([config.compress_ratios[i] for i in hca] or [1])
+    scratch, scratch_bytes = _layout(
+        [
+            ("csa_partial_kv", (nc, r, 2 * hd), "fp32"),
+            ("csa_partial_score", (nc, r, 2 * hd), "fp32"),
+            ("index_partial_kv", (nc, r, 2 * ihd), "fp32"),
+            ("index_partial_score", (nc, r, 2 * ihd), "fp32"),
+            ("hca_partial_kv", (len(hca), hca_rows, hd), "fp32"),
+            ("hca_partial_score", (len(hca), hca_rows, hd), "fp32"),
+        ]
+    )
+
+    identity = {
+        "format": "atom.v4.pool/1",
+        "config": {k: v for k, v in config.to_dict().items() if k != "initializer_range"},
+        "block_size": block_size,
+        "kv_dtype": kv,
+        "index_dtype": idx,
+        "speculative_tokens": speculative_tokens,
+        "planes": [asdict(p) for p in mains + indexes],
+        "fields": [asdict(f) for f in fields],
+    }
+    canonical = json.dumps(identity, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    return V4PoolGeometry(
+        block_size=block_size,
+        kv_dtype=kv,
+        index_dtype=idx,
+        speculative_tokens=speculative_tokens,
+        head_dim=hd,
+        index_head_dim=ihd,
+        main_planes=tuple(mains),
+        index_planes=tuple(indexes),
+        block_bytes=block_bytes,
+        window_rows=window_rows,
+        state_layers=state_layers,
+        csa_layers=csa,
+        hca_layers=hca,
+        state_fields=fields,
+        state_bytes=state_bytes,
+        scratch_fields=scratch,
+        scratch_bytes=scratch_bytes,
+        layout_id=xxhash.xxh3_128_hexdigest(canonical.encode()),
+    )

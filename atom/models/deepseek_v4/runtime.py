@@ -1,0 +1,61 @@
+"""V4 as the engine sees it (``atom.model_api.ModelRuntime``): spec, binding, forward, images.
+
+Images are byte copies of the state slot, exactly as for V4.1. The live scratch (each
+compressor's current, incomplete group) stays with the runtime: images are only taken and
+restored at block boundaries, where every group is complete, so ``restore_image`` refuses an
+image whose position is off that grid rather than resume with a stale partial group.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from atom.model_api import Span, image_header, restore_image, store_image
+from atom.models.deepseek_v4.geometry import build_v4_pool_geometry
+from atom.models.deepseek_v4.model import DeepseekV4ForCausalLM
+from atom.models.deepseek_v4.paged import StateMismatchError, V4PagedKV, V4StateSlots
+
+
+class V4Runtime:
+    def __init__(
+        self, model: DeepseekV4ForCausalLM, *, block_size: int, speculative_tokens: int = 0
+    ):
+        self.model = model
+        self.geometry = build_v4_pool_geometry(
+            model.config,
+            kv_dtype=model.kv_dtype,
+            index_dtype=model.index_dtype,
+            block_size=block_size,
+            speculative_tokens=speculative_tokens,
+        )
+        self.spec = self.geometry.state_spec()
+        self.vocab_size = model.config.vocab_size
+        self.device = model.device
+        self.max_position = model.config.max_position_embeddings
+        ratios = [r for r in model.config.compress_ratios if r] or [1]
+        self.group_grid = math.lcm(*ratios)
+        self.kv: V4PagedKV | None = None
+        self.slots: V4StateSlots | None = None
+
+    def bind(self, pool: torch.Tensor, slot_bytes: torch.Tensor) -> None:
+        self.pool, self.slot_bytes = pool, slot_bytes
+        self.kv = V4PagedKV(self.geometry, pool)
+        self.slots = V4StateSlots(self.geometry, slot_bytes)
+
+    def forward(self, token_ids: torch.Tensor, spans: list[Span]) -> torch.Tensor:
+        return self.model.forward_paged(token_ids, spans, self.kv, self.slots)
+
+    def store_image(self, slot: int, units: torch.Tensor) -> None:
+        store_image(self.spec, self.pool, self.slot_bytes, slot, units)
+
+    def restore_image(self, units: torch.Tensor, slot: int) -> int:
+        tag, at = image_header(self.spec, self.pool, units)
+        if tag == self.spec.layout_tag and at % self.group_grid:  # another layout: refused below
+            raise StateMismatchError(
+                f"image at position {at} is off the compressors' group grid ({self.group_grid}); "
+                "only block-boundary images can be restored"
+            )
+        restore_image(self.spec, self.pool, self.slot_bytes, units, slot)
+        return self.slots.position(slot)
