@@ -78,8 +78,22 @@ def run_server(config: EngineConfig, args: argparse.Namespace) -> int:
     )
     tier_obj = getattr(engine, "tier", None)  # kept: released by force if shutdown overruns
     overran = threading.Event()
+    watching = threading.Event()
+
+    def watch_tier() -> None:
+        """Look at the tier's health every second, so that an idle server logs an outage (and
+        the recovery) when it happens, not at the next request or /health."""
+        while not watching.wait(1.0):
+            try:
+                engine.tier_health()
+            except Exception:
+                log.debug("tier health check failed", exc_info=True)
+
+    if tier_obj is not None:
+        threading.Thread(target=watch_tier, name="atom-tier-watch", daemon=True).start()
 
     def on_shutdown() -> None:
+        watching.set()
         budget = server.remaining()
         log.info(
             "shutting down (%.1f s left of --drain-timeout): %d requests still in flight are "

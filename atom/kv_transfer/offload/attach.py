@@ -128,7 +128,7 @@ class LMCacheTier:
             "attached": True,
             "url": self.url,
             "owned": self.server is not None,
-            "healthy": self.transfers.healthy,
+            "healthy": self.transfers.note_health(),
             "namespace": self.namespace,
             "registrations": self.transfers.registrations,
             "recoveries": self.transfers.recoveries,

@@ -84,6 +84,8 @@ class TransferThread:
         self.last_error = ""
         self.since = time.time()  # wall time of the last up/down change (or of the start)
         self._seen_up = False
+        self._reported_up = False
+        self._health_lock = threading.Lock()
         self.thread = threading.Thread(target=self._run, name="atom-lmcache-transfer", daemon=True)
 
     # ---- step thread ------------------------------------------------------------------------
@@ -130,10 +132,9 @@ class TransferThread:
             while True:
                 with self._cond:
                     while not self._queue and not self._inflight and not self._stop:
-                        # idle: reconnect when due, or look at the tier's health now and then
-                        wait = self._retry_in() if self._adapter is None else self._health_every()
-                        if not self._cond.wait(wait):
-                            break
+                        wait = None if self._adapter is not None else self._retry_in()
+                        if not self._cond.wait(wait) and self._adapter is None:
+                            break  # time to try connecting again
                     if self._inflight and not self._queue and not self._stop:
                         only_late = all(op.state is OpState.LATE for op in self._inflight)
                         self._cond.wait(0.05 if only_late else self.poll_interval_s)
@@ -151,16 +152,28 @@ class TransferThread:
         finally:
             self._close()
 
-    def _health_every(self) -> float:
-        return max(0.5, float(self.cfg.heartbeat_s))
+    def note_health(self) -> bool:
+        """The tier's health; logs and records (``since``, ``last_error``) when it went down or
+        came back. Any thread may call it: this thread's rounds do, and so do /health and the
+        server's watcher, which see an outage of an idle tier (this thread blocks when idle)."""
+        healthy = self.healthy
+        with self._health_lock:
+            if healthy != self._reported_up:
+                if healthy and not self._seen_up and not self.last_error:
+                    self.since = time.time()  # the first registration: up since now
+                else:
+                    self._tier_changed(healthy)
+                self._seen_up = self._seen_up or healthy
+                self._reported_up = healthy
+        return healthy
 
     def _tier_changed(self, up: bool, error: str = "") -> None:
-        """Log and record the tier going down or coming back (called on this thread)."""
         self.since = time.time()
         if up:
             log.info("LMCache tier at %s is back (registration %d)", self.url, self.registrations)
         else:
-            self.last_error = error or "heartbeat failed: the server stopped answering"
+            if error or self._adapter is not None or not self.last_error:
+                self.last_error = error or "heartbeat failed: the server stopped answering"
             log.warning("LMCache tier at %s is down: %s", self.url, self.last_error)
 
     def _retry_in(self) -> float:
@@ -199,7 +212,7 @@ class TransferThread:
             self._adapter = self._connect()
         except Exception as exc:
             self._next_connect = time.monotonic() + max(1.0, self.cfg.heartbeat_s)
-            if self._was_healthy or not self.last_error:
+            if self._reported_up or not self.last_error:
                 self.since = time.time()
             self.last_error = f"registration failed: {exc!r}"
             if self._was_healthy or self.registrations == 0:
@@ -260,12 +273,7 @@ class TransferThread:
         if healthy and not self._was_healthy and self.registrations > 0:
             self._recovered_at = now
             self.recoveries += 1
-        if healthy != self._was_healthy:
-            if healthy and not self._seen_up and not self.last_error:
-                self.since = time.time()  # the first registration: up since now
-            else:
-                self._tier_changed(healthy)
-            self._seen_up = self._seen_up or healthy
+        self.note_health()
         self._was_healthy = healthy
         grace = 2 * self.cfg.heartbeat_s + 1.0
         server_dead = self.server_alive is not None and not self.server_alive()
