@@ -65,12 +65,7 @@ class LLM:
             self.engine.add_request(ids, p, eos_token_id=self.tokenizer.eos_token_id)
             for ids, p in zip(encoded, params)
         ]
-        while any(not s.is_finished for s in seqs):
-            self.engine.step()
-            if not self.engine.last_step_ran:
-                self.engine.wait_for_progress(1.0)  # a load or lookup is in flight
-            if on_step is not None:
-                on_step(self.engine)
+        self.engine.run_until(lambda: all(s.is_finished for s in seqs), on_step)
         return [RequestOutput.from_sequence(s, self.tokenizer.decode(s.output)) for s in seqs]
 
     def shutdown(self) -> None:

@@ -10,7 +10,7 @@ class SamplingParams(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    max_tokens: int = 16
+    max_tokens: int | None = 16  # None: as many as fit (max_model_len and the pool)
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
@@ -18,13 +18,13 @@ class SamplingParams(BaseModel):
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
 
-    def __init__(self, max_tokens: int = 16, **kw):
+    def __init__(self, max_tokens: int | None = 16, **kw):
         super().__init__(max_tokens=max_tokens, **kw)
 
     @field_validator("max_tokens")
     @classmethod
-    def _max_tokens(cls, v: int) -> int:
-        if v < 1:
+    def _max_tokens(cls, v: int | None) -> int | None:
+        if v is not None and v < 1:
             raise ValueError(f"max_tokens={v} must be >= 1")
         return v
 

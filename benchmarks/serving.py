@@ -151,8 +151,8 @@ def record_lookups(connector) -> dict:
     inner = connector.request_finished
 
     def finished(seq):
-        st = seq.connector_state
-        answers[seq.request_id] = None if st is None else st.tier_hit
+        st = connector.request_state(seq)
+        answers[seq.request_id] = None if st is None else st.answer
         return inner(seq)
 
     connector.request_finished = finished

@@ -36,8 +36,6 @@ class Checkpoint:
     state: CkptState = CkptState.PENDING
     pins: int = 0
     doomed: bool = False  # its prefix left the pool while pinned: drop on the last unpin
-    saving: bool = False  # a store of it to an external tier is in flight
-    stored: bool = False  # an external tier holds it (and its prefix's pages)
 
     @property
     def ready(self) -> bool:
@@ -117,7 +115,7 @@ class CheckpointStore:
         """Forget an image (a failed copy or load); units return to the pool once unpinned."""
         self._doom(ckpt)
 
-    def evict_lru(self) -> bool:
+    def evict_fewest_dependents(self) -> bool:
         """Evict the unpinned image that the fewest images extend, least recently used first:
         a leaf (extended by none) when there is one, else the one closest to the leaves. The
         images of shared prefixes outlive the tails below them, also while the newest tails
@@ -140,7 +138,7 @@ class CheckpointStore:
     def make_room(self, n: int) -> bool:
         """Evict unpinned images (LRU) until ``n`` blocks are allocatable."""
         while not self.pool.can_allocate(n):
-            if not self.evict_lru():
+            if not self.evict_fewest_dependents():
                 return False
         return True
 

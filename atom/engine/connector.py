@@ -1,7 +1,9 @@
 """What the scheduler asks of an external KV tier (implemented in atom.kv_transfer).
 
 Every method runs on the step thread and returns at once; a connector does its waiting on its
-own threads and reports back through ``update``. The engine knows nothing else of the tier.
+own threads. It answers with values (``TierAnswer``, and the outcomes ``update`` returns) and
+never changes a ``Sequence``: the engine scheduler alone decides a request's status, blocks,
+resume point and counters. The engine knows nothing else of the tier.
 """
 
 from __future__ import annotations
@@ -13,28 +15,58 @@ from atom.engine.checkpoints import Checkpoint
 from atom.engine.sequence import Sequence
 
 
-@dataclass(eq=False)
-class Resume:
-    """A prefix made ready outside a forward: the sequence already holds the blocks of
-    [0, tokens) in its block table and a pinned READY image at ``tokens``."""
+@dataclass(frozen=True)
+class TierAnswer:
+    """The tier's hit for a request: on the chunk grid, ending at a stored image, leaving at
+    least one token to compute (0: nothing to load, or no answer)."""
 
     tokens: int
+
+
+@dataclass(frozen=True)
+class Answered:
+    """A lookup the request waited on has an answer (or was given up): admit it again."""
+
+    seq: Sequence
+
+
+@dataclass(frozen=True)
+class Loaded:
+    """A load landed: the pages of [local_tokens, tokens) are published in the pool and
+    ``image`` (READY, at ``tokens``) is pinned once for the request's restore."""
+
+    seq: Sequence
+    tokens: int
     image: Checkpoint
-    local_tokens: int  # [0, local_tokens) came from the local pool, the rest from the tier
+    local_tokens: int
+
+
+@dataclass(frozen=True)
+class LoadFailed:
+    """A load failed or is late: the request recomputes; the blocks it holds for the load are
+    its own to release (the tier keeps its own leases on them while the transfer may still
+    write)."""
+
+    seq: Sequence
+    start: int
+
+
+Outcome = Answered | Loaded | LoadFailed
 
 
 class Connector(ABC):
     chunk_size: int
 
     @abstractmethod
-    def update(self) -> None:
-        """Fold finished lookups and transfers into the engine state (start of a step)."""
+    def update(self) -> list[Outcome]:
+        """Fold finished lookups and transfers into the tier's own state (start of a step, and
+        whenever a driver is woken while idle); returns what the engine must act on. Outcomes
+        are only ever about requests that have not finished."""
 
     @abstractmethod
-    def lookup(self, seq: Sequence, local_hit: int) -> int | None:
-        """The tier's hit for ``seq`` in tokens (on the chunk grid, ending at a stored image,
-        leaving at least one token to compute; 0 for none or no answer), or None while the
-        answer is pending (the sequence waits; nothing sleeps)."""
+    def lookup(self, seq: Sequence, local_hit: int) -> TierAnswer | None:
+        """The tier's answer for ``seq``, or None while it is pending (the sequence waits; an
+        ``Answered`` outcome follows)."""
 
     @abstractmethod
     def holds(self, seq: Sequence) -> bool:
@@ -46,9 +78,9 @@ class Connector(ABC):
     def start_load(
         self, seq: Sequence, start: int, end: int, blocks: list[int], image: Checkpoint
     ) -> None:
-        """Load [start, end) into ``blocks`` and the image at ``end`` into ``image``'s units.
-        The sequence already holds the blocks; the connector leases them too, until the load
-        is terminal. On success the sequence gets a ``Resume``; on failure it recomputes."""
+        """Load [start, end) into ``blocks`` and the image at ``end`` into ``image``'s units
+        (its creation pin passes to the load). The sequence holds the blocks; the connector
+        leases them too, until the load is terminal. A ``Loaded`` or ``LoadFailed`` follows."""
 
     @abstractmethod
     def settle_lookup(self, seq: Sequence) -> None:

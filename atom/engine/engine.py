@@ -6,12 +6,14 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Protocol
 
 from atom.config import EngineConfig
 from atom.engine.block_pool import BlockPool
 from atom.engine.checkpoints import CheckpointStore
 from atom.engine.connector import Connector
+from atom.engine.integrity import check_integrity
 from atom.engine.model_runner import ModelRunner
 from atom.engine.sampler import Sampler
 from atom.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
@@ -25,6 +27,17 @@ log = logging.getLogger("atom.engine")
 
 class RequestError(ValueError):
     """A request the engine cannot serve as given; nothing was admitted."""
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one step did: whether a forward ran, which requests finished, and whether the
+    driver should wait (nothing could run: only tier lookups or transfers are outstanding, or
+    the engine is idle with tier work still to settle)."""
+
+    ran: bool
+    finished: list[Sequence]
+    must_wait: bool
 
 
 class Tier(Protocol):
@@ -80,7 +93,6 @@ class LLMEngine:
         self.sampler = Sampler(cfg.seed)
         self.requests: dict[str, Sequence] = {}
         self.steps = 0
-        self.last_step_ran = False
         self._init_metrics()
         log.info(
             "engine ready: model=%s device=%s dtype=%s kv=%s index=%s block=%d pool=%d blocks "
@@ -157,7 +169,6 @@ class LLMEngine:
     ) -> Sequence:
         """Validate and queue a request; raises RequestError (admitting nothing) if it cannot
         be served."""
-        cfg = self.config
         if request_id is not None and request_id in self.requests:
             raise RequestError(f"request_id {request_id!r} is already in flight")
         if not prompt:
@@ -166,23 +177,53 @@ class LLMEngine:
         bad = [t for t in prompt if not (isinstance(t, int) and 0 <= t < vocab)]
         if bad:
             raise RequestError(f"prompt token ids must be in [0, {vocab}); got {bad[:5]}")
-        if len(prompt) >= cfg.max_model_len:
-            raise RequestError(
-                f"prompt has {len(prompt)} tokens; this model allows at most "
-                f"{cfg.max_model_len - 1} (max_model_len={cfg.max_model_len}, minus one to "
-                "generate)"
-            )
-        need = -(-(len(prompt) + 1) // cfg.block_size)
-        if need > cfg.num_blocks:
-            raise RequestError(
-                f"prompt of {len(prompt)} tokens needs {need} PAGE blocks; the pool has "
-                f"{cfg.num_blocks} (raise num_blocks or pool_memory_gb)"
-            )
-        seq = Sequence(list(prompt), params, request_id=request_id or "", eos_token_id=eos_token_id)
+        max_tokens = self._resolve_max_tokens(len(prompt), params.max_tokens)
+        seq = Sequence(
+            list(prompt),
+            params,
+            request_id=request_id or "",
+            eos_token_id=eos_token_id,
+            max_tokens=max_tokens,
+        )
         seq.arrival_time = time.perf_counter()
         self.requests[seq.request_id] = seq
         self.scheduler.add(seq)
         return seq
+
+    def _resolve_max_tokens(self, n_prompt: int, asked: int | None) -> int:
+        """``asked``, or what fits when None; a request that cannot run to its end is refused:
+        its prompt plus max_tokens must fit max_model_len, and its KV (every token but the last
+        generated one) must fit the pool on its own."""
+        cfg = self.config
+        room_len = cfg.max_model_len - n_prompt
+        room_pool = cfg.num_blocks * cfg.block_size - n_prompt + 1
+        if room_len < 1:
+            raise RequestError(
+                f"prompt has {n_prompt} tokens; this model allows at most "
+                f"{cfg.max_model_len - 1} (max_model_len={cfg.max_model_len}, minus one to "
+                "generate)"
+            )
+        if room_pool < 1:
+            raise RequestError(
+                f"prompt of {n_prompt} tokens needs {-(-n_prompt // cfg.block_size)} PAGE blocks; "
+                f"the pool has {cfg.num_blocks} (raise num_blocks or pool_memory_gb)"
+            )
+        if asked is None:
+            return min(room_len, room_pool)
+        if asked > room_len:
+            raise RequestError(
+                f"max_tokens={asked} does not fit: the prompt has {n_prompt} tokens and "
+                f"max_model_len is {cfg.max_model_len}, so at most {room_len} can be generated "
+                "(lower max_tokens, or leave it unset to generate what fits)"
+            )
+        if asked > room_pool:
+            blocks = -(-(n_prompt + asked - 1) // cfg.block_size)
+            raise RequestError(
+                f"prompt of {n_prompt} tokens plus max_tokens={asked} needs {blocks} PAGE blocks; "
+                f"the pool has {cfg.num_blocks}, so at most {room_pool} tokens can be generated "
+                "(lower max_tokens, or raise num_blocks or pool_memory_gb)"
+            )
+        return asked
 
     def abort(self, request_id: str) -> bool:
         seq = self.requests.pop(request_id, None)
@@ -209,12 +250,11 @@ class LLMEngine:
 
     # ---- the step -----------------------------------------------------------------------
 
-    def step(self) -> list[Sequence]:
-        """Run one engine step; returns the sequences that finished in it."""
+    def step(self) -> StepResult:
+        """Run one engine step (settling the tier's outcomes first, also when idle)."""
         out: SchedulerOutput = self.scheduler.schedule()
-        self.last_step_ran = bool(out.spans)
         if not out.spans:
-            return []
+            return StepResult(False, [], self.scheduler.has_work() or self.tier_busy())
         t0 = time.perf_counter()
         try:
             logits = self.runner.execute(out.spans)
@@ -248,7 +288,33 @@ class LLMEngine:
                     self._finish(seq, reason)
                     finished.append(seq)
         self.m_step.observe(time.perf_counter() - t0)
-        return finished
+        return StepResult(True, finished, False)
+
+    # ---- driving ------------------------------------------------------------------------
+
+    #: how long a driver blocks when a step could not run, before stepping again anyway (the
+    #: tier's deadlines are swept by steps; a tier outcome wakes the driver at once)
+    WAIT_S = 1.0
+
+    def run_once(self, wait: Callable[[float], object] | None = None) -> StepResult:
+        """One step; if it could not run, block in ``wait(timeout)`` (default: until the tier
+        reports progress) so that no driver spins. Every driver loop is built on this."""
+        result = self.step()
+        if result.must_wait:
+            (wait or self.wait_for_progress)(self.WAIT_S)
+        return result
+
+    def run_until(self, done: Callable[[], bool], on_step=None) -> None:
+        """Drive the engine until ``done()``."""
+        while not done():
+            self.run_once()
+            if on_step is not None:
+                on_step(self)
+
+    def tier_busy(self) -> bool:
+        """A tier lookup or transfer is outstanding (its outcome still has to be settled)."""
+        connector = self.scheduler.connector
+        return connector is not None and connector.busy()
 
     def _stop_reason(self, seq: Sequence) -> str | None:
         tok, p = seq.tokens[-1], seq.params
@@ -256,7 +322,7 @@ class LLMEngine:
             return "stop"
         if not p.ignore_eos and seq.eos_token_id is not None and tok == seq.eos_token_id:
             return "stop"
-        if len(seq.output) >= p.max_tokens or seq.num_tokens >= self.config.max_model_len:
+        if len(seq.output) >= seq.max_tokens or seq.num_tokens >= self.config.max_model_len:
             return "length"
         return None
 
@@ -279,7 +345,7 @@ class LLMEngine:
         would otherwise become a hit when its load lands."""
         if self.scheduler.has_work():
             raise RuntimeError("reset_prefix_cache() needs an idle engine")
-        while self.store.evict_lru():
+        while self.store.evict_fewest_dependents():
             pass
         for ckpt in [c for c in self.store.images.values() if not c.ready]:
             self.store.drop(ckpt)
@@ -288,7 +354,7 @@ class LLMEngine:
                 self.pool.forget(b)
 
     def check_integrity(self) -> None:
-        self.scheduler.check_integrity()
+        check_integrity(self.scheduler)
 
     def stats(self) -> dict:
         s = self.scheduler

@@ -1,36 +1,37 @@
 """The chunked scheduler on the block grid: admission, hit caps, prefill/decode, preemption.
 
-Per step, under ``max_num_batched_tokens`` and ``max_num_seqs``: running sequences first (in
-admission order), then waiting ones (FCFS). A sequence computes tokens [num_computed,
-num_tokens); a chunk ends on the block grid unless it is the last one, and never crosses a
-checkpoint boundary (``checkpoint_interval`` blocks). Every forward that ends on a boundary
-takes an image of the state there (a PENDING checkpoint the runner fills after the forward).
+Per step, under ``max_num_batched_tokens`` and ``max_num_seqs``: running sequences first (oldest
+arrival first), then waiting ones: those holding a prepared prefix (a landed tier load) first,
+then FCFS. A sequence computes tokens [num_computed, num_tokens); a chunk ends on the block grid
+unless it is the last one, and never crosses a checkpoint boundary (``checkpoint_interval``
+blocks). Every forward that ends on a boundary takes an image of the state there (a PENDING
+checkpoint the runner fills after the forward).
 
-Admission: the local hit is the longest resident block prefix, capped to the last READY image
-at or below it and to ``num_tokens - 1`` (the step must compute at least one token to have
-logits). With a tier, a connector may extend the hit past it with a load.
+Admission (``atom.engine.admission``): the local hit is the longest resident block prefix,
+capped to the last READY image at or below it and to ``num_tokens - 1``. With a tier, a load
+may extend it: it starts at the resident frontier and restores the state at its own end.
 
-Pool pressure: allocations evict cached blocks (LRU, dropping the READY images that depended
-on them), then unpinned images (those the fewest images extend first, LRU among equals), then
-preempt the newest running sequence (recompute).
-A preempted sequence's blocks keep their hashes, so its own images can resume it.
+Progress: the oldest request is never preempted by a newer one (the victim is always the newest
+arrival), a load holds every block its first chunk needs before it is sent (a landed load never
+waits for room), and holders of prepared prefixes are admitted before new work. Pool pressure:
+allocations evict cached blocks (LRU, dropping the READY images that depended on them), then
+unpinned images (those the fewest images extend first), then preempt the newest running
+sequence (recompute). A preempted sequence's blocks keep their hashes, so its own images can
+resume it.
 """
 
 from __future__ import annotations
 
-import enum
-from collections import deque
+import bisect
 from dataclasses import dataclass, field
 
+from atom.engine.admission import Admission, Admit, LocalHit
 from atom.engine.block_pool import BlockPool, block_hashes
 from atom.engine.checkpoints import Checkpoint, CheckpointStore
-from atom.engine.connector import Connector, Resume
-from atom.engine.sequence import SeqStatus, Sequence
+from atom.engine.connector import Answered, Connector, Loaded, LoadFailed, Outcome
+from atom.engine.sequence import Prepared, SeqStatus, Sequence
 
-
-class Admit(enum.Enum):
-    WAIT = "wait"  # not admissible yet (a lookup or load is in flight); try the next one
-    BLOCKED = "blocked"  # no room: stop admitting this step (FCFS)
+__all__ = ["Admit", "LocalHit", "ScheduledSpan", "Scheduler", "SchedulerConfig"]
 
 
 @dataclass(frozen=True)
@@ -67,7 +68,13 @@ class SchedulerOutput:
         return sum(s.end - s.start for s in self.spans)
 
 
-class Scheduler:
+def _arrival(seq: Sequence) -> int:
+    return seq.seq_id
+
+
+class Scheduler(Admission):
+    """Owns every request's status, blocks, slot, resume point and counters."""
+
     def __init__(
         self,
         config: SchedulerConfig,
@@ -79,8 +86,8 @@ class Scheduler:
         self.cfg, self.pool, self.store = config, pool, store
         self.block_size = config.block_size
         self.connector = connector
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
+        self.waiting: list[Sequence] = []  # arrival order
+        self.running: list[Sequence] = []  # arrival order
         self.free_slots = list(range(num_slots - 1, -1, -1))
         self.preemptions = 0
         self.tier_tokens_recomputed = 0
@@ -88,16 +95,40 @@ class Scheduler:
     # ---- requests -----------------------------------------------------------------------
 
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        bisect.insort(self.waiting, seq, key=_arrival)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    # ---- the tier's outcomes --------------------------------------------------------------
+
+    def settle_tier(self) -> None:
+        """Act on what the tier reported (also while idle: frees what finished loads held)."""
+        if self.connector is None:
+            return
+        for outcome in self.connector.update():
+            self._apply(outcome)
+
+    def _apply(self, outcome: Outcome) -> None:
+        seq = outcome.seq
+        if seq.is_finished:
+            return
+        if isinstance(outcome, Loaded):
+            seq.prepared = Prepared(outcome.tokens, outcome.image, outcome.local_tokens)
+        elif isinstance(outcome, LoadFailed):
+            # no state at the frontier: re-admission resumes from the last READY image
+            self.pool.release(reversed(seq.block_table))
+            seq.block_table = []
+            seq.counters.failed_loads += 1
+        elif not isinstance(outcome, Answered):
+            raise TypeError(f"unknown tier outcome {outcome!r}")
+        if seq.status is SeqStatus.WAITING_FOR_TIER:
+            seq.status = SeqStatus.WAITING
+
     # ---- the plan -------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        if self.connector is not None:
-            self.connector.update()
+        self.settle_tier()
         out = SchedulerOutput()
         budget = self.cfg.max_num_batched_tokens
         scheduled: set[int] = set()
@@ -114,14 +145,12 @@ class Scheduler:
             scheduled.add(seq.seq_id)
             budget -= end - seq.num_computed
             i += 1
-        # Requests holding blocks while they wait (a tier load in flight, or loaded and not yet
-        # running) count against max_num_seqs: otherwise loads planned for the whole queue can
-        # fill the pool with requests that then have no block to run with, and none finishes.
-        # So do requests holding a tier lookup: otherwise a long queue is looked up at once and
-        # its chunks stay locked on the server until each request's turn, past the server's
-        # lock lifetime under load (a local CI run on shared cores: 143 of 256 loads refused).
+        # Requests holding blocks or a tier lookup while they wait count against max_num_seqs:
+        # otherwise loads planned for the whole queue fill the pool, and a long queue's lookups
+        # keep its chunks locked on the server past the server's lock lifetime.
         holding = sum(1 for s in self.waiting if self._holds(s))
-        for seq in list(self.waiting):
+        order = sorted(self.waiting, key=lambda s: s.prepared is None)  # stable: FCFS within
+        for seq in order:
             if budget <= 0 or out.preempted:
                 break
             if len(self.running) >= self.cfg.max_num_seqs or not self.free_slots:
@@ -168,8 +197,8 @@ class Scheduler:
         return self.pool.allocate(n)
 
     def _grow(self, seq: Sequence, end: int, out: SchedulerOutput, scheduled: set[int]) -> bool:
-        """Give a running seq blocks up to ``end``, preempting the newest unscheduled running
-        sequences as needed; False if ``seq`` itself had to be preempted."""
+        """Give a running seq blocks up to ``end``, preempting the newest running arrivals
+        (never an older one); False if ``seq`` itself, the newest, had to be preempted."""
         need = self._blocks_for(end) - len(seq.block_table)
         while True:
             blocks = self._allocate(need)
@@ -177,8 +206,9 @@ class Scheduler:
                 seq.block_table.extend(blocks)
                 return True
             victim = self.running[-1]
-            if victim.seq_id in scheduled and victim is not seq:
-                raise RuntimeError("pool cannot hold the scheduled batch")  # cannot happen
+            # running is in arrival order and visited oldest first: every scheduled sequence
+            # is older than seq, so the victim is seq or newer and not yet scheduled
+            assert victim is seq or victim.seq_id not in scheduled, "preempting a scheduled seq"
             self._preempt(victim, out)
             if victim is seq:
                 return False
@@ -200,113 +230,19 @@ class Scheduler:
             seq.block_hashes.extend(block_hashes(seq.tokens[have * bs : n_blocks * bs], bs, parent))
         return seq.block_hashes[:n_blocks]
 
-    # ---- admission ------------------------------------------------------------------------
-
-    def local_hit(self, seq: Sequence) -> tuple[int, Checkpoint | None, list[int]]:
-        """(hit tokens, its READY image, the hit's blocks). Capped to an image boundary and to
-        num_tokens - 1."""
-        bs = self.block_size
-        if not self.cfg.prefix_caching:
-            return 0, None, []
-        hashes = self._hashes(seq, seq.num_tokens // bs)
-        blocks = []
-        for h in hashes:
-            b = self.pool.lookup(h)
-            if b is None:
-                break
-            blocks.append(b)
-        n = min(len(blocks), (seq.num_tokens - 1) // bs)
-        while n > 0:
-            ckpt = self.store.get_ready(hashes[n - 1])
-            if ckpt is not None:
-                return n * bs, ckpt, blocks[:n]
-            n -= 1
-        return 0, None, []
-
-    def _admit(self, seq: Sequence, budget: int) -> ScheduledSpan | Admit:
-        resume: Resume | None = seq.resume
-        if resume is not None:  # a tier load finished: the seq holds blocks and image already
-            hit, ckpt, local = resume.tokens, resume.image, resume.local_tokens
-            end = self._chunk_end(seq, hit, budget)
-            if end is None:
-                return Admit.BLOCKED
-            blocks = self._allocate(self._blocks_for(end) - len(seq.block_table))
-            if blocks is None:
-                return Admit.BLOCKED
-            seq.block_table += blocks
-            seq.resume = None
-            return self._start(seq, hit, end, ckpt, local)
-        hit, ckpt, hit_blocks = self.local_hit(seq)
-        if self.connector is not None:
-            tier = self.connector.lookup(seq, hit)
-            if tier is None:
-                seq.status = SeqStatus.WAITING_FOR_TIER
-                return Admit.WAIT
-            if tier > hit:
-                planned = self._plan_load(seq, hit, hit_blocks, tier)
-                if planned is not None:
-                    return planned
-                if self.running:
-                    # No room to load now, but running requests will free some: waiting for
-                    # it beats recomputing what the tier holds (the lookup's answer is kept).
-                    return Admit.BLOCKED
-                seq.tier_unloaded = tier  # counted in _start against the hit it runs with
-            self.connector.settle_lookup(seq)
-        end = self._chunk_end(seq, hit, budget)
-        if end is None:
-            return Admit.BLOCKED
-        need = self._blocks_for(end) - len(hit_blocks)
-        # take the hit first so evictions made for the new blocks cannot touch it
-        self.pool.acquire(hit_blocks)
-        if ckpt is not None:
-            self.store.pin(ckpt)
-        blocks = self._allocate(need)
-        if blocks is None:
-            self.pool.release(reversed(hit_blocks))
-            if ckpt is not None:
-                self.store.unpin(ckpt)
-            return Admit.BLOCKED
-        seq.block_table = hit_blocks + blocks
-        return self._start(seq, hit, end, ckpt, hit)
-
-    def _start(self, seq: Sequence, hit: int, end: int, ckpt, local: int) -> ScheduledSpan:
+    def _start(
+        self, seq: Sequence, hit: int, end: int, ckpt, local: int, tier_unloaded: int = 0
+    ) -> ScheduledSpan:
         seq.num_computed = hit
         seq.slot = self.free_slots.pop()
         seq.status = SeqStatus.RUNNING
-        c = seq.counters
-        c.hbm_hit_tokens = min(local, seq.num_prompt)
-        c.tier_hit_tokens = min(hit, seq.num_prompt) - c.hbm_hit_tokens
-        c.computed_prompt_tokens = max(0, seq.num_prompt - hit)
-        if seq.tier_unloaded:
-            c.tier_tokens_recomputed = max(0, min(seq.tier_unloaded, seq.num_prompt) - hit)
-            self.tier_tokens_recomputed += c.tier_tokens_recomputed
-            seq.tier_unloaded = 0
-        self.running.append(seq)
+        seq.counters.admitted(hit, local)
+        if tier_unloaded:
+            lost = max(0, min(tier_unloaded, seq.num_prompt) - hit)
+            seq.counters.tier_tokens_recomputed += lost
+            self.tier_tokens_recomputed += lost
+        bisect.insort(self.running, seq, key=_arrival)
         return self._span(seq, hit, end, restore=ckpt)
-
-    def _plan_load(self, seq: Sequence, hit: int, hit_blocks: list[int], tier: int) -> Admit | None:
-        """Hold blocks for [start, tier) and a PENDING image at ``tier``, and hand them to the
-        connector. Returns WAIT (loading, or another load of the same image is in flight) or
-        None when there is no room (the caller proceeds with the local hit)."""
-        bs, chunk = self.block_size, self.connector.chunk_size
-        start = hit // chunk * chunk
-        hashes = self._hashes(seq, tier // bs)
-        pending = self.store.images.get(hashes[-1])
-        if pending is not None and not pending.ready:
-            return Admit.WAIT  # the same prefix is being loaded for another request
-        keep = hit_blocks[: start // bs]
-        self.pool.acquire(keep)
-        blocks = self._allocate((tier - start) // bs)
-        image = self.store.create(hashes[-1], tier, tuple(hashes)) if blocks is not None else None
-        if image is None:
-            if blocks is not None:
-                self.pool.release(reversed(blocks))
-            self.pool.release(reversed(keep))
-            return None
-        seq.block_table = keep + blocks
-        seq.status = SeqStatus.WAITING_FOR_TIER
-        self.connector.start_load(seq, start, tier, blocks, image)
-        return Admit.WAIT
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)
@@ -315,7 +251,7 @@ class Scheduler:
         seq.num_computed = 0
         seq.counters.preemptions += 1
         self.preemptions += 1
-        self.waiting.appendleft(seq)
+        self.add(seq)
         out.preempted.append(seq)
 
     def _release(self, seq: Sequence) -> None:
@@ -331,6 +267,7 @@ class Scheduler:
         """The forward of ``span`` ran: publish its full blocks, settle its checkpoints."""
         seq, bs = span.seq, self.block_size
         seq.num_computed = span.end
+        seq.counters.computed(span.end)
         first, last = span.start // bs, span.end // bs
         if last > first:
             hashes = self._hashes(seq, last)
@@ -355,61 +292,11 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        if seq.resume is not None:
-            self.store.unpin(seq.resume.image)
-            seq.resume = None
+        if seq.prepared is not None:
+            self.store.unpin(seq.prepared.image)
+            seq.prepared = None
         self._release(seq)
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
         if self.connector is not None:
             self.connector.request_finished(seq)
-
-    # ---- invariants -----------------------------------------------------------------------
-
-    def check_integrity(self, extra_refs: dict[int, int] | None = None) -> None:
-        """free + cached + owned = total; refcounts equal their owners; images' prefixes are
-        resident; no block both free and owned. Raises AssertionError with the first breach."""
-        pool, store = self.pool, self.store
-        owners = [0] * pool.num_blocks
-        for seq in [*self.running, *self.waiting]:
-            for b in seq.block_table:
-                owners[b] += 1
-        unit_count = 0
-        for ckpt in store.owners():
-            for b in ckpt.units:
-                owners[b] += 1
-                unit_count += 1
-        refs = dict(extra_refs or {})
-        if self.connector is not None:
-            for b, n in self.connector.leases().items():
-                refs[b] = refs.get(b, 0) + n
-        for b, n in refs.items():
-            owners[b] += n
-        for b in range(pool.num_blocks):
-            assert pool.ref[b] == owners[b], f"block {b}: ref {pool.ref[b]} != owners {owners[b]}"
-            free, cached = pool.is_free(b), pool.is_cached(b)
-            assert not (free and cached), f"block {b} both free and cached"
-            if owners[b]:
-                assert not (free or cached), f"block {b} is owned and also free/cached"
-            else:
-                assert free or cached, f"block {b} is neither owned nor free"
-            if cached:
-                assert pool.hash_of[b] is not None, f"cached block {b} has no hash"
-            if free:
-                assert pool.hash_of[b] is None, f"free block {b} still carries a hash"
-        for b, h in pool.twins().items():
-            assert owners[b] and pool.hash_of[b] is None, f"twin block {b} is not live/unhashed"
-            assert pool.lookup(h) not in (None, b), f"twin block {b}: its hash has no holder"
-        in_use = sum(1 for b in range(pool.num_blocks) if owners[b])
-        assert pool.num_free + pool.num_cached + in_use == pool.num_blocks
-        assert unit_count == store.counts()["units"]
-        for ckpt in store.images.values():
-            assert len(ckpt.units) == store.units, f"image at {ckpt.position} lost units"
-            if ckpt.ready:
-                for h in ckpt.prefix:
-                    assert (
-                        pool.lookup(h) is not None
-                    ), f"READY image at {ckpt.position}: prefix gone"
-        slots = [s.slot for s in self.running]
-        assert len(slots) == len(set(slots)), "two running sequences share a state slot"
-        assert not set(slots) & set(self.free_slots), "a running sequence's slot is free"

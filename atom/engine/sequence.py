@@ -1,17 +1,24 @@
-"""One request: its tokens, status, block table, state slot and counters."""
+"""One request: its tokens, status, block table, state slot and counters.
+
+Only the engine scheduler changes a sequence's status, blocks, slot, resume point and counters;
+the tier answers with values (``atom.engine.connector``) and never writes here.
+"""
 
 from __future__ import annotations
 
 import enum
 import itertools
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 from atom.sampling_params import SamplingParams
 
+if TYPE_CHECKING:
+    from atom.engine.checkpoints import Checkpoint
+
 
 class SeqStatus(enum.Enum):
-    WAITING = "waiting"  # admitted to the queue, holds nothing
+    WAITING = "waiting"  # queued; may hold a prepared prefix (a landed tier load)
     WAITING_FOR_TIER = "waiting_for_tier"  # a tier lookup or load is in flight for it
     RUNNING = "running"  # holds blocks and a state slot
     FINISHED = "finished"
@@ -19,7 +26,9 @@ class SeqStatus(enum.Enum):
 
 @dataclass
 class SeqCounters:
-    """Where the prompt's tokens came from in the admission that ran to completion."""
+    """Where the prompt's tokens came from. Each prompt token is attributed once, by the first
+    admission or forward that made it committed: a preempted request that re-reads its own
+    blocks does not count them again (hbm + tier + computed == prompt tokens)."""
 
     prompt_tokens: int = 0
     hbm_hit_tokens: int = 0
@@ -30,6 +39,34 @@ class SeqCounters:
     # tokens the tier held beyond the hit this admission ran with, computed instead: there was
     # no room to load them and no running request to wait for
     tier_tokens_recomputed: int = 0
+    attributed: int = 0  # prompt tokens [0, attributed) have a source
+
+    def admitted(self, hit: int, local: int) -> None:
+        """An admission resumed at ``hit``, of which [0, local) came from the local pool."""
+        hit = min(hit, self.prompt_tokens)
+        if hit > self.attributed:
+            local = min(max(local, self.attributed), hit)
+            self.hbm_hit_tokens += local - self.attributed
+            self.tier_hit_tokens += hit - local
+            self.attributed = hit
+
+    def computed(self, end: int) -> None:
+        """A forward committed tokens up to ``end``."""
+        end = min(end, self.prompt_tokens)
+        if end > self.attributed:
+            self.computed_prompt_tokens += end - self.attributed
+            self.attributed = end
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A prefix made ready outside a forward (a landed tier load): the sequence holds the
+    blocks of [0, tokens) (and those of its first chunk) and a pinned READY image at
+    ``tokens``; [0, local_tokens) came from the local pool, the rest from the tier."""
+
+    tokens: int
+    image: Checkpoint
+    local_tokens: int
 
 
 _ids = itertools.count()
@@ -41,6 +78,7 @@ class Sequence:
     params: SamplingParams
     request_id: str = ""
     eos_token_id: int | None = None
+    max_tokens: int = 0  # resolved by the engine at admission (params.max_tokens or what fits)
     seq_id: int = field(default_factory=lambda: next(_ids))
     status: SeqStatus = SeqStatus.WAITING
     tokens: list[int] = field(default_factory=list)
@@ -48,9 +86,7 @@ class Sequence:
     block_hashes: list[int] = field(default_factory=list)  # chained hash of each full block
     num_computed: int = 0  # tokens whose KV and state are committed
     slot: int | None = None
-    resume: Any = None  # a connector.Resume: a prefix prepared outside a forward
-    connector_state: Any = None  # opaque to the engine: the tier's per-request state
-    tier_unloaded: int = 0  # a tier answer this admission could not load (no room)
+    prepared: Prepared | None = None
     finish_reason: str | None = None
     counters: SeqCounters = field(default_factory=SeqCounters)
     arrival_time: float = 0.0
@@ -62,6 +98,7 @@ class Sequence:
         self.tokens = list(self.prompt)
         self.request_id = self.request_id or f"req-{self.seq_id}"
         self.counters.prompt_tokens = len(self.prompt)
+        self.max_tokens = self.max_tokens or self.params.max_tokens or 0
 
     @property
     def num_prompt(self) -> int:

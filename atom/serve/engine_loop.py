@@ -1,8 +1,10 @@
 """The engine on its own thread; the asyncio front end submits requests and reads streams.
 
 The engine thread never waits on a client: each step's new tokens are handed to the event
-loop with ``call_soon_threadsafe``. When it has nothing to run it blocks on a condition (new
-requests, aborts, stop) or, with transfers in flight, on the engine's own progress wait.
+loop with ``call_soon_threadsafe``. It drives the engine with ``LLMEngine.run_once``; when a
+step cannot run, or the engine is idle, it blocks on one condition that new requests, aborts,
+stop and the tier's progress all signal. A tier outcome that arrives while the engine is idle
+(a tail save finishing, a quarantined load resolving) wakes it, so it is settled at once.
 """
 
 from __future__ import annotations
@@ -98,6 +100,18 @@ class EngineLoop:
             self._woken = True
             self._cond.notify()
 
+    def _take_woken(self) -> bool:
+        with self._cond:
+            woken, self._woken = self._woken, False
+            return woken
+
+    def _wait(self, timeout: float) -> None:
+        """The engine could not run a step: block until something changes or ``timeout``."""
+        with self._cond:
+            if not (self._woken or self._submits or self._aborts or self._stop):
+                self._cond.wait(timeout)
+            self._woken = False
+
     def _emit(self, stream: RequestStream, delta: Delta) -> None:
         self.loop.call_soon_threadsafe(stream.queue.put_nowait, delta)
 
@@ -106,13 +120,16 @@ class EngineLoop:
         try:
             while True:
                 with self._cond:
-                    while (
-                        not self._submits
-                        and not self._aborts
-                        and not self._stop
-                        and not eng.has_unfinished()
+                    while not (
+                        self._submits
+                        or self._aborts
+                        or self._stop
+                        or self._woken
+                        or eng.has_unfinished()
                     ):
-                        self._cond.wait()
+                        # idle: block until signalled, or until a tier deadline may need a sweep
+                        if not self._cond.wait(eng.WAIT_S if eng.tier_busy() else None):
+                            self._woken = True
                     submits, self._submits = self._submits, []
                     aborts, self._aborts = self._aborts, []
                     stopping = self._stop
@@ -132,14 +149,9 @@ class EngineLoop:
                         self._emit(stream, Delta([], True, "abort", seq=stream.seq))
                     self._streams.clear()
                     return
-                if eng.has_unfinished():
-                    eng.step()
+                if eng.has_unfinished() or self._take_woken():
+                    eng.run_once(self._wait)
                     self._deliver()
-                    if not eng.last_step_ran:  # only transfers or lookups are in flight
-                        with self._cond:
-                            if not (self._woken or self._submits or self._aborts or self._stop):
-                                self._cond.wait(timeout=1.0)
-                            self._woken = False
                 self._maybe_log()
         except BaseException as exc:  # the engine is broken: fail every open request loudly
             self.error = exc

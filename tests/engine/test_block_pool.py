@@ -101,9 +101,10 @@ def test_image_eviction_takes_leaves_first_so_shared_prefix_images_outlive_their
     for img in (shared, other, tail):
         assert store.mark_ready(img)
         store.unpin(img)
-    assert store.evict_lru() and 200 not in store.images  # oldest leaf, not the shared prefix
-    assert store.evict_lru() and 101 not in store.images  # then the tail
-    assert store.evict_lru() and 100 not in store.images  # the prefix is a leaf now
+    # the oldest leaf goes first, not the shared prefix
+    assert store.evict_fewest_dependents() and 200 not in store.images
+    assert store.evict_fewest_dependents() and 101 not in store.images  # then the tail
+    assert store.evict_fewest_dependents() and 100 not in store.images  # the prefix is a leaf now
 
 
 def test_a_recomputed_block_takes_the_hash_from_a_cached_copy_without_an_eviction():
@@ -183,7 +184,7 @@ def test_image_eviction_without_an_unpinned_leaf_takes_the_image_closest_to_the_
         assert store.mark_ready(img)
         store.unpin(img)
     store.pin(leaf)  # a store of the newest tail is in flight
-    assert store.evict_lru() and 101 not in store.images and 100 in store.images
+    assert store.evict_fewest_dependents() and 101 not in store.images and 100 in store.images
 
 
 def test_a_pending_image_survives_the_eviction_of_a_prefix_hash_its_writer_registers():

@@ -66,6 +66,14 @@ def test_bad_requests_are_refused_and_the_engine_keeps_serving():
         eng.add_request([1] * 64, SamplingParams())
     with pytest.raises(ValueError, match="max_tokens=0"):
         SamplingParams(max_tokens=0)
+    with pytest.raises(RequestError, match="max_tokens=10 does not fit.*at most 4 can be"):
+        eng.add_request([1] * 60, SamplingParams(max_tokens=10))
+    # the KV of every token but the last must fit the pool (30 blocks x 16 = 480 tokens)
+    big = LLM("v41-tiny", num_blocks=6, max_model_len=512, device="cpu").engine
+    with pytest.raises(RequestError, match="needs 9 PAGE blocks; the pool has 6"):
+        big.add_request([1] * 70, SamplingParams(max_tokens=64))
+    assert big.add_request([1] * 70, SamplingParams(max_tokens=None)).max_tokens == 96 - 70 + 1
     assert not eng.has_unfinished()
-    out = llm.generate([[1] * 60], SamplingParams(max_tokens=10, ignore_eos=True))[0]
-    assert out.finish_reason == "length" and len(out.token_ids) == 4  # stopped at max_model_len
+    # unset: as many as fit max_model_len
+    out = llm.generate([[1] * 60], SamplingParams(max_tokens=None, ignore_eos=True))[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 4

@@ -20,7 +20,7 @@ import torch
 from atom.builder import build_engine
 from atom.config import EngineConfig
 from atom.engine.checkpoints import Checkpoint
-from atom.engine.engine import LLMEngine
+from atom.engine.engine import LLMEngine, StepResult
 from atom.engine.sequence import Sequence
 from atom.kv_transfer.offload.config import OffloadConfig
 from atom.kv_transfer.offload.events import EventPool
@@ -208,10 +208,10 @@ class FakeTransfers:
     def healthy(self) -> bool:
         return self.healthy_flag
 
-    def submit(self, op: TransferOp, event) -> None:
-        assert event is not None, "the adapter refuses a None event"
+    def submit(self, op: TransferOp) -> None:
+        assert op.event is not None, "the adapter refuses a None event"
         self.submitted.append(op)
-        self.events.append(event)
+        self.events.append(op.event)
         if op.kind == "save" and self.pool is not None:
             raw = pool_bytes(self.pool)
             self.snapshots[op.op_id] = (raw[op.page_blocks].clone(), raw[op.units].clone())
@@ -318,6 +318,8 @@ class Harness:
     server: FakeServer
     finished: list[Sequence] = field(default_factory=list)
     closed: bool = False
+    last: StepResult | None = None
+    seen: dict = field(default_factory=dict)  # seq_id -> its TierRequest, kept after it ends
 
     @property
     def connector(self) -> OffloadConnector:
@@ -341,11 +343,13 @@ class Harness:
         )
 
     def step(self) -> list[Sequence]:
-        """One engine step, then the integrity check (leases included)."""
-        done = self.engine.step()
+        """One engine step, then the integrity check (leases included); ``last`` keeps the
+        step's result."""
+        self.last = self.engine.step()
         self.engine.check_integrity()
-        self.finished.extend(done)
-        return done
+        self.seen.update(self.connector._requests)
+        self.finished.extend(self.last.finished)
+        return self.last.finished
 
     def run(self, seqs: list[Sequence], max_steps: int = 400, idle_limit: int = 3) -> None:
         """Step until every seq finished; fails if the engine idles ``idle_limit`` steps in a
@@ -355,7 +359,7 @@ class Harness:
             if all(s.is_finished for s in seqs):
                 return
             self.step()
-            idle = 0 if self.engine.last_step_ran else idle + 1
+            idle = 0 if self.last.ran else idle + 1
             if idle >= idle_limit:
                 raise AssertionError(f"engine idle, waiting on the tier: {seqs}")
         raise AssertionError(f"not finished after {max_steps} steps: {seqs}")
@@ -368,7 +372,11 @@ class Harness:
         raise AssertionError("condition not reached")
 
     def tier_state(self, seq: Sequence):
-        return seq.connector_state
+        """The request's TierRequest (also after the connector dropped it), or None."""
+        st = self.connector.request_state(seq)
+        if st is not None:
+            self.seen[seq.seq_id] = st
+        return self.seen.get(seq.seq_id)
 
     def free_blocks(self) -> set[int]:
         return {b for b in range(self.pool.num_blocks) if self.pool.is_free(b)}

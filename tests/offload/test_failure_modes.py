@@ -83,14 +83,15 @@ def cached_without_images(h, prompt) -> None:
     h.run([first])
     h.step()
     h.transfers.auto = set()
-    while h.engine.scheduler.store.evict_lru():
+    while h.engine.scheduler.store.evict_fewest_dependents():
         pass
 
 
 def ops_of(h, seq, kind=None):
-    if seq.connector_state is None:
+    st = h.tier_state(seq)
+    if st is None:
         return []
-    lmc = seq.connector_state.lmc_id
+    lmc = st.lmc_id
     return [op for op in h.transfers.submitted if op.lmc_id == lmc and kind in (None, op.kind)]
 
 
@@ -138,7 +139,7 @@ def test_fm1_queued_save_keeps_its_blocks_when_its_request_finishes(make):
         h.transfers.complete(o)
     h.step()
     for o in saves:
-        assert o.state is OpState.DONE and o.image.stored
+        assert o.state is OpState.DONE and h.connector.is_stored(o.image)
         assert_saved_what_was_decided(h, o)
     assert h.connector.leases() == {}
     h.shutdown()
@@ -218,11 +219,11 @@ def test_fm2_tail_save_of_a_finished_request_completes_then_releases(make):
     p = prompt_of(40, 4)
     s = h.add(p, max_tokens=1)
     h.run([s])
-    st = s.connector_state
+    st = h.tier_state(s)
     saves = ops_of(h, s, "save")
-    assert len(saves) == 2 and st.finished and s.block_table == []
+    assert len(saves) == 2 and not st.alive and s.block_table == []
     h.step()
-    assert st in h.connector._requests and st.lmc_id not in h.lookups.ended
+    assert st in h.connector._requests.values() and st.lmc_id not in h.lookups.ended
 
     # the pool churns meanwhile (cached blocks evicted, images dropped with their prefix)
     h.transfers.auto = {"save"}
@@ -233,10 +234,10 @@ def test_fm2_tail_save_of_a_finished_request_completes_then_releases(make):
         h.transfers.complete(o)
     h.step()
     for o in saves:
-        assert o.state is OpState.DONE and o.image.stored and not o.leased
+        assert o.state is OpState.DONE and h.connector.is_stored(o.image) and not o.leased
         assert o.token_ids[: o.end] == p[: o.end]  # an op reads its tokens up to its end
         assert_saved_what_was_decided(h, o)
-    assert st not in h.connector._requests
+    assert st not in h.connector._requests.values()
     assert h.lookups.ended.count(st.lmc_id) == 1
     assert h.server.hit(p[:39]) == 32  # stored under the request's own hashes
     h.shutdown()
@@ -247,7 +248,7 @@ def test_fm2_abandoned_tail_saves_release_their_leases(make):
     h = make()
     s = h.add(prompt_of(50, 6), max_tokens=1)
     h.run([s])
-    st = s.connector_state
+    st = h.tier_state(s)
     s1, s2, s3 = ops_of(h, s, "save")
     # s1: the server lost it (late, then given up on); s2 failed; s3 pending at shutdown
     h.transfers.late(s1)
@@ -258,8 +259,8 @@ def test_fm2_abandoned_tail_saves_release_their_leases(make):
     h.transfers.complete(s2, ok=False)
     h.step()
     assert not s1.leased and not s2.leased and s3.leased
-    assert st in h.connector._requests  # s3 still reads its blocks
-    assert not (s1.image.stored or s2.image.stored)
+    assert st in h.connector._requests.values()  # s3 still reads its blocks
+    assert not (h.connector.is_stored(s1.image) or h.connector.is_stored(s2.image))
     h.shutdown()  # asserts no lease, pin or session is left
     assert s3.state is OpState.FAILED and not s3.leased
     assert h.lookups.ended.count(st.lmc_id) == 1
@@ -513,7 +514,7 @@ def test_fm9_hbm_first_then_the_tier_from_the_hbm_hit(make):
     lk = h.lookups.ops[-1]
     h.lookups.answer(lk)
     h.run([s])
-    lmc = s.connector_state.lmc_id
+    lmc = h.tier_state(s).lmc_id
     (load,) = ops_of(h, s, "load")
     assert (load.start, load.end) == (32, 80)
     assert h.lookups.frees_of(lmc) == [(0, 32)]  # HBM covers it: freed, once
@@ -541,7 +542,7 @@ def test_fm10_unanswered_lookup_gives_no_load_and_no_saves(make, how):
     h.step()
     (lk,) = [o for o in h.lookups.ops if o.owner.seq is s]
     h.step()
-    assert s.status is SeqStatus.WAITING_FOR_TIER and not h.engine.last_step_ran
+    assert s.status is SeqStatus.WAITING_FOR_TIER and not h.last.ran
     if how == "timeout":
         h.clock.advance(1.9)
         h.step()
@@ -557,9 +558,9 @@ def test_fm10_unanswered_lookup_gives_no_load_and_no_saves(make, how):
         h.lookups.answer(lk, 48)
         h.step()
         assert ops_of(h, s, "load") == [] and ops_of(h, s, "save") == []
-        lmc = s.connector_state.lmc_id
+        lmc = h.tier_state(s).lmc_id
         assert all(t == r == 1 for t, r in h.lookups.lock_balance(lmc).values())
-    assert h.lookups.ended.count(s.connector_state.lmc_id) == 1
+    assert h.lookups.ended.count(h.tier_state(s).lmc_id) == 1
     h.shutdown()
 
 
@@ -585,7 +586,7 @@ def test_fm11_hit_covered_by_hbm_frees_its_locks_once(make):
     again = h.add(p, max_tokens=1)
     h.run([again])
     h.step()
-    lmc = again.connector_state.lmc_id
+    lmc = h.tier_state(again).lmc_id
     assert again.counters.hbm_hit_tokens == 80 and ops_of(h, again, "load") == []
     assert h.lookups.frees_of(lmc) == [(0, 80)]
     assert all(t == r == 1 for t, r in h.lookups.lock_balance(lmc).values())
@@ -615,7 +616,7 @@ def test_hbm_covered_request_runs_without_waiting_for_its_lookup(make):
     assert s.counters.hbm_hit_tokens == 80 and s.num_computed > 80
     h.lookups.answer(lk)
     h.run([s])
-    lmc = s.connector_state.lmc_id
+    lmc = h.tier_state(s).lmc_id
     assert lk.hit == 0 and h.lookups.frees_of(lmc) == []
     assert len(h.transfers.saves) > saves  # what the tier lost is stored again
     assert h.server.hit(p[:-1]) == 80
@@ -634,7 +635,7 @@ def test_fm11_request_aborted_while_its_lookup_runs_frees_the_late_hit_once(make
     (lk,) = [o for o in h.lookups.ops if o.owner.seq is s]
     assert h.engine.abort(s.request_id)
     h.step()
-    lmc = s.connector_state.lmc_id
+    lmc = h.tier_state(s).lmc_id
     assert lmc not in h.lookups.ended  # its lookup may still take locks
     h.lookups.answer(lk)
     h.step()
@@ -652,7 +653,7 @@ def test_fm11_hit_without_room_to_load_frees_its_locks_once(make):
     s = h.add(p, max_tokens=1)
     h.run([s])
     h.step()
-    lmc = s.connector_state.lmc_id
+    lmc = h.tier_state(s).lmc_id
     assert ops_of(h, s, "load") == [] and s.counters.computed_prompt_tokens == 87
     assert h.lookups.frees_of(lmc) == [(0, 80)]
     assert all(t == r == 1 for t, r in h.lookups.lock_balance(lmc).values())
@@ -684,7 +685,7 @@ def test_fm11_lookup_answered_as_its_deadline_passes_still_frees_its_locks(make,
         def racing(op, hit, error=""):  # the step thread's sweep lands just before it
             if op is lk and hit is not None and op.state is not OpState.LATE:
                 h.clock.advance(2.5)
-                h.connector.update()
+                h.engine.scheduler.settle_tier()
             return resolve(op, hit, error)
 
         monkeypatch.setattr(LookupOp, "resolve", racing)
@@ -708,7 +709,7 @@ def test_fm11_shutdown_with_a_lookup_pending_ends_its_session(make):
     assert s.status is SeqStatus.WAITING_FOR_TIER
     h.engine.shutdown(timeout_s=0.0)
     assert not h.connector._requests
-    assert h.lookups.ended.count(s.connector_state.lmc_id) == 1
+    assert h.lookups.ended.count(h.tier_state(s).lmc_id) == 1
 
 
 # ---- 12. a lost or failed tier hit is stored again -------------------------------------------
@@ -828,7 +829,8 @@ def test_fm14_transfer_thread_blocks_when_idle_and_polls_only_while_in_flight(mo
         cond.blocked.clear()
         mark = len(cond.waits)
         op = transfer_op()
-        tt.submit(op, CpuEvent())
+        op.event = CpuEvent()
+        tt.submit(op)
         assert adapter.submitted.wait(WAIT_S)
         fut = adapter.futures[0]
         assert fut.queried.wait(WAIT_S)
@@ -851,13 +853,13 @@ def test_fm14_load_completion_wakes_the_idle_engine_at_once(make):
     s = h.add(p, max_tokens=2)
     h.step_until(lambda: h.transfers.loads)
     h.step()
-    assert not h.engine.last_step_ran  # idle: only the load is outstanding
+    assert not h.last.ran  # idle: only the load is outstanding
     h.engine.wait_for_progress(0.0)
     assert not h.engine.wait_for_progress(0.0)
     h.transfers.complete(h.transfers.loads[0])
     assert h.engine.wait_for_progress(0.0)  # notified by the outcome, not by a timer
     h.step()
-    assert h.engine.last_step_ran and s.status is SeqStatus.RUNNING
+    assert h.last.ran and s.status is SeqStatus.RUNNING
     h.run([s])
     h.shutdown()
 
@@ -889,7 +891,7 @@ def test_fm15_a_failed_round_is_reported_over_an_older_error(monkeypatch):
         assert tt.round_errors == 1 and "first" in tt.last_error
         cond.blocked.clear()
         errors.append("second")
-        tt.submit(transfer_op(), CpuEvent())
+        tt.submit(transfer_op())
         assert adapter.submitted.wait(WAIT_S)
         adapter.futures[0].done = True
         assert got.wait(WAIT_S) and cond.blocked.wait(WAIT_S)
@@ -934,14 +936,14 @@ def test_fm16_events_are_pooled_reused_and_held_until_terminal(make, monkeypatch
     h.transfers.complete(s1)
     h.transfers.late(s2)
     h.step()
-    held = h.connector._events[s2]
+    held = s2.event
     assert held not in events._free  # the server may still wait on a late op's event
     t = h.add(prompt_of(20, 29), max_tokens=1)
     h.run([t])
     assert events.created == 3  # t's save reused s1's event
     h.transfers.complete_all()
     h.step()
-    assert h.connector._events == {} and len(events._free) == events.created == 3
+    assert all(op.event is None for op in (s1, s2, s3)) and len(events._free) == events.created == 3
     assert all(e.thread is threading.main_thread() for e in made)  # the step thread
     h.shutdown()
 
@@ -1028,7 +1030,8 @@ def test_a_request_that_recomputed_a_cached_prefix_still_stores_its_tail(make):
     h.server.forget()  # the tier does not have the prefix: the request must compute it
     store, pool = h.engine.scheduler.store, h.engine.scheduler.pool
     cached = [b for b in range(pool.num_blocks) if pool.is_cached(b)]
-    while store.evict_lru():  # no image left: the prefix blocks stay cached, unusable as a hit
+    # no image left: the prefix blocks stay cached, unusable as a hit
+    while store.evict_fewest_dependents():
         pass
     s = h.add(p, max_tokens=1)
     h.step_until(lambda: s.num_computed >= 48)
@@ -1056,14 +1059,18 @@ def test_a_load_survives_the_eviction_of_cached_copies_of_the_prefix_it_loads(ma
     seq = h.add(p, max_tokens=1)
     h.step_until(lambda: h.transfers.loads)
     load = h.transfers.loads[-1]
-    assert (load.start, load.end) == (0, 32)
-    for b in cached:
+    # the load starts at the resident frontier: block [0, 16) is the request's own now, and
+    # the endpoint chunk [16, 32) (which carries the image) is loaded next to a cached copy
+    assert (load.start, load.end) == (16, 32)
+    still_cached = [b for b in cached if pool.is_cached(b)]
+    assert still_cached
+    for b in still_cached:
         pool.forget(b)  # the cached copies leave the pool while the load is in flight
     assert not load.image.doomed
     h.transfers.complete(load)
     h.run([seq])
     assert seq.counters.failed_loads == 0
-    assert (seq.counters.hbm_hit_tokens, seq.counters.tier_hit_tokens) == (0, 32)
+    assert (seq.counters.hbm_hit_tokens, seq.counters.tier_hit_tokens) == (16, 16)
     h.shutdown()
 
 

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections import deque
 from collections.abc import Callable
 
+from atom.kv_transfer.offload.backoff import ConnectBackoff
 from atom.kv_transfer.offload.config import OffloadConfig
 from atom.kv_transfer.offload.operations import LookupOp, OpState
 
@@ -42,7 +42,7 @@ class LookupThread:
         self._commands: deque[tuple[str, tuple]] = deque()
         self._pending: list[LookupOp] = []
         self._adapter = None
-        self._next_connect = 0.0
+        self._backoff = ConnectBackoff(config.heartbeat_s)
         self._stop = False
         self.sessions_ended = 0
         self.locks_freed = 0
@@ -88,7 +88,7 @@ class LookupThread:
                     stop = self._stop
                 for kind, args in commands:
                     try:
-                        getattr(self, f"_do_{kind}")(*args)
+                        self._run_command(kind, args)
                     except Exception:
                         log.exception("lookup-thread command %s failed", kind)
                 self._poll()
@@ -104,10 +104,20 @@ class LookupThread:
                 except Exception:
                     log.warning("LMCache scheduler adapter shutdown failed", exc_info=True)
 
+    def _run_command(self, kind: str, args: tuple) -> None:
+        if kind == "lookup":
+            self._do_lookup(*args)
+        elif kind == "free":
+            self._do_free(*args)
+        elif kind == "end":
+            self._do_end(*args)
+        else:
+            raise ValueError(f"unknown lookup-thread command {kind!r}")
+
     def _get_adapter(self):
         if self._adapter is not None:
             return self._adapter
-        if time.monotonic() < self._next_connect:
+        if not self._backoff.ready():
             return None
         from lmcache.integration.atom import AtomMPParallelConfig, AtomMPSchedulerAdapter
 
@@ -121,7 +131,7 @@ class LookupThread:
                 mq_timeout=self.cfg.rpc_timeout_s,
             )
         except Exception as exc:
-            self._next_connect = time.monotonic() + max(1.0, self.cfg.heartbeat_s)
+            self._backoff.failed()
             log.debug("lookup adapter unavailable: %s", exc)
             return None
         return self._adapter
@@ -138,7 +148,7 @@ class LookupThread:
             self._finish(op, None, f"lookup not acknowledged: {exc!r}")
             self._put("free", (op.lmc_id, op.token_ids, 0, len(op.token_ids)))
             return
-        op.state = OpState.IN_FLIGHT if op.state is OpState.QUEUED else op.state
+        op.mark_in_flight()
         self._pending.append(op)
 
     def _do_free(self, lmc_id: str, token_ids: list[int], start: int, end: int) -> None:

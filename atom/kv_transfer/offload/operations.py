@@ -53,6 +53,12 @@ class _Settles:
             self.state, self.error, self.finished_at = state, error, time.monotonic()
             return before
 
+    def mark_in_flight(self) -> None:
+        """Sent (QUEUED -> IN_FLIGHT); a LATE or terminal op keeps its state."""
+        with self._lock:
+            if self.state is OpState.QUEUED:
+                self.state = OpState.IN_FLIGHT
+
     def mark_late(self) -> bool:
         """Past its deadline with no outcome; returns True on the transition."""
         with self._lock:
@@ -77,6 +83,7 @@ class TransferOp(_Settles):
     image: Checkpoint  # load: destination (PENDING); save: source (READY)
     deadline: float
     owner: Any = None  # the request's tier state
+    event: Any = None  # the producer's event (pooled): held from launch until retired
     op_id: int = field(default_factory=lambda: next(_op_ids))
     state: OpState = OpState.QUEUED
     error: str = ""
@@ -119,11 +126,9 @@ class TransferOp(_Settles):
     # ---- transfer thread: state ------------------------------------------------------------
 
     def mark_submitted(self, future: Any) -> None:
-        with self._lock:
-            self.future = future
-            self.submitted_at = time.monotonic()
-            if self.state is OpState.QUEUED:
-                self.state = OpState.IN_FLIGHT
+        self.future = future
+        self.submitted_at = time.monotonic()
+        self.mark_in_flight()
 
     def resolve(self, ok: bool, error: str = "") -> bool:
         """Terminal outcome; returns False if it was already terminal."""

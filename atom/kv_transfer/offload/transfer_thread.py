@@ -26,6 +26,7 @@ from collections.abc import Callable
 
 import torch
 
+from atom.kv_transfer.offload.backoff import ConnectBackoff
 from atom.kv_transfer.offload.config import OffloadConfig
 from atom.kv_transfer.offload.operations import OpState, TransferOp
 from atom.kv_transfer.offload.worker import SpecShape, build_spec, group_infos, kv_caches
@@ -67,11 +68,11 @@ class TransferThread:
         self.server_alive = server_alive
         self.poll_interval_s = poll_interval_s
         self._cond = threading.Condition()
-        self._queue: deque[tuple[TransferOp, object]] = deque()
+        self._queue: deque[TransferOp] = deque()
         self._inflight: list[TransferOp] = []
         self._adapter = None
         self._old_adapters: list = []
-        self._next_connect = 0.0
+        self._backoff = ConnectBackoff(config.heartbeat_s)
         self._was_healthy = False
         self._recovered_at: float | None = None
         self._refusals = 0
@@ -94,9 +95,10 @@ class TransferThread:
         self.thread.start()
         return self._registered.wait(wait_registered_s) if wait_registered_s > 0 else False
 
-    def submit(self, op: TransferOp, event) -> None:
+    def submit(self, op: TransferOp) -> None:
+        """Queue ``op`` (its ``event`` marks when its source bytes are written)."""
         with self._cond:
-            self._queue.append((op, event))
+            self._queue.append(op)
             self._cond.notify()
 
     @property
@@ -177,7 +179,7 @@ class TransferThread:
             log.warning("LMCache tier at %s is down: %s", self.url, self.last_error)
 
     def _retry_in(self) -> float:
-        return max(0.05, self._next_connect - time.monotonic())
+        return self._backoff.wait_s()
 
     def _drained(self) -> bool:
         with self._cond:
@@ -206,12 +208,12 @@ class TransferThread:
         return adapter
 
     def _ensure_adapter(self) -> None:
-        if self._adapter is not None or self._stop or time.monotonic() < self._next_connect:
+        if self._adapter is not None or self._stop or not self._backoff.ready():
             return
         try:
             self._adapter = self._connect()
         except Exception as exc:
-            self._next_connect = time.monotonic() + max(1.0, self.cfg.heartbeat_s)
+            self._backoff.failed()
             if self._reported_up or not self.last_error:
                 self.since = time.time()
             self.last_error = f"registration failed: {exc!r}"
@@ -235,7 +237,7 @@ class TransferThread:
         self._old_adapters.append(self._adapter)
         self._adapter = None
         self._recovered_at = time.monotonic()
-        self._next_connect = 0.0
+        self._backoff.reset()
         self._ensure_adapter()
 
     def _submit_queued(self) -> None:
@@ -243,7 +245,7 @@ class TransferThread:
             with self._cond:
                 if not self._queue:
                     return
-                op, event = self._queue.popleft()
+                op = self._queue.popleft()
             adapter = self._adapter
             if adapter is None or not adapter.is_healthy:
                 self._finish(op, False, "tier unavailable")
@@ -255,7 +257,7 @@ class TransferThread:
                     if op.kind == "load"
                     else adapter.submit_store_request
                 )
-                fut = submit(op.lmc_id, spec, event)
+                fut = submit(op.lmc_id, spec, op.event)
             except Exception as exc:
                 self._finish(op, False, f"refused: {exc!r}")
                 continue
@@ -320,7 +322,7 @@ class TransferThread:
         with self._cond:
             left, self._inflight = self._inflight, []
             queued, self._queue = list(self._queue), deque()
-        for op, _ in queued:
+        for op in queued:
             self._finish(op, False, "engine shutting down")
         for op in left:
             fail_future(op.future)
