@@ -14,7 +14,6 @@ setup(
         "safetensors",
         "xxhash",
         "tokenizers",
-        "numpy",
         "fastapi",
         "uvicorn",
         "prometheus_client",

@@ -24,10 +24,6 @@ class StateSpec:
     header_offset: int  # byte offset of the slot header: int64 [layout tag, position]
 
     @property
-    def image_bytes(self) -> int:
-        return self.state_bytes
-
-    @property
     def units_per_image(self) -> int:
         """Whole PAGE blocks one checkpoint image occupies."""
         return -(-self.state_bytes // self.block_bytes)

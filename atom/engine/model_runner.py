@@ -71,6 +71,3 @@ class ModelRunner:
             if sp.image is not None:
                 self.runtime.store_image(sp.seq.slot, self._units(sp.image.units))
         return logits
-
-    def release_slot(self, slot: int) -> None:
-        self.slot_owner[slot] = None

@@ -52,7 +52,7 @@ def test_flash_checkpoint_image():
     assert g.units_per_image == 4
     assert g.scratch_bytes == 11_345_920  # live only: current groups, never stored
     spec = g.state_spec()
-    assert spec.image_bytes == g.state_bytes and spec.block_bytes == g.block_bytes
+    assert spec.state_bytes == g.state_bytes and spec.block_bytes == g.block_bytes
 
 
 def test_registry_dispatches_geometry_by_model_type():

@@ -23,6 +23,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
 
+from atom.config_errors import format_validation_error
 from atom.models.deepseek_v41.config import SCORING_ALIASES, ConfigError
 
 V4_MODEL_TYPE = "deepseek_v4"
@@ -136,7 +137,7 @@ class V4Config(BaseModel):
         try:
             return cls.model_validate(data)
         except ValidationError as exc:
-            raise ConfigError(_format_validation_error(exc, source)) from None
+            raise ConfigError(format_validation_error(exc, f"model config ({source})")) from None
 
     @classmethod
     def from_json(cls, path: str | Path) -> V4Config:
@@ -159,15 +160,6 @@ def _kind(ratio: int) -> V4LayerKind:
     if ratio == 0:
         return V4LayerKind.WINDOW
     return V4LayerKind.CSA if ratio == CSA_RATIO else V4LayerKind.HCA
-
-
-def _format_validation_error(exc: ValidationError, source: str) -> str:
-    lines = []
-    for err in exc.errors():
-        field = ".".join(str(p) for p in err["loc"]) or "(config)"
-        msg = err["msg"].removeprefix("Value error, ")
-        lines.append(f"{field}={err.get('input')!r}: {msg}" if err["loc"] else msg)
-    return f"invalid model config ({source}): " + "; ".join(lines)
 
 
 def _fail(field: str, value: Any, allowed: str) -> None:

@@ -15,6 +15,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
 
+from atom.config_errors import format_validation_error
+
 
 class ConfigError(ValueError):
     """A model config value that cannot be used; the message names the field and the fix."""
@@ -174,7 +176,7 @@ class V41Config(BaseModel):
         try:
             return cls.model_validate(data)
         except ValidationError as exc:
-            raise ConfigError(_format_validation_error(exc, source)) from None
+            raise ConfigError(format_validation_error(exc, f"model config ({source})")) from None
 
     @classmethod
     def from_json(cls, path: str | Path) -> V41Config:
@@ -191,18 +193,6 @@ class V41Config(BaseModel):
 
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump()
-
-
-def _format_validation_error(exc: ValidationError, source: str) -> str:
-    lines = []
-    for err in exc.errors():
-        field = ".".join(str(p) for p in err["loc"]) or "(config)"
-        msg = err["msg"].removeprefix("Value error, ")
-        if err["loc"]:
-            lines.append(f"{field}={err.get('input')!r}: {msg}")
-        else:
-            lines.append(msg)
-    return f"invalid model config ({source}): " + "; ".join(lines)
 
 
 def _fail(field: str, value: Any, allowed: str) -> None:

@@ -119,9 +119,6 @@ class V41PoolGeometry:
                 return f
         raise KeyError(name)
 
-    def main_plane(self, owner_layer: int) -> PlaneSpec:
-        return next(p for p in self.main_planes if p.owner_layer == owner_layer)
-
     def index_plane(self, owner_layer: int) -> PlaneSpec:
         return next(p for p in self.index_planes if p.owner_layer == owner_layer)
 
