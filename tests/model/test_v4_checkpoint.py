@@ -1,0 +1,187 @@
+"""DeepSeek-V4 weights as shipped: a reduced checkpoint written here with the published names,
+dtypes and formats (FP8 E4M3 + E8M0 128x128 tile scales, packed FP4 E2M1 experts + E8M0 scales
+per 32 inputs, two shards, scales in the other shard), loaded through the real path."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from atom.models.deepseek_v4.checkpoint import FP4, FP8, expected_names, load_checkpoint
+from atom.models.deepseek_v4.checkpoint_formats import unpack_fp4
+from atom.models.deepseek_v4.model import DeepseekV4ForCausalLM
+from atom.models.deepseek_v4.presets import PRESETS, preset_config
+from atom.models.deepseek_v4.quant import FP4_VALUES, round_fp4
+from atom.models.deepseek_v4.reference import reference_forward
+from atom.models.deepseek_v41.weights import WeightLoadError
+from atom.models.registry import load_runtime
+
+from .test_v4_paged import Harness, assert_matches, tokens
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def e8m0(exponent: torch.Tensor) -> torch.Tensor:
+    return (exponent + 127).to(torch.uint8).view(torch.float8_e8m0fnu)
+
+
+def quant_fp8(w: torch.Tensor):
+    """(e4m3 [out, in], E8M0 scale [ceil(out/128), ceil(in/128)], exact dequantized value)."""
+    out, inp = w.shape
+    tiles = torch.zeros(-(-out // 128), -(-inp // 128))
+    for i in range(tiles.shape[0]):
+        for j in range(tiles.shape[1]):
+            tile = w[i * 128 : (i + 1) * 128, j * 128 : (j + 1) * 128]
+            tiles[i, j] = torch.ceil(torch.log2(tile.abs().max().clamp(min=1e-8) / 448))
+    full = torch.exp2(tiles.repeat_interleave(128, 0).repeat_interleave(128, 1)[:out, :inp])
+    q = (w / full).to(torch.float8_e4m3fn)
+    return q, e8m0(tiles), q.float() * full
+
+
+def quant_fp4(w: torch.Tensor):
+    """(packed int8 [out, in/2] low nibble first, E8M0 scale [out, in/32], exact value)."""
+    groups = w.unflatten(1, (-1, 32))
+    exp = torch.ceil(torch.log2(groups.abs().amax(-1).clamp(min=1e-8) / 6))
+    values = round_fp4(groups / torch.exp2(exp)[..., None])
+    table = torch.tensor(FP4_VALUES)
+    codes = (values.abs()[..., None] == table).float().argmax(-1) | ((values < 0).long() << 3)
+    codes = codes.flatten(1)
+    packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8).view(torch.int8)
+    return packed, e8m0(exp), (values * torch.exp2(exp)[..., None]).flatten(1)
+
+
+def write_checkpoint(directory, seed=0, extra=None, drop=(), config=None):
+    """A reduced V4 checkpoint as published; returns the exact weights it holds (by param)."""
+    model = DeepseekV4ForCausalLM(preset_config("v4-tiny")).init_weights(seed)
+    params = model.state_dict()
+    shards, exact = ({}, {}), {}
+    for name, (param, fmt) in expected_names(model).items():
+        w = params[param].float()
+        if fmt == FP8:
+            q, s, exact[param] = quant_fp8(w)
+        elif fmt == FP4:
+            q, s, exact[param] = quant_fp4(w)
+        else:
+            q = params[param] if w.dtype != params[param].dtype else w
+            q = q.to(torch.bfloat16) if name.endswith("weight") else q
+            s, exact[param] = None, q.to(params[param].dtype)
+        shards[0][name] = q.contiguous()
+        if s is not None:
+            shards[1][name.removesuffix(".weight") + ".scale"] = s
+    shards[1]["mtp.0.e_proj.weight"] = torch.zeros(8, 8, dtype=torch.float8_e4m3fn)
+    shards[0].update(extra or {})
+    for name in drop:
+        for shard in shards:
+            shard.pop(name, None)
+    directory.mkdir(parents=True, exist_ok=True)
+    for i, shard in enumerate(shards):
+        save_file(shard, str(directory / f"model-{i + 1:05d}-of-00002.safetensors"))
+    cfg = dict(
+        PRESETS["v4-tiny"],
+        expert_dtype="fp4",
+        quantization_config=dict(
+            activation_scheme="dynamic",
+            fmt="e4m3",
+            quant_method="fp8",
+            scale_fmt="ue8m0",
+            weight_block_size=[128, 128],
+        ),
+    )
+    (directory / "config.json").write_text(json.dumps(config or cfg))
+    return exact
+
+
+def runtime_of(directory):
+    return load_runtime(
+        str(directory),
+        dtype=torch.float32,
+        kv_dtype="fp32",
+        index_dtype="fp32",
+        block_size=16,
+        device="cpu",
+        seed=0,
+    )
+
+
+def test_fp4_nibbles_low_first_with_sign():
+    packed = torch.tensor([[0x21, 0x9F]], dtype=torch.uint8).view(torch.int8)
+    assert unpack_fp4(packed).tolist() == [[0.5, 1.0, -6.0, -0.5]]
+
+
+def test_published_names_and_formats_load_exactly(tmp_path):
+    exact = write_checkpoint(tmp_path / "ckpt")
+    rt = runtime_of(tmp_path / "ckpt")
+    got = rt.model.state_dict()
+    assert set(got) == set(exact)
+    for name, value in exact.items():
+        assert torch.equal(got[name], value.to(got[name].dtype)), name
+    fp4 = got["layers.3.ffn.experts.1.gate_proj.weight"]
+    assert fp4.unique().numel() > 8  # FP4 codes times per-32 scales
+    tid = got["layers.0.ffn.gate.tid2eid"]
+    assert tid.dtype == torch.int64 and "layers.0.ffn.gate.bias" not in got
+
+
+def test_loaded_checkpoint_forward_paged_equals_oracle(tmp_path):
+    exact = write_checkpoint(tmp_path / "ckpt", seed=3)
+    rt = runtime_of(tmp_path / "ckpt")
+    direct = DeepseekV4ForCausalLM(preset_config("v4-tiny"))
+    direct.load_state_dict(exact)
+    seq = tokens(45, seed=8)
+    ref = reference_forward(rt.model, seq)
+    assert torch.equal(ref, reference_forward(direct, seq))  # loaded == the values written
+    h = Harness(rt.model)
+    assert_matches(h.run_chunks(seq, [9, 16, 33, 45], slot=0, table=h.blocks(3)), ref)
+
+
+@pytest.mark.parametrize(
+    "change, needle",
+    [
+        (dict(drop=["layers.2.attn.wkv.weight"]), "missing tensor layers.2.attn.wkv.weight"),
+        (dict(drop=["layers.2.attn.wkv.scale"]), "layers.2.attn.wkv.scale is missing"),
+        (
+            dict(extra={"layers.2.attn.extra.weight": torch.zeros(2)}),
+            "unexpected tensor layers.2.attn.extra.weight",
+        ),
+        (
+            dict(extra={"layers.4.ffn.experts.0.w2.weight": torch.zeros(64, 32, dtype=torch.int8)}),
+            "tensor layers.4.ffn.experts.0.w2.weight has packed shape [64, 32]",
+        ),
+        (
+            dict(extra={"layers.1.attn.wq_a.weight": torch.zeros(32, 64, dtype=torch.int8)}),
+            "stored as fp4; the published format is fp8",
+        ),
+        (dict(extra={"norm.weight": torch.zeros(65)}), "tensor norm.weight has shape [65]"),
+    ],
+)
+def test_bad_checkpoints_are_refused_naming_the_tensor(tmp_path, change, needle):
+    write_checkpoint(tmp_path / "ckpt", **change)
+    model = DeepseekV4ForCausalLM(preset_config("v4-tiny")).init_weights(9)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(WeightLoadError) as err:
+        load_checkpoint(model, tmp_path / "ckpt")
+    assert needle in str(err.value)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())  # untouched
+
+
+def test_a_bf16_reexport_loads_too(tmp_path):
+    """Tensors published as FP8/FP4 may arrive dequantized (DeepSeek's own converter writes
+    wo_a as bf16): the stored dtype decides the decoding."""
+    exact = write_checkpoint(tmp_path / "ckpt", seed=4)
+    wo_a = exact["layers.1.attn.wo_a.weight"].to(torch.bfloat16)
+    shutil.rmtree(tmp_path / "ckpt")
+    exact = write_checkpoint(
+        tmp_path / "ckpt",
+        seed=4,
+        extra={"layers.1.attn.wo_a.weight": wo_a},
+        drop=["layers.1.attn.wo_a.scale"],
+    )
+    rt = runtime_of(tmp_path / "ckpt")
+    assert torch.equal(rt.model.state_dict()["layers.1.attn.wo_a.weight"], wo_a.float())
