@@ -28,9 +28,20 @@ du -sh .whl  # wheels
 # lmcache's CUDA sources (csrc/), to build lmcache.cuda_ops on the GPU machine against the torch
 # found there: the wheel's build does not load with that torch, and the server then copies
 # through torch ops (benchmarks/gpu/build_cuda_ops.py; benchmarks/gpu/README.md).
-SDIST=https://files.pythonhosted.org/packages/84/25/3ccd46844c94e08897aa8d72716a538c07e4583410d84dbc6cd12cb60dc1/lmcache-0.5.6.tar.gz
+# The sdist is fetched by name through pip. `pip download` prepares an sdist's metadata, i.e.
+# runs lmcache's setup.py: with build isolation that first installs its build requirements
+# (torch: a multi-GB download), and without it setup.py imports torch and needs CUDA_HOME.
+# NO_NATIVE_EXT=1 (lmcache's switch) skips the extensions, so the metadata needs only
+# setuptools>=77 and setuptools_scm, installed into a throwaway venv for this one download.
+TMP=$(mktemp -d)
+trap 'rm -rf "$TMP"' EXIT
+python3 -m venv "$TMP/venv"
+"$TMP/venv/bin/python" -m pip install -q --disable-pip-version-check \
+  "setuptools>=77.0.3,<81" "setuptools_scm>=8" "packaging>=24.2" wheel
+NO_NATIVE_EXT=1 timeout 300 "$TMP/venv/bin/python" -m pip download -q --disable-pip-version-check \
+  --no-deps --no-binary :all: --no-build-isolation -d "$TMP/sdist" lmcache==0.5.6
 rm -rf .whl/lmcache-csrc && mkdir -p .whl/lmcache-csrc
-curl -sSfL "$SDIST" | tar xz -C .whl/lmcache-csrc --strip-components=1 \
+tar xzf "$TMP/sdist/lmcache-0.5.6.tar.gz" -C .whl/lmcache-csrc --strip-components=1 \
   lmcache-0.5.6/csrc/cuda lmcache-0.5.6/csrc/engine_kv_format.h \
   lmcache-0.5.6/csrc/kv_transfer_plan_types.h lmcache-0.5.6/csrc/kv_transfer_types.h
 du -sh .whl/lmcache-csrc
