@@ -15,7 +15,12 @@ from atom.engine.checkpoints import CheckpointStore
 from atom.engine.connector import Connector
 from atom.engine.integrity import check_integrity
 from atom.engine.model_runner import ModelRunner
-from atom.engine.sampler import Sampler
+from atom.engine.sampler import (
+    Sampler,
+    needs_prompt_logits,
+    record_prompt_logprobs,
+    token_logprobs,
+)
 from atom.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from atom.engine.sequence import SeqStatus, Sequence
 from atom.metrics import Registry
@@ -225,11 +230,13 @@ class LLMEngine:
             )
         return asked
 
-    def abort(self, request_id: str) -> bool:
+    def abort(self, request_id: str, reason: str = "abort") -> bool:
+        """End a request now; ``reason`` is its finish reason ("abort", or "stop" when a front
+        end matched a stop string). False if it is not in flight."""
         seq = self.requests.pop(request_id, None)
         if seq is None or seq.is_finished:
             return False
-        self._finish(seq, "abort")
+        self._finish(seq, reason)
         return True
 
     def has_unfinished(self) -> bool:
@@ -256,13 +263,20 @@ class LLMEngine:
         if not out.spans:
             return StepResult(False, [], self.scheduler.has_work() or self.tier_busy())
         t0 = time.perf_counter()
+        # spans of requests asking for prompt logprobs need every token's logits
+        full = [i for i, sp in enumerate(out.spans) if needs_prompt_logits(sp.seq, sp.start)]
         try:
-            logits = self.runner.execute(out.spans)
+            if full:
+                logits = self.runner.execute(out.spans, full)
+            else:
+                logits = self.runner.execute(out.spans)
         except Exception:
             for sp in out.spans:
                 self.scheduler.abandon(sp)
             raise
         self.steps += 1
+        for i in full:
+            record_prompt_logprobs(out.spans[i].seq, out.spans[i].start, self.runner.span_logits[i])
         sampling = [i for i, sp in enumerate(out.spans) if sp.samples]
         tokens = self.sampler.sample(logits[sampling], [out.spans[i].seq for i in sampling])
         sampled = dict(zip(sampling, tokens))
@@ -275,6 +289,10 @@ class LLMEngine:
         for i, sp in enumerate(out.spans):
             if i in sampled:
                 seq = sp.seq
+                if seq.params.logprobs is not None:  # recorded before the token is visible
+                    seq.logprobs += token_logprobs(
+                        logits[i : i + 1], [sampled[i]], seq.params.logprobs
+                    )
                 seq.tokens.append(sampled[i])
                 if seq.first_token_time is None:
                     seq.first_token_time = now
@@ -318,9 +336,11 @@ class LLMEngine:
 
     def _stop_reason(self, seq: Sequence) -> str | None:
         tok, p = seq.tokens[-1], seq.params
-        if tok in p.stop_token_ids:
+        stoppable = len(seq.output) > p.min_tokens  # the sampler masks them before min_tokens
+        if stoppable and tok in p.stop_token_ids:
             return "stop"
-        if not p.ignore_eos and seq.eos_token_id is not None and tok == seq.eos_token_id:
+        eos = not p.ignore_eos and seq.eos_token_id is not None and tok == seq.eos_token_id
+        if stoppable and eos:
             return "stop"
         if len(seq.output) >= seq.max_tokens or seq.num_tokens >= self.config.max_model_len:
             return "length"

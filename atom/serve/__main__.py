@@ -60,7 +60,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--served-model-name", default=None)
-    ap.add_argument("--default-max-tokens", type=int, default=256)
+    ap.add_argument(
+        "--default-max-tokens",
+        type=int,
+        default=None,
+        help="max_tokens of a request that sends none (default: what fits max_model_len)",
+    )
     ap.add_argument(
         "--drain-timeout",
         type=float,

@@ -12,7 +12,6 @@ traceback). Every response is counted in ``atom_http_requests_total``. While dra
 from __future__ import annotations
 
 import asyncio
-import inspect
 import json
 import logging
 import re
@@ -67,7 +66,7 @@ class ServerState:
     loop: EngineLoop
     tokenizer: Tokenizer
     model_name: str
-    default_max_tokens: int = 256
+    default_max_tokens: int | None = None  # None: what fits max_model_len and the pool
     tier_health: Callable[[], dict] = lambda: {"attached": False}
     draining: bool = False
     started: float = field(default_factory=time.time)
@@ -241,15 +240,10 @@ def build_app(state: ServerState, on_shutdown: Callable[[], None] | None = None)
 
     app = FastAPI(title="atom", version=_version(), lifespan=lifespan)
     app.add_middleware(_Edge, state=state)
-    abort_takes_reason = "reason" in inspect.signature(state.loop.abort).parameters
 
     def end_by_stop_string(rid: str) -> None:
-        """A stop string matched: end the request, counted as finish_reason="stop" where the
-        engine loop can say so (EngineLoop.abort(request_id, reason=...))."""
-        if abort_takes_reason:
-            state.loop.abort(rid, reason="stop")
-        else:
-            state.loop.abort(rid)
+        """A stop string matched: end the request, counted as finish_reason="stop"."""
+        state.loop.abort(rid, reason="stop")
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError):
@@ -327,13 +321,8 @@ def build_app(state: ServerState, on_shutdown: Callable[[], None] | None = None)
                 "with tier=false",
                 "tier",
             )
-        call = getattr(state.loop, "call", None)
-        if call is None:
-            return error_response(
-                501, "this build's engine loop cannot run a reset on the engine thread"
-            )
         try:
-            await asyncio.wrap_future(call(state.loop.engine.reset_prefix_cache))
+            await asyncio.wrap_future(state.loop.call(state.loop.engine.reset_prefix_cache))
         except RuntimeError as exc:
             return error_response(409, f"{exc}; retry when no request is running")
         return {"status": "ok", "reset": ["hbm"]}
@@ -447,7 +436,7 @@ def build_app(state: ServerState, on_shutdown: Callable[[], None] | None = None)
         if body.model != state.model_name:
             return unknown_model(body.model)
         try:
-            params = body.sampling_params(state.default_max_tokens)
+            params = [body.sampling_params(state.default_max_tokens, i) for i in range(body.n)]
         except ValidationError as exc:
             message, param = validation_message(exc.errors())
             return error_response(400, message, param)
@@ -457,84 +446,136 @@ def build_app(state: ServerState, on_shutdown: Callable[[], None] | None = None)
         log_request(rid, ids, text, body)
         t0 = time.monotonic()
         gone = asyncio.ensure_future(_wait_disconnect(request))
-        stream = state.loop.submit(rid, ids, params, state.tokenizer.eos_token_id)
-        state.active_ids.add(rid)
+        # n > 1: one engine request per choice (the prompt is shared through the prefix cache)
+        rids = [rid] if body.n == 1 else [f"{rid}-{i}" for i in range(body.n)]
+        eos = state.tokenizer.eos_token_id
+        choices = [
+            _Choice(i, r, state.loop.submit(r, ids, p, eos), _Stopper(state.tokenizer, body.stops))
+            for i, (r, p) in enumerate(zip(rids, params))
+        ]
+        state.active_ids.update(rids)
         handed_over = False
+
+        def abort_open() -> None:
+            for c in choices:
+                if c.delta is None or not c.delta.finished:
+                    state.loop.abort(c.rid)
+
         try:
-            first = await _next_delta(stream, gone)
-            if first is None:
-                state.loop.abort(rid)
-                log_done(rid, "client disconnected", stream.seq, 0, t0)
-                return Response(status_code=499)
-            if first.error:
-                if first.finish_reason == "error" and not state.loop.alive:
-                    return error_response(500, first.error)
-                return error_response(400, first.error)
-            stopper = _Stopper(state.tokenizer, body.stops)
+            for c in choices:
+                first = await _next_delta(c.stream, gone)
+                if first is None:
+                    abort_open()
+                    log_done(rid, "client disconnected", c.stream.seq, 0, t0)
+                    return Response(status_code=499)
+                c.delta = first
+                if first.error:
+                    abort_open()
+                    if first.finish_reason == "error" and not state.loop.alive:
+                        return error_response(500, first.error)
+                    return error_response(400, first.error)
+            out = _Output(state.tokenizer, body, chat, ids, text)
             if body.stream:
-                include_usage = bool(body.stream_options and body.stream_options.include_usage)
                 gone.cancel()
-                gen = _sse(stream, first, stopper, body, rid, chat, request, include_usage, t0)
+                gen = _sse(choices, out, body, rid, chat, request, t0)
                 handed_over = True
                 return StreamingResponse(gen, media_type="text/event-stream")
-            text_out, delta = "", first
-            while True:
-                text_out += stopper.feed(delta.token_ids, delta.finished)
-                if delta.finished or stopper.stopped:
-                    break
-                delta = await _next_delta(stream, gone)
-                if delta is None:  # the client is gone: stop generating for it
-                    state.loop.abort(rid)
-                    log_done(rid, "client disconnected", stream.seq, len(stopper.ids), t0)
-                    return Response(status_code=499)
-            if stopper.stopped and not delta.finished:
-                end_by_stop_string(rid)
-            reason = "stop" if stopper.stopped else delta.finish_reason
-            seq = stream.seq or delta.seq
-            log_done(rid, reason, seq, len(stopper.ids), t0)
-            if reason == "error":
-                return error_response(500, delta.error or "engine failure")
-            message = {"role": "assistant", "content": text_out}
-            choice = (
-                {"index": 0, "message": message, "finish_reason": reason}
-                if chat
-                else {"index": 0, "text": text_out, "finish_reason": reason, "logprobs": None}
-            )
+            results = []
+            for c in choices:
+                text_out, logprobs = "", []
+                while True:
+                    piece, lps = out.take(c, c.delta)
+                    text_out += piece
+                    logprobs += lps
+                    if c.delta.finished or c.stopper.stopped:
+                        break
+                    c.delta = await _next_delta(c.stream, gone)
+                    if c.delta is None:  # the client is gone: stop generating for it
+                        abort_open()
+                        n = sum(len(x.stopper.ids) for x in choices)
+                        log_done(rid, "client disconnected", c.stream.seq, n, t0)
+                        return Response(status_code=499)
+                if c.stopper.stopped and not c.delta.finished:
+                    end_by_stop_string(c.rid)
+                c.reason = "stop" if c.stopper.stopped else c.delta.finish_reason
+                if c.reason == "error":
+                    abort_open()
+                    return error_response(500, c.delta.error or "engine failure")
+                results.append((c, text_out, logprobs))
+            seq = choices[0].stream.seq or choices[0].delta.seq
+            n_out = sum(out.completion_tokens(c) for c in choices)
+            log_done(rid, choices[0].reason if body.n == 1 else "done", seq, n_out, t0)
+            made = []
+            for c, text_out, logprobs in results:
+                if chat:
+                    message = {"role": "assistant", "content": text_out}
+                    made.append(
+                        {
+                            "index": c.index,
+                            "message": message,
+                            "logprobs": out.chat_logprobs(logprobs) if out.want else None,
+                            "finish_reason": c.reason,
+                        }
+                    )
+                else:
+                    echo, echo_lps = out.echo(c)
+                    made.append(
+                        {
+                            "index": c.index,
+                            "text": echo + text_out,
+                            "logprobs": (
+                                out.completion_logprobs(c, echo_lps + logprobs, start=0)
+                                if out.want
+                                else None
+                            ),
+                            "finish_reason": c.reason,
+                        }
+                    )
             return {
                 "id": rid,
                 "object": "chat.completion" if chat else "text_completion",
                 "created": int(time.time()),
                 "model": state.model_name,
-                "choices": [choice],
-                "usage": _usage(seq, len(stopper.ids)),
+                "choices": made,
+                "usage": _usage(seq, n_out),
             }
         finally:
             gone.cancel()
             if not handed_over:
-                state.active_ids.discard(rid)
+                state.active_ids.difference_update(rids)
 
     async def _sse(
-        stream: RequestStream,
-        first: Delta,
-        stopper: _Stopper,
+        choices: list[_Choice],
+        out: _Output,
         body,
         rid: str,
         chat: bool,
         request: Request,
-        include_usage: bool,
         t0: float,
     ) -> AsyncIterator[str]:
         created = int(time.time())
         obj = "chat.completion.chunk" if chat else "text_completion"
+        seq0 = choices[0].stream.seq or choices[0].delta.seq
 
-        def chunk(text: str | None, reason: str | None, role: bool = False) -> str:
+        def usage() -> dict:
+            return _usage(seq0, sum(out.completion_tokens(c) for c in choices))
+
+        def chunk(
+            c: _Choice, text: str | None, reason: str | None, lps=None, role: bool = False
+        ) -> str:
+            logprobs = None
             if chat:
                 delta = {"role": "assistant", "content": ""} if role else {}
                 if text:
                     delta["content"] = text
-                choice = {"index": 0, "delta": delta, "finish_reason": reason}
+                if lps:
+                    logprobs = out.chat_logprobs(lps)
+                choice = {"index": c.index, "delta": delta, "logprobs": logprobs}
             else:
-                choice = {"index": 0, "text": text or "", "finish_reason": reason, "logprobs": None}
+                if lps:
+                    logprobs = out.completion_logprobs(c, lps)
+                choice = {"index": c.index, "text": text or "", "logprobs": logprobs}
+            choice["finish_reason"] = reason
             payload = {
                 "id": rid,
                 "object": obj,
@@ -542,41 +583,68 @@ def build_app(state: ServerState, on_shutdown: Callable[[], None] | None = None)
                 "model": state.model_name,
                 "choices": [choice],
             }
+            if body.usage_every_chunk:
+                payload["usage"] = usage()
             return f"data: {json.dumps(payload)}\n\n"
 
-        delta, ended = first, False
-        try:
-            if chat:
-                yield chunk(None, None, role=True)
+        merged: asyncio.Queue = asyncio.Queue()
+
+        async def pump(c: _Choice) -> None:
             while True:
-                text = stopper.feed(delta.token_ids, delta.finished)
-                done = delta.finished or stopper.stopped
-                if text:
-                    yield chunk(text, None)
-                if done:
-                    break
+                delta = await c.stream.queue.get()
+                merged.put_nowait((c, delta))
+                if delta.finished:
+                    return
+
+        for c in choices:
+            merged.put_nowait((c, c.delta))
+        pumps = [asyncio.ensure_future(pump(c)) for c in choices if not c.delta.finished]
+        left, ended = len(choices), False
+        try:
+            for c in choices:
+                if chat:
+                    yield chunk(c, None, None, role=True)
+                elif body.echo:
+                    echo, echo_lps = out.echo(c)
+                    yield chunk(c, echo, None, echo_lps)
+            while left:
+                c, delta = await merged.get()
+                if c.reason is not None:
+                    continue  # ended by a stop string; the engine's last word on it
+                c.delta = delta
+                text, lps = out.take(c, delta)
+                if text or lps:
+                    yield chunk(c, text, None, lps)
+                if delta.finished or c.stopper.stopped:
+                    if c.stopper.stopped and not delta.finished:
+                        end_by_stop_string(c.rid)
+                    c.reason = "stop" if c.stopper.stopped else delta.finish_reason
+                    left -= 1
+                    yield chunk(c, None, c.reason)
+                    continue
                 if await request.is_disconnected():
                     return
-                delta = await stream.queue.get()
             ended = True
-            if stopper.stopped and not delta.finished:
-                end_by_stop_string(rid)
         finally:
-            state.active_ids.discard(rid)
-            if not ended and not delta.finished:
-                state.loop.abort(rid)
-                log_done(rid, "client disconnected", stream.seq, len(stopper.ids), t0)
-        reason = "stop" if stopper.stopped else delta.finish_reason
-        log_done(rid, reason, stream.seq or delta.seq, len(stopper.ids), t0)
-        yield chunk(None, reason)
-        if include_usage:
+            for p in pumps:
+                p.cancel()
+            state.active_ids.difference_update(c.rid for c in choices)
+            if not ended:
+                for c in choices:
+                    if c.reason is None:
+                        state.loop.abort(c.rid)
+                n = sum(out.completion_tokens(c) for c in choices)
+                log_done(rid, "client disconnected", seq0, n, t0)
+        n = sum(out.completion_tokens(c) for c in choices)
+        log_done(rid, choices[0].reason if body.n == 1 else "done", seq0, n, t0)
+        if body.usage_at_end:
             payload = {
                 "id": rid,
                 "object": obj,
                 "created": created,
                 "model": state.model_name,
                 "choices": [],
-                "usage": _usage(stream.seq or delta.seq, len(stopper.ids)),
+                "usage": usage(),
             }
             yield f"data: {json.dumps(payload)}\n\n"
         yield "data: [DONE]\n\n"

@@ -13,13 +13,17 @@ import asyncio
 import logging
 import threading
 import time
+from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from atom.engine.engine import LLMEngine, RequestError
 from atom.engine.sequence import Sequence
 from atom.sampling_params import SamplingParams
 
 log = logging.getLogger("atom.serve")
+T = TypeVar("T")
 
 
 @dataclass
@@ -45,7 +49,8 @@ class EngineLoop:
         self.log_interval_s = log_interval_s
         self._cond = threading.Condition()
         self._submits: list[tuple[RequestStream, list[int], SamplingParams, int | None]] = []
-        self._aborts: list[str] = []
+        self._aborts: list[tuple[str, str]] = []
+        self._calls: list[tuple[Callable, Future]] = []
         self._streams: dict[str, RequestStream] = {}
         self._stop = False
         self._woken = False
@@ -81,17 +86,32 @@ class EngineLoop:
             self._cond.notify()
         return stream
 
-    def abort(self, request_id: str) -> None:
+    def abort(self, request_id: str, reason: str = "abort") -> None:
+        """End a request (``reason`` is its finish reason: "abort", or "stop" when the front
+        end matched a stop string)."""
         with self._cond:
-            self._aborts.append(request_id)
+            self._aborts.append((request_id, reason))
             self._cond.notify()
 
-    def stop(self) -> None:
+    def call(self, fn: Callable[[], T]) -> Future[T]:
+        """Run ``fn`` on the engine thread between steps (only that thread touches the
+        engine); its result or exception lands on the returned future."""
+        fut: Future[T] = Future()
+        with self._cond:
+            self._calls.append((fn, fut))
+            self._cond.notify()
+        return fut
+
+    def stop(self, timeout_s: float | None = None) -> bool:
+        """Abort what is open and stop the engine thread; False if it did not stop within
+        ``timeout_s`` (it is a daemon thread: the process can still exit)."""
         with self._cond:
             self._stop = True
             self._cond.notify()
         if self.thread is not None:
-            self.thread.join()
+            self.thread.join(timeout_s)
+            return not self.thread.is_alive()
+        return True
 
     # ---- engine thread --------------------------------------------------------------------
 
@@ -108,7 +128,7 @@ class EngineLoop:
     def _wait(self, timeout: float) -> None:
         """The engine could not run a step: block until something changes or ``timeout``."""
         with self._cond:
-            if not (self._woken or self._submits or self._aborts or self._stop):
+            if not (self._woken or self._submits or self._aborts or self._calls or self._stop):
                 self._cond.wait(timeout)
             self._woken = False
 
@@ -123,6 +143,7 @@ class EngineLoop:
                     while not (
                         self._submits
                         or self._aborts
+                        or self._calls
                         or self._stop
                         or self._woken
                         or eng.has_unfinished()
@@ -132,6 +153,7 @@ class EngineLoop:
                             self._woken = True
                     submits, self._submits = self._submits, []
                     aborts, self._aborts = self._aborts, []
+                    calls, self._calls = self._calls, []
                     stopping = self._stop
                 for stream, prompt, params, eos in submits:
                     try:
@@ -139,10 +161,17 @@ class EngineLoop:
                         self._streams[stream.request_id] = stream
                     except RequestError as exc:
                         self._emit(stream, Delta([], True, "error", error=str(exc)))
-                for rid in aborts:
+                for rid, reason in aborts:
                     stream = self._streams.pop(rid, None)
                     if stream is not None:
-                        eng.abort(rid)
+                        eng.abort(rid, reason)
+                        self._emit(stream, Delta([], True, reason, seq=stream.seq))
+                for fn, fut in calls:
+                    if fut.set_running_or_notify_cancel():
+                        try:
+                            fut.set_result(fn())
+                        except Exception as exc:
+                            fut.set_exception(exc)
                 if stopping:
                     for rid, stream in list(self._streams.items()):
                         eng.abort(rid)

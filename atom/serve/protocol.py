@@ -11,9 +11,10 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from atom.sampling_params import SamplingParams
+from atom.sampling_params import MAX_LOGPROBS, SamplingParams
 
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
+MAX_N = 128  # choices per request (OpenAI's limit)
 
 
 def check_text(value: str, what: str = "text") -> str:
@@ -32,7 +33,8 @@ def check_text(value: str, what: str = "text") -> str:
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    include_usage: bool = False
+    include_usage: bool = False  # a last chunk with the usage
+    continuous_usage_stats: bool = False  # the usage so far in every chunk (vLLM)
 
 
 class _Sampling(BaseModel):
@@ -53,26 +55,42 @@ class _Sampling(BaseModel):
     user: str | None = None
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # extension (vLLM)
+    min_tokens: int = 0  # extension (vLLM)
 
     @field_validator("n")
     @classmethod
     def _n(cls, v: int) -> int:
-        if v != 1:
-            raise ValueError(f"got {v}; only n=1 is supported")
+        if not 1 <= v <= MAX_N:
+            raise ValueError(f"got {v}; allowed: an integer in [1, {MAX_N}]")
         return v
 
     @field_validator("frequency_penalty", "presence_penalty")
     @classmethod
     def _penalty(cls, v: float) -> float:
-        if v != 0:
-            raise ValueError(f"got {v}; penalties are not supported: send 0 or omit the field")
+        if not -2 <= v <= 2:  # also refuses NaN
+            raise ValueError(f"got {v}; allowed: a number in [-2, 2] (0 = off)")
+        return v
+
+    @field_validator("repetition_penalty")
+    @classmethod
+    def _repetition_penalty(cls, v: float) -> float:
+        if not (math.isfinite(v) and v > 0):
+            raise ValueError(f"got {v}; allowed: a finite number > 0 (1 = off)")
+        return v
+
+    @field_validator("min_tokens")
+    @classmethod
+    def _min_tokens(cls, v: int) -> int:
+        if v < 0:
+            raise ValueError(f"got {v}; allowed: an integer >= 0 (0 = off)")
         return v
 
     @field_validator("max_tokens")
     @classmethod
     def _max_tokens(cls, v: int | None) -> int | None:
-        if v is not None and v <= 0:
-            raise ValueError(f"got {v}; max_tokens must be >= 1 (or omitted)")
+        if v is not None and v < 0:
+            raise ValueError(f"got {v}; max_tokens must be >= 1 (or omitted; 0 only with echo)")
         return v
 
     @field_validator("temperature")
@@ -126,7 +144,27 @@ class _Sampling(BaseModel):
     def _stream_options(self) -> _Sampling:
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options: only allowed with stream=true")
+        if self.max_tokens == 0 and not self.echo_only_allowed:
+            raise ValueError("max_tokens: got 0; must be >= 1 (or omitted; 0 only with echo)")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens: got {self.min_tokens}; must be <= max_tokens ({self.max_tokens})"
+            )
         return self
+
+    @property
+    def echo_only_allowed(self) -> bool:
+        """max_tokens 0 is allowed (completions with echo: the prompt only)."""
+        return False
+
+    @property
+    def echo_only(self) -> bool:
+        return False
+
+    def _logprobs(self) -> tuple[int | None, int | None]:
+        """Alternatives the engine records per generated token (None: no logprobs), and per
+        prompt token (None: no prompt logprobs)."""
+        return None, None
 
     @property
     def stops(self) -> list[str]:
@@ -134,17 +172,42 @@ class _Sampling(BaseModel):
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
-    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
-        # TODO(engine): pass max_tokens=None ("not given": the engine defaults it to what fits)
+    @property
+    def usage_every_chunk(self) -> bool:
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
+
+    @property
+    def usage_at_end(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def sampling_params(self, default_max_tokens: int | None, index: int = 0) -> SamplingParams:
+        """The engine's parameters for choice ``index`` (of ``n``): with a seed, choice i
+        samples with seed + i, so the choices differ and each is reproducible."""
+        logprobs, prompt_logprobs = self._logprobs()
+        seed = self.seed
+        if seed is not None and index:
+            seed += index
+            if seed > SEED_RANGE[1]:
+                seed -= 2**64
+        # not given: --default-max-tokens, or (None) what fits max_model_len and the pool
         # once SamplingParams accepts None; until then the server's default applies.
         return SamplingParams(
-            max_tokens=self.max_tokens or default_max_tokens,
+            # max_tokens 0 (echo only): one token is sampled and not returned (as vLLM)
+            max_tokens=(
+                max(self.max_tokens, 1) if self.max_tokens is not None else default_max_tokens
+            ),
             temperature=self.temperature,
             top_p=self.top_p,
             top_k=self.top_k,
-            seed=self.seed,
+            seed=seed,
             stop_token_ids=tuple(self.stop_token_ids),
             ignore_eos=self.ignore_eos,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            min_tokens=self.min_tokens,
         )
 
 
@@ -153,6 +216,19 @@ class CompletionRequest(_Sampling):
     echo: bool = False
     logprobs: int | None = None
     suffix: str | None = None
+
+    @property
+    def echo_only_allowed(self) -> bool:
+        return self.echo
+
+    @property
+    def echo_only(self) -> bool:
+        """echo with max_tokens 0: the prompt (and its logprobs) only, as likelihood-evaluation
+        harnesses ask."""
+        return self.echo and self.max_tokens == 0
+
+    def _logprobs(self) -> tuple[int | None, int | None]:
+        return self.logprobs, self.logprobs if self.echo else None
 
     @model_validator(mode="after")
     def _single_prompt(self) -> CompletionRequest:
@@ -166,10 +242,11 @@ class CompletionRequest(_Sampling):
             self.prompt = p[0]
         if isinstance(self.prompt, str):
             check_text(self.prompt, "prompt")
-        if self.logprobs is not None:
-            raise ValueError(f"logprobs: got {self.logprobs}; logprobs are not supported")
-        if self.echo:
-            raise ValueError("echo: got true; echo is not supported")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(
+                f"logprobs: got {self.logprobs}; allowed: an integer in [0, {MAX_LOGPROBS}] "
+                "(alternatives per token) or null"
+            )
         if self.suffix:
             raise ValueError("suffix: suffix is not supported")
         return self
@@ -221,6 +298,11 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+    def _logprobs(self) -> tuple[int | None, int | None]:
+        return (self.top_logprobs or 0) if self.logprobs else None, None
 
     @model_validator(mode="after")
     def _max(self) -> ChatCompletionRequest:
@@ -234,6 +316,14 @@ class ChatCompletionRequest(_Sampling):
                     "send one of them (max_tokens is the deprecated name)"
                 )
             self.max_tokens = mct
+        if self.top_logprobs is not None:
+            if not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+                raise ValueError(
+                    f"top_logprobs: got {self.top_logprobs}; allowed: an integer in "
+                    f"[0, {MAX_LOGPROBS}]"
+                )
+            if not self.logprobs:
+                raise ValueError("top_logprobs: needs logprobs=true")
         for i, m in enumerate(self.messages):
             if m.role == "user" and not m.text:
                 raise ValueError(f"messages.{i}.content: a user message must not be empty")

@@ -11,8 +11,6 @@ import httpx
 import openai
 import pytest
 
-from atom.serve.engine_loop import EngineLoop
-
 MODEL = "v41-tiny"
 
 
@@ -202,10 +200,6 @@ def test_chat_name_is_honoured_and_max_completion_tokens_applies(served):
     assert r.json()["usage"]["completion_tokens"] == 3
 
 
-@pytest.mark.skipif(
-    "reason" not in EngineLoop.abort.__code__.co_varnames,
-    reason="needs EngineLoop.abort(request_id, reason=...) from the engine-loop rewrite",
-)
 def test_stop_string_is_counted_as_stop_not_abort(served):
     stop0 = metric(served, 'atom_requests_total{finish_reason="stop"}')
     abort0 = metric(served, 'atom_requests_total{finish_reason="abort"}')
@@ -233,7 +227,8 @@ def running(served) -> int:
 @pytest.mark.parametrize("stream", [False, True])
 def test_client_disconnect_aborts_the_request(served, stream):
     abort0 = metric(served, 'atom_requests_total{finish_reason="abort"}')
-    body = base(prompt=f"disconnect {stream}", max_tokens=100000, ignore_eos=True, stream=stream)
+    # max_tokens unset: as many as fit max_model_len (a long run, cut by the disconnect)
+    body = base(prompt=f"disconnect {stream}", max_tokens=None, ignore_eos=True, stream=stream)
     with httpx.Client(base_url=served.url) as c:
         try:
             with c.stream("POST", "/v1/completions", json=body, timeout=2.0) as r:
@@ -286,10 +281,6 @@ def test_reset_prefix_cache_tier_is_a_clear_501(served):
     assert_error(httpx.post(f"{served.url}/reset_prefix_cache?tier=maybe"), 400, "tier")
 
 
-@pytest.mark.skipif(
-    not hasattr(EngineLoop, "call"),
-    reason="needs EngineLoop.call(fn) -> Future from the engine-loop rewrite",
-)
 def test_reset_prefix_cache_forgets_hbm_hits(served):
     prompt = "a prompt to be cached and then forgotten. " * 4
     body = base(prompt=prompt, max_tokens=1, temperature=0)
@@ -301,3 +292,13 @@ def test_reset_prefix_cache_forgets_hbm_hits(served):
     assert r.status_code == 200, r.text
     after = post(served, "/v1/completions", body).json()["usage"]["prompt_tokens_details"]
     assert after["hbm_tokens"] == 0
+
+
+def test_max_tokens_that_cannot_fit_is_400(served):
+    """vLLM's rule: a given max_tokens that does not fit is refused, naming what does (an unset
+    one generates what fits: tests/engine/test_engine_config.py)."""
+    r = post(served, "/v1/completions", base(prompt="fit", max_tokens=10**6))
+    assert_error(r, 400, "max_tokens=1000000 does not fit", "max_model_len")
+    # the pool (400 blocks of 16 in TINY_FLAGS) is smaller than max_model_len here
+    r = post(served, "/v1/completions", base(prompt="fit", max_tokens=400 * 16))
+    assert_error(r, 400, "PAGE blocks; the pool has 400", "lower max_tokens")
