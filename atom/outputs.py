@@ -3,8 +3,20 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, NamedTuple
 
-from atom.engine.sequence import Sequence
+if TYPE_CHECKING:
+    from atom.engine.sequence import Sequence
+
+
+class TokenLogprob(NamedTuple):
+    """One token's log-probability under the model's raw distribution (log-softmax of the
+    logits, before penalties, temperature, top-k and top-p)."""
+
+    token_id: int
+    logprob: float
+    rank: int  # 1 = the most likely token
+    top: tuple[tuple[int, float], ...]  # the k most likely (token id, logprob), most likely first
 
 
 @dataclass(frozen=True)
@@ -23,6 +35,9 @@ class RequestOutput:
     ttft_s: float | None
     latency_s: float | None
     itl_s: list[float]  # gaps between consecutive output tokens
+    logprobs: list[TokenLogprob] | None = None  # per output token, with params.logprobs
+    # per prompt token (None for the first), with params.prompt_logprobs
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @classmethod
     def from_sequence(cls, seq: Sequence, text: str) -> RequestOutput:
@@ -44,4 +59,8 @@ class RequestOutput:
             ttft_s=ttft,
             latency_s=latency,
             itl_s=[b - a for a, b in zip(seq.token_times, seq.token_times[1:])],
+            logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,
+            prompt_logprobs=(
+                [None, *seq.prompt_logprobs] if seq.params.prompt_logprobs is not None else None
+            ),
         )

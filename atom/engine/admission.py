@@ -81,9 +81,12 @@ class Admission:
         return self._start(seq, prep.tokens, end, prep.image, prep.local_tokens)
 
     def _admit_fresh(self, seq: Sequence, budget: int) -> ScheduledSpan | Admit:
-        hit = self.local_hit(seq)
+        # prompt logprobs need every prompt position's logits: such a request computes its
+        # whole prompt, with no local hit and no tier load (as vLLM does)
+        whole = seq.params.prompt_logprobs is not None
+        hit = LocalHit(0, None, [], []) if whole else self.local_hit(seq)
         unloaded = 0
-        if self.connector is not None:
+        if self.connector is not None and not whole:
             answer = self.connector.lookup(seq, hit.tokens)
             if answer is None:
                 seq.status = SeqStatus.WAITING_FOR_TIER

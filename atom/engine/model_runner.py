@@ -11,6 +11,9 @@ slot's cursor happens to say.
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Collection
+
 import torch
 
 from atom.engine.scheduler import ScheduledSpan
@@ -43,9 +46,16 @@ class ModelRunner:
     def _units(self, blocks: list[int]) -> torch.Tensor:
         return torch.tensor(blocks, dtype=torch.int64, device=self.device)
 
-    def execute(self, spans: list[ScheduledSpan]) -> torch.Tensor:
-        """Run one step; returns float32 logits [len(spans), V] (each span's last token)."""
+    def execute(
+        self, spans: list[ScheduledSpan], full_logits: Collection[int] = ()
+    ) -> torch.Tensor:
+        """Run one step; returns float32 logits [len(spans), V] (each span's last token).
+
+        ``full_logits``: indices of spans that need the logits of every token (prompt
+        logprobs); those spans run in a forward of their own, so the others do not pay for
+        them, and ``self.span_logits[i]`` holds span i's [end - start, V] after the call."""
         assert self._bound, "bind() the runner before running it"
+        self.span_logits: dict[int, torch.Tensor] = {}
         for sp in spans:
             seq, slot = sp.seq, sp.seq.slot
             if sp.restore is not None:
@@ -60,14 +70,38 @@ class ModelRunner:
                     f"{seq.request_id} continues at {sp.start} in slot {slot}, owned by "
                     f"sequence {self.slot_owner[slot]}; a new owner must restore or start at 0"
                 )
+        full = sorted(set(full_logits))
+        if not full:
+            logits = self._forward(spans, all_logits=False)
+        else:
+            rows: dict[int, torch.Tensor] = {}
+            rest = [i for i in range(len(spans)) if i not in full]
+            if rest:
+                rows.update(zip(rest, self._forward([spans[i] for i in rest], all_logits=False)))
+            every, lo = self._forward([spans[i] for i in full], all_logits=True), 0
+            for i in full:
+                n = spans[i].end - spans[i].start
+                self.span_logits[i] = every[lo : lo + n]
+                rows[i] = every[lo + n - 1]
+                lo += n
+            logits = torch.stack([rows[i] for i in range(len(spans))])
+        for sp in spans:
+            if sp.image is not None:
+                self.runtime.store_image(sp.seq.slot, self._units(sp.image.units))
+        return logits
+
+    def _forward(self, spans: list[ScheduledSpan], all_logits: bool) -> torch.Tensor:
         ids = torch.tensor(
             [t for sp in spans for t in sp.seq.tokens[sp.start : sp.end]], dtype=torch.int64
         )
         model_spans = [
             Span(sp.start, sp.end, sp.seq.slot, self._units(sp.seq.block_table)) for sp in spans
         ]
-        logits = self.runtime.forward(ids, model_spans)
-        for sp in spans:
-            if sp.image is not None:
-                self.runtime.store_image(sp.seq.slot, self._units(sp.image.units))
-        return logits
+        if not all_logits:
+            return self.runtime.forward(ids, model_spans)
+        forward = self.runtime.forward
+        if "all_logits" in inspect.signature(forward).parameters:
+            return forward(ids, model_spans, all_logits=True)
+        # the runtimes' forward has no all_logits yet: their model's paged forward does
+        rt = self.runtime
+        return rt.model.forward_paged(ids, model_spans, rt.kv, rt.slots, all_logits=True)

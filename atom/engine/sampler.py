@@ -1,10 +1,17 @@
-"""Sampling: greedy, or temperature with top-k / top-p, repeatable per request with a seed."""
+"""Sampling: greedy, or temperature with top-k / top-p, repeatable per request with a seed.
+
+Before either, per request and in vLLM's order: ``min_tokens`` masks EOS and the stop token
+ids, then the repetition penalty (prompt + output tokens), then the frequency and presence
+penalties (output tokens). A request with none of these samples from the logits as they came.
+Log-probabilities (``token_logprobs``) are of the model's raw distribution, before any of it.
+"""
 
 from __future__ import annotations
 
 import torch
 
 from atom.engine.sequence import Sequence
+from atom.outputs import TokenLogprob
 
 
 class Sampler:
@@ -18,9 +25,13 @@ class Sampler:
         out = logits.argmax(-1).tolist()
         for i, seq in enumerate(seqs):
             p = seq.params
+            raw = logits[i]
+            row = adjust_logits(raw, seq)
             if p.greedy:
+                if row is not raw:
+                    out[i] = int(row.argmax())
                 continue
-            row = logits[i] / p.temperature
+            row = row / p.temperature
             if p.top_k:
                 kth = torch.topk(row, min(p.top_k, row.numel())).values[-1]
                 row = row.masked_fill(row < kth, float("-inf"))
@@ -44,3 +55,70 @@ class Sampler:
 
     def forget(self, seq: Sequence) -> None:
         self._gens.pop(seq.seq_id, None)
+
+
+def adjust_logits(row: torch.Tensor, seq: Sequence) -> torch.Tensor:
+    """``row`` (float32 [V], the model's logits for ``seq``'s next token) after min_tokens and
+    the penalties; ``row`` itself (not a copy) when none of them applies."""
+    p = seq.params
+    generated = seq.output
+    masked = len(generated) < p.min_tokens
+    if not (masked or p.penalized):
+        return row
+    row, vocab = row.clone(), row.numel()
+    if masked:
+        stops = list(p.stop_token_ids)
+        if not p.ignore_eos and seq.eos_token_id is not None:
+            stops.append(seq.eos_token_id)
+        stops = [t for t in stops if 0 <= t < vocab]
+        if stops:
+            row[stops] = float("-inf")
+    if p.repetition_penalty != 1.0:
+        seen = torch.zeros(vocab, dtype=torch.bool)
+        seen[torch.tensor(seq.tokens, dtype=torch.int64)] = True
+        r = p.repetition_penalty
+        row = torch.where(seen, torch.where(row > 0, row / r, row * r), row)
+    if generated and (p.frequency_penalty or p.presence_penalty):
+        counts = torch.bincount(torch.tensor(generated, dtype=torch.int64), minlength=vocab)
+        counts = counts[:vocab].to(row.dtype)
+        row = row - p.frequency_penalty * counts - p.presence_penalty * (counts > 0).to(row.dtype)
+    return row
+
+
+def token_logprobs(logits: torch.Tensor, token_ids: list[int], k: int) -> list[TokenLogprob]:
+    """For each row of ``logits`` ([n, V], raw) and its token: the token's log-probability,
+    its rank and the ``k`` most likely alternatives (log-softmax in float32)."""
+    if not token_ids:
+        return []
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    ids = torch.tensor(token_ids, dtype=torch.int64, device=lp.device)
+    chosen = lp.gather(1, ids[:, None])
+    ranks = ((lp > chosen).sum(-1) + 1).tolist()
+    chosen = chosen[:, 0].tolist()
+    if k:
+        top_v, top_i = torch.topk(lp, min(k, lp.shape[-1]), dim=-1)
+        tops = [tuple(zip(i, v)) for i, v in zip(top_i.tolist(), top_v.tolist())]
+    else:
+        tops = [()] * len(token_ids)
+    return [TokenLogprob(t, c, r, top) for t, c, r, top in zip(token_ids, chosen, ranks, tops)]
+
+
+def needs_prompt_logits(seq: Sequence, start: int) -> bool:
+    """A span of ``seq`` starting at ``start`` must return every token's logits: the request
+    asks for prompt logprobs and some of them, from the span on, are not recorded yet."""
+    return (
+        seq.params.prompt_logprobs is not None
+        and len(seq.prompt_logprobs) < seq.num_prompt - 1
+        and start < seq.num_prompt - 1
+    )
+
+
+def record_prompt_logprobs(seq: Sequence, start: int, logits: torch.Tensor) -> None:
+    """``logits`` [n, V] of positions start.. (each predicts the token after it): record the
+    prompt tokens' logprobs not recorded yet (a recompute after preemption adds nothing)."""
+    first = len(seq.prompt_logprobs) + 1  # the next prompt token without a logprob
+    end = min(start + logits.shape[0], seq.num_prompt - 1) + 1
+    if first - 1 < start or end <= first:
+        return
+    rows = logits[first - 1 - start : end - 1 - start]
+    seq.prompt_logprobs += token_logprobs(rows, seq.tokens[first:end], seq.params.prompt_logprobs)

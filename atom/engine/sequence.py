@@ -15,6 +15,7 @@ from atom.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from atom.engine.checkpoints import Checkpoint
+    from atom.outputs import TokenLogprob
 
 
 class SeqStatus(enum.Enum):
@@ -93,6 +94,10 @@ class Sequence:
     first_token_time: float | None = None
     finish_time: float | None = None
     token_times: list[float] = field(default_factory=list)
+    # with params.logprobs: one per output token, recorded before the token is appended
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    # with params.prompt_logprobs: one per prompt token from the second on
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.tokens = list(self.prompt)
