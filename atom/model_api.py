@@ -10,7 +10,7 @@ those bytes would be laid out differently. A model without per-request state pub
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -97,6 +97,58 @@ class ModelRuntime(Protocol):
         """Copy an image into the slot; returns the position it resumes at. Raises
         ImageLayoutError for an image of another layout (the slot is left untouched)."""
         ...
+
+
+@runtime_checkable
+class DraftRuntime(Protocol):
+    """A ModelRuntime whose model has its own draft layers (e.g. DeepSeek-V4's MTP block):
+    what a speculative-decoding engine calls to propose tokens. ``draft_layers(runtime)`` says
+    how many a runtime has (0 for one without this capability).
+
+    Contract:
+
+    * **residual**: per token, the streams the model hands its LM head, before the head reads
+      them (float, ``[N, *residual_shape]``, the model's dtype). The engine treats it as opaque
+      rows, one per token, and only passes rows back; it never interprets them.
+    * ``forward_with_residual`` is ``forward`` (same spans, same state updates, same logits)
+      that also returns every token's residual row ``[N, ...]``.
+    * ``draft_forward(token_ids, residual, spans, layer=i)`` runs draft layer ``i`` at the
+      positions p of the spans: ``token_ids[j]`` is the token at p + 1 and ``residual[j]`` the
+      residual at p, from ``forward_with_residual`` or, when chaining, the residual a previous
+      ``draft_forward`` returned for p - 1. It returns float32 logits for the token at p + 2 of
+      each span's last position (every position with ``all_logits``) and its own residual rows
+      ``[N, ...]`` (the next chained step's input).
+    * Each draft layer keeps its own state per slot (a window of earlier draft positions and
+      a cursor), written by ``draft_forward`` only; it never touches PAGE blocks or the target
+      layers' state. A span at 0 always runs; a span at s > 0 needs the draft state at a
+      position in [s, s + speculative_tokens]: the engine may re-run positions whose drafts
+      were rejected (at most ``speculative_tokens`` back), never skip one. Anything else
+      raises ``ValueError`` (StateMismatchError) before any write.
+    * The draft state exists only when the runtime was built with ``speculative_tokens >= 1``
+      (the geometry sizes it then, and it travels in checkpoint images); ``draft_forward``
+      raises otherwise.
+    """
+
+    num_draft_layers: int
+
+    def forward_with_residual(
+        self, token_ids: torch.Tensor, spans: list[Span], all_logits: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def draft_forward(
+        self,
+        token_ids: torch.Tensor,
+        residual: torch.Tensor,
+        spans: list[Span],
+        *,
+        layer: int = 0,
+        all_logits: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+def draft_layers(runtime: object) -> int:
+    """How many draft layers a runtime offers (``DraftRuntime``), 0 without the capability."""
+    return int(getattr(runtime, "num_draft_layers", 0)) if isinstance(runtime, DraftRuntime) else 0
 
 
 def pool_bytes(pool: torch.Tensor) -> torch.Tensor:

@@ -76,7 +76,8 @@ def write_checkpoint(directory, seed=0, extra=None, drop=(), config=None):
         shards[0][name] = q.contiguous()
         if s is not None:
             shards[1][name.removesuffix(".weight") + ".scale"] = s
-    shards[1]["mtp.0.e_proj.weight"] = torch.zeros(8, 8, dtype=torch.float8_e4m3fn)
+    # an MTP block beyond the config's num_nextn_predict_layers (1) is left unread
+    shards[1]["mtp.1.e_proj.weight"] = torch.zeros(8, 8, dtype=torch.float8_e4m3fn)
     shards[0].update(extra or {})
     for name in drop:
         for shard in shards:

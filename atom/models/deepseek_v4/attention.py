@@ -122,7 +122,7 @@ class V4Attention(nn.Module):
     def __init__(self, config: V4Config, layer: int, dtype: torch.dtype, kv_dtype: str):
         super().__init__()
         c = config
-        self.layer, self.ratio = layer, c.compress_ratios[layer]
+        self.layer, self.ratio = layer, c.layer_ratio(layer)
         self.heads, self.head_dim, self.window = c.num_attention_heads, c.head_dim, c.sliding_window
         self.groups, self.o_lora_rank = c.o_groups, c.o_lora_rank
         self.kv_dtype, self.eps = kv_dtype, c.rms_norm_eps

@@ -1,12 +1,15 @@
 """Load DeepSeek-V4 weights as shipped: DeepSeek's tensor names, FP8 / FP4 with E8M0 scales.
 
 ``NAMES`` is the whole mapping from the published names to this model's parameters, as data:
-one row per tensor kind, ``{L}`` a layer and ``{E}`` a routed expert, with the format the
-published checkpoint stores it in. The loader decides each tensor's decoding from its stored
+one row per tensor kind, ``{L}`` a layer, ``{M}`` an MTP draft block (``mtp.{M}.*``: a block's
+rows plus its own) and ``{E}`` a routed expert, with the format the published checkpoint
+stores it in. The loader decides each tensor's decoding from its stored
 dtype (so a bf16 re-export loads too), but refuses a format the row does not allow.
 
 Weights are dequantized at load, to the model's dtype (float32 on CPU tests, bf16 on GPU); no
-FP8 / FP4 kernel is used yet. ``mtp.*`` tensors (the draft block, not built here) are skipped.
+FP8 / FP4 kernel is used yet. The MTP blocks load like the layers (FP8 ``e_proj`` / ``h_proj``
+and attention, FP4 experts); the tensors of MTP blocks beyond the config's
+``num_nextn_predict_layers`` are left unread.
 """
 
 from __future__ import annotations
@@ -28,79 +31,72 @@ from atom.models.deepseek_v41.weights import WeightLoadError
 
 BF16, F32, FP8, FP4, I64 = "bf16", "f32", "fp8", "fp4", "i64"
 
-# (published name, parameter name, published format)
-NAMES: tuple[tuple[str, str, str], ...] = (
+# Tensors outside the layers: (published name, parameter name, published format).
+_GLOBAL: tuple[tuple[str, str, str], ...] = (
     ("embed.weight", "embed.weight", BF16),
     ("head.weight", "head.weight", BF16),
     ("norm.weight", "norm.weight", BF16),
     ("hc_head_fn", "hc_head.fn", F32),
     ("hc_head_base", "hc_head.base", F32),
     ("hc_head_scale", "hc_head.scale", F32),
-    ("layers.{L}.attn_norm.weight", "layers.{L}.attn_norm.weight", BF16),
-    ("layers.{L}.ffn_norm.weight", "layers.{L}.ffn_norm.weight", BF16),
-    ("layers.{L}.hc_attn_fn", "layers.{L}.hc_attn.fn", F32),
-    ("layers.{L}.hc_attn_base", "layers.{L}.hc_attn.base", F32),
-    ("layers.{L}.hc_attn_scale", "layers.{L}.hc_attn.scale", F32),
-    ("layers.{L}.hc_ffn_fn", "layers.{L}.hc_ffn.fn", F32),
-    ("layers.{L}.hc_ffn_base", "layers.{L}.hc_ffn.base", F32),
-    ("layers.{L}.hc_ffn_scale", "layers.{L}.hc_ffn.scale", F32),
-    ("layers.{L}.attn.attn_sink", "layers.{L}.attn.attn_sink", F32),
-    ("layers.{L}.attn.wq_a.weight", "layers.{L}.attn.wq_a.weight", FP8),
-    ("layers.{L}.attn.q_norm.weight", "layers.{L}.attn.q_norm.weight", BF16),
-    ("layers.{L}.attn.wq_b.weight", "layers.{L}.attn.wq_b.weight", FP8),
-    ("layers.{L}.attn.wkv.weight", "layers.{L}.attn.wkv.weight", FP8),
-    ("layers.{L}.attn.kv_norm.weight", "layers.{L}.attn.kv_norm.weight", BF16),
-    ("layers.{L}.attn.wo_a.weight", "layers.{L}.attn.wo_a.weight", FP8),
-    ("layers.{L}.attn.wo_b.weight", "layers.{L}.attn.wo_b.weight", FP8),
-    ("layers.{L}.attn.compressor.wkv.weight", "layers.{L}.attn.compressor.wkv.weight", BF16),
-    ("layers.{L}.attn.compressor.wgate.weight", "layers.{L}.attn.compressor.wgate.weight", BF16),
-    ("layers.{L}.attn.compressor.ape", "layers.{L}.attn.compressor.ape", F32),
-    ("layers.{L}.attn.compressor.norm.weight", "layers.{L}.attn.compressor.norm.weight", BF16),
-    ("layers.{L}.attn.indexer.wq_b.weight", "layers.{L}.attn.indexer.wq_b.weight", FP8),
-    (
-        "layers.{L}.attn.indexer.weights_proj.weight",
-        "layers.{L}.attn.indexer.weights_proj.weight",
-        BF16,
-    ),
-    (
-        "layers.{L}.attn.indexer.compressor.wkv.weight",
-        "layers.{L}.attn.indexer.compressor.wkv.weight",
-        BF16,
-    ),
-    (
-        "layers.{L}.attn.indexer.compressor.wgate.weight",
-        "layers.{L}.attn.indexer.compressor.wgate.weight",
-        BF16,
-    ),
-    ("layers.{L}.attn.indexer.compressor.ape", "layers.{L}.attn.indexer.compressor.ape", F32),
-    (
-        "layers.{L}.attn.indexer.compressor.norm.weight",
-        "layers.{L}.attn.indexer.compressor.norm.weight",
-        BF16,
-    ),
-    ("layers.{L}.ffn.gate.weight", "layers.{L}.ffn.gate.weight", BF16),
-    ("layers.{L}.ffn.gate.bias", "layers.{L}.ffn.gate.bias", F32),
-    ("layers.{L}.ffn.gate.tid2eid", "layers.{L}.ffn.gate.tid2eid", I64),
-    ("layers.{L}.ffn.experts.{E}.w1.weight", "layers.{L}.ffn.experts.{E}.gate_proj.weight", FP4),
-    ("layers.{L}.ffn.experts.{E}.w3.weight", "layers.{L}.ffn.experts.{E}.up_proj.weight", FP4),
-    ("layers.{L}.ffn.experts.{E}.w2.weight", "layers.{L}.ffn.experts.{E}.down_proj.weight", FP4),
-    (
-        "layers.{L}.ffn.shared_experts.w1.weight",
-        "layers.{L}.ffn.shared_experts.gate_proj.weight",
-        FP8,
-    ),
-    (
-        "layers.{L}.ffn.shared_experts.w3.weight",
-        "layers.{L}.ffn.shared_experts.up_proj.weight",
-        FP8,
-    ),
-    (
-        "layers.{L}.ffn.shared_experts.w2.weight",
-        "layers.{L}.ffn.shared_experts.down_proj.weight",
-        FP8,
-    ),
 )
-SKIPPED_PREFIXES = ("mtp.",)  # the MTP draft block: not built by this model
+# One block's tensors, relative to its prefix (``layers.{L}.`` or ``mtp.{M}.``); ``{E}`` is a
+# routed expert. A row whose parameter a layer lacks (a window layer's compressor, a hash
+# layer's bias) is not expected of that layer.
+_BLOCK: tuple[tuple[str, str, str], ...] = (
+    ("attn_norm.weight", "attn_norm.weight", BF16),
+    ("ffn_norm.weight", "ffn_norm.weight", BF16),
+    ("hc_attn_fn", "hc_attn.fn", F32),
+    ("hc_attn_base", "hc_attn.base", F32),
+    ("hc_attn_scale", "hc_attn.scale", F32),
+    ("hc_ffn_fn", "hc_ffn.fn", F32),
+    ("hc_ffn_base", "hc_ffn.base", F32),
+    ("hc_ffn_scale", "hc_ffn.scale", F32),
+    ("attn.attn_sink", "attn.attn_sink", F32),
+    ("attn.wq_a.weight", "attn.wq_a.weight", FP8),
+    ("attn.q_norm.weight", "attn.q_norm.weight", BF16),
+    ("attn.wq_b.weight", "attn.wq_b.weight", FP8),
+    ("attn.wkv.weight", "attn.wkv.weight", FP8),
+    ("attn.kv_norm.weight", "attn.kv_norm.weight", BF16),
+    ("attn.wo_a.weight", "attn.wo_a.weight", FP8),
+    ("attn.wo_b.weight", "attn.wo_b.weight", FP8),
+    ("attn.compressor.wkv.weight", "attn.compressor.wkv.weight", BF16),
+    ("attn.compressor.wgate.weight", "attn.compressor.wgate.weight", BF16),
+    ("attn.compressor.ape", "attn.compressor.ape", F32),
+    ("attn.compressor.norm.weight", "attn.compressor.norm.weight", BF16),
+    ("attn.indexer.wq_b.weight", "attn.indexer.wq_b.weight", FP8),
+    ("attn.indexer.weights_proj.weight", "attn.indexer.weights_proj.weight", BF16),
+    ("attn.indexer.compressor.wkv.weight", "attn.indexer.compressor.wkv.weight", BF16),
+    ("attn.indexer.compressor.wgate.weight", "attn.indexer.compressor.wgate.weight", BF16),
+    ("attn.indexer.compressor.ape", "attn.indexer.compressor.ape", F32),
+    ("attn.indexer.compressor.norm.weight", "attn.indexer.compressor.norm.weight", BF16),
+    ("ffn.gate.weight", "ffn.gate.weight", BF16),
+    ("ffn.gate.bias", "ffn.gate.bias", F32),
+    ("ffn.gate.tid2eid", "ffn.gate.tid2eid", I64),
+    ("ffn.experts.{E}.w1.weight", "ffn.experts.{E}.gate_proj.weight", FP4),
+    ("ffn.experts.{E}.w3.weight", "ffn.experts.{E}.up_proj.weight", FP4),
+    ("ffn.experts.{E}.w2.weight", "ffn.experts.{E}.down_proj.weight", FP4),
+    ("ffn.shared_experts.w1.weight", "ffn.shared_experts.gate_proj.weight", FP8),
+    ("ffn.shared_experts.w3.weight", "ffn.shared_experts.up_proj.weight", FP8),
+    ("ffn.shared_experts.w2.weight", "ffn.shared_experts.down_proj.weight", FP8),
+)
+# What an MTP block has besides a block's tensors (no embed or head: it shares the model's).
+_MTP_EXTRA: tuple[tuple[str, str, str], ...] = (
+    ("e_proj.weight", "e_proj.weight", FP8),
+    ("h_proj.weight", "h_proj.weight", FP8),
+    ("enorm.weight", "enorm.weight", BF16),
+    ("hnorm.weight", "hnorm.weight", BF16),
+    ("norm.weight", "norm.weight", BF16),
+    ("hc_head_fn", "hc_head.fn", F32),
+    ("hc_head_base", "hc_head.base", F32),
+    ("hc_head_scale", "hc_head.scale", F32),
+)
+# (published name, parameter name, published format); {L} a layer, {M} an MTP block.
+NAMES: tuple[tuple[str, str, str], ...] = (
+    _GLOBAL
+    + tuple((f"layers.{{L}}.{a}", f"layers.{{L}}.{b}", fmt) for a, b, fmt in _BLOCK)
+    + tuple((f"mtp.{{M}}.{a}", f"mtp.{{M}}.{b}", fmt) for a, b, fmt in _BLOCK + _MTP_EXTRA)
+)
 _ALLOWED = {  # stored formats each published format may arrive in (re-exports dequantize)
     BF16: {BF16, F32},
     F32: {F32, BF16},
@@ -116,17 +112,27 @@ def expected_names(model: DeepseekV4ForCausalLM) -> dict[str, tuple[str, str]]:
     params = model.state_dict()
     out: dict[str, tuple[str, str]] = {}
     for ckpt, param, fmt in NAMES:
-        layers = range(c.num_hidden_layers) if "{L}" in ckpt else [None]
+        if "{L}" in ckpt:
+            key, blocks = "{L}", range(c.num_hidden_layers)
+        else:
+            key, blocks = "{M}", range(len(model.mtp)) if "{M}" in ckpt else [None]
         experts = range(c.n_routed_experts) if "{E}" in ckpt else [None]
-        for layer in layers:
+        for i in blocks:
             for e in experts:
-                name = param.replace("{L}", str(layer)).replace("{E}", str(e))
+                name = param.replace(key, str(i)).replace("{E}", str(e))
                 if name in params:
-                    out[ckpt.replace("{L}", str(layer)).replace("{E}", str(e))] = (name, fmt)
+                    out[ckpt.replace(key, str(i)).replace("{E}", str(e))] = (name, fmt)
     unmapped = set(params) - {p for p, _ in out.values()}
     if unmapped:  # a parameter with no row: the table is out of date with the model
         raise WeightLoadError(f"no published name for parameters {sorted(unmapped)[:5]}")
     return out
+
+
+def _skipped(name: str, num_mtp: int) -> bool:
+    """An MTP block the model does not build (``num_nextn_predict_layers`` below the
+    checkpoint's), with its scales: left unread."""
+    m = re.match(r"mtp\.(\d+)\.", name)
+    return m is not None and int(m.group(1)) >= num_mtp
 
 
 def _stored_format(dtype: str) -> str:
@@ -164,7 +170,8 @@ def _check(name, fmt, stored, shape, want, scale) -> str | None:
 def load_checkpoint(model: DeepseekV4ForCausalLM, path: str | Path) -> None:
     """Load every parameter from the safetensors at ``path`` (a file or a directory).
 
-    Refuses, before copying anything, a missing tensor, an unexpected tensor (``mtp.*`` aside),
+    Refuses, before copying anything, a missing tensor, an unexpected tensor (the tensors of
+    an MTP block beyond the model's ``num_nextn_predict_layers`` aside),
     a quantized tensor without its scale, and a tensor (or scale) of the wrong shape, naming
     each. Values are dequantized and cast to the model's dtypes.
     """
@@ -195,7 +202,7 @@ def load_checkpoint(model: DeepseekV4ForCausalLM, path: str | Path) -> None:
         if problem:
             problems.append(problem)
     for name in sorted(set(found) - set(expected) - scales):
-        if not name.startswith(SKIPPED_PREFIXES):
+        if not _skipped(name, len(model.mtp)):
             f, dtype, shape = found[name]
             problems.append(f"unexpected tensor {name} ({dtype} {list(shape)}) in {f.name}")
     if problems:

@@ -123,10 +123,15 @@ class V4Config(BaseModel):
     def is_hash_layer(self, layer: int) -> bool:
         return layer < self.num_hash_layers
 
+    def layer_ratio(self, layer: int) -> int:
+        """Compress ratio of a layer; the MTP draft layers (``num_hidden_layers + i``) are
+        window-only (0) whether or not ``compress_ratios`` lists them."""
+        return self.compress_ratios[layer] if layer < len(self.compress_ratios) else 0
+
     def layer_rope(self, layer: int) -> tuple[float, dict[str, Any] | None]:
         """(theta, yarn scaling or None): compressed layers use the long RoPE with YaRN,
-        window-only layers the base theta without it."""
-        if self.compress_ratios[layer] > 0:
+        window-only layers (the MTP layers among them) the base theta without it."""
+        if self.layer_ratio(layer) > 0:
             return self.compress_rope_theta, self.rope_scaling
         return self.rope_theta, None
 

@@ -8,7 +8,8 @@ A request's state besides PAGE splits in two by what a boundary needs (every ima
 a block boundary, a multiple of every ratio):
 
 * the **state slot** (= the checkpoint image, ``state_bytes``): every layer's sliding-window
-  ring; per CSA layer the overlap rows of its compressor and of its indexer's compressor (the
+  ring (with ``speculative_tokens`` >= 1 also each MTP draft layer's, and their cursors); per
+  CSA layer the overlap rows of its compressor and of its indexer's compressor (the
   first half of the last complete group's per-token projections and gate scores, which the next
   group's overlapping softmax reads and no PAGE row holds); the cursor and the header.
 * the **live scratch** (``scratch_bytes`` per slot, never stored or loaded): the raw
@@ -182,6 +183,7 @@ def build_v4_pool_geometry(
     )
     window_rows = config.sliding_window + speculative_tokens
     r, nc = CSA_RATIO, len(csa)
+    n_draft = state_layers - config.num_hidden_layers
     fields, state_bytes = _layout(
         [
             ("window", (state_layers, window_rows, hd), kv),
@@ -192,6 +194,8 @@ def build_v4_pool_geometry(
             ("cursor", (1,), "int64"),  # committed position
             ("header", (2,), "int64"),  # layout tag, position (the boundary an image is of)
         ]
+        # each MTP draft layer's position (its window ring is window rows num_hidden_layers + i)
+        + ([("draft_cursor", (n_draft,), "int64")] if n_draft else [])
     )
     hca_rows = max([config.compress_ratios[i] for i in hca] or [1])
     scratch, scratch_bytes = _layout(

@@ -3,7 +3,11 @@
 The paged forward runs a batch of sequence spans against ONE PAGE pool and per-sequence state
 slots (plus the runtime's live scratch, see ``paged``). A span must start where its slot's
 cursor is (a span at 0 resets its slot); any mismatch is refused before anything is written.
-The MTP draft block (``mtp.0.*``) is not built here.
+
+The MTP draft blocks (``mtp.{i}.*``, ``num_nextn_predict_layers`` of them, see ``mtp``) run
+through ``forward_draft_paged`` over the same slots: each has its own window ring (the state's
+window rows ``num_hidden_layers + i``, present when the geometry has ``speculative_tokens`` >= 1)
+and its own cursor (``draft_cursor``); it never touches PAGE or the target layers' state.
 """
 
 from __future__ import annotations
@@ -12,35 +16,16 @@ import torch
 from torch import nn
 
 from atom.model_api import Span
-from atom.models.deepseek_v4.attention import V4Attention
+from atom.models.deepseek_v4.block import V4Block
 from atom.models.deepseek_v4.config import V4Config
-from atom.models.deepseek_v4.layers import V4HyperConnection, V4MoE
+from atom.models.deepseek_v4.layers import V4HyperConnection
+from atom.models.deepseek_v4.mtp import V4MTPBlock
 from atom.models.deepseek_v4.paged import StateMismatchError, V4PagedKV, V4StateSlots
 from atom.models.deepseek_v4.paged_attention import paged_attention
 from atom.models.deepseek_v41.layers import RMSNorm
 from atom.models.deepseek_v41.model import COMPUTE_DTYPES
 from atom.models.deepseek_v41.paged_attention import SeqCarry
 from atom.models.deepseek_v41.pool_geometry import INDEX_DTYPES, KV_DTYPES, GeometryError
-
-
-class V4Block(nn.Module):
-    def __init__(self, config: V4Config, layer: int, dtype: torch.dtype, kv_dtype: str):
-        super().__init__()
-        eps = config.rms_norm_eps
-        self.hc_attn = V4HyperConnection(config)
-        self.attn_norm = RMSNorm(config.hidden_size, eps, dtype)
-        self.attn = V4Attention(config, layer, dtype, kv_dtype)
-        self.hc_ffn = V4HyperConnection(config)
-        self.ffn_norm = RMSNorm(config.hidden_size, eps, dtype)
-        self.ffn = V4MoE(config, layer, dtype)
-
-    def forward(self, x: torch.Tensor, token_ids: torch.Tensor, attend) -> torch.Tensor:
-        """One layer around an attention callable ``attend(normed input) -> output``; the MoE
-        reads the token ids (hash-routed layers)."""
-        h, post, c = self.hc_attn.pre(x)
-        x = self.hc_attn.post(x, attend(self.attn_norm(h)), post, c)
-        h, post, c = self.hc_ffn.pre(x)
-        return self.hc_ffn.post(x, self.ffn(self.ffn_norm(h), token_ids), post, c)
 
 
 class DeepseekV4ForCausalLM(nn.Module):
@@ -74,17 +59,36 @@ class DeepseekV4ForCausalLM(nn.Module):
             self.hc_head = V4HyperConnection(c, head=True)
             self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
             self.head = nn.Linear(c.hidden_size, c.vocab_size, bias=False, dtype=dtype)
+            self.mtp = nn.ModuleList(
+                V4MTPBlock(c, i, dtype, kv_dtype) for i in range(c.num_nextn_predict_layers)
+            )
 
     @property
     def device(self) -> torch.device:
         return self.head.weight.device
 
+    @property
+    def num_draft_layers(self) -> int:
+        return len(self.mtp)
+
     @torch.no_grad()
     def init_weights(self, seed: int) -> DeepseekV4ForCausalLM:
-        """Random weights from a seed (presets without a checkpoint)."""
+        """Random weights from a seed (presets without a checkpoint). The MTP blocks draw last,
+        so the main model's weights do not depend on whether they exist."""
         gen = torch.Generator(device=self.device).manual_seed(seed)
+        main = [(n, p) for n, p in self.named_parameters() if not n.startswith("mtp.")]
+        self._init_params(main, gen)
+        e, k = self.config.n_routed_experts, self.config.num_experts_per_tok
+        for name, buf in self.named_buffers():
+            if name.endswith("tid2eid"):
+                ranks = torch.rand(buf.shape[0], e, generator=gen, device=self.device)
+                buf.copy_(ranks.argsort(-1)[:, :k])
+        self._init_params(self.mtp.named_parameters(prefix="mtp"), gen)
+        return self
+
+    def _init_params(self, params, gen: torch.Generator) -> None:
         std = self.config.initializer_range
-        for name, p in self.named_parameters():
+        for name, p in params:
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
                 continue
@@ -94,17 +98,11 @@ class DeepseekV4ForCausalLM(nn.Module):
                 continue
             scale = 0.5 if name.endswith(("attn_sink", "bias", ".base", ".ape")) else std
             p.copy_(noise * scale)
-        e, k = self.config.n_routed_experts, self.config.num_experts_per_tok
-        for name, buf in self.named_buffers():
-            if name.endswith("tid2eid"):
-                ranks = torch.rand(buf.shape[0], e, generator=gen, device=self.device)
-                buf.copy_(ranks.argsort(-1)[:, :k])
-        return self
 
     # ---- the paged forward ---------------------------------------------------------------
 
-    def check_spans(self, spans: list[Span], slots: V4StateSlots) -> None:
-        """Refuse spans whose start is not their slot's cursor (before anything is written)."""
+    @staticmethod
+    def _check_span_set(spans: list[Span], slots: V4StateSlots) -> None:
         seen = set()
         for sp in spans:
             if sp.end <= sp.start:
@@ -114,6 +112,10 @@ class DeepseekV4ForCausalLM(nn.Module):
             seen.add(sp.slot)
             if not 0 <= sp.slot < slots.num_slots:
                 raise ValueError(f"slot {sp.slot} out of range [0, {slots.num_slots})")
+
+    def check_spans(self, spans: list[Span], slots: V4StateSlots) -> None:
+        """Refuse spans whose start is not their slot's cursor (before anything is written)."""
+        self._check_span_set(spans, slots)
         resumed = [sp for sp in spans if sp.start > 0]
         if not resumed:
             return
@@ -138,9 +140,12 @@ class DeepseekV4ForCausalLM(nn.Module):
         kv: V4PagedKV,
         slots: V4StateSlots,
         all_logits: bool = False,
-    ) -> torch.Tensor:
+        return_residual: bool = False,
+    ):
         """token_ids: int64 [sum of span lengths], spans in order. Returns float32 logits of
-        each span's last token [len(spans), V] (or of every token with ``all_logits``)."""
+        each span's last token [len(spans), V] (or of every token with ``all_logits``); with
+        ``return_residual``, (logits, the last layer's streams of every token [N, hc, d]):
+        the residual the MTP draft layers read."""
         geo = kv.geometry
         if (geo.kv_dtype, geo.index_dtype) != (self.kv_dtype, self.index_dtype):
             raise GeometryError(
@@ -150,17 +155,11 @@ class DeepseekV4ForCausalLM(nn.Module):
         if token_ids.numel() != sum(sp.num_tokens for sp in spans):
             raise ValueError("token_ids must hold exactly the spans' tokens, in span order")
         self.check_spans(spans, slots)
-        dev = self.device
-        token_ids = token_ids.to(dev)
-        seqs, lo, positions = [], 0, []
+        token_ids = token_ids.to(self.device)
         for sp in spans:
             if sp.start == 0:
                 slots.reset(sp.slot)
-            pos = torch.arange(sp.start, sp.end, device=dev)
-            seqs.append(SeqCarry(sp, lo, pos))
-            positions.append(pos)
-            lo += sp.num_tokens
-        pos_t = torch.cat(positions)
+        seqs, pos_t = self._seqs(spans)
         x = self.embed_streams(token_ids)
         for layer in self.layers:
             attn = layer.attn
@@ -168,9 +167,95 @@ class DeepseekV4ForCausalLM(nn.Module):
         for seq in seqs:
             slots.cursor[seq.span.slot, 0] = seq.span.end
             slots.header[seq.span.slot, 1] = seq.span.end
-        if not all_logits:
-            x = x[torch.tensor([s.hi - 1 for s in seqs], device=dev)]
-        return self.logits(x)
+        logits = self.logits(x if all_logits else self._last(x, seqs))
+        return (logits, x) if return_residual else logits
+
+    @staticmethod
+    def _last(x: torch.Tensor, seqs: list[SeqCarry]) -> torch.Tensor:
+        return x[torch.tensor([s.hi - 1 for s in seqs], device=x.device)]
+
+    def _seqs(self, spans: list[Span]) -> tuple[list[SeqCarry], torch.Tensor]:
+        seqs, lo, positions = [], 0, []
+        for sp in spans:
+            pos = torch.arange(sp.start, sp.end, device=self.device)
+            seqs.append(SeqCarry(sp, lo, pos))
+            positions.append(pos)
+            lo += sp.num_tokens
+        return seqs, torch.cat(positions)
+
+    # ---- the MTP draft layers ------------------------------------------------------------
+
+    def check_draft_spans(self, spans: list[Span], slots: V4StateSlots, layer: int) -> None:
+        """Refuse draft spans the draft layer's state cannot continue (before any write): a
+        span at s > 0 needs the draft's window of [s - window, s), so its cursor must be in
+        [s, s + speculative_tokens] (it may rewind over rejected drafts, no further)."""
+        if not 0 <= layer < len(self.mtp):
+            raise ValueError(f"draft layer {layer} out of range [0, {len(self.mtp)})")
+        geo = slots.geometry
+        if slots.draft_cursor is None or geo.state_layers <= self.mtp[layer].layer:
+            raise GeometryError(
+                "the state has no window ring for the MTP draft layers: build the runtime "
+                "with speculative_tokens >= 1"
+            )
+        self._check_span_set(spans, slots)
+        k = geo.speculative_tokens
+        for sp in spans:
+            if sp.start == 0:
+                continue
+            tag = int(slots.header[sp.slot, 0])
+            at = int(slots.draft_cursor[sp.slot, layer])
+            if tag != slots.tag:
+                raise StateMismatchError(
+                    f"slot {sp.slot} holds no state of this layout (tag {tag:#x}), "
+                    f"draft forward starts at {sp.start}"
+                )
+            if not sp.start <= at <= sp.start + k:
+                raise StateMismatchError(
+                    f"slot {sp.slot}: draft layer {layer} is at {at}, a draft forward at "
+                    f"{sp.start} needs it in [{sp.start}, {sp.start + k}] "
+                    f"(speculative_tokens={k})"
+                )
+
+    @torch.no_grad()
+    def forward_draft_paged(
+        self,
+        token_ids: torch.Tensor,
+        residual: torch.Tensor,
+        spans: list[Span],
+        slots: V4StateSlots,
+        *,
+        layer: int = 0,
+        all_logits: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One MTP draft layer over spans (contract: ``atom.model_api.DraftRuntime``).
+
+        token_ids int64 [N] (for each position p of the spans, the token at p + 1), residual
+        [N, hc, d] (the streams at p: ``forward_paged(..., return_residual=True)``'s, or a
+        previous draft call's when chaining). Returns (float32 logits [len(spans), V] of each
+        span's last position, or [N, V] with ``all_logits``, predicting the token at p + 2;
+        the draft's output streams [N, hc, d]). Writes only the layer's window ring and its
+        cursor in each slot."""
+        c = self.config
+        if token_ids.numel() != sum(sp.num_tokens for sp in spans):
+            raise ValueError("token_ids must hold exactly the spans' tokens, in span order")
+        if tuple(residual.shape) != (token_ids.numel(), c.hc_mult, c.hidden_size):
+            raise ValueError(
+                f"residual must be [{token_ids.numel()}, {c.hc_mult}, {c.hidden_size}], "
+                f"got {list(residual.shape)}"
+            )
+        self.check_draft_spans(spans, slots, layer)
+        ids = token_ids.to(self.device)
+        seqs, pos_t = self._seqs(spans)
+        block = self.mtp[layer]
+        x = block.draft(
+            self.embed(ids),
+            residual.to(self.device),
+            ids,
+            lambda u: paged_attention(block.attn, u, pos_t, seqs, None, slots),
+        )
+        for sp in spans:
+            slots.draft_cursor[sp.slot, layer] = sp.end
+        return block.logits(x if all_logits else self._last(x, seqs), self.head), x
 
     def embed_streams(self, token_ids: torch.Tensor) -> torch.Tensor:
         e = self.embed(token_ids)

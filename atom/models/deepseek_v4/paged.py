@@ -8,6 +8,8 @@ Interval facts (per sequence, after a forward of [start, end)):
   scratch partial rows hold raw projections of positions [end // r * r, end), row = pos % r:
       empty at every multiple of r, which is every block boundary, where images are taken
   cursor = [end]
+A draft forward of MTP layer i over [start, end) writes window rows num_hidden_layers + i
+(the same ring rule) and draft_cursor[i] = end, nothing else.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ class V4StateSlots:
         self.window = self.fields["window"]
         self.cursor = self.fields["cursor"]
         self.header = self.fields["header"]
+        self.draft_cursor = self.fields.get("draft_cursor")  # [slots, draft layers] or None
         self.csa_index = {layer: i for i, layer in enumerate(geometry.csa_layers)}
         self.hca_index = {layer: i for i, layer in enumerate(geometry.hca_layers)}
 

@@ -99,14 +99,15 @@ def paged_attention(
     u: torch.Tensor,
     positions: torch.Tensor,
     seqs: list[SeqCarry],
-    kv: V4PagedKV,
+    kv: V4PagedKV | None,
     slots: V4StateSlots,
 ) -> torch.Tensor:
-    """u [N, d] (normed sublayer input of the whole flat batch) -> attention output [N, d]."""
+    """u [N, d] (normed sublayer input of the whole flat batch) -> attention output [N, d].
+    A window-only layer (the MTP draft layers among them) never reads ``kv``."""
     cs = attn.rope.cos_sin(positions)
     q, qr = attn.queries(u, cs)
     win = attn.window_kv(u, cs)
-    rw, window = kv.geometry.window_rows, attn.window
+    rw, window = slots.geometry.window_rows, attn.window
     out = torch.empty_like(q)
     for seq in seqs:
         span, lo, hi = seq.span, seq.lo, seq.hi

@@ -37,7 +37,8 @@ def _pooled(comp: V4Compressor, u: torch.Tensor, pos: torch.Tensor) -> torch.Ten
     return comp.pool(kv, score, *prev)
 
 
-def _attention(attn: V4Attention, u: torch.Tensor, pos: torch.Tensor, index_dtype: str):
+def reference_attention(attn: V4Attention, u: torch.Tensor, pos: torch.Tensor, index_dtype: str):
+    """One layer's attention over a whole sequence from position 0 (``u`` normed input)."""
     cs = attn.rope.cos_sin(pos)
     q, qr = attn.queries(u, cs)
     win = attn.window_kv(u, cs)
@@ -73,16 +74,18 @@ def _attention(attn: V4Attention, u: torch.Tensor, pos: torch.Tensor, index_dtyp
 
 
 @torch.no_grad()
-def reference_forward(model: DeepseekV4ForCausalLM, token_ids) -> torch.Tensor:
-    """Logits (float32) [S, V] of every position of one sequence computed from scratch."""
+def reference_forward(model: DeepseekV4ForCausalLM, token_ids, return_residual: bool = False):
+    """Logits (float32) [S, V] of every position of one sequence computed from scratch; with
+    ``return_residual`` also the last layer's streams before ``hc_head`` [S, hc, d] (what the
+    MTP draft layer reads)."""
     dev = model.device
     ids = torch.as_tensor(token_ids, dtype=torch.int64, device=dev)
     pos = torch.arange(ids.numel(), device=dev)
     x = model.embed_streams(ids)
     for layer in model.layers:
         attn = layer.attn
-        x = layer(x, ids, lambda u, a=attn: _attention(a, u, pos, model.index_dtype))
-    return model.logits(x)
+        x = layer(x, ids, lambda u, a=attn: reference_attention(a, u, pos, model.index_dtype))
+    return (model.logits(x), x) if return_residual else model.logits(x)
 
 
 @torch.no_grad()

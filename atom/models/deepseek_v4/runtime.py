@@ -1,4 +1,5 @@
-"""V4 as the engine sees it (``atom.model_api.ModelRuntime``): spec, binding, forward, images.
+"""V4 as the engine sees it (``atom.model_api.ModelRuntime``): spec, binding, forward, images;
+and its MTP blocks as draft layers (``atom.model_api.DraftRuntime``).
 
 Images are byte copies of the state slot, exactly as for V4.1. The live scratch (each
 compressor's current, incomplete group) stays with the runtime: images are only taken and
@@ -46,6 +47,32 @@ class V4Runtime:
 
     def forward(self, token_ids: torch.Tensor, spans: list[Span]) -> torch.Tensor:
         return self.model.forward_paged(token_ids, spans, self.kv, self.slots)
+
+    # ---- atom.model_api.DraftRuntime: the MTP blocks -----------------------------------------
+
+    @property
+    def num_draft_layers(self) -> int:
+        return self.model.num_draft_layers
+
+    def forward_with_residual(
+        self, token_ids: torch.Tensor, spans: list[Span], all_logits: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.model.forward_paged(
+            token_ids, spans, self.kv, self.slots, all_logits, return_residual=True
+        )
+
+    def draft_forward(
+        self,
+        token_ids: torch.Tensor,
+        residual: torch.Tensor,
+        spans: list[Span],
+        *,
+        layer: int = 0,
+        all_logits: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.model.forward_draft_paged(
+            token_ids, residual, spans, self.slots, layer=layer, all_logits=all_logits
+        )
 
     def store_image(self, slot: int, units: torch.Tensor) -> None:
         store_image(self.spec, self.pool, self.slot_bytes, slot, units)
