@@ -3,6 +3,7 @@ HBM + LMCache tier.
 
     python -m benchmarks.serving                       # CPU scale (v41-mini)
     python -m benchmarks.serving --preset gpu          # H200 scale (v41-bench, bf16)
+    python -m benchmarks.serving --preset gpu --model v4-bench ...   # another model, same arms
 
 Each prompt is one of ``--prefixes`` shared prefixes plus a unique tail; ``--output-len``
 tokens each; ``--concurrency`` requests in flight; a PAGE pool too small to hold the tails.
@@ -21,7 +22,9 @@ bytes, predicting the tier arm's req/s.
 from __future__ import annotations
 
 import argparse
+import shlex
 import statistics
+import sys
 import time
 
 import psutil
@@ -339,7 +342,7 @@ def main() -> None:
     if args.arms == "tier":
         arm = run_arm("HBM + tier", prompts, args, **tier_engine)
         table = md_table(STEPS_HEADER, steps_table([arm]))
-        cmd = f"python -m benchmarks.serving --preset {args.preset} --arms tier"
+        cmd = f"python -m benchmarks.serving {shlex.join(sys.argv[1:])}"
         print(table)
         print(write_results(f"{args.name}_tier", {"args": vars(args), "arms": [arm]}, table, cmd))
         return
@@ -432,7 +435,7 @@ def main() -> None:
         + md_table(STEPS_HEADER, steps_table(arms))
         + "\n"
     )
-    cmd = f"python -m benchmarks.serving --preset {args.preset}"
+    cmd = f"python -m benchmarks.serving {shlex.join(sys.argv[1:])}"  # with any overrides
     print(table)
     print(
         write_results(args.name, {"args": vars(args), "arms": arms, "summary": summary}, table, cmd)

@@ -2,7 +2,7 @@
 # On the GPU machine: install carried wheels, run GPU tests and benchmarks, keep results.
 # Usage: bash benchmarks/gpu/run.sh STEP...
 #   steps: tests tier forward profile transfer cuda_ops transfer_native serving tier_only idle
-#          train
+#          train forward_v4 serving_v4
 # cuda_ops builds lmcache.cuda_ops from lmcache's sources against this machine's torch
 # (benchmarks/gpu/build_cuda_ops.py); once built (build/ stays while the machine is warm, or
 # carried back), every later step's LMCache server uses it.
@@ -25,6 +25,13 @@ for s in "$@"; do
     forward) step 200 python3 -m benchmarks.model_forward --model v41-bench --device cuda \
       --dtype bfloat16 --prompt-len 2048 --decode-steps 16 --batch 1 8 16 \
       --name model_forward_h200 ;;
+    forward_v4) step "${FORWARD_V4_LIMIT:-150}" python3 -m benchmarks.model_forward \
+      --model v4-bench --device cuda --dtype bfloat16 --prompt-len 2048 --decode-steps 16 \
+      --batch 1 8 16 --name model_forward_v4_h200 ;;
+    serving_v4)  # the three arms on V4 (v4-bench), a smaller workload than v41-bench's gpu preset
+      step "${SERVING_V4_LIMIT:-585}" python3 -m benchmarks.serving --preset gpu \
+        --model v4-bench --requests 32 --prefix-len 2048 --tail-len 1536 --output-len 32 \
+        --concurrency 8 --max-batched-tokens 4096 --pool-blocks 190 --name serving_v4_h200 ;;
     profile) step 200 python3 -m benchmarks.profile_forward --model v41-bench --device cuda \
       --dtype bfloat16 --position 4096 --batch 16 --prefill-tokens 2048 --top 25 \
       --name profile_forward_h200 ;;

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from atom.models import registry
 from atom.models.deepseek_v4.config import V4Config, V4LayerKind
 from atom.models.deepseek_v4.presets import PRESETS, preset_config
 from atom.models.deepseek_v41.config import ConfigError, V41Config
@@ -112,3 +113,18 @@ def test_missing_field_and_bad_json(tmp_path):
         V4Config.from_json(tmp_path)
     with pytest.raises(ConfigError, match="not valid JSON"):
         resolve_config(str(tmp_path))
+
+
+def test_v4_bench_keeps_flash_per_layer_dimensions():
+    flash, bench = preset_config("v4-flash"), preset_config("v4-bench")
+    same = (
+        "hidden_size vocab_size num_attention_heads head_dim qk_rope_head_dim q_lora_rank "
+        "o_groups o_lora_rank sliding_window index_n_heads index_head_dim index_topk "
+        "moe_intermediate_size num_hash_layers rope_scaling compress_rope_theta"
+    ).split()
+    assert all(getattr(bench, f) == getattr(flash, f) for f in same)
+    assert set(bench.compress_ratios[: bench.num_hidden_layers]) == {0, 4, 128}
+    assert bench.num_hidden_layers < flash.num_hidden_layers
+    assert bench.n_routed_experts < flash.n_routed_experts
+    assert registry.default_block_size("v4-bench") == 256
+    assert "v4-bench" in registry.all_presets()

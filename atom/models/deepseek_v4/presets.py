@@ -1,10 +1,11 @@
 """DeepSeek-V4 presets: the published Flash config and the small shapes we run.
 
 v4-flash is the published DeepSeek-V4-Flash config.json (geometry checks; far too large to
-instantiate here). v4-tiny runs CPU unit tests in seconds; v4-mini keeps the real block (256),
-window (128) and HCA ratio (128) at small widths, with the FP8/FP4 simulations on, for CPU
-integration. Both small shapes have every layer kind: window-only, CSA (ratio 4) and HCA layers,
-and hash-routed MoE layers first, as in Flash.
+instantiate here). v4-bench keeps Flash's per-layer dimensions with 10 layers and 8 experts
+(bf16 on the H200 benchmarks). v4-tiny runs CPU unit tests in seconds; v4-mini keeps the real
+block (256), window (128) and HCA ratio (128) at small widths, with the FP8/FP4 simulations on,
+for CPU integration. Both small shapes have every layer kind: window-only, CSA (ratio 4) and HCA
+layers, and hash-routed MoE layers first, as in Flash.
 """
 
 from __future__ import annotations
@@ -119,10 +120,32 @@ _MINI: dict[str, Any] = dict(
     initializer_range=0.05,
 )
 
-PRESETS: dict[str, dict[str, Any]] = {"v4-flash": _FLASH, "v4-tiny": _TINY, "v4-mini": _MINI}
+# The real per-layer dimensions of Flash (hidden 4096, 64 heads x 512, window 128, indexer
+# 64 heads x 128 with top-512, expert width 2048, the full vocabulary and hash layers) with
+# fewer layers and experts, for GPU benchmarks (as v41-bench is for V4.1): two window layers,
+# then CSA (4) and HCA (128) alternating, as Flash begins, and its MTP block.
+_BENCH: dict[str, Any] = dict(
+    _FLASH,
+    num_hidden_layers=10,
+    compress_ratios=[0, 0] + [4, 128] * 4 + [0],
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+)
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "v4-flash": _FLASH,
+    "v4-tiny": _TINY,
+    "v4-mini": _MINI,
+    "v4-bench": _BENCH,
+}
 
 # Block size each preset is meant to run with (the engine's default for it).
-PRESET_BLOCK_SIZE: dict[str, int] = {"v4-flash": 256, "v4-tiny": 16, "v4-mini": 256}
+PRESET_BLOCK_SIZE: dict[str, int] = {
+    "v4-flash": 256,
+    "v4-tiny": 16,
+    "v4-mini": 256,
+    "v4-bench": 256,
+}
 
 
 def preset_config(name: str, **overrides: Any) -> V4Config:
