@@ -1,6 +1,8 @@
 """python -m atom.serve --model v41-mini --offload lmcache_mp [--lmcache-url tcp://H:P]
 [--config engine.yaml] [flags]
 
+--lmcache-l2-adapter JSON (repeatable) puts an L2 (Redis, a shared directory) under the owned
+server: replicas whose servers share one L2 share their prefixes (docs/SCALING.md).
 Flags override the YAML file; --print-config shows the resolved config and exits. Without
 --lmcache-url (and with --offload lmcache_mp) a local LMCache server is started, owned and
 stopped on exit.
@@ -42,6 +44,9 @@ OFFLOAD_FLAGS: dict[str, tuple[str, type]] = {
     "lmcache-transfer-timeout": ("transfer_timeout_s", float),
     "lmcache-rpc-timeout": ("rpc_timeout_s", float),
     "model-revision": ("model_revision", str),
+    "l2-store-policy": ("l2_store_policy", str),
+    "l2-prefetch-policy": ("l2_prefetch_policy", str),
+    "lmcache-metrics-url": ("metrics_url", str),
 }
 
 
@@ -57,6 +62,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
     for flag, (_, kind) in OFFLOAD_FLAGS.items():
         ap.add_argument(f"--{flag}", type=kind, default=None)
+    ap.add_argument(
+        "--lmcache-l2-adapter",
+        action="append",
+        default=None,
+        metavar="JSON",
+        help="an L2 adapter under the owned LMCache server (repeatable), e.g. "
+        '\'{"type": "resp", "host": "127.0.0.1", "port": 6379}\' or '
+        '\'{"type": "fs", "base_path": "/shared/kv"}\'; replaces the YAML list',
+    )
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--served-model-name", default=None)
@@ -106,6 +120,8 @@ def build_config(args: argparse.Namespace) -> EngineConfig:
         value = getattr(args, flag.replace("-", "_"))
         if value is not None:
             lmcache[field] = value
+    if getattr(args, "lmcache_l2_adapter", None):
+        lmcache["l2_adapters"] = list(args.lmcache_l2_adapter)
     if args.config:
         base = EngineConfig.from_yaml(args.config)
         merged = base.model_dump(exclude_unset=True)

@@ -12,6 +12,7 @@ import time
 
 from atom.kv_transfer.offload.config import OffloadConfig, namespace, weights_identity
 from atom.kv_transfer.offload.events import EventPool
+from atom.kv_transfer.offload.l2 import L2Status, ServerMetrics
 from atom.kv_transfer.offload.lmcache_server import LMCacheServer, LMCacheServerError
 from atom.kv_transfer.offload.lookup_thread import LookupThread
 from atom.kv_transfer.offload.scheduler import OffloadConnector
@@ -46,7 +47,13 @@ class LMCacheTier:
         self.server: LMCacheServer | None = None
         url = config.url
         if url is None:
-            self.server = LMCacheServer(chunk_size=self.chunk, l1_size_gb=config.l1_size_gb)
+            self.server = LMCacheServer(
+                chunk_size=self.chunk,
+                l1_size_gb=config.l1_size_gb,
+                l2_adapters=config.l2_adapters,
+                l2_store_policy=config.l2_store_policy,
+                l2_prefetch_policy=config.l2_prefetch_policy,
+            )
             try:
                 t0 = time.monotonic()
                 self.server.start(wait=True)
@@ -58,7 +65,17 @@ class LMCacheTier:
             except LMCacheServerError as exc:
                 log.error("could not start the LMCache server (%s); serving without the tier", exc)
             url = self.server.url
+        elif config.l2_adapters:
+            log.warning(
+                "lmcache.l2_adapters describe the external server at %s; atom does not configure "
+                "its L2 (start that server with the matching --l2-adapter flags)",
+                url,
+            )
         self.url = url
+        self.l2 = L2Status(config.l2_adapters, owned=self.server is not None)
+        self.server_metrics = ServerMetrics(
+            self.server.metrics_url if self.server is not None else config.metrics_url
+        )
         self.world_size = config.world_size(tp_size=1, rank_replicated=True)
         self.namespace = namespace(
             model=model,
@@ -106,6 +123,7 @@ class LMCacheTier:
             metrics=metrics,
             notify_progress=notify_progress,
         )
+        self._l2_metrics(metrics)
         self.lookups.start()
         registered = self.transfers.start(wait_registered_s=config.rpc_timeout_s + 2)
         log.info(
@@ -118,6 +136,31 @@ class LMCacheTier:
                 if self.transfers.healthy
                 else ("not reachable (retrying in the background)" if registered else "connecting")
             ),
+        )
+
+    def _l2_metrics(self, m) -> None:
+        """LMCache's own L2 counters, read from its Prometheus endpoint when /metrics renders."""
+        if self.server_metrics.url is None:
+            return
+        names = {
+            "l2_store_completed_objects": "lmcache_mp_l2_store_completed_objects_chunks_total",
+            "l2_store_submitted_objects": "lmcache_mp_l2_store_submitted_objects_chunks_total",
+            "l2_prefetch_lookup_objects": "lmcache_mp_l2_prefetch_lookup_objects_chunks_total",
+            "l2_prefetch_loaded_objects": "lmcache_mp_l2_prefetch_load_completed_chunks_total",
+            "l2_lookup_hit_tokens": "lmcache_mp_lookup_hit_l2_tokens_total",
+            "l2_prefetch_failures": "lmcache_mp_l2_prefetch_failure_total",
+        }
+        for short, src in names.items():
+            m.gauge(
+                f"tier_{short}_total",
+                f"LMCache's {src} (from its Prometheus endpoint; absent while unreachable).",
+                lambda src=src: self.server_metrics.totals().get(src, {}),
+                kind="counter",
+            )
+        m.gauge(
+            "tier_server_metrics_up",
+            "1 when LMCache's Prometheus endpoint answered the last read.",
+            self.server_metrics.read_up,
         )
 
     def _post(self, op) -> None:
@@ -135,6 +178,10 @@ class LMCacheTier:
             "last_error": self.transfers.last_error,
             "since": self.transfers.since,  # wall time of the last up/down change
             "server_pid": self.server.pid if self.server is not None else None,
+            "l2": self.l2.entries(),
+            "l2_store_policy": self.cfg.l2_store_policy if self.cfg.l2_adapters else None,
+            "l2_prefetch_policy": self.cfg.l2_prefetch_policy if self.cfg.l2_adapters else None,
+            "server_metrics_url": self.server_metrics.url,
         }
 
     def release(self) -> None:

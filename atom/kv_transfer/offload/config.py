@@ -17,9 +17,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 import xxhash
-from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
 
 from atom.config_errors import EngineConfigError, format_validation_error
+from atom.kv_transfer.offload import l2
 from atom.model_api import StateSpec
 
 NAMESPACE_FORMAT = "atom.offload.ns/1"
@@ -39,6 +40,36 @@ class OffloadConfig(BaseModel):
     rpc_timeout_s: float = 3.0  # bound on adapter RPCs that block (construction, register)
     save: bool = True
     load: bool = True
+    # L2 under the owned server's L1 (atom.kv_transfer.offload.l2): a list of LMCache adapter
+    # specs, e.g. {"type": "fs", "base_path": "/shared/kv"} or {"type": "resp", "host": "redis",
+    # "port": 6379}; servers sharing one L2 share their objects. With url set they describe the
+    # external server's L2 (for /health) and configure nothing.
+    l2_adapters: tuple[dict[str, Any], ...] = ()
+    l2_store_policy: Literal[l2.STORE_POLICIES] = "default"  # lmcache --l2-store-policy
+    l2_prefetch_policy: Literal[l2.PREFETCH_POLICIES] = "default"  # lmcache --l2-prefetch-policy
+    # LMCache's Prometheus endpoint (http://host:port/metrics) of an external server, for its
+    # L2 metrics in atom's /metrics; the owned server's is known
+    metrics_url: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _redact(cls, data: Any) -> Any:
+        # errors echo the value they reject: never a secret
+        if isinstance(data, dict) and data.get("l2_adapters"):
+            data = {**data, "l2_adapters": l2.redacted(data["l2_adapters"])}
+        return data
+
+    @field_validator("l2_adapters", mode="before")
+    @classmethod
+    def _l2(cls, v: Any) -> tuple[dict[str, Any], ...]:
+        return l2.validate_adapters(v)
+
+    @field_validator("metrics_url")
+    @classmethod
+    def _metrics_url(cls, v: str | None) -> str | None:
+        if v is not None and not re.fullmatch(r"https?://[^/\s]+(/\S*)?", v):
+            raise ValueError("use http://HOST:PORT/metrics")
+        return v
 
     @field_validator(
         "lookup_timeout_s", "transfer_timeout_s", "l1_size_gb", "heartbeat_s", "rpc_timeout_s"

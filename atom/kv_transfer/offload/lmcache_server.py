@@ -24,6 +24,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from atom.kv_transfer.offload.l2 import server_args
+
 log = logging.getLogger("atom.offload")
 
 TMP_PREFIX = "atom-lmcache-"
@@ -127,8 +129,15 @@ class LMCacheServer:
         host: str = "127.0.0.1",
         port: int | None = None,
         log_dir: str | Path | None = None,
+        l2_adapters: tuple[dict, ...] | list[dict] = (),
+        l2_store_policy: str = "default",
+        l2_prefetch_policy: str = "default",
     ):
         self.host, self.port = host, port or free_port(host)
+        # L2 adapters under L1 (atom.kv_transfer.offload.l2 validates them)
+        self.l2_adapters = tuple(l2_adapters)
+        self.l2_store_policy, self.l2_prefetch_policy = l2_store_policy, l2_prefetch_policy
+        self.metrics_port = free_port(host)  # LMCache's Prometheus endpoint
         self.chunk_size, self.l1_size_gb = chunk_size, l1_size_gb
         self._own_dir = log_dir is None
         self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{os.getpid()}-"))
@@ -158,8 +167,13 @@ class LMCacheServer:
             # GPU without lmcache.cuda_ops, a store could copy another request's bytes
             # (docs/LMCACHE_API.md §9.15). On CPU lmcache already disables lazy L1.
             "--no-l1-use-lazy",
-            "--prometheus-port", str(free_port(self.host)),
+            "--prometheus-port", str(self.metrics_port),
+            *server_args(self.l2_adapters, self.l2_store_policy, self.l2_prefetch_policy),
         ]  # fmt: skip
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://{self.host}:{self.metrics_port}/metrics"
 
     def start(self, wait: bool = True, timeout_s: float = 120.0) -> LMCacheServer:
         if self.running:
