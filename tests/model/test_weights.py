@@ -4,7 +4,12 @@ from safetensors.torch import load_file, save_file
 
 from atom.models.deepseek_v41.model import DeepseekV41ForCausalLM
 from atom.models.deepseek_v41.reference import reference_forward
-from atom.models.deepseek_v41.weights import WeightLoadError, load_weights, save_weights
+from atom.models.deepseek_v41.weights import (
+    WeightLoadError,
+    deepseek_names,
+    load_weights,
+    save_weights,
+)
 from atom.models.registry import load_runtime
 
 
@@ -90,3 +95,48 @@ def test_misshaped_tensor_names_both_shapes_and_loads_nothing(tiny_model, tiny_c
 def test_no_safetensors_in_directory(tiny_config, tmp_path):
     with pytest.raises(WeightLoadError, match="no \\*.safetensors"):
         load_weights(DeepseekV41ForCausalLM(tiny_config), tmp_path)
+
+
+def _deepseek_named(tiny_model, directory):
+    """The tiny model's checkpoint written with DeepSeek's names (via the naming table)."""
+    save_weights(tiny_model, directory)
+    f = directory / "model.safetensors"
+    names = deepseek_names(tiny_model.state_dict())
+    tensors = {names[k]: v for k, v in load_file(str(f)).items()}
+    save_file(tensors, str(f))
+    return tensors
+
+
+def test_deepseek_named_checkpoint_loads_like_the_hf_named_one(tiny_model, tiny_config, tmp_path):
+    names = deepseek_names(tiny_model.state_dict())
+    assert set(names) == set(tiny_model.state_dict())  # the table covers every parameter
+    assert len(set(names.values())) == len(names)
+    assert names["model.layers.2.self_attn.q_a_proj.weight"] == "layers.2.attn.wq_a.weight"
+    assert (
+        names["model.layers.0.mlp.experts.3.down_proj.weight"] == "layers.0.ffn.experts.3.w2.weight"
+    )
+    assert names["model.layers.0.mlp.gate.e_score_correction_bias"] == "layers.0.ffn.gate.bias"
+    save_weights(tiny_model, tmp_path / "hf")
+    _deepseek_named(tiny_model, tmp_path / "ds")
+    hf = DeepseekV41ForCausalLM(tiny_config).init_weights(1)
+    ds = DeepseekV41ForCausalLM(tiny_config).init_weights(2)
+    load_weights(hf, tmp_path / "hf")
+    load_weights(ds, tmp_path / "ds")
+    for (n1, a), (n2, b) in zip(hf.state_dict().items(), ds.state_dict().items()):
+        assert n1 == n2 and torch.equal(a, b), n1
+    ids = list(range(1, 30))
+    assert torch.equal(reference_forward(ds, ids), reference_forward(tiny_model, ids))
+
+
+def test_deepseek_named_errors_use_deepseek_names(tiny_model, tiny_config, tmp_path):
+    tensors = _deepseek_named(tiny_model, tmp_path)
+    tensors.pop("layers.2.attn.wkv.weight")
+    tensors["layers.1.ffn.gate.weight"] = torch.zeros(3, 3)
+    tensors["model.norm.weight"] = tensors["norm.weight"].clone()  # one tensor in both styles
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    with pytest.raises(WeightLoadError) as err:
+        load_weights(DeepseekV41ForCausalLM(tiny_config), tmp_path)
+    msg = str(err.value)
+    assert "missing tensor layers.2.attn.wkv.weight (model expects shape [64, 64])" in msg
+    assert "tensor layers.1.ffn.gate.weight has shape [3, 3] in the checkpoint" in msg
+    assert "stored twice" in msg and "model.norm.weight" in msg

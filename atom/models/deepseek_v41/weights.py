@@ -1,8 +1,16 @@
-"""Weights in safetensors with HF tensor names: load (strict, with named errors) and save."""
+"""Weights in safetensors: load (strict, with named errors) and save.
+
+Tensors are named as atom's parameters (HF-transformers style, ``model.layers.N.self_attn.
+q_a_proj.weight``), or in DeepSeek's own style (``layers.N.attn.wq_a.weight``), which DeepSeek's
+checkpoints use. ``NAMING`` maps one to the other, as data: a row per tensor kind, ``{L}`` a
+layer, ``{E}`` a routed expert, ``{T}`` an Engram table. A checkpoint may use either style, not
+both for one tensor; errors name tensors in the style the checkpoint uses.
+"""
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import torch
@@ -14,6 +22,70 @@ from atom.models.deepseek_v41.model import DeepseekV41ForCausalLM
 
 class WeightLoadError(ValueError):
     """A checkpoint that does not fit the model; the message names each offending tensor."""
+
+
+_P = "model.layers.{L}."
+# (atom / HF-style name, DeepSeek-style name)
+NAMING: tuple[tuple[str, str], ...] = (
+    ("model.embed_tokens.weight", "embed.weight"),
+    ("lm_head.weight", "head.weight"),
+    ("model.norm.weight", "norm.weight"),
+    ("model.head_hc.fn.weight", "hc_head_fn"),
+    ("model.head_hc.bias", "hc_head_base"),
+    (_P + "input_layernorm.weight", "layers.{L}.attn_norm.weight"),
+    (_P + "post_attention_layernorm.weight", "layers.{L}.ffn_norm.weight"),
+    (_P + "attn_hc.fn.weight", "layers.{L}.hc_attn_fn"),
+    (_P + "attn_hc.bias", "layers.{L}.hc_attn_base"),
+    (_P + "ffn_hc.fn.weight", "layers.{L}.hc_ffn_fn"),
+    (_P + "ffn_hc.bias", "layers.{L}.hc_ffn_base"),
+    (_P + "self_attn.attn_sink", "layers.{L}.attn.attn_sink"),
+    (_P + "self_attn.q_a_proj.weight", "layers.{L}.attn.wq_a.weight"),
+    (_P + "self_attn.q_a_layernorm.weight", "layers.{L}.attn.q_norm.weight"),
+    (_P + "self_attn.q_b_proj.weight", "layers.{L}.attn.wq_b.weight"),
+    (_P + "self_attn.kv_proj.weight", "layers.{L}.attn.wkv.weight"),
+    (_P + "self_attn.kv_norm.weight", "layers.{L}.attn.kv_norm.weight"),
+    (_P + "self_attn.o_a_proj.weight", "layers.{L}.attn.wo_a.weight"),
+    (_P + "self_attn.o_b_proj.weight", "layers.{L}.attn.wo_b.weight"),
+    (_P + "self_attn.compressor.wkv.weight", "layers.{L}.attn.compressor.wkv.weight"),
+    (_P + "self_attn.compressor.wgate.weight", "layers.{L}.attn.compressor.wgate.weight"),
+    (_P + "self_attn.compressor.norm.weight", "layers.{L}.attn.compressor.norm.weight"),
+    (_P + "self_attn.indexer.wq_b.weight", "layers.{L}.attn.indexer.wq_b.weight"),
+    (_P + "self_attn.indexer.wk.weight", "layers.{L}.attn.indexer.wk.weight"),
+    (_P + "self_attn.indexer.k_norm.weight", "layers.{L}.attn.indexer.k_norm.weight"),
+    (_P + "self_attn.indexer.weights_proj.weight", "layers.{L}.attn.indexer.weights_proj.weight"),
+    (_P + "mlp.gate.weight", "layers.{L}.ffn.gate.weight"),
+    (_P + "mlp.gate.e_score_correction_bias", "layers.{L}.ffn.gate.bias"),
+    (_P + "mlp.experts.{E}.gate_proj.weight", "layers.{L}.ffn.experts.{E}.w1.weight"),
+    (_P + "mlp.experts.{E}.up_proj.weight", "layers.{L}.ffn.experts.{E}.w3.weight"),
+    (_P + "mlp.experts.{E}.down_proj.weight", "layers.{L}.ffn.experts.{E}.w2.weight"),
+    (_P + "mlp.shared_experts.gate_proj.weight", "layers.{L}.ffn.shared_experts.w1.weight"),
+    (_P + "mlp.shared_experts.up_proj.weight", "layers.{L}.ffn.shared_experts.w3.weight"),
+    (_P + "mlp.shared_experts.down_proj.weight", "layers.{L}.ffn.shared_experts.w2.weight"),
+    (_P + "engram.key_proj.weight", "layers.{L}.engram.key_proj.weight"),
+    (_P + "engram.key_norm.weight", "layers.{L}.engram.key_norm.weight"),
+    (_P + "engram.value_proj.weight", "layers.{L}.engram.value_proj.weight"),
+    (_P + "engram.tables.{T}.weight", "layers.{L}.engram.tables.{T}.weight"),
+    (_P + "engram.vocab_map", "layers.{L}.engram.vocab_map"),
+)
+
+
+def _pattern(name: str) -> re.Pattern:
+    return re.compile(re.sub(r"\\\{([LET])\\\}", r"(?P<\1>\\d+)", re.escape(name)) + "$")
+
+
+_NAMING_RE = tuple((_pattern(hf), ds) for hf, ds in NAMING)
+
+
+def deepseek_names(params) -> dict[str, str]:
+    """atom parameter name -> its DeepSeek-style name, for every parameter ``NAMING`` covers."""
+    out = {}
+    for name in params:
+        for pat, ds in _NAMING_RE:
+            m = pat.match(name)
+            if m:
+                out[name] = ds.format(**m.groupdict())
+                break
+    return out
 
 
 def _files(path: Path) -> list[Path]:
@@ -34,22 +106,34 @@ def load_weights(model: DeepseekV41ForCausalLM, path: str | Path) -> None:
     """
     path = Path(path)
     expected = dict(model.state_dict())
-    found: dict[str, tuple[Path, tuple[int, ...]]] = {}
+    stored: dict[str, tuple[Path, tuple[int, ...]]] = {}
     for f in _files(path):
         with safe_open(str(f), framework="pt") as sf:
             for name in sf.keys():
-                found[name] = (f, tuple(sf.get_slice(name).get_shape()))
+                stored[name] = (f, tuple(sf.get_slice(name).get_shape()))
+    to_ds = deepseek_names(expected)
+    from_ds = {ds: name for name, ds in to_ds.items()}
     problems = []
+    # found: parameter name -> (file, shape, the name it is stored under)
+    found: dict[str, tuple[Path, tuple[int, ...], str]] = {}
+    for name, (f, shape) in stored.items():
+        param = name if name in expected else from_ds.get(name, name)
+        if param in found:
+            problems.append(f"tensor {param} is stored twice, as {found[param][2]} and {name}")
+        found[param] = (f, shape, name)
+    deepseek = any(name not in expected and name in from_ds for name in stored)
     for name in sorted(set(expected) - set(found)):
-        problems.append(f"missing tensor {name} (model expects shape {list(expected[name].shape)})")
-    for name in sorted(set(found) - set(expected)):
+        shown = to_ds.get(name, name) if deepseek else name
         problems.append(
-            f"unexpected tensor {name} with shape {list(found[name][1])} in {found[name][0].name}"
+            f"missing tensor {shown} (model expects shape {list(expected[name].shape)})"
         )
+    for name in sorted(set(found) - set(expected)):
+        f, shape, as_stored = found[name]
+        problems.append(f"unexpected tensor {as_stored} with shape {list(shape)} in {f.name}")
     for name in sorted(set(found) & set(expected)):
         if found[name][1] != tuple(expected[name].shape):
             problems.append(
-                f"tensor {name} has shape {list(found[name][1])} in the checkpoint, "
+                f"tensor {found[name][2]} has shape {list(found[name][1])} in the checkpoint, "
                 f"the model expects {list(expected[name].shape)}"
             )
     if problems:
@@ -57,13 +141,14 @@ def load_weights(model: DeepseekV41ForCausalLM, path: str | Path) -> None:
         more = f" (and {len(problems) - 20} more)" if len(problems) > 20 else ""
         raise WeightLoadError(f"checkpoint {path} does not fit the model: {shown}{more}")
     by_file: dict[Path, list[str]] = {}
-    for name, (f, _) in found.items():
+    for name, (f, _, _) in found.items():
         by_file.setdefault(f, []).append(name)
     for f, names in by_file.items():
         with safe_open(str(f), framework="pt") as sf:
             for name in names:
                 target = expected[name]
-                target.copy_(sf.get_tensor(name).to(device=target.device, dtype=target.dtype))
+                raw = sf.get_tensor(found[name][2])
+                target.copy_(raw.to(device=target.device, dtype=target.dtype))
 
 
 def save_weights(model: DeepseekV41ForCausalLM, directory: str | Path) -> Path:
