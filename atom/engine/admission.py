@@ -95,12 +95,26 @@ class Admission:
                 planned = self._plan_load(seq, hit, answer.tokens)
                 if planned is not None:
                     return planned
-                if self.running or any(s.block_table for s in self.waiting if s is not seq):
+                if self._others_hold(seq):
                     # No room to load now, but running or holding requests will free some:
                     # waiting beats recomputing what the tier holds (the answer is kept).
                     return Admit.BLOCKED
                 unloaded = answer.tokens
             self.connector.settle_lookup(seq)
+        span = self._take_hit(seq, hit, budget, unloaded)
+        if span is Admit.BLOCKED and hit.tokens and not self._others_hold(seq):
+            # the hit's blocks and its pinned image leave no room for the first chunk, and
+            # nothing running or held will free any: compute from 0 (evicting them) instead
+            span = self._take_hit(seq, LocalHit(0, None, [], []), budget, unloaded)
+        return span
+
+    def _others_hold(self, seq: Sequence) -> bool:
+        """Another request holds pool blocks that it will give back (running or waiting)."""
+        return bool(self.running) or any(s.block_table for s in self.waiting if s is not seq)
+
+    def _take_hit(
+        self, seq: Sequence, hit: LocalHit, budget: int, unloaded: int
+    ) -> ScheduledSpan | Admit:
         end = self._chunk_end(seq, hit.tokens, budget)
         if end is None:
             return Admit.BLOCKED

@@ -18,11 +18,14 @@ TINY = dict(block_size=16, dtype="float32", kv_dtype="fp32", index_dtype="fp32",
 def drive(engine: LLMEngine, seqs, max_steps: int) -> int:
     """Run until every sequence finished; fails past ``max_steps`` steps (a livelock or a
     deadlock: a step that runs nothing forever counts too). Returns the steps taken."""
+    stuck = 0
     for step in range(max_steps):
         if all(s.is_finished for s in seqs):
             return step
-        engine.run_once()
+        ran = engine.run_once(lambda timeout: None).ran
         engine.check_integrity()
+        stuck = 0 if ran or engine.tier_busy() else stuck + 1
+        assert stuck < 3, f"nothing can run and nothing is in flight (a deadlock): {seqs}"
     raise AssertionError(f"no progress after {max_steps} steps: {seqs}")
 
 
@@ -98,3 +101,19 @@ def test_the_oldest_request_is_never_preempted_by_a_newer_one():
     drive(eng, seqs, max_steps=3000)
     assert seqs[0].counters.preemptions == 0
     assert sum(s.counters.preemptions for s in seqs[1:]) > 0
+
+
+def test_a_hit_whose_image_fills_the_pool_is_computed_instead_of_waited_for():
+    """8 blocks of 16: a 96-token run leaves 6 cached blocks and a READY image (2 units) at
+    96; a 102-token prompt extending it hits all of that, which leaves no block for its tail,
+    and nothing running will free one: it must compute instead of waiting forever."""
+    llm = LLM("v41-tiny", num_blocks=8, max_num_seqs=2, max_num_batched_tokens=32, **TINY)
+    eng = llm.engine
+    prompt = [random.Random(9).randrange(256) for _ in range(102)]
+    params = SamplingParams(max_tokens=1, ignore_eos=True)
+    drive(eng, [eng.add_request(prompt[:96], params)], max_steps=200)
+    again = eng.add_request(prompt, SamplingParams(max_tokens=4, ignore_eos=True))
+    hit = eng.scheduler.local_hit(again)
+    assert hit.tokens == 96 and len(hit.blocks) + eng.spec.units_per_image == 8
+    drive(eng, [again], max_steps=200)
+    assert_greedy_matches_oracle(eng.runtime.model, again.prompt, again.output)
