@@ -52,6 +52,8 @@ class Tier(Protocol):
 
     def health(self) -> dict: ...
 
+    def clear(self) -> None: ...
+
     def shutdown(self, timeout_s: float) -> None: ...
 
 
@@ -359,12 +361,16 @@ class LLMEngine:
 
     # ---- introspection ------------------------------------------------------------------
 
-    def reset_prefix_cache(self) -> None:
+    def reset_prefix_cache(self, tier: bool = False) -> None:
         """Forget every cached block and unpinned image (only when nothing is running). A
         PENDING image (a tier load still in flight for an aborted request) is dropped too: it
-        would otherwise become a hit when its load lands."""
+        would otherwise become a hit when its load lands. ``tier``: empty the tier too."""
         if self.scheduler.has_work():
             raise RuntimeError("reset_prefix_cache() needs an idle engine")
+        if tier:
+            if self.tier is None:
+                raise RuntimeError("reset_prefix_cache(tier=True): no tier is attached")
+            self.tier.clear()
         while self.store.evict_fewest_dependents():
             pass
         for ckpt in [c for c in self.store.images.values() if not c.ready]:

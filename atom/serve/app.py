@@ -415,19 +415,17 @@ def build_app(state: ServerState, on_shutdown: Callable[[], None] | None = None)
 
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache(tier: bool = False):
-        if tier:
-            return error_response(
-                501,
-                "tier=true: resetting the LMCache tier is not supported (LMCache 0.5.6's MP "
-                "server offers no clear to its clients); only the HBM prefix cache is reset "
-                "with tier=false",
-                "tier",
-            )
+        engine = state.loop.engine
+        if tier and not engine.tier_health().get("attached"):
+            return error_response(400, "tier=true: no tier is attached (--offload)", "tier")
         try:
-            await asyncio.wrap_future(state.loop.call(state.loop.engine.reset_prefix_cache))
+            await asyncio.wrap_future(state.loop.call(lambda: engine.reset_prefix_cache(tier)))
         except RuntimeError as exc:
             return error_response(409, f"{exc}; retry when no request is running")
-        return {"status": "ok", "reset": ["hbm"]}
+        except Exception as exc:  # the tier did not answer the clear
+            log.warning("reset_prefix_cache(tier=True) failed: %r", exc)
+            return error_response(503, f"the tier could not be cleared: {exc!r}", "tier")
+        return {"status": "ok", "reset": ["hbm", "tier"] if tier else ["hbm"]}
 
     # ---- models and tokens ----------------------------------------------------------------
 

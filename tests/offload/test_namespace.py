@@ -61,8 +61,8 @@ def test_another_geometry_never_hits_the_same_geometry_does(lmcache_server, make
         assert [o.tier_hit_tokens for o in out] == [0] * len(prompts), change
         conn = other.engine.scheduler.connector
         # the lookups were answered (a miss), not lost: the namespace is what kept them apart
-        assert conn.m_lookups.get(outcome="miss") == len(prompts)
-        assert conn.m_loads.total() == 0
+        assert conn.m.lookups.get(outcome="miss") == len(prompts)
+        assert conn.m.loads.total() == 0
         other.shutdown()
 
     third = make_llm(**tier(lmcache_server))  # the first one's geometry

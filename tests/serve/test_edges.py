@@ -275,10 +275,23 @@ def test_tokenize_detokenize_version_ping(served):
     assert httpx.post(f"{served.url}/ping").status_code == 200
 
 
-def test_reset_prefix_cache_tier_is_a_clear_501(served):
-    err = assert_error(httpx.post(f"{served.url}/reset_prefix_cache?tier=true"), 501, "tier")
-    assert err["param"] == "tier"
+def test_reset_prefix_cache_tier_true_empties_the_tier_too(served):
     assert_error(httpx.post(f"{served.url}/reset_prefix_cache?tier=maybe"), 400, "tier")
+    prompt = "a prompt the tier will hold, then forget. " * 4
+    body = base(prompt=prompt, max_tokens=1, temperature=0)
+    post(served, "/v1/completions", body)
+    wait_for(lambda: running(served) == 0, what="idle")
+    wait_for(lambda: metric(served, "atom_tier_transfers_in_flight") == 0, what="saves")
+    r = httpx.post(f"{served.url}/reset_prefix_cache")  # HBM only: the tier still serves it
+    assert r.json()["reset"] == ["hbm"]
+    src = post(served, "/v1/completions", body).json()["usage"]["prompt_tokens_details"]
+    assert src["hbm_tokens"] == 0 and src["tier_tokens"] > 0, src
+    wait_for(lambda: running(served) == 0, what="idle")
+    wait_for(lambda: metric(served, "atom_tier_transfers_in_flight") == 0, what="saves")
+    r = httpx.post(f"{served.url}/reset_prefix_cache?tier=true")
+    assert r.status_code == 200 and r.json()["reset"] == ["hbm", "tier"], r.text
+    src = post(served, "/v1/completions", body).json()["usage"]["prompt_tokens_details"]
+    assert src["hbm_tokens"] == 0 and src["tier_tokens"] == 0, src
 
 
 def test_reset_prefix_cache_forgets_hbm_hits(served):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import time
 
+from atom.kv_transfer.offload.admin import clear_server
 from atom.kv_transfer.offload.config import OffloadConfig, namespace, weights_identity
 from atom.kv_transfer.offload.events import EventPool
 from atom.kv_transfer.offload.l2 import L2Status, ServerMetrics
@@ -162,6 +163,12 @@ class LMCacheTier:
             "1 when LMCache's Prometheus endpoint answered the last read.",
             self.server_metrics.read_up,
         )
+
+    def clear(self) -> None:
+        """Empty the server's L1 (see ``admin.clear_server``); what this engine knew the tier
+        held is forgotten, so what it computes is stored again."""
+        clear_server(self.url, self.ctx, self.cfg.rpc_timeout_s)
+        self.connector.tier_lost()
 
     def _post(self, op) -> None:
         self.connector.post(op)

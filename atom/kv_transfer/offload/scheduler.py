@@ -116,11 +116,7 @@ class OffloadConnector(TransferOutcomes, Connector):
         epoch = self.transfers.epoch
         if epoch != self._epoch:  # the tier may have lost everything: store again from 0
             self._epoch = epoch
-            self._stored.clear()
-            for st in self._requests.values():
-                st.saved_upto = 0
-                if st.tier_has is not None:
-                    st.tier_has = 0
+            self.tier_lost()
         with self._lock:
             outcomes, self._outcomes = list(self._outcomes), deque()
         for op in outcomes:
@@ -134,6 +130,15 @@ class OffloadConnector(TransferOutcomes, Connector):
         self._end_sessions()
         emitted, self._emitted = self._emitted, []
         return emitted
+
+    def tier_lost(self) -> None:
+        """The tier may hold none of what it held (a restart, a clear): trust nothing stored
+        before, and store again what the running requests compute."""
+        self._stored.clear()
+        for st in self._requests.values():
+            st.saved_upto = 0
+            if st.tier_has is not None:
+                st.tier_has = 0
 
     def _state(self, seq: Sequence) -> TierRequest:
         st = self._requests.get(seq.seq_id)
