@@ -22,6 +22,7 @@ class StateSpec:
     state_bytes: int  # bytes per state slot (== image bytes)
     layout_id: str  # hex digest of every field that places a byte
     header_offset: int  # byte offset of the slot header: int64 [layout tag, position]
+    speculative_tokens: int = 0  # draft rows the state was laid out for (0: no drafts)
 
     @property
     def units_per_image(self) -> int:

@@ -111,7 +111,7 @@ def test_layout_ids_separate_models_and_geometries():
         block_size=256,
         speculative_tokens=0,
     )
-    kw = dict(model="m", revision="r", chunk_size=256, world_size=1, speculative_tokens=0)
+    kw = dict(model="m", revision="r", chunk_size=256, world_size=1)
     assert namespace(spec=base.state_spec(), **kw) != namespace(spec=g41.state_spec(), **kw)
 
 

@@ -34,7 +34,6 @@ BASE = dict(
     weights="seed=0",
     chunk_size=BLOCK,
     world_size=1,
-    speculative_tokens=0,
 )
 
 
@@ -126,7 +125,7 @@ def test_namespace_is_the_same_in_another_process():
         dict(spec=replace(SPEC, state_bytes=SPEC.state_bytes + 64)),
         dict(chunk_size=2 * BLOCK),
         dict(world_size=2),
-        dict(speculative_tokens=1),
+        dict(spec=replace(SPEC, speculative_tokens=1)),
     ],
     ids=lambda c: next(iter(c)) if "spec" not in c else "spec",
 )
@@ -141,7 +140,7 @@ def test_every_hashed_field_gives_its_own_namespace():
         dict(spec=replace(SPEC, layout_id="0" * 32)),
         dict(chunk_size=2 * BLOCK),
         dict(world_size=2),
-        dict(speculative_tokens=1),
+        dict(spec=replace(SPEC, speculative_tokens=1)),
     ]
     names = {namespace(**{**BASE, **v}) for v in variants} | {namespace(**BASE)}
     assert len(names) == len(variants) + 1
@@ -152,7 +151,7 @@ def test_a_value_that_cannot_be_hashed_stably_is_refused(bad):
     with pytest.raises(EngineConfigError, match="cannot be hashed stably"):
         namespace(**{**BASE, "spec": replace(SPEC, block_bytes=bad)})
     with pytest.raises(EngineConfigError, match="cannot be hashed stably"):
-        namespace(**{**BASE, "speculative_tokens": bad})
+        namespace(**{**BASE, "spec": replace(SPEC, speculative_tokens=bad)})
 
 
 def test_model_directory_path_does_not_split_the_namespace(tmp_path):

@@ -56,6 +56,6 @@ def test_v4_and_v41_never_share_tier_objects(lmcache_server, make_llm):
     v41 = make_llm("v41-tiny", **tier(lmcache_server))
     out = v41.generate(prompts, GREEDY)[0]
     assert out.tier_hit_tokens == 0
-    kw = dict(model="m", revision="", chunk_size=BLOCK, world_size=1, speculative_tokens=0)
+    kw = dict(model="m", revision="", chunk_size=BLOCK, world_size=1)
     spec4, spec41 = v4.engine.spec, v41.engine.spec
     assert namespace(spec=spec4, **kw) != namespace(spec=spec41, **kw)

@@ -85,7 +85,6 @@ class LMCacheTier:
             weights=weights_identity(model, seed),
             chunk_size=self.chunk,
             world_size=self.world_size,
-            speculative_tokens=0,
         )
         self.segment = share_pool(pool_tensor)
         self.ctx = zmq.Context()

@@ -150,9 +150,9 @@ def namespace(
     weights: str = "",
     chunk_size: int,
     world_size: int,
-    speculative_tokens: int,
 ) -> str:
-    """The LMCache ``model_name`` every key carries: readable prefix + hash of the layout."""
+    """The LMCache ``model_name`` every key carries: readable prefix + hash of the layout (the
+    model publishes every byte-moving field of its state, drafts included, in ``spec``)."""
     fields = {
         "format": NAMESPACE_FORMAT,
         "model": model_identity(model),
@@ -165,7 +165,7 @@ def namespace(
         "units_per_image": spec.units_per_image,
         "chunk_size": chunk_size,
         "world_size": world_size,
-        "speculative_tokens": speculative_tokens,
+        "speculative_tokens": spec.speculative_tokens,
     }
     try:
         canonical = json.dumps(fields, sort_keys=True, separators=(",", ":"), allow_nan=False)

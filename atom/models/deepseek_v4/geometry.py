@@ -103,6 +103,7 @@ class V4PoolGeometry:
             state_bytes=self.state_bytes,
             layout_id=self.layout_id,
             header_offset=self.field("header").offset,
+            speculative_tokens=self.speculative_tokens,
         )
 
     def describe(self) -> dict:
