@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -23,42 +22,28 @@ from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from atom.serve.engine_loop import Delta, EngineLoop, RequestStream
+from atom.serve.edge import (
+    _Edge,
+    _next_delta,
+    _wait_disconnect,
+    error_response,
+    validation_message,
+)
+from atom.serve.engine_loop import EngineLoop
 from atom.serve.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
-    DetokenizeRequest,
-    TokenizeRequest,
     render_chat,
 )
-from atom.tokenizer import ByteTokenizer, Tokenizer
+from atom.serve.rendering import _Choice, _Output, _Stopper, _usage
+from atom.serve.routes import add_operation_routes, server_version, unknown_model
+from atom.tokenizer import Tokenizer
 
 log = logging.getLogger("atom.serve")
-
-GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
-OPEN_PATHS = ("/health", "/ping", "/metrics", "/version")  # reachable without --api-key
-ERROR_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    404: "not_found_error",
-    405: "invalid_request_error",
-    409: "conflict_error",
-    501: "not_implemented_error",
-    503: "service_unavailable",
-}
-
-
-def _version() -> str:
-    try:
-        from importlib.metadata import version
-
-        return version("atom")
-    except Exception:
-        return "unknown"
 
 
 @dataclass
@@ -79,258 +64,6 @@ class ServerState:
     active_ids: set[str] = field(default_factory=set)  # their engine request ids
 
 
-def error_response(
-    status: int, message: str, param: str | None = None, headers: dict | None = None
-) -> JSONResponse:
-    kind = ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
-    body = {"error": {"message": message, "type": kind, "param": param, "code": status}}
-    return JSONResponse(body, status_code=status, headers=headers)
-
-
-def _short(value, limit: int = 80) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def validation_message(errors: list[dict]) -> tuple[str, str | None]:
-    """pydantic's errors as one message naming each field, its value and what is allowed."""
-    msgs, param = [], None
-    for err in errors:
-        loc = ".".join(str(p) for p in err["loc"] if p != "body")
-        msg = err["msg"].removeprefix("Value error, ")
-        if err["type"] == "extra_forbidden":
-            msg = f"unknown field (value {_short(err.get('input'))}); unknown fields are refused"
-        elif err["type"] == "json_invalid":
-            at = f" at position {loc}" if loc else ""
-            msg, loc = f"malformed JSON{at}: {err.get('ctx', {}).get('error', msg)}", ""
-        elif err["type"] == "missing":
-            msg = "field required"
-        elif err["type"] != "value_error" and "input" in err:
-            msg = f"{msg} (got {_short(err['input'])})"
-        if param is None:
-            named = re.match(r"([A-Za-z_][\w.]*):", msg)  # a model-level check names its field
-            param = loc or (named.group(1) if named else None)
-        msgs.append(f"{loc}: {msg}" if loc and not msg.startswith(f"{loc}:") else msg)
-    return "; ".join(msgs) or "invalid request", param
-
-
-class _Edge:
-    """Pure ASGI middleware (BaseHTTPMiddleware would hide client disconnects): the API key,
-    ``X-Request-Id``, a JSON 500 for any exception, and the HTTP metrics for every response."""
-
-    def __init__(self, app, state: ServerState):
-        self.app, self.state = app, state
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        state, path = self.state, scope["path"]
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-        given = headers.get("x-request-id")
-        slots = scope.setdefault("state", {})
-        status: int | None = None
-
-        async def send_out(msg):
-            nonlocal status
-            if msg["type"] == "http.response.start":
-                status = msg["status"]
-                rid = given or slots.get("request_id")
-                if rid:
-                    extra = [(b"x-request-id", rid.encode("latin-1", "replace"))]
-                    msg = {**msg, "headers": [*msg.get("headers", []), *extra]}
-            await send(msg)
-
-        generation = path in GENERATION_PATHS
-        if generation:
-            state.active_http += 1
-        try:
-            if given is not None and not (0 < len(given) <= 256 and given.isprintable()):
-                response = error_response(
-                    400, "X-Request-Id: must be 1-256 printable characters", "X-Request-Id"
-                )
-                given = None
-            elif state.api_key and path not in OPEN_PATHS and not _authorized(state, headers):
-                response = error_response(
-                    401,
-                    "missing or wrong API key: send 'Authorization: Bearer <key>' with the key "
-                    "this server was started with (--api-key)",
-                    headers={"WWW-Authenticate": "Bearer"},
-                )
-            else:
-                response = None
-            if response is not None:
-                await response(scope, receive, send_out)
-            else:
-                await self.app(scope, receive, send_out)
-        except Exception as exc:
-            log.exception("unhandled error in %s %s", scope.get("method"), path)
-            if status is None:
-                msg = f"internal error ({type(exc).__name__}); this is a bug, the log has details"
-                await error_response(500, msg)(scope, receive, send_out)
-        finally:
-            if generation:
-                state.active_http -= 1
-            route = scope.get("route")
-            label = getattr(route, "path", None) or "(unmatched)"
-            key = (label, status or 500)
-            state.http_requests[key] = state.http_requests.get(key, 0) + 1
-
-
-def _authorized(state: ServerState, headers: dict[str, str]) -> bool:
-    import hmac
-
-    auth = headers.get("authorization", "")
-    scheme, _, token = auth.partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip(), state.api_key)
-
-
-class _Stopper:
-    """Applies stop strings to the decoded text, holding back what could start one."""
-
-    def __init__(self, tokenizer: Tokenizer, stops: list[str]):
-        self.tok, self.stops = tokenizer, stops
-        self.hold = max((len(s) for s in stops), default=1) - 1
-        self.ids: list[int] = []
-        self.sent = 0
-        self.stopped = False
-
-    def feed(self, ids: list[int], final: bool) -> str:
-        self.ids.extend(ids)
-        text = self.tok.decode(self.ids)
-        for s in self.stops:
-            at = text.find(s)
-            if at >= 0:
-                text, final, self.stopped = text[:at], True, True
-        limit = len(text) if final else max(self.sent, len(text) - self.hold)
-        if not final:
-            while limit > self.sent and text[limit - 1] == "\ufffd":  # an unfinished utf-8
-                limit -= 1
-        out, self.sent = text[self.sent : limit], max(self.sent, limit)
-        return out
-
-
-LOGPROB_FLOOR = -9999.0  # what JSON carries for -inf (as vLLM)
-
-
-def _lp(value: float) -> float:
-    return max(value, LOGPROB_FLOOR)
-
-
-@dataclass(eq=False)
-class _Choice:
-    """One of a request's ``n`` choices: its engine request and what was sent of it."""
-
-    index: int
-    rid: str
-    stream: RequestStream
-    stopper: _Stopper
-    delta: Delta | None = None  # the last delta read
-    reason: str | None = None  # the finish reason, once it ended
-    offset: int = 0  # completions' text_offset of the next token reported
-
-
-class _Output:
-    """A request's text and logprobs as OpenAI's shapes: the echoed prompt, each generated
-    token's logprob and alternatives (the engine records them before the token is visible,
-    so ``seq.logprobs`` covers every token a delta carries)."""
-
-    def __init__(self, tokenizer: Tokenizer, body, chat: bool, ids: list[int], text: str | None):
-        self.tok = tokenizer
-        self.k, _ = body._logprobs()
-        self.want = self.k is not None
-        self.echo_only = body.echo_only
-        self.ids = ids
-        echo = not chat and body.echo
-        self.echo_text = (text if text is not None else tokenizer.decode(ids)) if echo else ""
-        self._strs: dict[int, str] = {}
-
-    def token_str(self, t: int) -> str:
-        s = self._strs.get(t)
-        if s is None:
-            s = self._strs[t] = self.tok.decode([t])
-        return s
-
-    def token_bytes(self, t: int) -> list[int]:
-        if isinstance(self.tok, ByteTokenizer):
-            return [t] if 0 <= t < 256 else []
-        return list(self.token_str(t).encode("utf-8"))
-
-    def take(self, c: _Choice, delta: Delta) -> tuple[str, list]:
-        """A delta's new text (after stop strings) and its tokens' (id, TokenLogprob)."""
-        if self.echo_only:
-            return "", []  # the one token sampled is not returned
-        done = len(c.stopper.ids)
-        text = c.stopper.feed(delta.token_ids, delta.finished)
-        if not (self.want and delta.token_ids):
-            return text, []
-        seq = delta.seq or c.stream.seq
-        return text, [(r.token_id, r) for r in seq.logprobs[done : done + len(delta.token_ids)]]
-
-    def completion_tokens(self, c: _Choice) -> int:
-        return 0 if self.echo_only else len(c.stopper.ids)
-
-    def echo(self, c: _Choice) -> tuple[str, list]:
-        """The echoed prompt and, with logprobs, its tokens' (id, TokenLogprob | None)."""
-        if not self.want or not self.echo_text:
-            return self.echo_text, []
-        seq = c.stream.seq or c.delta.seq
-        recs = [None, *seq.prompt_logprobs]
-        return self.echo_text, list(zip(self.ids, recs))
-
-    def completion_logprobs(self, c: _Choice, entries: list) -> dict:
-        tokens, values, tops, offsets = [], [], [], []
-        for tid, rec in entries:
-            s = self.token_str(tid)
-            tokens.append(s)
-            offsets.append(c.offset)
-            c.offset += len(s)
-            if rec is None:  # the first prompt token: nothing predicts it
-                values.append(None)
-                tops.append(None)
-                continue
-            values.append(_lp(rec.logprob))
-            top = {self.token_str(t): _lp(v) for t, v in rec.top}
-            top.setdefault(s, _lp(rec.logprob))  # the chosen token is always there
-            tops.append(top)
-        return {
-            "tokens": tokens,
-            "token_logprobs": values,
-            "top_logprobs": tops,
-            "text_offset": offsets,
-        }
-
-    def chat_logprobs(self, entries: list) -> dict:
-        def item(t: int, v: float) -> dict:
-            return {"token": self.token_str(t), "logprob": _lp(v), "bytes": self.token_bytes(t)}
-
-        content = []
-        for tid, rec in entries:
-            entry = item(tid, rec.logprob)
-            entry["top_logprobs"] = [item(t, v) for t, v in rec.top]
-            content.append(entry)
-        return {"content": content}
-
-
-async def _wait_disconnect(request: Request) -> None:
-    """Returns when the client has gone (the body is read: the next message is the end)."""
-    while True:
-        msg = await request.receive()
-        if msg["type"] == "http.disconnect":
-            return
-
-
-async def _next_delta(stream: RequestStream, gone: asyncio.Task) -> Delta | None:
-    """The next delta, or None if the client disconnected first."""
-    if not stream.queue.empty():
-        return stream.queue.get_nowait()
-    get = asyncio.ensure_future(stream.queue.get())
-    done, _ = await asyncio.wait({get, gone}, return_when=asyncio.FIRST_COMPLETED)
-    if get in done:
-        return get.result()
-    get.cancel()
-    return None
-
-
 def build_app(state: ServerState, on_shutdown: Callable[[], None] | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -340,7 +73,7 @@ def build_app(state: ServerState, on_shutdown: Callable[[], None] | None = None)
         if on_shutdown is not None:
             on_shutdown()
 
-    app = FastAPI(title="atom", version=_version(), lifespan=lifespan)
+    app = FastAPI(title="atom", version=server_version(), lifespan=lifespan)
     app.add_middleware(_Edge, state=state)
 
     def end_by_stop_string(rid: str) -> None:
@@ -374,105 +107,7 @@ def build_app(state: ServerState, on_shutdown: Callable[[], None] | None = None)
                 message = f"the request body is not usable JSON ({type(cause).__name__}: {cause})"
         return error_response(exc.status_code, message, headers=exc.headers)
 
-    # ---- operations -----------------------------------------------------------------------
-
-    @app.get("/health")
-    async def health():
-        alive = state.loop.alive
-        status = "draining" if state.draining else ("ok" if alive else "unavailable")
-        body = {
-            "status": status,
-            "model": state.model_name,
-            "draining": state.draining,
-            "uptime_s": round(time.time() - state.started, 1),
-            "engine": state.loop.engine.stats() if alive else None,
-            "tier": state.tier_health(),
-        }
-        return JSONResponse(body, status_code=200 if status == "ok" else 503)
-
-    @app.api_route("/ping", methods=["GET", "POST"])
-    async def ping():
-        if state.draining or not state.loop.alive:
-            return error_response(503, "the server is draining or its engine has stopped")
-        return Response(status_code=200)
-
-    @app.get("/version")
-    async def version():
-        return {"version": _version()}
-
-    @app.get("/metrics")
-    async def metrics():
-        lines = [state.loop.engine.metrics.render()]
-        lines.append("# HELP atom_http_requests_total HTTP responses by route and status.")
-        lines.append("# TYPE atom_http_requests_total counter")
-        for (path, status), n in sorted(state.http_requests.items()):
-            lines.append(f'atom_http_requests_total{{path="{path}",status="{status}"}} {n}')
-        tier = state.tier_health()
-        lines.append("# HELP atom_tier_healthy 1 when the LMCache tier is attached and healthy.")
-        lines.append("# TYPE atom_tier_healthy gauge")
-        lines.append(f"atom_tier_healthy {1 if tier.get('healthy') else 0}")
-        return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
-
-    @app.post("/reset_prefix_cache")
-    async def reset_prefix_cache(tier: bool = False):
-        engine = state.loop.engine
-        if tier and not engine.tier_health().get("attached"):
-            return error_response(400, "tier=true: no tier is attached (--offload)", "tier")
-        try:
-            await asyncio.wrap_future(state.loop.call(lambda: engine.reset_prefix_cache(tier)))
-        except RuntimeError as exc:
-            return error_response(409, f"{exc}; retry when no request is running")
-        except Exception as exc:  # the tier did not answer the clear
-            log.warning("reset_prefix_cache(tier=True) failed: %r", exc)
-            return error_response(503, f"the tier could not be cleared: {exc!r}", "tier")
-        return {"status": "ok", "reset": ["hbm", "tier"] if tier else ["hbm"]}
-
-    # ---- models and tokens ----------------------------------------------------------------
-
-    def model_card() -> dict:
-        return {
-            "id": state.model_name,
-            "object": "model",
-            "created": int(state.started),
-            "owned_by": "atom",
-            "root": state.model_name,
-            "parent": None,
-            "max_model_len": state.max_model_len,
-        }
-
-    def unknown_model(name) -> JSONResponse:
-        return error_response(
-            404,
-            f"model {name!r} does not exist here; this server serves {state.model_name!r}",
-            "model",
-        )
-
-    @app.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [model_card()]}
-
-    @app.get("/v1/models/{model_id:path}")
-    async def model(model_id: str):
-        return model_card() if model_id == state.model_name else unknown_model(model_id)
-
-    @app.post("/tokenize")
-    async def tokenize(body: TokenizeRequest):
-        if body.model is not None and body.model != state.model_name:
-            return unknown_model(body.model)
-        ids = state.tokenizer.encode(body.text())
-        strs = [state.tokenizer.decode([t]) for t in ids] if body.return_token_strs else None
-        return {
-            "count": len(ids),
-            "max_model_len": state.max_model_len,
-            "tokens": ids,
-            "token_strs": strs,
-        }
-
-    @app.post("/detokenize")
-    async def detokenize(body: DetokenizeRequest):
-        if body.model is not None and body.model != state.model_name:
-            return unknown_model(body.model)
-        return {"prompt": state.tokenizer.decode(body.tokens)}
+    add_operation_routes(app, state)
 
     # ---- generation -----------------------------------------------------------------------
 
@@ -540,7 +175,7 @@ def build_app(state: ServerState, on_shutdown: Callable[[], None] | None = None)
         if state.draining or not state.loop.alive:
             return error_response(503, "the server is shutting down; retry on another replica")
         if body.model != state.model_name:
-            return unknown_model(body.model)
+            return unknown_model(state, body.model)
         try:
             params = [body.sampling_params(state.default_max_tokens, i) for i in range(body.n)]
         except ValidationError as exc:
@@ -756,18 +391,3 @@ def build_app(state: ServerState, on_shutdown: Callable[[], None] | None = None)
         yield "data: [DONE]\n\n"
 
     return app
-
-
-def _usage(seq, completion_tokens: int) -> dict:
-    c = seq.counters
-    return {
-        "prompt_tokens": c.prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": c.prompt_tokens + completion_tokens,
-        "prompt_tokens_details": {
-            "cached_tokens": c.hbm_hit_tokens + c.tier_hit_tokens,
-            "hbm_tokens": c.hbm_hit_tokens,
-            "tier_tokens": c.tier_hit_tokens,
-            "computed_tokens": c.computed_prompt_tokens,
-        },
-    }
