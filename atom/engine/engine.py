@@ -13,6 +13,7 @@ from atom.config import EngineConfig
 from atom.engine.block_pool import BlockPool
 from atom.engine.checkpoints import CheckpointStore
 from atom.engine.connector import Connector
+from atom.engine.engine_metrics import EngineMetrics
 from atom.engine.integrity import check_integrity
 from atom.engine.model_runner import ModelRunner
 from atom.engine.sampler import (
@@ -100,7 +101,7 @@ class LLMEngine:
         self.sampler = Sampler(cfg.seed)
         self.requests: dict[str, Sequence] = {}
         self.steps = 0
-        self._init_metrics()
+        self.m = EngineMetrics(self.metrics, self.scheduler, self.store, self.pool)
         log.info(
             "engine ready: model=%s device=%s dtype=%s kv=%s index=%s block=%d pool=%d blocks "
             "x %d B, image=%d B (%d units)",
@@ -114,55 +115,6 @@ class LLMEngine:
             self.spec.block_bytes,
             self.spec.state_bytes,
             self.spec.units_per_image,
-        )
-
-    def _init_metrics(self) -> None:
-        m, sched, store, pool = self.metrics, self.scheduler, self.store, self.pool
-        self.m_requests = m.counter("requests_total", "Finished requests by finish reason.")
-        self.m_prompt = m.counter(
-            "prompt_tokens_total", "Prompt tokens by source: hbm, tier or computed."
-        )
-        self.m_gen = m.counter("generation_tokens_total", "Generated tokens.")
-        self.m_step = m.histogram("step_seconds", "Engine step wall time.")
-        self.m_ttft = m.histogram("time_to_first_token_seconds", "Arrival to first token.")
-        self.m_itl = m.histogram("inter_token_latency_seconds", "Time between output tokens.")
-        m.gauge("requests_waiting", "Requests queued.", lambda: len(sched.waiting))
-        m.gauge(
-            "requests_running", "Requests holding blocks and a slot.", lambda: len(sched.running)
-        )
-        m.gauge(
-            "preemptions_total",
-            "Preemptions (recompute) so far.",
-            lambda: sched.preemptions,
-            "counter",
-        )
-        m.gauge(
-            "tier_tokens_recomputed_total",
-            "Prompt tokens the tier held that were computed: no room to load them.",
-            lambda: sched.tier_tokens_recomputed,
-            "counter",
-        )
-        m.gauge(
-            "pool_blocks",
-            "PAGE blocks by state.",
-            lambda: {
-                (("state", "free"),): pool.num_free,
-                (("state", "cached"),): pool.num_cached,
-                (("state", "image"),): store.counts()["units"],
-                (("state", "total"),): pool.num_blocks,
-            },
-        )
-        m.gauge(
-            "checkpoint_images_ready", "READY checkpoint images.", lambda: store.counts()["ready"]
-        )
-        m.gauge(
-            "checkpoint_images_created_total", "Images taken.", lambda: store.created, "counter"
-        )
-        m.gauge(
-            "checkpoint_images_evicted_total",
-            "Images evicted (LRU) or dropped with their prefix.",
-            lambda: store.evicted + store.dropped_with_prefix,
-            "counter",
         )
 
     # ---- requests -----------------------------------------------------------------------
@@ -298,16 +250,16 @@ class LLMEngine:
                 seq.tokens.append(sampled[i])
                 if seq.first_token_time is None:
                     seq.first_token_time = now
-                    self.m_ttft.observe(now - seq.arrival_time)
+                    self.m.ttft.observe(now - seq.arrival_time)
                 else:
-                    self.m_itl.observe(now - seq.token_times[-1])
+                    self.m.itl.observe(now - seq.token_times[-1])
                 seq.token_times.append(now)
-                self.m_gen.inc()
+                self.m.gen.inc()
                 reason = self._stop_reason(seq)
                 if reason:
                     self._finish(seq, reason)
                     finished.append(seq)
-        self.m_step.observe(time.perf_counter() - t0)
+        self.m.step.observe(time.perf_counter() - t0)
         return StepResult(True, finished, False)
 
     # ---- driving ------------------------------------------------------------------------
@@ -351,10 +303,10 @@ class LLMEngine:
     def _finish(self, seq: Sequence, reason: str) -> None:
         self.scheduler.finish(seq, reason)
         c = seq.counters
-        self.m_requests.inc(finish_reason=reason)
-        self.m_prompt.inc(c.hbm_hit_tokens, source="hbm")
-        self.m_prompt.inc(c.tier_hit_tokens, source="tier")
-        self.m_prompt.inc(c.computed_prompt_tokens, source="computed")
+        self.m.requests.inc(finish_reason=reason)
+        self.m.prompt.inc(c.hbm_hit_tokens, source="hbm")
+        self.m.prompt.inc(c.tier_hit_tokens, source="tier")
+        self.m.prompt.inc(c.computed_prompt_tokens, source="computed")
         seq.finish_time = time.perf_counter()
         self.sampler.forget(seq)
         self.requests.pop(seq.request_id, None)

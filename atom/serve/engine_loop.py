@@ -206,10 +206,10 @@ class EngineLoop:
             return
         m = self.engine
         cur = {
-            "gen": m.m_gen.total(),
-            "hbm": m.m_prompt.get(source="hbm"),
-            "tier": m.m_prompt.get(source="tier"),
-            "computed": m.m_prompt.get(source="computed"),
+            "gen": m.m.gen.total(),
+            "hbm": m.m.prompt.get(source="hbm"),
+            "tier": m.m.prompt.get(source="tier"),
+            "computed": m.m.prompt.get(source="computed"),
         }
         d = {k: cur[k] - self._logged[k] for k in cur}
         prompt = d["hbm"] + d["tier"] + d["computed"]
