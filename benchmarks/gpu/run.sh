@@ -12,9 +12,9 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 [ -f build/lmcache_cuda_ops/cuda_ops.so ] && { python3 benchmarks/gpu/build_cuda_ops.py || exit 1; }
 export PYTHONPATH=/tmp/site:$PWD LMCACHE_TRACK_USAGE=false PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt"
+RESULTS=${OUT:-/tmp/out}  # where results are copied (the caller may set OUT)
+mkdir -p "$RESULTS"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$RESULTS/gpu.txt"
 step() { local limit=$1; shift; echo "=== $* (limit ${limit}s)"; local t0=$SECONDS
   timeout "$limit" "$@"; echo "=== rc=$? in $((SECONDS - t0)) s"; }
 for s in "$@"; do
@@ -38,7 +38,7 @@ for s in "$@"; do
     transfer) step 150 python3 -m benchmarks.transfer --device cuda --chunks 1 4 16 28 \
       --repeats 5 ;;
     cuda_ops) step 420 python3 benchmarks/gpu/build_cuda_ops.py \
-      && cp build/lmcache_cuda_ops/cuda_ops.so "$OUT"/ ;;
+      && cp build/lmcache_cuda_ops/cuda_ops.so "$RESULTS"/ ;;
     transfer_native) step 150 python3 -m benchmarks.transfer --device cuda --chunks 1 4 16 28 \
       --repeats 5 --burst 16 --name transfer_h200_native ;;
     serving) step 585 python3 -m benchmarks.serving --preset gpu ;;
@@ -53,11 +53,11 @@ for s in "$@"; do
                   "C --lr 3e-3 --lengths 256 768 --curriculum 0.3" \
                   "D --lr 2e-3 --lengths 192 448 --curriculum 0.3 --batch 64"; do
         set -- $spec; name=$1; shift
-        (timeout "$t" python3 -m tools.train_recall $base "$@" --out "$OUT/recall-$name" 2>&1 \
+        (timeout "$t" python3 -m tools.train_recall $base "$@" --out "$RESULTS/recall-$name" 2>&1 \
           | sed -u "s/^/[$name] /") &
       done
       wait ;;
   esac
 done
-find benchmarks/results -name "*h200*" -newer "$OUT/gpu.txt" -exec cp {} "$OUT"/ \;  # this call's results
-ls "$OUT"
+find benchmarks/results -name "*h200*" -newer "$RESULTS/gpu.txt" -exec cp {} "$RESULTS"/ \;  # this run's results
+ls "$RESULTS"
