@@ -7,8 +7,11 @@ at 0 resets its slot); any mismatch is refused before anything is written.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
+
 import torch
 from torch import nn
+from torch.nn.utils.rnn import pad_sequence
 
 from atom.model_api import Span
 from atom.models.deepseek_v41.attention import CSA2Attention
@@ -102,13 +105,12 @@ class DeepseekV41ForCausalLM(nn.Module):
     # ---- the paged forward ---------------------------------------------------------------
 
     def check_spans(self, spans: list[Span], slots: StateSlots) -> None:
-        """Refuse spans whose start is not their slot's cursor (before anything is written)."""
+        """Refuse spans whose start is not their slot's cursor (before anything is written).
+        Cursors are read from the slots' host mirror: no device read (``slots.verify`` also
+        compares the mirror with the device)."""
         seen = set()
-        resumed = [sp.slot for sp in spans if sp.start > 0 and 0 <= sp.slot < slots.num_slots]
-        states = {}  # slot -> (cursor, tag), read in one transfer (one host sync per forward)
-        if resumed:
-            at = torch.stack([slots.cursor[resumed, 0], slots.header[resumed, 0]], 1).tolist()
-            states = dict(zip(resumed, at))
+        if slots.verify:
+            _verify_mirror(spans, slots)
         for sp in spans:
             if sp.end <= sp.start:
                 raise ValueError(f"empty span [{sp.start}, {sp.end}) for slot {sp.slot}")
@@ -119,7 +121,7 @@ class DeepseekV41ForCausalLM(nn.Module):
                 raise ValueError(f"slot {sp.slot} out of range [0, {slots.num_slots})")
             if sp.start == 0:
                 continue
-            at, tag = states[sp.slot]
+            at, tag = slots.host_position[sp.slot], slots.host_tag[sp.slot]
             if tag != slots.tag:
                 raise StateMismatchError(
                     f"slot {sp.slot} holds no state of this layout (tag {tag:#x}), "
@@ -140,7 +142,10 @@ class DeepseekV41ForCausalLM(nn.Module):
         all_logits: bool = False,
     ) -> torch.Tensor:
         """token_ids: int64 [sum of span lengths], spans in order. Returns float32 logits of
-        each span's last token [len(spans), V] (or of every token with ``all_logits``)."""
+        each span's last token [len(spans), V] (or of every token with ``all_logits``).
+
+        No host synchronization: everything the forward indexes with is computed on the host
+        from the spans and uploaded in one copy (``ForwardPlan``); the rest is device work."""
         geo = kv.geometry
         if (geo.kv_dtype, geo.index_dtype) != (self.kv_dtype, self.index_dtype):
             raise GeometryError(
@@ -150,37 +155,27 @@ class DeepseekV41ForCausalLM(nn.Module):
         if token_ids.numel() != sum(sp.num_tokens for sp in spans):
             raise ValueError("token_ids must hold exactly the spans' tokens, in span order")
         self.check_spans(spans, slots)
-        dev = self.device
-        token_ids = token_ids.to(dev)
-        seqs, lo, grams, positions = [], 0, [], []
-        for sp in spans:
-            if sp.start == 0:
-                slots.reset(sp.slot)
-            pos = torch.arange(sp.start, sp.end, device=dev)
-            seqs.append(SeqCarry(sp, lo, pos))
-            ids = token_ids[lo : lo + sp.num_tokens]
-            ext = torch.cat([slots.cursor[sp.slot, 1:].to(dev), ids])
-            grams.append(ext.unfold(0, 4, 1))
-            positions.append(pos)
-            lo += sp.num_tokens
-        grams_t, pos_t = torch.cat(grams), torch.cat(positions)
-        longer = [s for s in seqs if s.span.num_tokens > 1]
-        single = [s for s in seqs if s.span.num_tokens == 1]
-        decode = DecodeBatch.build([s.span for s in single], [s.lo for s in single], dev)
-        x = self._embed(token_ids)
+        plan = ForwardPlan.build(token_ids, spans, self.device)
+        slots.reset_many([sp.slot for sp in spans if sp.start == 0], plan.reset)
+        history = slots.cursor[plan.span_slots, 1:]  # [S, 3], after the resets
+        grams_t = torch.cat([plan.token_ids, history.flatten()])[plan.gram_src]
+        x = self._embed(plan.token_ids)
         for layer in self.model.layers:
             attn = layer.self_attn
             x = layer.block(
                 x,
                 grams_t,
-                lambda u, a=attn: paged_attention(a, u, pos_t, longer, decode, kv, slots),
+                lambda u, a=attn: paged_attention(
+                    a, u, plan.positions, plan.longer, plan.decode, kv, slots
+                ),
             )
-        for seq, g in zip(seqs, grams):
-            slots.cursor[seq.span.slot, 0] = seq.span.end
-            slots.cursor[seq.span.slot, 1:] = g[-1, 1:]
-            slots.header[seq.span.slot, 1] = seq.span.end
+        slots.cursor[:, 0].index_copy_(0, plan.span_slots, plan.span_ends)
+        slots.cursor[:, 1:].index_copy_(0, plan.span_slots, grams_t[plan.last, 1:])
+        slots.header[:, 1].index_copy_(0, plan.span_slots, plan.span_ends)
+        for sp in spans:
+            slots.advance(sp.slot, sp.end)
         if not all_logits:
-            x = x[torch.tensor([s.hi - 1 for s in seqs], device=dev)]
+            x = x[plan.last]
         return self._head(x)
 
     def _embed(self, token_ids: torch.Tensor) -> torch.Tensor:
@@ -190,3 +185,129 @@ class DeepseekV41ForCausalLM(nn.Module):
     def _head(self, x: torch.Tensor) -> torch.Tensor:
         h, _, _ = self.model.head_hc.pre(x)
         return self.lm_head(self.model.norm(h)).float()
+
+
+def _verify_mirror(spans: list[Span], slots: StateSlots) -> None:
+    """Debug/test mode: the host mirror of the spans' slots equals the device (a device read)."""
+    ids = sorted({sp.slot for sp in spans if 0 <= sp.slot < slots.num_slots})
+    for slot, (at, tag) in zip(ids, slots.device_states(ids)):
+        mirror = (slots.host_position[slot], slots.host_tag[slot])
+        if mirror != (at, tag):
+            raise RuntimeError(
+                f"slot {slot}: host mirror says position {mirror[0]} tag {mirror[1]:#x}, the "
+                f"device says {at} tag {tag:#x}; its bytes were written around StateSlots "
+                "(call StateSlots.refresh after writing a slot directly)"
+            )
+
+
+@dataclass
+class ForwardPlan:
+    """A forward's index tensors, computed on the host from its spans (their start, end, slot
+    and block table are host data) and uploaded in one copy: the layers never read the device
+    to decide what to index."""
+
+    token_ids: torch.Tensor  # [N] on the device
+    positions: torch.Tensor  # [N] each token's position
+    gram_src: torch.Tensor  # [N, 4] Engram ids t-3..t: indices into [token ids, S x 3 history]
+    span_slots: torch.Tensor  # [S]
+    span_ends: torch.Tensor  # [S]
+    last: torch.Tensor  # [S] each span's last token in the flat batch
+    reset: torch.Tensor  # [R] slots of spans starting at 0
+    longer: list[SeqCarry]  # spans of several tokens (their block tables on the device)
+    decode: DecodeBatch | None  # the single-token spans
+
+    @classmethod
+    def build(cls, token_ids: torch.Tensor, spans: list[Span], device) -> ForwardPlan:
+        device = torch.device(device)
+        n, nspan = token_ids.numel(), len(spans)
+        segs: list[torch.Tensor] = []  # host int64 pieces of the one upload
+
+        def put(t: torch.Tensor) -> int:
+            segs.append(t.reshape(-1).to(torch.int64))
+            return len(segs) - 1
+
+        host_ids = token_ids.device.type == "cpu"
+        at_ids = put(token_ids) if host_ids else None
+        los, lo = [], 0
+        for sp in spans:
+            los.append(lo)
+            lo += sp.num_tokens
+        positions, gram_src = [], []
+        for k, (sp, lo) in enumerate(zip(spans, los)):
+            i = torch.arange(sp.num_tokens)[:, None]
+            m = torch.arange(4)[None, :]
+            off = i - 3 + m
+            gram_src.append(torch.where(off >= 0, lo + off, n + 3 * k + i + m))
+            positions.append(torch.arange(sp.start, sp.end))
+        at_pos, at_gram = put(torch.cat(positions)), put(torch.cat(gram_src))
+        meta = torch.tensor(
+            [
+                [sp.slot for sp in spans],
+                [sp.end for sp in spans],
+                [lo + sp.num_tokens - 1 for sp, lo in zip(spans, los)],
+            ],
+            dtype=torch.int64,
+        )
+        at_meta = put(meta)
+        at_reset = put(torch.tensor([sp.slot for sp in spans if sp.start == 0], dtype=torch.int64))
+        single = [k for k, sp in enumerate(spans) if sp.num_tokens == 1]
+        longer = [k for k, sp in enumerate(spans) if sp.num_tokens > 1]
+        at_dec = None
+        dec_host_tables = bool(single) and all(
+            spans[k].block_table.device.type == "cpu" for k in single
+        )
+        if single:
+            width = max(spans[k].block_table.numel() for k in single)
+            rows = [[los[k], spans[k].slot, spans[k].start] for k in single]
+            at_dec = put(torch.tensor(rows, dtype=torch.int64).t())
+            if dec_host_tables:
+                padded = torch.zeros(len(single), width, dtype=torch.int64)
+                for r, k in enumerate(single):
+                    t = spans[k].block_table
+                    padded[r, : t.numel()] = t
+                at_dec_tables = put(padded)
+        at_tables = {
+            k: put(spans[k].block_table)
+            for k in (longer if dec_host_tables else longer + single)
+            if spans[k].block_table.device.type == "cpu" and spans[k].block_table.device != device
+        }
+        host = torch.cat(segs)
+        if device.type == "cuda":
+            up = host.pin_memory().to(device, non_blocking=True)
+        else:
+            up = host.to(device)
+        parts = list(torch.split(up, [s.numel() for s in segs]))
+        ids = parts[at_ids] if host_ids else token_ids
+        meta_d = parts[at_meta].view(3, nspan)
+
+        def table(k: int) -> torch.Tensor:
+            return parts[at_tables[k]] if k in at_tables else spans[k].block_table
+
+        pos_d = parts[at_pos]
+        carries = [
+            SeqCarry(
+                replace(spans[k], block_table=table(k)),
+                los[k],
+                pos_d[los[k] : los[k] + spans[k].num_tokens],
+            )
+            for k in longer
+        ]
+        decode = None
+        if single:
+            dec = parts[at_dec].view(3, len(single))
+            if dec_host_tables:
+                tables = parts[at_dec_tables].view(len(single), width)
+            else:
+                tables = pad_sequence([table(k) for k in single], batch_first=True)
+            decode = DecodeBatch(dec[0], dec[1], dec[2], tables, max(spans[k].end for k in single))
+        return cls(
+            ids,
+            pos_d,
+            parts[at_gram].view(n, 4),
+            meta_d[0],
+            meta_d[1],
+            meta_d[2],
+            parts[at_reset],
+            carries,
+            decode,
+        )

@@ -9,6 +9,8 @@ Interval facts (per sequence, after a forward of [start, end)):
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from atom.models.deepseek_v41.pool_geometry import FP8_DTYPE, KV_DTYPES, V41PoolGeometry
@@ -19,7 +21,14 @@ class StateMismatchError(RuntimeError):
 
 
 class StateSlots:
-    """Typed views of the state-slot bytes ``[num_slots, state_bytes]`` (uint8)."""
+    """Typed views of the state-slot bytes ``[num_slots, state_bytes]`` (uint8).
+
+    A host mirror of every slot's (position, layout tag) lets a forward check its spans without
+    reading the device: read once here (binding is not a forward), then kept by whoever writes a
+    slot through this object (``reset``, ``advance``, ``refresh`` after an image restore). With
+    ``verify`` (``ATOM_VERIFY_CURSORS=1``; on by default for CPU slots, where reading them is
+    not a device synchronization) each check also compares the mirror with the device cursor.
+    """
 
     def __init__(self, geometry: V41PoolGeometry, data: torch.Tensor):
         if data.dtype != torch.uint8 or data.dim() != 2 or data.shape[1] != geometry.state_bytes:
@@ -40,20 +49,58 @@ class StateSlots:
         self.comp_scores = views["compressor_scores"]
         self.cursor = views["cursor"]
         self.header = views["header"]
+        flag = os.environ.get("ATOM_VERIFY_CURSORS")
+        self.verify = data.device.type == "cpu" if flag is None else flag == "1"
+        self.host_position: list[int] = []
+        self.host_tag: list[int] = []
+        self.refresh()
 
     @classmethod
     def allocate(cls, geometry: V41PoolGeometry, num_slots: int, device) -> StateSlots:
         data = torch.zeros(num_slots, geometry.state_bytes, dtype=torch.uint8, device=device)
         return cls(geometry, data)
 
+    def refresh(self, slot: int | None = None) -> None:
+        """Re-read the mirror from the device (all slots, or one): after bytes were written
+        around this object (an image restored into a slot). Not for use inside a forward."""
+        if slot is None:
+            at = self.device_states(list(range(self.num_slots)))
+            self.host_position = [p for p, _ in at]
+            self.host_tag = [t for _, t in at]
+        else:
+            [(self.host_position[slot], self.host_tag[slot])] = self.device_states([slot])
+
+    def device_states(self, slots: list[int]) -> list[tuple[int, int]]:
+        """(cursor position, layout tag) of ``slots`` read from the device (one transfer)."""
+        if not slots:
+            return []
+        at = torch.stack([self.cursor[slots, 0], self.header[slots, 0]], 1).tolist()
+        return [(p, t) for p, t in at]
+
     def reset(self, slot: int) -> None:
         """Empty state for a sequence starting at position 0."""
         self.data[slot].zero_()
-        self.cursor[slot, 1:] = -1
-        self.header[slot, 0] = self.tag
+        self.cursor[slot, 1:].fill_(-1)
+        self.header[slot, 0].fill_(self.tag)
+        self.host_position[slot], self.host_tag[slot] = 0, self.tag
+
+    def reset_many(self, slots: list[int], index: torch.Tensor) -> None:
+        """``reset`` of several slots, ``index``: the same slots as a device int64 tensor."""
+        if not slots:
+            return
+        self.data.index_fill_(0, index, 0)
+        self.cursor[:, 1:].index_fill_(0, index, -1)
+        self.header[:, 0].index_fill_(0, index, self.tag)
+        for s in slots:
+            self.host_position[s], self.host_tag[s] = 0, self.tag
+
+    def advance(self, slot: int, position: int) -> None:
+        """Record in the mirror that a forward left ``slot`` at ``position``."""
+        self.host_position[slot], self.host_tag[slot] = position, self.tag
 
     def position(self, slot: int) -> int:
-        return int(self.cursor[slot, 0])
+        """The slot's cursor position (from the host mirror: no device read)."""
+        return self.host_position[slot]
 
 
 class PagedKV:

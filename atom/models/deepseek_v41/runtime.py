@@ -42,4 +42,5 @@ class V41Runtime:
 
     def restore_image(self, units: torch.Tensor, slot: int) -> int:
         restore_image(self.spec, self.pool, self.slot_bytes, units, slot)
+        self.slots.refresh(slot)  # the image's cursor into the host mirror (one device read)
         return self.slots.position(slot)
