@@ -94,8 +94,21 @@ class ModelRunner:
         ids = torch.tensor(
             [t for sp in spans for t in sp.seq.tokens[sp.start : sp.end]], dtype=torch.int64
         )
+        # a runtime that uploads its forward's indices in one copy takes host block tables
+        # (a device table per span would be one host-to-device copy, and sync, each)
+        host = getattr(self.runtime, "host_block_tables", False)
         model_spans = [
-            Span(sp.start, sp.end, sp.seq.slot, self._units(sp.seq.block_table)) for sp in spans
+            Span(
+                sp.start,
+                sp.end,
+                sp.seq.slot,
+                (
+                    torch.tensor(sp.seq.block_table, dtype=torch.int64)
+                    if host
+                    else self._units(sp.seq.block_table)
+                ),
+            )
+            for sp in spans
         ]
         if not all_logits:
             return self.runtime.forward(ids, model_spans)

@@ -193,7 +193,8 @@ def candidate_row_mask(
     order = torch.sort(block, dim=-1, descending=True, stable=True).indices[:, :keep_blocks]
     chosen = torch.zeros(t, nb, dtype=torch.bool, device=scores.device)
     chosen.scatter_(1, order, block.gather(1, order) > NEG_INF)
-    return chosen.repeat_interleave(block_rows, dim=1)[:, :r]
+    # repeat each block's flag over its rows (an expand: repeat_interleave may sync on CUDA)
+    return chosen[:, :, None].expand(t, nb, block_rows).reshape(t, nb * block_rows)[:, :r]
 
 
 def select_topk(

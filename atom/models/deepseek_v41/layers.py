@@ -7,6 +7,7 @@ reference forward share them unchanged.
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import torch.nn.functional as F
@@ -113,7 +114,8 @@ class MoE(nn.Module):
     batched matmuls and weights the outputs by the (mostly zero) routing matrix. Dense is used
     for small batches that would touch most experts anyway (``n * top_k >= experts`` and
     ``n <= DENSE_MAX_TOKENS``: decode), where it reads the same weights with no sync and a
-    handful of launches instead of ten per expert.
+    handful of launches instead of ten per expert. On CUDA bf16 the routed experts run as
+    grouped GEMMs with no sync instead (``_grouped``, same math).
     """
 
     DENSE_MAX_TOKENS = 64
@@ -148,6 +150,11 @@ class MoE(nn.Module):
         n = x.shape[0]
         if n * self.top_k >= len(self.experts) and n <= self.DENSE_MAX_TOKENS:
             return (out + self._dense(x, idx, w)).to(x.dtype)
+        if _grouped_mm_usable(x):
+            try:
+                return self._grouped(x, idx, w, out).to(x.dtype)
+            except RuntimeError as e:  # an unsupported shape or build: the loop, from now on
+                _GROUPED_MM["failed"] = f"{type(e).__name__}: {e}"
         flat = idx.flatten()
         order = torch.argsort(flat, stable=True)  # token rows grouped by expert, rows ascending
         counts = torch.bincount(flat, minlength=len(self.experts)).tolist()  # the one sync
@@ -160,6 +167,25 @@ class MoE(nn.Module):
                 out.index_add_(0, r, y)
                 start += count
         return out.to(x.dtype)
+
+    def _grouped(
+        self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, out: torch.Tensor
+    ) -> torch.Tensor:
+        """The routed experts as three grouped GEMMs over the token rows sorted by expert
+        (``torch._grouped_mm``): the group offsets stay on the device, so no host sync. Adds
+        into ``out`` (float32 [N, d]) and returns it."""
+        gate, up, down = self.stacked_weights()
+        flat = idx.flatten()
+        order = torch.argsort(flat, stable=True)  # token rows grouped by expert, rows ascending
+        counts = torch.zeros(gate.shape[0], dtype=torch.int32, device=x.device)
+        counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+        offs = torch.cumsum(counts, 0, dtype=torch.int32)
+        rows = order // self.top_k
+        xs = x.index_select(0, rows)
+        g = torch._grouped_mm(xs, gate.transpose(1, 2), offs=offs).clamp(max=self.limit)
+        u = torch._grouped_mm(xs, up.transpose(1, 2), offs=offs).clamp(-self.limit, self.limit)
+        y = torch._grouped_mm(F.silu(g) * u, down.transpose(1, 2), offs=offs).float()
+        return out.index_add_(0, rows, y * w.flatten()[order, None])
 
     def _dense(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         gate, up, down = self.stacked_weights()
@@ -190,6 +216,30 @@ class MoE(nn.Module):
                     p.data = s[i]
             self._stack = stack
         return stack
+
+
+_GROUPED_MM: dict[object, object] = {"failed": None}
+
+
+def _grouped_mm_usable(x: torch.Tensor) -> bool:
+    """The routed experts run as grouped GEMMs (no host sync) on CUDA bf16 where torch has
+    ``_grouped_mm`` (sm90+); ``ATOM_GROUPED_MM=0`` turns it off, and a failed call turns it off
+    for the process (``_GROUPED_MM["failed"]`` says why). Elsewhere the per-expert loop runs,
+    with its one host sync per layer (the expert counts)."""
+    if x.device.type not in ("cuda", "meta") or x.dtype != torch.bfloat16:
+        return False
+    if torch.is_grad_enabled():
+        return False
+    if _GROUPED_MM["failed"] or os.environ.get("ATOM_GROUPED_MM", "1") == "0":
+        return False
+    if x.device.type == "meta":  # shape tracing (tests/model/test_host_syncs.py)
+        return hasattr(torch, "_grouped_mm")
+    key = ("cap", x.device.index)
+    if key not in _GROUPED_MM:
+        _GROUPED_MM[key] = hasattr(torch, "_grouped_mm") and (
+            torch.cuda.get_device_capability(x.device) >= (9, 0)
+        )
+    return bool(_GROUPED_MM[key])
 
 
 def _primes_below(n: int, count: int) -> list[int]:

@@ -11,6 +11,9 @@ from atom.models.deepseek_v41.pool_geometry import build_v41_pool_geometry
 
 
 class V41Runtime:
+    # spans may carry block tables on the host: the forward uploads them with its other indices
+    host_block_tables = True
+
     def __init__(
         self, model: DeepseekV41ForCausalLM, *, block_size: int, speculative_tokens: int = 0
     ):
