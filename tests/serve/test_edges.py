@@ -315,3 +315,15 @@ def test_max_tokens_that_cannot_fit_is_400(served):
     # the pool (400 blocks of 16 in TINY_FLAGS) is smaller than max_model_len here
     r = post(served, "/v1/completions", base(prompt="fit", max_tokens=400 * 16))
     assert_error(r, 400, "PAGE blocks; the pool has 400", "lower max_tokens")
+
+
+def test_an_idle_server_settles_tier_outcomes_without_another_request(served):
+    """The request's tail saves finish after it did; the idle engine loop folds them in (its
+    transfers and the images they pinned are released) with no later request to step it."""
+    body = base(prompt="settled while idle " * 6, max_tokens=1, temperature=0)
+    assert post(served, "/v1/completions", body).status_code == 200
+    wait_for(lambda: running(served) == 0, what="idle")
+    wait_for(lambda: metric(served, "atom_tier_transfers_in_flight") == 0, what="saves settled")
+    images = httpx.get(f"{served.url}/health").json()["engine"]["images"]
+    assert images["pinned"] == 0, images
+    assert metric(served, 'atom_tier_saves_total{outcome="done"}') > 0
