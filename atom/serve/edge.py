@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
+from atom.config_errors import field_errors
 from atom.serve.engine_loop import Delta, RequestStream
 
 if TYPE_CHECKING:
@@ -48,18 +49,17 @@ def _short(value, limit: int = 80) -> str:
 def validation_message(errors: list[dict]) -> tuple[str, str | None]:
     """pydantic's errors as one message naming each field, its value and what is allowed."""
     msgs, param = [], None
-    for err in errors:
-        loc = ".".join(str(p) for p in err["loc"] if p != "body")
-        msg = err["msg"].removeprefix("Value error, ")
-        if err["type"] == "extra_forbidden":
-            msg = f"unknown field (value {_short(err.get('input'))}); unknown fields are refused"
-        elif err["type"] == "json_invalid":
+    for e in field_errors(errors, skip=("body",)):
+        loc, msg = e.loc, e.msg
+        if e.kind == "extra_forbidden":
+            msg = f"unknown field (value {_short(e.value)}); unknown fields are refused"
+        elif e.kind == "json_invalid":
             at = f" at position {loc}" if loc else ""
-            msg, loc = f"malformed JSON{at}: {err.get('ctx', {}).get('error', msg)}", ""
-        elif err["type"] == "missing":
+            msg, loc = f"malformed JSON{at}: {e.ctx.get('error', msg)}", ""
+        elif e.kind == "missing":
             msg = "field required"
-        elif err["type"] != "value_error" and "input" in err:
-            msg = f"{msg} (got {_short(err['input'])})"
+        elif e.kind != "value_error" and e.given:
+            msg = f"{msg} (got {_short(e.value)})"
         if param is None:
             named = re.match(r"([A-Za-z_][\w.]*):", msg)  # a model-level check names its field
             param = loc or (named.group(1) if named else None)
