@@ -124,11 +124,12 @@ def _meta_runtime(num_slots: int, positions: list[int]):
     slot_bytes = torch.empty(num_slots, spec.state_bytes, dtype=torch.uint8, device="meta")
     rt.pool, rt.slot_bytes = pool, slot_bytes
     rt.kv = PagedKV(rt.geometry, pool)
-    StateSlots.refresh = lambda self, slot=None: None  # restored below: nothing to read on meta
+    refresh = StateSlots.refresh
+    StateSlots.refresh = lambda self, slot=None: None  # nothing to read on meta: set below
     try:
         rt.slots = StateSlots(rt.geometry, slot_bytes)
     finally:
-        del StateSlots.refresh
+        StateSlots.refresh = refresh
     rt.slots.host_position = list(positions)
     rt.slots.host_tag = [rt.slots.tag] * num_slots
     rt.slots.verify = False
