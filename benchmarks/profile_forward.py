@@ -5,15 +5,25 @@ python -m benchmarks.profile_forward --model v41-bench --device cuda --dtype bfl
     --position 4096 --batch 16
 
 Prints (and writes under benchmarks/results/ with ``--name``) one row per shape: milliseconds
-per forward, aten ops, kernel launches and host synchronizations per forward; then the top ops
-by self device time and by self host time. Launch-bound forwards show many launches and host
-time well above device time.
+per forward, aten ops, kernel launches and stream synchronizations per step; host syncs inside
+the forward; then the top ops by self device time and by self host time. Launch-bound forwards
+show many launches and host time well above device time.
+
+Two sync counts: "stream syncs" are the profiler's cudaStreamSynchronize/cudaDeviceSynchronize
+calls over one whole step (the forward plus the step's own ``argmax().cpu()``, which a sampler
+needs); "forward syncs" run one more forward alone under ``torch.cuda.set_sync_debug_mode
+("warn")``, capture its warnings (every synchronizing CUDA call: ``.item()``, ``.tolist()``,
+``nonzero``, blocking host<->device copies, ...) and count them, each with the innermost atom
+source line it came from (listed under the table).
 """
 
 from __future__ import annotations
 
 import argparse
 import time
+import traceback
+import warnings
+from collections import Counter
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -23,6 +33,39 @@ from atom.models.registry import default_block_size
 from benchmarks.common import bound_runtime, md_table, write_results
 
 SYNC_EVENTS = ("cudaStreamSynchronize", "cudaDeviceSynchronize")
+
+
+def count_forward_syncs(rt, run) -> tuple[int, Counter]:
+    """Synchronizing CUDA calls made inside ``rt.forward`` during ``run()``, by source line
+    (torch.cuda.set_sync_debug_mode("warn"), its warnings captured)."""
+    sites: Counter = Counter()
+    forward = rt.forward
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if "synchroniz" not in str(message):
+            return
+        frames = [f for f in traceback.extract_stack()[:-1] if "/atom/" in f.filename]
+        f = frames[-1] if frames else None
+        where = f"atom/{f.filename.split('/atom/')[-1]}:{f.lineno} `{f.line}`" if f else filename
+        sites[where] += 1
+
+    def counted(*a, **k):
+        torch.cuda.synchronize()
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = show
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                return forward(*a, **k)
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+
+    rt.forward = counted
+    try:
+        run()
+    finally:
+        rt.forward = forward
+    return sum(sites.values()), sites
 
 
 def _shape_runs(rt, args, tables, gen):
@@ -77,7 +120,7 @@ def main() -> None:
     cuda = args.device.startswith("cuda")
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    rows, tops = [], []
+    rows, tops, site_lines = [], [], []
     for name, run in _shape_runs(rt, args, tables, torch.Generator().manual_seed(0)):
         run()  # warm
         sync()
@@ -93,8 +136,14 @@ def main() -> None:
         aten = sum(e.count for e in events if e.key.startswith("aten::"))
         launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernel"))
         syncs = sum(e.count for e in events if e.key in SYNC_EVENTS)
-        rows.append([name, round(ms, 2), aten, launches, syncs])
+        forward_syncs, sites = count_forward_syncs(rt, run) if cuda else (None, Counter())
+        rows.append([name, round(ms, 2), aten, launches, syncs, forward_syncs])
         print(rows[-1], flush=True)
+        site_lines.append(
+            f"- {name}: {forward_syncs} host syncs in the forward"
+            + "".join(f"\n  - {n} x {w}" for w, n in sites.most_common())
+        )
+        print(site_lines[-1], flush=True)
         sort = "self_cuda_time_total" if cuda else "self_cpu_time_total"
         top = events.table(sort_by=sort, row_limit=args.top, max_name_column_width=48)
         host = events.table(
@@ -105,7 +154,23 @@ def main() -> None:
             f"## {name}: top by host time\n\n```\n{host}\n```\n"
         )
         print(tops[-1], flush=True)
-    table = md_table(["shape", "ms/forward", "aten ops", "kernel launches", "host syncs"], rows)
+    table = md_table(
+        [
+            "shape",
+            "ms/forward",
+            "aten ops",
+            "kernel launches",
+            "stream syncs (step)",
+            "host syncs (forward)",
+        ],
+        rows,
+    )
+    table += (
+        "\n\nstream syncs (step): the profiler's cudaStreamSynchronize/cudaDeviceSynchronize "
+        "over one step (the forward and the step's argmax().cpu()); host syncs (forward): one "
+        "forward under torch.cuda.set_sync_debug_mode('warn'), warnings counted, by source "
+        "line:\n\n" + "\n".join(site_lines)
+    )
     if args.name:
         cmd = "python -m benchmarks.profile_forward " + " ".join(
             f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
