@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from atom.models.deepseek_v41.config import ConfigError
+from atom.models.common.config import ConfigError
 
 
 @dataclass(frozen=True)

@@ -16,15 +16,19 @@ off so the paged forward can be compared with the oracle to 1e-4 (a rounding ste
 from __future__ import annotations
 
 import enum
-import json
 from functools import cached_property
-from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
+from pydantic import model_validator
 
-from atom.config_errors import format_validation_error
-from atom.models.deepseek_v41.config import SCORING_ALIASES, ConfigError
+from atom.models.common.config import (
+    ConfigError,
+    ModelConfig,
+    check_attention_dims,
+    check_positive,
+    check_rope_scaling,
+    fail,
+)
 
 V4_MODEL_TYPE = "deepseek_v4"
 CSA_RATIO = 4  # the one ratio with an overlapping compressor and an indexer
@@ -40,14 +44,12 @@ class V4LayerKind(str, enum.Enum):
     HCA = "hca"  # other ratios: compressor without overlap, every visible row
 
 
-class V4Config(BaseModel):
+class V4Config(ModelConfig):
     """The fields of a DeepSeek-V4 config.json that this implementation reads.
 
     Unknown fields are ignored (HF configs carry many); every field below is validated, and
     cross-field constraints are checked on construction, naming the field and the fix.
     """
-
-    model_config = ConfigDict(extra="ignore", frozen=True)
 
     model_type: str = V4_MODEL_TYPE
     vocab_size: int
@@ -92,11 +94,6 @@ class V4Config(BaseModel):
     kv_fp8_sim: bool = True
     index_fp4_sim: bool = True
 
-    @field_validator("scoring_func", mode="before")
-    @classmethod
-    def _scoring_alias(cls, v: Any) -> Any:
-        return SCORING_ALIASES.get(v, v)
-
     @model_validator(mode="after")
     def _validate(self) -> V4Config:
         _check_config(self)
@@ -135,40 +132,11 @@ class V4Config(BaseModel):
             return self.compress_rope_theta, self.rope_scaling
         return self.rope_theta, None
 
-    # ---- io -----------------------------------------------------------------------------
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any], source: str = "config") -> V4Config:
-        try:
-            return cls.model_validate(data)
-        except ValidationError as exc:
-            raise ConfigError(format_validation_error(exc, f"model config ({source})")) from None
-
-    @classmethod
-    def from_json(cls, path: str | Path) -> V4Config:
-        path = Path(path)
-        if path.is_dir():
-            path = path / "config.json"
-        try:
-            data = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise ConfigError(f"model config not found: {path}") from None
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"{path} is not valid JSON: {exc}") from None
-        return cls.from_dict(data, source=str(path))
-
-    def to_dict(self) -> dict[str, Any]:
-        return self.model_dump()
-
 
 def _kind(ratio: int) -> V4LayerKind:
     if ratio == 0:
         return V4LayerKind.WINDOW
     return V4LayerKind.CSA if ratio == CSA_RATIO else V4LayerKind.HCA
-
-
-def _fail(field: str, value: Any, allowed: str) -> None:
-    raise ValueError(f"{field}={value!r} is invalid: {allowed}")
 
 
 _POSITIVE = (
@@ -194,66 +162,49 @@ _POSITIVE = (
 
 def _check_config(c: V4Config) -> None:
     if c.model_type != V4_MODEL_TYPE:
-        _fail("model_type", c.model_type, f"a V4 config has model_type {V4_MODEL_TYPE!r}")
-    for name in _POSITIVE:
-        if getattr(c, name) <= 0:
-            _fail(name, getattr(c, name), "must be a positive integer")
+        fail("model_type", c.model_type, f"a V4 config has model_type {V4_MODEL_TYPE!r}")
+    check_positive(c, _POSITIVE)
     if c.num_key_value_heads != 1:
-        _fail("num_key_value_heads", c.num_key_value_heads, "V4 attention is MQA: must be 1")
-    if c.qk_rope_head_dim <= 0 or c.qk_rope_head_dim % 2 or c.qk_rope_head_dim >= c.head_dim:
-        _fail("qk_rope_head_dim", c.qk_rope_head_dim, f"must be even and in (0, {c.head_dim})")
-    if c.qk_rope_head_dim >= c.index_head_dim:
-        _fail(
-            "index_head_dim",
-            c.index_head_dim,
-            f"must exceed qk_rope_head_dim={c.qk_rope_head_dim} (index keys are rotated too)",
-        )
-    if c.num_attention_heads % c.o_groups:
-        _fail("o_groups", c.o_groups, f"must divide num_attention_heads={c.num_attention_heads}")
+        fail("num_key_value_heads", c.num_key_value_heads, "V4 attention is MQA: must be 1")
+    check_attention_dims(c)
     if c.num_experts_per_tok > c.n_routed_experts:
-        _fail("num_experts_per_tok", c.num_experts_per_tok, f"must be <= {c.n_routed_experts}")
+        fail("num_experts_per_tok", c.num_experts_per_tok, f"must be <= {c.n_routed_experts}")
     if c.n_shared_experts != 1:
-        _fail("n_shared_experts", c.n_shared_experts, "V4 has exactly one shared expert")
+        fail("n_shared_experts", c.n_shared_experts, "V4 has exactly one shared expert")
     if c.scoring_func != "sqrt_softplus":
-        _fail("scoring_func", c.scoring_func, "only 'sqrtsoftplus' (alias 'sqrt_softplus')")
+        fail("scoring_func", c.scoring_func, "only 'sqrtsoftplus' (alias 'sqrt_softplus')")
     if c.topk_method != "noaux_tc":
-        _fail("topk_method", c.topk_method, "only 'noaux_tc' (top-k of score + bias)")
+        fail("topk_method", c.topk_method, "only 'noaux_tc' (top-k of score + bias)")
     if not c.norm_topk_prob:
-        _fail("norm_topk_prob", c.norm_topk_prob, "V4 normalizes the chosen scores: must be true")
+        fail("norm_topk_prob", c.norm_topk_prob, "V4 normalizes the chosen scores: must be true")
     if c.hidden_act != "silu":
-        _fail("hidden_act", c.hidden_act, "only 'silu' (clamped SwiGLU)")
+        fail("hidden_act", c.hidden_act, "only 'silu' (clamped SwiGLU)")
     if c.tie_word_embeddings:
-        _fail("tie_word_embeddings", True, "V4 has a separate head: must be false")
+        fail("tie_word_embeddings", True, "V4 has a separate head: must be false")
     if c.expert_dtype not in (None, "fp4", "bf16", "fp8"):
-        _fail("expert_dtype", c.expert_dtype, "one of 'fp4', 'fp8', 'bf16' (or absent: fp4)")
+        fail("expert_dtype", c.expert_dtype, "one of 'fp4', 'fp8', 'bf16' (or absent: fp4)")
     if not c.rms_norm_eps >= 0:
-        _fail("rms_norm_eps", c.rms_norm_eps, "must be a non-negative number")
+        fail("rms_norm_eps", c.rms_norm_eps, "must be a non-negative number")
     if c.hc_sinkhorn_iters < 1:
-        _fail("hc_sinkhorn_iters", c.hc_sinkhorn_iters, "must be >= 1")
-    if c.rope_scaling is not None:
-        kind = c.rope_scaling.get("type", c.rope_scaling.get("rope_type"))
-        if kind != "yarn":
-            _fail("rope_scaling.type", kind, "only 'yarn' (or no rope_scaling) is supported")
-        for key in ("factor", "original_max_position_embeddings"):
-            if key not in c.rope_scaling:
-                _fail(f"rope_scaling.{key}", None, "required for yarn")
+        fail("hc_sinkhorn_iters", c.hc_sinkhorn_iters, "must be >= 1")
+    check_rope_scaling(c.rope_scaling)
     n_all = c.num_hidden_layers + c.num_nextn_predict_layers
     if len(c.compress_ratios) not in (c.num_hidden_layers, n_all):
-        _fail(
+        fail(
             "compress_ratios",
             f"<{len(c.compress_ratios)} entries>",
             f"needs {c.num_hidden_layers} entries (or {n_all} with the MTP layers)",
         )
     for i, r in enumerate(c.compress_ratios):
         if r < 0 or r == 1:
-            _fail(f"compress_ratios[{i}]", r, "0 (window), 4 (CSA) or another ratio >= 2 (HCA)")
+            fail(f"compress_ratios[{i}]", r, "0 (window), 4 (CSA) or another ratio >= 2 (HCA)")
     for i in range(c.num_hidden_layers, len(c.compress_ratios)):
         if c.compress_ratios[i] != 0:
-            _fail(f"compress_ratios[{i}]", c.compress_ratios[i], "MTP layers are window-only (0)")
+            fail(f"compress_ratios[{i}]", c.compress_ratios[i], "MTP layers are window-only (0)")
     if not 0 <= c.num_hash_layers <= c.num_hidden_layers:
-        _fail("num_hash_layers", c.num_hash_layers, f"must be in [0, {c.num_hidden_layers}]")
+        fail("num_hash_layers", c.num_hash_layers, f"must be in [0, {c.num_hidden_layers}]")
     if c.kv_fp8_sim and c.nope_head_dim % FP8_SIM_BLOCK:
-        _fail(
+        fail(
             "head_dim",
             c.head_dim,
             f"with kv_fp8_sim the NoPE dims ({c.nope_head_dim}) must be a multiple of "
@@ -262,7 +213,7 @@ def _check_config(c: V4Config) -> None:
     if c.index_fp4_sim:
         d = c.index_head_dim
         if d % FP4_SIM_BLOCK or d & (d - 1):
-            _fail(
+            fail(
                 "index_head_dim",
                 d,
                 f"with index_fp4_sim it must be a power of two and a multiple of "

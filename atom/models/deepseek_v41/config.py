@@ -8,22 +8,23 @@ geometry and the reference forward agree by construction.
 from __future__ import annotations
 
 import enum
-import json
 from functools import cached_property
-from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
+from pydantic import model_validator
 
-from atom.config_errors import format_validation_error
+from atom.models.common.config import (
+    ConfigError,
+    ModelConfig,
+    check_attention_dims,
+    check_positive,
+    check_rope_scaling,
+    fail,
+)
 
-
-class ConfigError(ValueError):
-    """A model config value that cannot be used; the message names the field and the fix."""
-
+__all__ = ["ConfigError", "LayerMode", "V41Config"]
 
 V41_MODEL_TYPE = "deepseek_v41"
-SCORING_ALIASES = {"sqrtsoftplus": "sqrt_softplus"}
 
 
 class LayerMode(str, enum.Enum):
@@ -33,14 +34,12 @@ class LayerMode(str, enum.Enum):
     REUSE = "reuse"  # the latest owner's compressed rows and the latest selection
 
 
-class V41Config(BaseModel):
+class V41Config(ModelConfig):
     """The fields of a DeepSeek-V4.1 config.json that this implementation reads.
 
     Unknown fields in a real config.json are ignored (HF configs carry many), but every field
     below is validated, and cross-field constraints are checked on construction.
     """
-
-    model_config = ConfigDict(extra="ignore", frozen=True)
 
     model_type: str = "deepseek_v41"
     vocab_size: int
@@ -86,13 +85,6 @@ class V41Config(BaseModel):
     num_nextn_predict_layers: int = 0
     tie_word_embeddings: bool = False
     initializer_range: float = 0.02
-
-    @field_validator("scoring_func", mode="before")
-    @classmethod
-    def _scoring_alias(cls, v: Any) -> Any:
-        # DeepSeek's configs spell it "sqrtsoftplus"; both spellings are one function, kept
-        # under one name so the layout id (and the tier namespace) does not depend on spelling
-        return SCORING_ALIASES.get(v, v)
 
     @model_validator(mode="before")
     @classmethod
@@ -169,121 +161,78 @@ class V41Config(BaseModel):
             return self.compress_rope_theta, self.rope_scaling
         return self.rope_theta, None
 
-    # ---- io -----------------------------------------------------------------------------
 
-    @classmethod
-    def from_dict(cls, data: dict[str, Any], source: str = "config") -> V41Config:
-        try:
-            return cls.model_validate(data)
-        except ValidationError as exc:
-            raise ConfigError(format_validation_error(exc, f"model config ({source})")) from None
-
-    @classmethod
-    def from_json(cls, path: str | Path) -> V41Config:
-        path = Path(path)
-        if path.is_dir():
-            path = path / "config.json"
-        try:
-            data = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise ConfigError(f"model config not found: {path}") from None
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"{path} is not valid JSON: {exc}") from None
-        return cls.from_dict(data, source=str(path))
-
-    def to_dict(self) -> dict[str, Any]:
-        return self.model_dump()
-
-
-def _fail(field: str, value: Any, allowed: str) -> None:
-    raise ValueError(f"{field}={value!r} is invalid: {allowed}")
+_POSITIVE = (
+    "vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "head_dim",
+    "q_lora_rank",
+    "o_groups",
+    "o_lora_rank",
+    "sliding_window",
+    "index_n_heads",
+    "index_head_dim",
+    "index_topk",
+    "hc_mult",
+    "n_routed_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+    "candidate_topk_blocks",
+    "candidate_block_size",
+)
 
 
 def _check_config(c: V41Config) -> None:
-    for name in (
-        "vocab_size",
-        "hidden_size",
-        "num_hidden_layers",
-        "num_attention_heads",
-        "head_dim",
-        "q_lora_rank",
-        "o_groups",
-        "o_lora_rank",
-        "sliding_window",
-        "index_n_heads",
-        "index_head_dim",
-        "index_topk",
-        "hc_mult",
-        "n_routed_experts",
-        "num_experts_per_tok",
-        "moe_intermediate_size",
-        "candidate_topk_blocks",
-        "candidate_block_size",
-    ):
-        if getattr(c, name) <= 0:
-            _fail(name, getattr(c, name), "must be a positive integer")
-    if c.qk_rope_head_dim <= 0 or c.qk_rope_head_dim % 2 or c.qk_rope_head_dim >= c.head_dim:
-        _fail("qk_rope_head_dim", c.qk_rope_head_dim, f"must be even and in (0, {c.head_dim})")
-    if c.qk_rope_head_dim >= c.index_head_dim:
-        _fail(
-            "index_head_dim",
-            c.index_head_dim,
-            f"must exceed qk_rope_head_dim={c.qk_rope_head_dim} (index keys are rotated too)",
-        )
-    if c.num_attention_heads % c.o_groups:
-        _fail("o_groups", c.o_groups, f"must divide num_attention_heads={c.num_attention_heads}")
+    check_positive(c, _POSITIVE)
+    check_attention_dims(c)
     if c.num_experts_per_tok > c.n_routed_experts:
-        _fail("num_experts_per_tok", c.num_experts_per_tok, f"<= {c.n_routed_experts}")
+        fail("num_experts_per_tok", c.num_experts_per_tok, f"<= {c.n_routed_experts}")
     if c.scoring_func != "sqrt_softplus":
-        _fail(
+        fail(
             "scoring_func",
             c.scoring_func,
             "only 'sqrtsoftplus' (alias 'sqrt_softplus') is implemented",
         )
     if c.rms_norm_eps < 0 or c.rms_norm_eps != c.rms_norm_eps:
-        _fail("rms_norm_eps", c.rms_norm_eps, "must be a non-negative number")
+        fail("rms_norm_eps", c.rms_norm_eps, "must be a non-negative number")
     if c.hc_sinkhorn_iters < 0:
-        _fail("hc_sinkhorn_iters", c.hc_sinkhorn_iters, "must be >= 0")
-    if c.rope_scaling is not None:
-        kind = c.rope_scaling.get("type", c.rope_scaling.get("rope_type"))
-        if kind != "yarn":
-            _fail("rope_scaling.type", kind, "only 'yarn' (or no rope_scaling) is supported")
-        for key in ("factor", "original_max_position_embeddings"):
-            if key not in c.rope_scaling:
-                _fail(f"rope_scaling.{key}", None, "required for yarn")
+        fail("hc_sinkhorn_iters", c.hc_sinkhorn_iters, "must be >= 0")
+    check_rope_scaling(c.rope_scaling)
     n_all = c.num_hidden_layers + c.num_nextn_predict_layers
     if len(c.compress_ratios) not in (c.num_hidden_layers, n_all):
-        _fail(
+        fail(
             "compress_ratios",
             c.compress_ratios,
             f"needs {c.num_hidden_layers} entries (or {n_all} with the draft layers)",
         )
     for i, r in enumerate(c.compress_ratios):
         if r not in (0, 1, 2):
-            _fail(f"compress_ratios[{i}]", r, "each ratio must be 0, 1 or 2")
+            fail(f"compress_ratios[{i}]", r, "each ratio must be 0, 1 or 2")
     for i in range(c.num_hidden_layers, len(c.compress_ratios)):
         if c.compress_ratios[i] != 0:
-            _fail(f"compress_ratios[{i}]", c.compress_ratios[i], "draft layers are window-only (0)")
+            fail(f"compress_ratios[{i}]", c.compress_ratios[i], "draft layers are window-only (0)")
     layers = range(c.num_hidden_layers)
     for name in ("kv_source_layer_ids", "index_source_layer_ids", "engram_layer_ids"):
         ids = getattr(c, name)
         if sorted(set(ids)) != list(ids):
-            _fail(name, ids, "must be strictly increasing layer ids")
+            fail(name, ids, "must be strictly increasing layer ids")
         bad = [i for i in ids if i not in layers]
         if bad:
-            _fail(name, ids, f"layer ids must be in [0, {c.num_hidden_layers})")
+            fail(name, ids, f"layer ids must be in [0, {c.num_hidden_layers})")
     for i in c.kv_source_layer_ids:
         if c.compress_ratios[i] == 0:
-            _fail("kv_source_layer_ids", c.kv_source_layer_ids, f"layer {i} has ratio 0")
+            fail("kv_source_layer_ids", c.kv_source_layer_ids, f"layer {i} has ratio 0")
         if i not in c.index_source_layer_ids:
-            _fail(
+            fail(
                 "index_source_layer_ids",
                 c.index_source_layer_ids,
                 f"must include every kv source (missing {i}: its index keys fill a PAGE plane)",
             )
     for i in c.index_source_layer_ids:
         if c.compress_ratios[i] == 0:
-            _fail("index_source_layer_ids", c.index_source_layer_ids, f"layer {i} has ratio 0")
+            fail("index_source_layer_ids", c.index_source_layer_ids, f"layer {i} has ratio 0")
     latest_kv: int | None = None
     latest_sel: int | None = None
     for layer in layers:
@@ -295,27 +244,27 @@ def _check_config(c: V41Config) -> None:
         if ratio == 0:
             continue
         if latest_kv is None:
-            _fail(
+            fail(
                 "kv_source_layer_ids",
                 c.kv_source_layer_ids,
                 f"compressed layer {layer} has no kv source at or before it",
             )
         if c.compress_ratios[latest_kv] != ratio:
-            _fail(
+            fail(
                 f"compress_ratios[{layer}]",
                 ratio,
                 f"layer {layer} reads kv source {latest_kv} (ratio {c.compress_ratios[latest_kv]})"
                 "; a reader's ratio must equal its source's",
             )
         if latest_sel is None or latest_sel < latest_kv:
-            _fail(
+            fail(
                 "index_source_layer_ids",
                 c.index_source_layer_ids,
                 f"layer {layer} has no selection over kv source {latest_kv}'s rows",
             )
         reindex = layer in c.index_source_layer_ids and layer not in c.kv_source_layer_ids
         if reindex and c.candidate_source_layer_id != latest_kv:
-            _fail(
+            fail(
                 "candidate_source_layer_id",
                 c.candidate_source_layer_id,
                 f"REINDEX layer {layer} re-scores kv source {latest_kv}, which must be the "
@@ -323,13 +272,13 @@ def _check_config(c: V41Config) -> None:
             )
     if c.candidate_source_layer_id is not None:
         if c.candidate_source_layer_id not in c.kv_source_layer_ids:
-            _fail(
+            fail(
                 "candidate_source_layer_id",
                 c.candidate_source_layer_id,
                 f"must be one of kv_source_layer_ids={c.kv_source_layer_ids}",
             )
         if c.candidate_topk_blocks * c.candidate_block_size < c.index_topk:
-            _fail(
+            fail(
                 "candidate_topk_blocks",
                 c.candidate_topk_blocks,
                 f"candidate_topk_blocks * candidate_block_size ({c.candidate_block_size}) must "
@@ -337,9 +286,9 @@ def _check_config(c: V41Config) -> None:
             )
     if c.engram_layer_ids:
         if not 2 <= c.engram_max_ngram <= 4:
-            _fail("engram_max_ngram", c.engram_max_ngram, "must be in [2, 4] (history holds 3)")
+            fail("engram_max_ngram", c.engram_max_ngram, "must be in [2, 4] (history holds 3)")
         for name in ("engram_vocab_size", "engram_n_heads", "engram_embed_dim"):
             if getattr(c, name) <= 0:
-                _fail(name, getattr(c, name), "must be a positive integer")
+                fail(name, getattr(c, name), "must be a positive integer")
         if c.engram_table_size < 2:
-            _fail("engram_table_size", c.engram_table_size, "must be >= 2")
+            fail("engram_table_size", c.engram_table_size, "must be >= 2")
