@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from atom.models.deepseek_v4.config import ConfigError, V4Config
+from atom.models.common.presets import build_preset, yarn
+from atom.models.deepseek_v4.config import V4Config
 
 _FLASH: dict[str, Any] = dict(
     model_type="deepseek_v4",
@@ -36,9 +37,7 @@ _FLASH: dict[str, Any] = dict(
     hc_eps=1e-6,
     rope_theta=10000,
     compress_rope_theta=160000,
-    rope_scaling=dict(
-        type="yarn", factor=16, original_max_position_embeddings=65536, beta_fast=32, beta_slow=1
-    ),
+    rope_scaling=yarn(16, 65536),
     max_position_embeddings=1048576,
     n_routed_experts=256,
     num_experts_per_tok=6,
@@ -76,9 +75,7 @@ _TINY: dict[str, Any] = dict(
     index_n_heads=2,
     index_head_dim=32,
     index_topk=3,
-    rope_scaling=dict(
-        type="yarn", factor=4, original_max_position_embeddings=256, beta_fast=32, beta_slow=1
-    ),
+    rope_scaling=yarn(4, 256),
     max_position_embeddings=65536,
     n_routed_experts=4,
     num_experts_per_tok=2,
@@ -107,9 +104,7 @@ _MINI: dict[str, Any] = dict(
     index_n_heads=4,
     index_head_dim=128,
     index_topk=32,
-    rope_scaling=dict(
-        type="yarn", factor=4, original_max_position_embeddings=4096, beta_fast=32, beta_slow=1
-    ),
+    rope_scaling=yarn(4, 4096),
     max_position_embeddings=65536,
     n_routed_experts=8,
     num_experts_per_tok=2,
@@ -150,6 +145,4 @@ PRESET_BLOCK_SIZE: dict[str, int] = {
 
 def preset_config(name: str, **overrides: Any) -> V4Config:
     """The config of a preset, with field overrides (validated like a config.json)."""
-    if name not in PRESETS:
-        raise ConfigError(f"unknown model preset {name!r}; known presets: {sorted(PRESETS)}")
-    return V4Config.from_dict({**PRESETS[name], **overrides}, source=f"preset {name}")
+    return build_preset(V4Config, PRESETS, name, overrides)

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from atom.models.deepseek_v41.config import ConfigError, V41Config
+from atom.models.common.presets import build_preset, yarn
+from atom.models.deepseek_v41.config import V41Config
 
 _FLASH: dict[str, Any] = dict(
     vocab_size=129280,
@@ -32,9 +33,7 @@ _FLASH: dict[str, Any] = dict(
     hc_eps=1e-6,
     rope_theta=10000.0,
     compress_rope_theta=160000.0,
-    rope_scaling=dict(
-        type="yarn", factor=16, original_max_position_embeddings=65536, beta_fast=32, beta_slow=1
-    ),
+    rope_scaling=yarn(16, 65536),
     max_position_embeddings=1048576,
     n_routed_experts=384,
     num_experts_per_tok=6,
@@ -85,9 +84,7 @@ _TINY: dict[str, Any] = dict(
     candidate_topk_blocks=4,
     candidate_block_size=2,
     rms_norm_eps=1e-6,
-    rope_scaling=dict(
-        type="yarn", factor=4, original_max_position_embeddings=256, beta_fast=32, beta_slow=1
-    ),
+    rope_scaling=yarn(4, 256),
     max_position_embeddings=65536,
     n_routed_experts=4,
     num_experts_per_tok=2,
@@ -116,9 +113,7 @@ _MINI: dict[str, Any] = dict(
     candidate_topk_blocks=16,
     candidate_block_size=8,
     rms_norm_eps=1e-6,
-    rope_scaling=dict(
-        type="yarn", factor=4, original_max_position_embeddings=4096, beta_fast=32, beta_slow=1
-    ),
+    rope_scaling=yarn(4, 4096),
     max_position_embeddings=65536,
     n_routed_experts=8,
     num_experts_per_tok=2,
@@ -169,9 +164,7 @@ _RECALL: dict[str, Any] = dict(
     candidate_topk_blocks=16,
     candidate_block_size=8,
     rms_norm_eps=1e-6,
-    rope_scaling=dict(
-        type="yarn", factor=4, original_max_position_embeddings=4096, beta_fast=32, beta_slow=1
-    ),
+    rope_scaling=yarn(4, 4096),
     max_position_embeddings=65536,
     n_routed_experts=4,
     num_experts_per_tok=2,
@@ -203,6 +196,4 @@ PRESET_BLOCK_SIZE: dict[str, int] = {
 
 def preset_config(name: str, **overrides: Any) -> V41Config:
     """The config of a preset, with field overrides (validated like a config.json)."""
-    if name not in PRESETS:
-        raise ConfigError(f"unknown model preset {name!r}; known presets: {sorted(PRESETS)}")
-    return V41Config.from_dict({**PRESETS[name], **overrides}, source=f"preset {name}")
+    return build_preset(V41Config, PRESETS, name, overrides)
