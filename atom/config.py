@@ -6,6 +6,7 @@ Every error names the field, the bad value and what is allowed. ``resolved()`` f
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 from typing import Any, Literal
 
@@ -112,7 +113,7 @@ class EngineConfig(BaseModel):
         max_model_len), as the engine will run it."""
         import torch
 
-        from atom.models.deepseek_v41.pool_geometry import GeometryError
+        from atom.models.common.geometry import GeometryError
         from atom.models.registry import default_block_size, pool_geometry, resolve_config
 
         model_cfg, _ = resolve_config(self.model)
@@ -132,22 +133,17 @@ class EngineConfig(BaseModel):
         index = self.index_dtype
         if index == "auto":
             index = "fp8" if on_gpu else kv
+        geometry = partial(
+            pool_geometry, model_cfg, kv_dtype=kv, block_size=block, speculative_tokens=0
+        )
         try:
-            geo = pool_geometry(
-                model_cfg, kv_dtype=kv, index_dtype=index, block_size=block, speculative_tokens=0
-            )
+            geo = geometry(index_dtype=index)
         except GeometryError as exc:
             if self.index_dtype != "auto":
                 raise EngineConfigError(f"index_dtype={index!r}: {exc}") from None
             index = kv
             try:
-                geo = pool_geometry(
-                    model_cfg,
-                    kv_dtype=kv,
-                    index_dtype=index,
-                    block_size=block,
-                    speculative_tokens=0,
-                )
+                geo = geometry(index_dtype=index)
             except GeometryError as exc2:
                 raise EngineConfigError(f"block_size={block}: {exc2}") from None
         num_blocks = self.num_blocks

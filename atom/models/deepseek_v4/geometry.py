@@ -23,43 +23,28 @@ state image 6,067,200 B (5.79 MiB); live scratch 11,345,920 B per request.
 
 from __future__ import annotations
 
-import json
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
-import xxhash
 
-from atom.model_api import StateSpec
-from atom.models.deepseek_v4.config import CSA_RATIO, V4Config, V4LayerKind
-from atom.models.deepseek_v41.pool_geometry import (
-    INDEX_DTYPES,
+from atom.models.common.geometry import (
     KV_DTYPES,
     GeometryError,
     PlaneSpec,
+    PoolGeometryBase,
     StateField,
+    check_geometry_args,
+    check_index_rows,
+    index_row_bytes,
+    layout_fields,
+    layout_id,
+    window_rings,
 )
-
-FIELD_ALIGN = 64
-STATE_ALIGN = 1024
-_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
-
-
-def _align(n: int, a: int) -> int:
-    return -(-n // a) * a
-
-
-def _layout(specs: list[tuple[str, tuple[int, ...], str]]) -> tuple[tuple[StateField, ...], int]:
-    fields, pos = [], 0
-    for name, shape, dtype in specs:
-        pos = _align(pos, FIELD_ALIGN)
-        f = StateField(name, pos, shape, dtype)
-        fields.append(f)
-        pos += f.nbytes
-    return tuple(fields), _align(pos, STATE_ALIGN)
+from atom.models.deepseek_v4.config import CSA_RATIO, V4Config, V4LayerKind
 
 
 @dataclass(frozen=True)
-class V4PoolGeometry:
+class V4PoolGeometry(PoolGeometryBase):
     block_size: int
     kv_dtype: str
     index_dtype: str
@@ -80,15 +65,9 @@ class V4PoolGeometry:
     layout_id: str
 
     @property
-    def image_bytes(self) -> int:
-        return self.state_bytes
-
-    @property
-    def units_per_image(self) -> int:
-        return -(-self.state_bytes // self.block_bytes)
-
-    def field(self, name: str) -> StateField:
-        return next(f for f in self.state_fields if f.name == name)
+    def planes(self) -> tuple[PlaneSpec, ...]:
+        """Every plane of a block, in block order: one per compressed layer, one per CSA index."""
+        return self.main_planes + self.index_planes
 
     def main_plane(self, layer: int) -> PlaneSpec:
         return next(p for p in self.main_planes if p.owner_layer == layer)
@@ -96,34 +75,11 @@ class V4PoolGeometry:
     def index_plane(self, layer: int) -> PlaneSpec:
         return next(p for p in self.index_planes if p.owner_layer == layer)
 
-    def state_spec(self) -> StateSpec:
-        return StateSpec(
-            block_size=self.block_size,
-            block_bytes=self.block_bytes,
-            state_bytes=self.state_bytes,
-            layout_id=self.layout_id,
-            header_offset=self.field("header").offset,
-            speculative_tokens=self.speculative_tokens,
-        )
-
-    def describe(self) -> dict:
+    def _state_detail(self) -> dict:
         return {
-            "block_size": self.block_size,
-            "block_bytes": self.block_bytes,
-            "planes": [(p.name, p.rows, p.row_bytes) for p in self.main_planes + self.index_planes],
-            "state_bytes": self.state_bytes,
             "state_fields": {f.name: f.nbytes for f in self.state_fields},
             "scratch_bytes": self.scratch_bytes,
-            "units_per_image": self.units_per_image,
-            "layout_id": self.layout_id,
         }
-
-
-def _dtype_name(value: str | torch.dtype, allowed: tuple[str, ...], arg: str) -> str:
-    name = _DTYPE_NAMES.get(value, value) if isinstance(value, torch.dtype) else value
-    if name not in allowed:
-        raise GeometryError(f"{arg}={value!r} is not supported; use one of {list(allowed)}")
-    return name
 
 
 def build_v4_pool_geometry(
@@ -136,16 +92,10 @@ def build_v4_pool_geometry(
 ) -> V4PoolGeometry:
     """PAGE planes, the image layout and the live scratch. Every argument that moves a byte is
     required."""
-    kv = _dtype_name(kv_dtype, tuple(KV_DTYPES), "kv_dtype")
-    idx = _dtype_name(index_dtype, INDEX_DTYPES, "index_dtype")
-    if not isinstance(block_size, int) or block_size <= 0:
-        raise GeometryError(f"block_size={block_size!r} must be a positive integer")
-    if not isinstance(speculative_tokens, int) or speculative_tokens < 0:
-        raise GeometryError(f"speculative_tokens={speculative_tokens!r} must be an integer >= 0")
+    kv, idx = check_geometry_args(kv_dtype, index_dtype, block_size, speculative_tokens)
     hd, ihd = config.head_dim, config.index_head_dim
     main_row = hd * KV_DTYPES[kv].itemsize
-    index_row = {"fp8": ihd + 4, "bf16": ihd * 2, "fp32": ihd * 4}[idx]  # fp8 + fp32 scale
-
+    index_row = index_row_bytes(idx, ihd)
     compressed = config.compressed_layers
     csa = config.layers_of(V4LayerKind.CSA)
     hca = config.layers_of(V4LayerKind.HCA)
@@ -163,11 +113,7 @@ def build_v4_pool_geometry(
         offset += rows * main_row
     for layer in csa:
         rows = block_size // CSA_RATIO
-        if idx == "fp8" and rows % 16:
-            raise GeometryError(
-                f"an fp8 index needs rows per block % 16 == 0; layer {layer} has {rows} rows "
-                f"with block_size={block_size}; use index_dtype='bf16' or a larger block"
-            )
+        check_index_rows(idx, layer, rows, block_size)
         indexes.append(PlaneSpec(f"index.{layer}", layer, rows, index_row, offset, idx))
         offset += rows * index_row
     block_bytes = offset
@@ -179,13 +125,10 @@ def build_v4_pool_geometry(
             "choose a block size that divides it"
         )
 
-    state_layers = config.num_hidden_layers + (
-        config.num_nextn_predict_layers if speculative_tokens > 0 else 0
-    )
-    window_rows = config.sliding_window + speculative_tokens
+    state_layers, window_rows = window_rings(config, speculative_tokens)
     r, nc = CSA_RATIO, len(csa)
     n_draft = state_layers - config.num_hidden_layers
-    fields, state_bytes = _layout(
+    fields, state_bytes = layout_fields(
         [
             ("window", (state_layers, window_rows, hd), kv),
             ("csa_overlap_kv", (nc, r, hd), "fp32"),
@@ -199,7 +142,7 @@ def build_v4_pool_geometry(
         + ([("draft_cursor", (n_draft,), "int64")] if n_draft else [])
     )
     hca_rows = max([config.compress_ratios[i] for i in hca] or [1])
-    scratch, scratch_bytes = _layout(
+    scratch, scratch_bytes = layout_fields(
         [
             ("csa_partial_kv", (nc, r, 2 * hd), "fp32"),
             ("csa_partial_score", (nc, r, 2 * hd), "fp32"),
@@ -210,17 +153,6 @@ def build_v4_pool_geometry(
         ]
     )
 
-    identity = {
-        "format": "atom.v4.pool/1",
-        "config": {k: v for k, v in config.to_dict().items() if k != "initializer_range"},
-        "block_size": block_size,
-        "kv_dtype": kv,
-        "index_dtype": idx,
-        "speculative_tokens": speculative_tokens,
-        "planes": [asdict(p) for p in mains + indexes],
-        "fields": [asdict(f) for f in fields],
-    }
-    canonical = json.dumps(identity, sort_keys=True, separators=(",", ":"), allow_nan=False)
     return V4PoolGeometry(
         block_size=block_size,
         kv_dtype=kv,
@@ -239,5 +171,14 @@ def build_v4_pool_geometry(
         state_bytes=state_bytes,
         scratch_fields=scratch,
         scratch_bytes=scratch_bytes,
-        layout_id=xxhash.xxh3_128_hexdigest(canonical.encode()),
+        layout_id=layout_id(
+            "atom.v4.pool/1",
+            config,
+            block_size=block_size,
+            kv_dtype=kv,
+            index_dtype=idx,
+            speculative_tokens=speculative_tokens,
+            planes=mains + indexes,
+            fields=fields,
+        ),
     )
