@@ -11,42 +11,15 @@ import torch
 from atom import LLM, SamplingParams
 from atom.models.deepseek_v4.reference import reference_forward
 
+from .test_engine_oracle import assert_drained, run_checked
 from .workloads import prefix_tree_prompts
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny forwards on a shared 2-core host
-    yield
-    torch.set_num_threads(before)
-
-
 def assert_greedy_matches_oracle(model, prompt, output):
+    """As test_engine_oracle's, with V4's reference forward."""
     logits = reference_forward(model, prompt + output[:-1])
     predicted = logits[len(prompt) - 1 :].argmax(-1).tolist()
     assert predicted == output, f"engine {output} vs oracle {predicted} (prompt len {len(prompt)})"
-
-
-def run_checked(llm, prompts, params):
-    steps = []
-
-    def check(engine):
-        engine.check_integrity()
-        steps.append(1)
-
-    outs = llm.generate(prompts, params, on_step=check)
-    assert steps, "no engine step ran"
-    return outs
-
-
-def assert_drained(llm):
-    eng = llm.engine
-    eng.check_integrity()
-    owned = sum(1 for b in range(eng.pool.num_blocks) if eng.pool.ref[b])
-    assert owned == eng.store.counts()["units"]  # only image units stay owned
-    assert eng.store.counts()["pinned"] == 0
-    assert not eng.store.limbo
 
 
 @pytest.mark.parametrize("n, seed", [(8, 0), (24, 1)])

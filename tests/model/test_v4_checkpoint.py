@@ -18,15 +18,7 @@ from atom.models.deepseek_v4.reference import reference_forward
 from atom.models.deepseek_v41.weights import WeightLoadError
 from atom.models.registry import load_runtime
 
-from .test_v4_paged import Harness, assert_matches, tokens
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+from .test_v4_paged import Harness, assert_matches, one_thread_fixture, tokens  # noqa: F401
 
 
 def e8m0(exponent: torch.Tensor) -> torch.Tensor:
@@ -85,19 +77,22 @@ def write_checkpoint(directory, seed=0, extra=None, drop=(), config=None):
     directory.mkdir(parents=True, exist_ok=True)
     for i, shard in enumerate(shards):
         save_file(shard, str(directory / f"model-{i + 1:05d}-of-00002.safetensors"))
-    cfg = dict(
-        PRESETS["v4-tiny"],
-        expert_dtype="fp4",
-        quantization_config=dict(
-            activation_scheme="dynamic",
-            fmt="e4m3",
-            quant_method="fp8",
-            scale_fmt="ue8m0",
-            weight_block_size=[128, 128],
-        ),
-    )
+    published = PRESETS["v4-flash"]["quantization_config"]
+    cfg = dict(PRESETS["v4-tiny"], expert_dtype="fp4", quantization_config=published)
     (directory / "config.json").write_text(json.dumps(config or cfg))
     return exact
+
+
+def assert_load_refused(directory, change, needle):
+    """Loading a checkpoint written with ``change`` fails naming ``needle`` and leaves the
+    model's weights untouched."""
+    write_checkpoint(directory, **change)
+    model = DeepseekV4ForCausalLM(preset_config("v4-tiny")).init_weights(9)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(WeightLoadError) as err:
+        load_checkpoint(model, directory)
+    assert needle in str(err.value)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())  # untouched
 
 
 def runtime_of(directory):
@@ -163,13 +158,7 @@ def test_loaded_checkpoint_forward_paged_equals_oracle(tmp_path):
     ],
 )
 def test_bad_checkpoints_are_refused_naming_the_tensor(tmp_path, change, needle):
-    write_checkpoint(tmp_path / "ckpt", **change)
-    model = DeepseekV4ForCausalLM(preset_config("v4-tiny")).init_weights(9)
-    before = {k: v.clone() for k, v in model.state_dict().items()}
-    with pytest.raises(WeightLoadError) as err:
-        load_checkpoint(model, tmp_path / "ckpt")
-    assert needle in str(err.value)
-    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())  # untouched
+    assert_load_refused(tmp_path / "ckpt", change, needle)
 
 
 def test_a_bf16_reexport_loads_too(tmp_path):

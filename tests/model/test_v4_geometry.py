@@ -9,15 +9,12 @@ from atom.models.deepseek_v41.pool_geometry import GeometryError, build_v41_pool
 from atom.models.deepseek_v41.presets import preset_config as v41_preset
 from atom.models.registry import pool_geometry
 
+# bf16 KV, fp8 index, block 256, no drafts: the published model as served
+SERVED = dict(kv_dtype="bf16", index_dtype="fp8", block_size=256, speculative_tokens=0)
 
-def geo(cfg, kv_dtype="bf16", index_dtype="fp8", block_size=256, speculative_tokens=0):
-    return build_v4_pool_geometry(
-        cfg,
-        kv_dtype=kv_dtype,
-        index_dtype=index_dtype,
-        block_size=block_size,
-        speculative_tokens=speculative_tokens,
-    )
+
+def geo(cfg, **args):
+    return build_v4_pool_geometry(cfg, **{**SERVED, **args})
 
 
 def test_flash_page_block():
@@ -56,21 +53,9 @@ def test_flash_checkpoint_image():
 
 
 def test_registry_dispatches_geometry_by_model_type():
-    g = pool_geometry(
-        preset_config("v4-flash"),
-        kv_dtype="bf16",
-        index_dtype="fp8",
-        block_size=256,
-        speculative_tokens=0,
-    )
+    g = pool_geometry(preset_config("v4-flash"), **SERVED)
     assert g.block_bytes == 1_594_624
-    g41 = pool_geometry(
-        v41_preset("v41-flash"),
-        kv_dtype="bf16",
-        index_dtype="fp8",
-        block_size=256,
-        speculative_tokens=0,
-    )
+    g41 = pool_geometry(v41_preset("v41-flash"), **SERVED)
     assert g41.block_bytes == 739_840
 
 
@@ -87,6 +72,7 @@ def test_block_must_hold_whole_groups_and_fp8_index_rows():
 def test_layout_ids_separate_models_and_geometries():
     flash = preset_config("v4-flash")
     base = geo(flash)
+    g41 = build_v41_pool_geometry(v41_preset("v41-flash"), **SERVED)
     assert geo(flash).layout_id == base.layout_id  # stable
     ids = {
         base.layout_id,
@@ -95,22 +81,9 @@ def test_layout_ids_separate_models_and_geometries():
         geo(flash, block_size=512).layout_id,
         geo(flash, speculative_tokens=1).layout_id,
         geo(preset_config("v4-flash", sliding_window=256)).layout_id,
-        build_v41_pool_geometry(
-            v41_preset("v41-flash"),
-            kv_dtype="bf16",
-            index_dtype="fp8",
-            block_size=256,
-            speculative_tokens=0,
-        ).layout_id,
+        g41.layout_id,
     }
     assert len(ids) == 7
-    g41 = build_v41_pool_geometry(
-        v41_preset("v41-flash"),
-        kv_dtype="bf16",
-        index_dtype="fp8",
-        block_size=256,
-        speculative_tokens=0,
-    )
     kw = dict(model="m", revision="r", chunk_size=256, world_size=1)
     assert namespace(spec=base.state_spec(), **kw) != namespace(spec=g41.state_spec(), **kw)
 

@@ -10,22 +10,9 @@ from atom.models.deepseek_v4.model import DeepseekV4ForCausalLM
 from atom.models.deepseek_v4.paged import StateMismatchError
 from atom.models.deepseek_v4.presets import preset_config
 
-from .test_v4_paged import Harness, tokens
+from .test_v4_paged import Harness, one_thread_fixture, tokens, v4_tiny_fixture  # noqa: F401
 
 BLOCK = 16
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def v4_tiny():
-    return DeepseekV4ForCausalLM(preset_config("v4-tiny")).init_weights(0)
 
 
 def image_of(h, seq, boundary, slot, table):

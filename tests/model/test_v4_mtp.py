@@ -15,37 +15,27 @@ from atom.models.deepseek_v4.presets import PRESETS, preset_config
 from atom.models.deepseek_v4.reference import reference_forward
 from atom.models.deepseek_v4.runtime import V4Runtime
 from atom.models.deepseek_v41.pool_geometry import GeometryError
-from atom.models.deepseek_v41.weights import WeightLoadError
 
-from .test_v4_checkpoint import runtime_of, write_checkpoint
-from .test_v4_paged import assert_matches, tokens
+from .test_v4_checkpoint import assert_load_refused, runtime_of, write_checkpoint
+from .test_v4_paged import (  # noqa: F401  (fixtures)
+    Harness,
+    assert_matches,
+    one_thread_fixture,
+    tokens,
+    v4_tiny_fixture,
+)
 
 SPEC = 2  # speculative tokens: the draft ring is window + 2 rows
 NO_MTP = dict(num_nextn_predict_layers=0, compress_ratios=PRESETS["v4-tiny"]["compress_ratios"][:6])
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def v4_tiny():
-    return DeepseekV4ForCausalLM(preset_config("v4-tiny")).init_weights(0)
-
-
-class DraftHarness:
+class DraftHarness(Harness):
     """A V4 runtime with the draft state (speculative_tokens=SPEC), one pool, a few slots."""
 
     def __init__(self, model, speculative_tokens=SPEC, num_blocks=32, num_slots=3):
-        self.rt = V4Runtime(model, block_size=16, speculative_tokens=speculative_tokens)
-        spec = self.rt.spec
-        self.pool = torch.zeros(spec.pool_shape(num_blocks), dtype=spec.pool_dtype)
-        self.slot_bytes = torch.zeros(num_slots, spec.state_bytes, dtype=torch.uint8)
-        self.rt.bind(self.pool, self.slot_bytes)
+        super().__init__(
+            model, num_blocks=num_blocks, num_slots=num_slots, speculative_tokens=speculative_tokens
+        )
         self.table = torch.arange(num_blocks // num_slots)
 
     def target(self, seq, slot=0):
@@ -104,13 +94,7 @@ def test_mtp_tensors_load_exactly_from_published_formats(tmp_path):
     ],
 )
 def test_bad_mtp_tensors_are_refused_naming_the_tensor(tmp_path, change, needle):
-    write_checkpoint(tmp_path / "ckpt", **change)
-    model = DeepseekV4ForCausalLM(preset_config("v4-tiny")).init_weights(9)
-    before = {k: v.clone() for k, v in model.state_dict().items()}
-    with pytest.raises(WeightLoadError) as err:
-        load_checkpoint(model, tmp_path / "ckpt")
-    assert needle in str(err.value)
-    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert_load_refused(tmp_path / "ckpt", change, needle)
 
 
 def test_a_model_without_mtp_leaves_the_mtp_tensors_unread(tmp_path):

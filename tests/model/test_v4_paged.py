@@ -18,24 +18,26 @@ from atom.models.deepseek_v4.runtime import V4Runtime
 ATOL = 1e-4
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
+# The V4 test modules import these two fixtures (by their function names, so a test's
+# ``v4_tiny`` argument does not shadow an import).
+@pytest.fixture(autouse=True, name="one_thread")
+def one_thread_fixture():
     before = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny forwards on a shared 2-core host
     yield
     torch.set_num_threads(before)
 
 
-@pytest.fixture(scope="module")
-def v4_tiny():
+@pytest.fixture(scope="module", name="v4_tiny")
+def v4_tiny_fixture():
     return DeepseekV4ForCausalLM(preset_config("v4-tiny")).init_weights(0)
 
 
 class Harness:
     """One pool, some state slots, and chunk schedules to run (block 16 unless told)."""
 
-    def __init__(self, model, block_size=16, num_blocks=64, num_slots=6):
-        self.rt = V4Runtime(model, block_size=block_size)
+    def __init__(self, model, block_size=16, num_blocks=64, num_slots=6, speculative_tokens=0):
+        self.rt = V4Runtime(model, block_size=block_size, speculative_tokens=speculative_tokens)
         spec = self.rt.spec
         self.pool = torch.zeros(spec.pool_shape(num_blocks), dtype=spec.pool_dtype)
         self.slot_bytes = torch.zeros(num_slots, spec.state_bytes, dtype=torch.uint8)

@@ -2,13 +2,11 @@
 the published names and formats; its greedy completion equals the oracle's."""
 
 import httpx
-import torch
 
 from atom.models.deepseek_v4.reference import reference_generate
-from atom.models.registry import load_runtime
 from tests.serve.conftest import ServeProcess
 
-from .test_v4_checkpoint import write_checkpoint
+from .test_v4_checkpoint import runtime_of, write_checkpoint
 
 
 def test_serve_a_published_format_checkpoint_directory(tmp_path):
@@ -28,15 +26,6 @@ def test_serve_a_published_format_checkpoint_directory(tmp_path):
         assert (usage["prompt_tokens"], usage["completion_tokens"]) == (len(prompt), 5)
     finally:
         assert proc.terminate() == 0, proc.text()
-    rt = load_runtime(
-        str(ckpt),
-        dtype=torch.float32,
-        kv_dtype="fp32",
-        index_dtype="fp32",
-        block_size=16,
-        device="cpu",
-        seed=0,
-    )
-    want = reference_generate(rt.model, list(prompt.encode()), 5)
+    want = reference_generate(runtime_of(ckpt).model, list(prompt.encode()), 5)
     text = bytes(t for t in want if t < 256).decode("utf-8", errors="replace")
     assert text and out["choices"][0]["text"] == text
