@@ -23,6 +23,8 @@ TINY_FLAGS = [
 
 
 class ServeProcess:
+    started: list[ServeProcess] = []  # every server a test started (killed at the end if alive)
+
     def __init__(self, *flags: str):
         self.port = free_port()
         self.log = Path(tempfile.mkdtemp(prefix="atom-serve-")) / "serve.log"
@@ -31,6 +33,7 @@ class ServeProcess:
         with open(self.log, "wb") as out:
             self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
         self.url = f"http://127.0.0.1:{self.port}"
+        ServeProcess.started.append(self)
 
     def wait_ready(self, timeout_s: float = 120.0) -> dict:
         """Poll /health (each poll is a bounded HTTP call) until it answers 200."""
@@ -67,6 +70,24 @@ class ServeProcess:
         return self.proc.returncode
 
 
+@pytest.fixture(autouse=True)
+def no_orphan_servers():
+    """A test that fails before terminating its servers must not leave them running."""
+    yield
+    while ServeProcess.started:
+        proc = ServeProcess.started.pop().proc
+        if proc.poll() is None and not _module_scoped(proc):
+            proc.kill()
+            proc.wait()
+
+
+def _module_scoped(proc) -> bool:
+    return any(s.proc is proc for s in _MODULE_SERVERS)
+
+
+_MODULE_SERVERS: list[ServeProcess] = []
+
+
 @pytest.fixture(scope="module")
 def lmcache():
     server = LMCacheServer(chunk_size=16, l1_size_gb=0.25)
@@ -79,6 +100,8 @@ def lmcache():
 def served(lmcache):
     """One server for the module, with the tier on an external LMCache server."""
     proc = ServeProcess("--offload", "lmcache_mp", "--lmcache-url", lmcache.url)
+    _MODULE_SERVERS.append(proc)
     proc.wait_ready()
     yield proc
+    _MODULE_SERVERS.remove(proc)
     assert proc.terminate() == 0, proc.text()
