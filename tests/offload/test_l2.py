@@ -14,7 +14,7 @@ import torch
 
 from atom import SamplingParams
 from atom.config import EngineConfig, EngineConfigError
-from atom.kv_transfer.offload import l2
+from atom.kv_transfer.offload import l2, l2_resp
 from atom.kv_transfer.offload.lmcache_server import LMCacheServer
 
 from .conftest import BLOCK
@@ -133,7 +133,7 @@ def test_owned_server_command_line_carries_the_adapters_and_policies(tmp_path):
     cmd = server.command()
     specs = [json.loads(cmd[i + 1]) for i, a in enumerate(cmd) if a == "--l2-adapter"]
     assert specs[0] == fs
-    assert specs[1]["type"] == "plugin" and specs[1]["class_name"] == l2.RESP_PLUGIN
+    assert specs[1]["type"] == "plugin" and specs[1]["class_name"] == l2_resp.RESP_PLUGIN
     assert specs[1]["adapter_params"] == {"host": "10.0.0.5", "port": 6380, "num_workers": 2}
     assert cmd[cmd.index("--l2-store-policy") + 1] == "skip_l1"
     assert cmd[cmd.index("--l2-prefetch-policy") + 1] == "default"
