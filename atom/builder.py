@@ -27,6 +27,8 @@ def build_engine(config: EngineConfig, attach_tier=None) -> LLMEngine:
         device=cfg.device,
         seed=cfg.seed,
     )
+    if cfg.cuda_graphs and hasattr(runtime, "enable_decode_graphs"):
+        runtime.enable_decode_graphs(cfg.max_num_seqs, cfg.max_model_len)  # CUDA only
     attach = attach_tier
     if attach is None and cfg.offload == "lmcache_mp":
         from atom.kv_transfer.offload.attach import LMCacheTier

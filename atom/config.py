@@ -36,6 +36,9 @@ class EngineConfig(BaseModel):
     kv_dtype: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
     index_dtype: Literal["auto", "fp8", "bf16", "fp32"] = "auto"
     seed: int = 0
+    # decode steps replay CUDA graphs captured per batch size (CUDA only; a runtime without
+    # them ignores it); False runs every forward eagerly, for debugging
+    cuda_graphs: bool = True
     offload: Literal["none", "lmcache_mp"] = "none"
     lmcache: OffloadConfig = OffloadConfig()  # the tier's settings (with offload=lmcache_mp)
 

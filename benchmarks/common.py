@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import platform
 import subprocess
 from datetime import datetime, timezone
@@ -14,10 +15,18 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def environment() -> dict:
+    # ATOM_GIT_REV: the commit a snapshot without .git was made from (the GPU runs)
+    rev = os.environ.get("ATOM_GIT_REV", "")
     try:
-        rev = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
-        ).stdout.strip()
+        rev = (
+            rev
+            or subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"],
+                capture_output=True,
+                text=True,
+                check=False,
+            ).stdout.strip()
+        )
     except OSError:
         rev = ""
     env = {
@@ -55,9 +64,12 @@ def md_table(headers: list[str], rows: list[list]) -> str:
     return "\n".join(out)
 
 
-def bound_runtime(model: str, dtype: torch.dtype, device: str, blocks: int, slots: int):
+def bound_runtime(
+    model: str, dtype: torch.dtype, device: str, blocks: int, slots: int, graphs: bool = False
+):
     """A model runtime (random weights, seed 0; fp8 index rows, KV stored in the compute dtype)
-    bound to a fresh pool of ``blocks`` blocks and ``slots`` state slots."""
+    bound to a fresh pool of ``blocks`` blocks and ``slots`` state slots; ``graphs``: with
+    decode CUDA graphs for up to ``slots`` sequences (on CUDA; ``rt.cuda_graphs`` toggles)."""
     from atom.models.registry import default_block_size, load_runtime
 
     rt = load_runtime(
@@ -69,7 +81,12 @@ def bound_runtime(model: str, dtype: torch.dtype, device: str, blocks: int, slot
         device=device,
         seed=0,
     )
+    if graphs and hasattr(rt, "enable_decode_graphs"):
+        rt.enable_decode_graphs(slots)
     spec = rt.spec
-    pool = torch.zeros(spec.pool_shape(blocks), dtype=spec.pool_dtype, device=device)
-    rt.bind(pool, torch.zeros(slots, spec.state_bytes, dtype=torch.uint8, device=device))
+    extra_blocks = getattr(rt, "reserved_blocks", 0)
+    extra_slots = getattr(rt, "reserved_slots", 0)
+    pool = torch.zeros(spec.pool_shape(blocks + extra_blocks), dtype=spec.pool_dtype, device=device)
+    state = torch.zeros(slots + extra_slots, spec.state_bytes, dtype=torch.uint8, device=device)
+    rt.bind(pool, state)
     return rt

@@ -2,7 +2,7 @@
 ops that take the most time, for a prefill chunk batch and a decode batch at a serving position.
 
 python -m benchmarks.profile_forward --model v41-bench --device cuda --dtype bfloat16 \
-    --position 4096 --batch 16
+    --position 4096 --batch 16 [--graphs]
 
 Prints (and writes under benchmarks/results/ with ``--name``) one row per shape: milliseconds
 per forward, aten ops, kernel launches and stream synchronizations per step; host syncs inside
@@ -92,8 +92,9 @@ def _shape_runs(rt, args, tables, gen):
         spans = [Span(0, bs, i, tables[i]) for i in range(chunk_batch)]
         rt.forward(prompts[:chunk_batch, :bs].reshape(-1), spans).argmax(-1).cpu()
 
+    graphs = " (graphs)" if getattr(rt, "cuda_graphs", False) else ""
     return [
-        (f"decode batch {batch} at {args.position}", decode),
+        (f"decode batch {batch} at {args.position}{graphs}", decode),
         (f"prefill {chunk_batch} x {bs} tokens", prefill),
     ]
 
@@ -108,11 +109,17 @@ def main() -> None:
     ap.add_argument("--prefill-tokens", type=int, default=2048)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--top", type=int, default=20)
+    ap.add_argument("--graphs", action="store_true", help="decode through CUDA graphs (CUDA)")
     ap.add_argument("--name", default="")
     args = ap.parse_args()
     per_seq = -(-(args.position + args.repeats + 8) // default_block_size(args.model))
     rt = bound_runtime(
-        args.model, getattr(torch, args.dtype), args.device, per_seq * args.batch, args.batch
+        args.model,
+        getattr(torch, args.dtype),
+        args.device,
+        per_seq * args.batch,
+        args.batch,
+        graphs=args.graphs,
     )
     tables = [
         torch.arange(i * per_seq, (i + 1) * per_seq, device=args.device) for i in range(args.batch)

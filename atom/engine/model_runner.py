@@ -28,11 +28,17 @@ class ModelRunner:
     def __init__(self, runtime: ModelRuntime, num_blocks: int, num_slots: int):
         self.runtime, self.spec = runtime, runtime.spec
         device = runtime.device
+        # a runtime may reserve blocks and slots past the engine's (its decode graphs' padding
+        # rows use them); the engine never schedules them
+        extra_blocks = getattr(runtime, "reserved_blocks", 0)
+        extra_slots = getattr(runtime, "reserved_slots", 0)
         self.pool = torch.zeros(
-            self.spec.pool_shape(num_blocks), dtype=self.spec.pool_dtype, device=device
+            self.spec.pool_shape(num_blocks + extra_blocks),
+            dtype=self.spec.pool_dtype,
+            device=device,
         )
         self.slot_bytes = torch.zeros(
-            num_slots, self.spec.state_bytes, dtype=torch.uint8, device=device
+            num_slots + extra_slots, self.spec.state_bytes, dtype=torch.uint8, device=device
         )
         self.slot_owner: list[int | None] = [None] * num_slots
         self.device = device

@@ -60,6 +60,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for flag, kind in ENGINE_FLAGS.items():
         ap.add_argument(f"--{flag}", type=kind, default=None)
     ap.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
+    ap.add_argument(
+        "--cuda-graphs",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="replay CUDA graphs for decode steps (default on; --no-cuda-graphs: eager)",
+    )
     for flag, (_, kind) in OFFLOAD_FLAGS.items():
         ap.add_argument(f"--{flag}", type=kind, default=None)
     ap.add_argument(
@@ -115,6 +121,8 @@ def build_config(args: argparse.Namespace) -> EngineConfig:
             overrides[flag.replace("-", "_")] = value
     if args.enable_prefix_caching is not None:
         overrides["enable_prefix_caching"] = args.enable_prefix_caching
+    if args.cuda_graphs is not None:
+        overrides["cuda_graphs"] = args.cuda_graphs
     lmcache = {}
     for flag, (field, _) in OFFLOAD_FLAGS.items():
         value = getattr(args, flag.replace("-", "_"))

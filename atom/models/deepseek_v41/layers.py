@@ -144,13 +144,20 @@ class MoE(nn.Module):
         w = scores.gather(1, idx)
         return idx, w / w.sum(-1, keepdim=True) * self.scale
 
+    def path(self, n: int, x: torch.Tensor) -> str:
+        """How ``mix`` runs the routed experts of ``n`` tokens like ``x`` (dtype, device):
+        "dense", "grouped" (both without host sync) or "loop" (one host sync per layer)."""
+        if n * self.top_k >= len(self.experts) and n <= self.DENSE_MAX_TOKENS:
+            return "dense"
+        return "grouped" if _grouped_mm_usable(x) else "loop"
+
     def mix(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """The shared expert plus the routed experts ``idx`` weighted by ``w``."""
         out = self.shared_experts(x).float()
-        n = x.shape[0]
-        if n * self.top_k >= len(self.experts) and n <= self.DENSE_MAX_TOKENS:
+        path = self.path(x.shape[0], x)
+        if path == "dense":
             return (out + self._dense(x, idx, w)).to(x.dtype)
-        if _grouped_mm_usable(x):
+        if path == "grouped":
             try:
                 return self._grouped(x, idx, w, out).to(x.dtype)
             except RuntimeError as e:  # an unsupported shape or build: the loop, from now on

@@ -157,6 +157,18 @@ class DeepseekV41ForCausalLM(nn.Module):
         self.check_spans(spans, slots)
         plan = ForwardPlan.build(token_ids, spans, self.device)
         slots.reset_many([sp.slot for sp in spans if sp.start == 0], plan.reset)
+        logits = self.run_plan(plan, kv, slots, all_logits)
+        for sp in spans:
+            slots.advance(sp.slot, sp.end)
+        return logits
+
+    @torch.no_grad()
+    def run_plan(
+        self, plan: ForwardPlan, kv: PagedKV, slots: StateSlots, all_logits: bool = False
+    ) -> torch.Tensor:
+        """The device work of a forward whose spans were checked and whose starting slots were
+        reset: no host reads, no host-side state (the slots' host mirror is the caller's). A
+        decode graph (``decode_graphs``) captures this with a plan of static tensors."""
         history = slots.cursor[plan.span_slots, 1:]  # [S, 3], after the resets
         grams_t = torch.cat([plan.token_ids, history.flatten()])[plan.gram_src]
         x = self._embed(plan.token_ids)
@@ -172,8 +184,6 @@ class DeepseekV41ForCausalLM(nn.Module):
         slots.cursor[:, 0].index_copy_(0, plan.span_slots, plan.span_ends)
         slots.cursor[:, 1:].index_copy_(0, plan.span_slots, grams_t[plan.last, 1:])
         slots.header[:, 1].index_copy_(0, plan.span_slots, plan.span_ends)
-        for sp in spans:
-            slots.advance(sp.slot, sp.end)
         if not all_logits:
             x = x[plan.last]
         return self._head(x)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from atom.model_api import Span, restore_image, store_image
+from atom.models.deepseek_v41.decode_graphs import DecodeGraphs
 from atom.models.deepseek_v41.model import DeepseekV41ForCausalLM
 from atom.models.deepseek_v41.paged import PagedKV, StateSlots
 from atom.models.deepseek_v41.pool_geometry import build_v41_pool_geometry
@@ -26,18 +27,59 @@ class V41Runtime:
             speculative_tokens=speculative_tokens,
         )
         self.spec = self.geometry.state_spec()
+        self.block_size = block_size
         self.vocab_size = model.config.vocab_size
         self.device = model.device
         self.max_position = model.config.max_position_embeddings
         self.kv: PagedKV | None = None
         self.slots: StateSlots | None = None
+        # blocks and slots the pool and slot bytes hold past the engine's own (the last ones):
+        # the decode graphs' padding rows use them (``enable_decode_graphs``)
+        self.reserved_blocks = self.reserved_slots = 0
+        self.graphs: DecodeGraphs | None = None
+        self.cuda_graphs = False  # replay decode graphs (once enabled; False: eager, to debug)
+        self._graph_args: tuple | None = None
+
+    def enable_decode_graphs(
+        self, max_batch: int, max_len: int | None = None, backend=None
+    ) -> bool:
+        """Replay CUDA graphs for decode forwards of up to ``max_batch`` spans (CUDA only; on
+        another device nothing changes and this returns False, unless a test passes a
+        ``backend``: see ``decode_graphs``). Call before the pool is allocated: whoever
+        allocates it then adds ``reserved_blocks`` blocks and ``reserved_slots`` slots at the
+        end, which the graphs' padding rows read and write. ``cuda_graphs`` turns the replays
+        off and on afterwards."""
+        if self.device.type != "cuda" and backend is None:
+            return False
+        self.reserved_blocks = self.reserved_slots = 1
+        self._graph_args = (max_batch, max_len or self.max_position, backend)
+        self.cuda_graphs = True
+        return True
 
     def bind(self, pool: torch.Tensor, slot_bytes: torch.Tensor) -> None:
         self.pool, self.slot_bytes = pool, slot_bytes
         self.kv = PagedKV(self.geometry, pool)
         self.slots = StateSlots(self.geometry, slot_bytes)
+        self.graphs = None
+        if self._graph_args is not None:
+            max_batch, max_len, backend = self._graph_args
+            self.graphs = DecodeGraphs(
+                self.model,
+                self.kv,
+                self.slots,
+                block_size=self.block_size,
+                spare_slot=slot_bytes.shape[0] - 1,
+                spare_block=pool.shape[0] - 1,
+                max_batch=max_batch,
+                max_blocks=-(-max_len // self.block_size),
+                backend=backend,
+            )
 
     def forward(self, token_ids: torch.Tensor, spans: list[Span]) -> torch.Tensor:
+        if self.cuda_graphs and self.graphs is not None:
+            logits = self.graphs.run(token_ids, spans)
+            if logits is not None:
+                return logits
         return self.model.forward_paged(token_ids, spans, self.kv, self.slots)
 
     def store_image(self, slot: int, units: torch.Tensor) -> None:

@@ -1,0 +1,269 @@
+"""CUDA graphs for V4.1 decode forwards (every span one token), replayed per batch bucket.
+
+Contract of ``DecodeGraphs.run(token_ids, spans)``:
+
+* It returns what ``model.forward_paged(token_ids, spans, kv, slots)`` returns (float32 logits
+  of each span, a copy the caller owns) and leaves the same state and host mirror, up to the
+  rounding of another batch shape; or it returns ``None`` without touching anything, and the
+  caller runs the eager forward. It refuses spans exactly as the eager forward does.
+* It runs a forward whose spans are all one token at a position > 0 (a span at 0 resets its
+  slot: eager), with at most the largest bucket's spans and tables that fit ``max_blocks``,
+  and where the model's per-batch path (MoE: dense / grouped) is the same for the real batch
+  and its bucket and has no host sync (``MoE.path``; the fp32 CUDA loop syncs: eager).
+* A graph is keyed by (batch bucket, width bucket). Batch buckets: 1, 2, 4, ... up to
+  ``max_batch``, plus ``max_batch`` and every size after which the MoE path changes (so
+  padding never changes a real row's path). Width buckets (blocks per table): 1, 2, 3, 4, 6,
+  8, 12, ... (2^k and 3 * 2^k): the indexer scans at most 1.5x the rows the batch needs, and
+  ``max_end`` (the rows it scans) is ``width * block_size``: rows a sequence cannot see are
+  masked, so the selections equal the eager forward's.
+* Padding rows: token 0 at position 0 in ``spare_slot`` with every table entry
+  ``spare_block``. They read and write only that slot and block, which the engine never
+  schedules, so no real sequence reads what they write. Real tables are cut or padded (with
+  ``spare_block``) to the width: blocks past a sequence's end are neither read for its rows
+  nor written.
+* Per replay the host packs ids, positions, slots, ends and padded tables into one int64
+  tensor, uploaded in one copy into the graph's static buffer (device token ids or tables are
+  copied in after it); gram sources, windows, index scoring, top-k, candidate blocks, PAGE
+  and ring writes, cursors and the LM head all run inside the graph. After the replay the host
+  updates the slots' mirror.
+* Capture is lazy, on a key's first use: two warm-up forwards of padding rows only (they
+  write only the spare slot and block), then the capture of the same on one side stream, in
+  one memory pool shared by every graph. A capture that fails is logged and recorded in
+  ``failed``; that key runs eagerly from then on.
+
+``backend`` does the capture: CUDA graphs by default; tests pass ``EagerBackend``, whose
+"replay" re-runs the captured function, to exercise buckets, padding and buffers on CPU.
+"""
+
+from __future__ import annotations
+
+import logging
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from atom.model_api import Span
+
+log = logging.getLogger(__name__)
+
+
+def batch_buckets(max_batch: int, path: Callable[[int], str] | None = None) -> list[int]:
+    """1, 2, 4, ... < max_batch, max_batch, and every n < max_batch where ``path(n)`` differs
+    from ``path(n + 1)`` (a batch and the bucket it pads to then take the same path)."""
+    out = {max_batch}
+    b = 1
+    while b < max_batch:
+        out.add(b)
+        b *= 2
+    if path is not None:
+        paths = [path(n) for n in range(1, max_batch + 1)]
+        out.update(n for n in range(1, max_batch) if paths[n - 1] != paths[n])
+    return sorted(out)
+
+
+def pick_bucket(buckets: list[int], n: int) -> int | None:
+    """The smallest bucket holding n rows (None: more than the largest)."""
+    return next((b for b in buckets if b >= n), None)
+
+
+def width_bucket(blocks: int, max_blocks: int | None = None) -> int | None:
+    """Table width for a batch needing ``blocks`` blocks: the smallest 2^k or 3 * 2^k at
+    least that, capped at ``max_blocks`` (None: more than ``max_blocks``)."""
+    if max_blocks is not None and blocks > max_blocks:
+        return None
+    w = 1
+    while w < blocks:  # 1, 2, 3, 4, 6, 8, 12, 16, 24, ...
+        w = w + w // 2 if w >= 2 and w & (w - 1) == 0 else (w // 3 * 4 if w % 3 == 0 else 2 * w)
+    return w if max_blocks is None else min(w, max_blocks)
+
+
+def pack_inputs(
+    token_ids: torch.Tensor | None,
+    spans: list[Span],
+    bucket: int,
+    width: int,
+    spare_slot: int,
+    spare_block: int,
+) -> torch.Tensor:
+    """Host int64 [bucket * (4 + width)]: ids, positions, slots, ends (each [bucket]), then the
+    tables [bucket, width]; rows past the spans are padding rows. Token ids on the device
+    (``token_ids`` None here) and device tables are left 0 / spare for the caller to copy."""
+    n = len(spans)
+    meta = torch.zeros(4, bucket, dtype=torch.int64)
+    meta[2].fill_(spare_slot)
+    meta[3].fill_(1)
+    if token_ids is not None:
+        meta[0, :n] = token_ids.reshape(-1)
+    meta[1, :n] = torch.tensor([sp.start for sp in spans], dtype=torch.int64)
+    meta[2, :n] = torch.tensor([sp.slot for sp in spans], dtype=torch.int64)
+    meta[3, :n] = meta[1, :n] + 1
+    tables = torch.full((bucket, width), spare_block, dtype=torch.int64)
+    for r, sp in enumerate(spans):
+        t = sp.block_table
+        if t.device.type == "cpu":
+            m = min(width, t.numel())
+            tables[r, :m] = t.reshape(-1)[:m]
+    return torch.cat([meta.reshape(-1), tables.reshape(-1)])
+
+
+class EagerBackend:
+    """Runs instead of capturing: ``replay`` re-runs the function into the static output."""
+
+    def capture(self, fn: Callable[[], torch.Tensor]):
+        fn()  # the warm-up, as on CUDA
+        out = fn()
+        return (lambda: out.copy_(fn())), out
+
+
+class CudaGraphBackend:
+    """CUDA graphs on one side stream, all in one memory pool."""
+
+    def __init__(self, device: torch.device):
+        self.pool = torch.cuda.graph_pool_handle()
+        self.stream = torch.cuda.Stream(device)
+
+    def capture(self, fn: Callable[[], torch.Tensor]):
+        s, current = self.stream, torch.cuda.current_stream()
+        s.wait_stream(current)
+        with torch.cuda.stream(s):
+            for _ in range(2):
+                fn()
+        current.wait_stream(s)
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: other threads' CUDA calls (the tier's copies) stay legal meanwhile
+        with torch.cuda.graph(graph, pool=self.pool, stream=s, capture_error_mode="thread_local"):
+            out = fn()
+        return graph.replay, out
+
+
+@dataclass
+class _Graph:
+    inp: torch.Tensor  # the static inputs (pack_inputs' layout) on the device
+    out: torch.Tensor  # [bucket, V] static logits
+    replay: Callable[[], object]
+
+
+class DecodeGraphs:
+    def __init__(
+        self,
+        model,
+        kv,
+        slots,
+        *,
+        block_size: int,
+        spare_slot: int,
+        spare_block: int,
+        max_batch: int,
+        max_blocks: int | None = None,
+        backend=None,
+    ):
+        self.model, self.kv, self.slots = model, kv, slots
+        self.block_size, self.max_blocks = block_size, max_blocks
+        self.spare_slot, self.spare_block = spare_slot, spare_block
+        self.device = model.device
+        self._probe = torch.empty(0, dtype=model.dtype, device=self.device)
+        self._moe = model.model.layers[0].mlp
+        self.buckets = batch_buckets(max_batch, self._path)
+        self.backend = backend or CudaGraphBackend(self.device)
+        self.graphs: dict[tuple[int, int], _Graph] = {}
+        self.failed: dict[tuple[int, int], str] = {}
+        self.replays = 0
+        slots.reset(spare_slot)
+
+    def _path(self, n: int) -> str:
+        with torch.no_grad():
+            return self._moe.path(n, self._probe)
+
+    def key(self, spans: list[Span]) -> tuple[int, int] | None:
+        """(batch bucket, width bucket) of a forward a graph can run, else None."""
+        if not spans or any(sp.end - sp.start != 1 or sp.start == 0 for sp in spans):
+            return None
+        n = len(spans)
+        bucket = pick_bucket(self.buckets, n)
+        if bucket is None:
+            return None
+        path = self._path(n)
+        if path == "loop" or path != self._path(bucket):
+            return None
+        need = max(-(-sp.end // self.block_size) for sp in spans)
+        width = width_bucket(need, self.max_blocks)
+        if width is None or (bucket, width) in self.failed:
+            return None
+        return bucket, width
+
+    def run(self, token_ids: torch.Tensor, spans: list[Span]) -> torch.Tensor | None:
+        key = self.key(spans)
+        if key is None:
+            return None
+        if token_ids.numel() != len(spans):
+            raise ValueError("token_ids must hold exactly the spans' tokens, in span order")
+        self.model.check_spans(spans, self.slots)
+        graph = self.graphs.get(key)
+        if graph is None:
+            graph = self._capture(*key)
+            if graph is None:
+                return None
+        self._upload(graph, key, token_ids, spans)
+        graph.replay()
+        self.replays += 1
+        for sp in spans:
+            self.slots.advance(sp.slot, sp.end)
+        return graph.out[: len(spans)].clone()
+
+    def _upload(self, graph: _Graph, key, token_ids: torch.Tensor, spans: list[Span]) -> None:
+        bucket, width = key
+        n, on_host = len(spans), token_ids.device.type == "cpu"
+        host = pack_inputs(
+            token_ids if on_host else None,
+            spans,
+            bucket,
+            width,
+            self.spare_slot,
+            self.spare_block,
+        )
+        if self.device.type == "cuda":
+            graph.inp.copy_(host.pin_memory(), non_blocking=True)
+        else:
+            graph.inp.copy_(host)
+        if not on_host:
+            graph.inp[:n].copy_(token_ids.reshape(-1))
+        tables = graph.inp[4 * bucket :].view(bucket, width)
+        for r, sp in enumerate(spans):
+            t = sp.block_table
+            if t.device.type != "cpu":
+                m = min(width, t.numel())
+                tables[r, :m].copy_(t.reshape(-1)[:m])
+
+    def _capture(self, bucket: int, width: int) -> _Graph | None:
+        from atom.models.deepseek_v41.model import ForwardPlan
+        from atom.models.deepseek_v41.paged_decode import DecodeBatch
+
+        dev = self.device
+        host = pack_inputs(None, [], bucket, width, self.spare_slot, self.spare_block)
+        inp = host.to(dev)
+        ids, pos, slot_ids, ends = inp[: 4 * bucket].view(4, bucket)
+        tables = inp[4 * bucket :].view(bucket, width)
+        rows = torch.arange(bucket, dtype=torch.int64)
+        # Engram ids t-3..t of row k: history k (3 per row, after the bucket's ids), then k
+        gram_src = torch.cat([bucket + 3 * rows[:, None] + torch.arange(3), rows[:, None]], 1)
+        gram_src, rows = gram_src.to(dev), rows.to(dev)
+        empty = torch.zeros(0, dtype=torch.int64, device=dev)
+        max_end = width * self.block_size
+
+        def forward() -> torch.Tensor:
+            decode = DecodeBatch(rows, slot_ids, pos, tables, max_end)
+            plan = ForwardPlan(ids, pos, gram_src, slot_ids, ends, rows, empty, [], decode)
+            return self.model.run_plan(plan, self.kv, self.slots)
+
+        try:
+            replay, out = self.backend.capture(forward)
+        except Exception as e:  # noqa: BLE001 - any failure: this key runs eagerly
+            self.failed[(bucket, width)] = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
+            log.warning("decode graph (batch %d, width %d) not captured: %s", bucket, width, e)
+            return None
+        graph = _Graph(inp, out, replay)
+        self.graphs[(bucket, width)] = graph
+        log.info("captured decode graph: batch %d, width %d blocks", bucket, width)
+        return graph
