@@ -104,7 +104,7 @@ def main() -> int:
     prompts = [e.prompt for e in examples]
     answers = [e.answer for e in examples]
     preamble = make_preamble(args.preamble)
-    with LMCacheServer(chunk_size=256, l1_size_gb=1.0) as server:
+    with LMCacheServer(chunk_size=256, l1_size_gb=1.0, shared_l1=True) as server:
         rows = [
             two_pass("tier only", args, prompts, answers, server),
             two_pass(

@@ -94,6 +94,9 @@ class Admission:
             if answer.tokens > hit.tokens:
                 planned = self._plan_load(seq, hit, answer.tokens)
                 if planned is not None:
+                    self.settle_tier()  # a load copied by the engine lands as it is issued
+                    if seq.prepared is not None:
+                        return self._admit_prepared(seq, budget)
                     return planned
                 if self._others_hold(seq):
                     # No room to load now, but running or holding requests will free some:

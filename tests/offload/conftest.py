@@ -44,7 +44,7 @@ def one_torch_thread():
 @pytest.fixture(scope="session")
 def lmcache_server():
     """One real LMCache MP server for the session (chunk = the tests' block size)."""
-    server = LMCacheServer(chunk_size=BLOCK, l1_size_gb=0.5)
+    server = LMCacheServer(chunk_size=BLOCK, l1_size_gb=0.5, shared_l1=True)
     server.start(wait=True)
     yield server
     server.stop()
@@ -53,7 +53,7 @@ def lmcache_server():
 @pytest.fixture()
 def own_server():
     """A server of this test's own, for tests that kill, stop or restart it."""
-    server = LMCacheServer(chunk_size=BLOCK, l1_size_gb=0.25)
+    server = LMCacheServer(chunk_size=BLOCK, l1_size_gb=0.25, shared_l1=True)
     yield server
     server.stop()
 

@@ -119,7 +119,9 @@ def test_a_failed_frontier_load_recomputes_from_the_last_ready_image(lmcache_ser
     pre = prompts_of([3 * BLOCK], seed=311)[0]
     b = pre + prompts_of([2 * BLOCK + 9], seed=312)[0]
     want = fill(lmcache_server, make_llm, [b], GREEDY)
-    llm = make_llm(**tier(lmcache_server))
+    # the failure is injected where the server's retrieve is submitted: lmcache_driven loads
+    # (engine-driven loads that cannot be copied go the same way: test_engine_driven.py)
+    llm = make_llm(**tier(lmcache_server, load_mode="lmcache_driven"))
     eng, conn = llm.engine, llm.engine.scheduler.connector
     llm.generate([pre], SamplingParams(max_tokens=1))
     eng.run_until(lambda: not eng.tier_busy())

@@ -106,7 +106,9 @@ def test_sigstop_past_the_deadline_recomputes_then_hits_after_sigcont(own_server
     own_server.start()
     prompts = prompts_of([50, 77, 100, 64, 129], seed=211)
     reference = make_llm().generate(prompts, GREEDY)
-    llm = make_llm(**tier(own_server, **FAST))
+    # loads the server copies (a stopped server cannot): engine-driven loads copy from its
+    # shared-memory L1 without it (test_engine_driven.py)
+    llm = make_llm(**tier(own_server, load_mode="lmcache_driven", **FAST))
     eng, conn = llm.engine, llm.engine.scheduler.connector
     same_tokens(llm.generate(prompts, GREEDY, on_step=check), reference)
     pump(llm, lambda: settled(llm), "pass 1's stores")

@@ -90,7 +90,7 @@ _MODULE_SERVERS: list[ServeProcess] = []
 
 @pytest.fixture(scope="module")
 def lmcache():
-    server = LMCacheServer(chunk_size=16, l1_size_gb=0.25)
+    server = LMCacheServer(chunk_size=16, l1_size_gb=0.25, shared_l1=True)
     server.start()
     yield server
     server.stop()

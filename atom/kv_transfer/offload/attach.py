@@ -13,8 +13,11 @@ import time
 from atom.kv_transfer.offload.admin import clear_server
 from atom.kv_transfer.offload.config import OffloadConfig, namespace, weights_identity
 from atom.kv_transfer.offload.events import EventPool
+from atom.kv_transfer.offload.l1_map import Mappings
 from atom.kv_transfer.offload.l2 import L2Status, ServerMetrics
 from atom.kv_transfer.offload.lmcache_server import LMCacheServer, LMCacheServerError
+from atom.kv_transfer.offload.local_load import LocalLoads
+from atom.kv_transfer.offload.locator import Locator
 from atom.kv_transfer.offload.lookup_thread import LookupThread
 from atom.kv_transfer.offload.scheduler import OffloadConnector
 from atom.kv_transfer.offload.transfer_thread import TransferThread
@@ -54,6 +57,7 @@ class LMCacheTier:
                 l2_adapters=config.l2_adapters,
                 l2_store_policy=config.l2_store_policy,
                 l2_prefetch_policy=config.l2_prefetch_policy,
+                shared_l1=config.load_mode == "engine_driven",
             )
             try:
                 t0 = time.monotonic()
@@ -90,6 +94,18 @@ class LMCacheTier:
         self.ctx = zmq.Context()
         self.ctx.linger = 0
         shape = SpecShape(block_size, self.chunk, spec.units_per_image)
+        self.mappings = self.locator = local = None
+        if config.load_mode == "engine_driven" and config.load:
+            self.mappings = Mappings(pool_tensor.device)
+            self.locator = Locator(
+                url=url,
+                zmq_context=self.ctx,
+                namespace=self.namespace,
+                world_size=self.world_size,
+                chunk=self.chunk,
+                mappings=self.mappings,
+            )
+            local = LocalLoads(spec, pool_tensor, self.chunk)
         self.transfers = TransferThread(
             url=url,
             namespace=self.namespace,
@@ -109,6 +125,7 @@ class LMCacheTier:
             config=config,
             zmq_context=self.ctx,
             on_outcome=self._post,
+            locator=self.locator,
         )
         self.connector = OffloadConnector(
             config=config,
@@ -122,6 +139,8 @@ class LMCacheTier:
             lookups=self.lookups,
             metrics=metrics,
             notify_progress=notify_progress,
+            local=local,
+            mappings=self.mappings,
         )
         self._l2_metrics(metrics)
         self.lookups.start()
@@ -188,7 +207,16 @@ class LMCacheTier:
             "l2_store_policy": self.cfg.l2_store_policy if self.cfg.l2_adapters else None,
             "l2_prefetch_policy": self.cfg.l2_prefetch_policy if self.cfg.l2_adapters else None,
             "server_metrics_url": self.server_metrics.url,
+            "load_mode": self._load_mode(),
         }
+
+    def _load_mode(self) -> str:
+        """engine_driven when loads are copied by the engine (lmcache_driven: by the server)."""
+        if self.locator is None:
+            return "lmcache_driven"
+        if self.locator.unsupported:
+            return f"lmcache_driven ({self.locator.unsupported})"
+        return "engine_driven"
 
     def release(self) -> None:
         """What must not outlive the process, when ``shutdown`` cannot finish in time: stop
@@ -202,6 +230,8 @@ class LMCacheTier:
 
     def shutdown(self, timeout_s: float) -> None:
         self.connector.shutdown(timeout_s)
+        if self.mappings is not None:
+            self.mappings.close_all()  # after the lookup thread stopped (it maps them)
         try:
             self.ctx.term()
         except Exception:

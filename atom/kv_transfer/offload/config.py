@@ -40,6 +40,15 @@ class OffloadConfig(BaseModel):
     rpc_timeout_s: float = 3.0  # bound on adapter RPCs that block (construction, register)
     save: bool = True
     load: bool = True
+    # engine_driven: the server's L1 lives in /dev/shm, the lookup's answer says where a hit's
+    # objects sit, and the engine copies them into its pool itself (falls back to the server's
+    # retrieve where it cannot: a server without the locate module, on another host, or an
+    # answer older than located_max_age_s). lmcache_driven: the server copies every load.
+    # Saves are lmcache_driven either way.
+    load_mode: Literal["engine_driven", "lmcache_driven"] = "engine_driven"
+    # a located answer older than this is loaded through the server, which checks the objects
+    # are still there (the server's read locks lapse after its --l1-read-ttl-seconds, 300 s)
+    located_max_age_s: float = 120.0
     # L2 under the owned server's L1 (atom.kv_transfer.offload.l2): a list of LMCache adapter
     # specs, e.g. {"type": "fs", "base_path": "/shared/kv"} or {"type": "resp", "host": "redis",
     # "port": 6379}; servers sharing one L2 share their objects. With url set they describe the
@@ -72,7 +81,12 @@ class OffloadConfig(BaseModel):
         return v
 
     @field_validator(
-        "lookup_timeout_s", "transfer_timeout_s", "l1_size_gb", "heartbeat_s", "rpc_timeout_s"
+        "lookup_timeout_s",
+        "transfer_timeout_s",
+        "l1_size_gb",
+        "heartbeat_s",
+        "rpc_timeout_s",
+        "located_max_age_s",
     )
     @classmethod
     def _positive(cls, v: float) -> float:

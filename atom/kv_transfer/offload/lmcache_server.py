@@ -30,6 +30,8 @@ log = logging.getLogger("atom.offload")
 
 TMP_PREFIX = "atom-lmcache-"
 SHM_PREFIX = "lmcache_kv_"  # lmcache's own name for a migrated CPU pool: lmcache_kv_<pid>_<n>
+L1_SHM_PREFIX = "lmcache_l1_pool_atom_"  # an owned server's L1: ..._<engine pid>_<port>_<start>
+L1_MODULE = '{"module_path": "atom.kv_transfer.offload.l1_module"}'  # --server-module
 
 # Run as ``python -c _CHILD <parent pid> <metrics host> <server args...>``: stop the server
 # when its parent is gone (polled: a parent-death signal would follow the starting *thread*),
@@ -71,8 +73,12 @@ def remove_dead_leftovers(
     (``atom-lmcache-<pid>-*``) whose creating process is gone; returns what was removed.
     Entries of live processes, and names without a pid, are left alone."""
     removed = []
-    for path in Path(shm_dir).glob(f"{SHM_PREFIX}*_*"):
-        pid = path.name[len(SHM_PREFIX) :].split("_", 1)[0]
+    segments = [
+        (path, path.name[len(prefix) :].split("_", 1)[0])
+        for prefix in (SHM_PREFIX, L1_SHM_PREFIX)
+        for path in Path(shm_dir).glob(f"{prefix}*_*")
+    ]
+    for path, pid in segments:
         if pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)):
             try:
                 path.unlink()
@@ -132,8 +138,13 @@ class LMCacheServer:
         l2_adapters: tuple[dict, ...] | list[dict] = (),
         l2_store_policy: str = "default",
         l2_prefetch_policy: str = "default",
+        shared_l1: bool = False,
     ):
         self.host, self.port = host, port or free_port(host)
+        # engine-driven loads: L1 in /dev/shm (a fresh name per start: a killed server leaves
+        # its segment, and lmcache refuses to create an existing one) and the locate module
+        self.shared_l1 = shared_l1
+        self.l1_segment = ""  # the current start's /dev/shm name (lmcache adds its prefix)
         # L2 adapters under L1 (atom.kv_transfer.offload.l2 validates them)
         self.l2_adapters = tuple(l2_adapters)
         self.l2_store_policy, self.l2_prefetch_policy = l2_store_policy, l2_prefetch_policy
@@ -169,6 +180,8 @@ class LMCacheServer:
             "--no-l1-use-lazy",
             "--prometheus-port", str(self.metrics_port),
             *server_args(self.l2_adapters, self.l2_store_policy, self.l2_prefetch_policy),
+            *(["--shm-name", self.l1_segment, "--server-module", L1_MODULE]
+              if self.shared_l1 else []),
         ]  # fmt: skip
 
     @property
@@ -180,6 +193,9 @@ class LMCacheServer:
             return self
         env = dict(os.environ, LMCACHE_TRACK_USAGE="false", PYTHONUNBUFFERED="1")
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        self._unlink_l1()  # what an earlier, killed start left
+        if self.shared_l1:
+            self.l1_segment = f"{L1_SHM_PREFIX}{os.getpid()}_{self.port}_{self.starts}"
         with open(self.log_path, "ab") as out:
             self.proc = subprocess.Popen(
                 self.command(),
@@ -254,8 +270,19 @@ class LMCacheServer:
                 pass
         log.info("stopped LMCache server at %s", self.url)
         self.proc = None
+        self._unlink_l1()
         if self._own_dir:
             shutil.rmtree(self.log_dir, ignore_errors=True)
+
+    def _unlink_l1(self) -> None:
+        """Remove this server's L1 segment once its process is gone (a server that exits
+        cleanly removes it itself; SIGKILL leaves it). Mappings of it stay valid."""
+        if self.l1_segment and not self.running:
+            Path("/dev/shm", self.l1_segment).unlink(missing_ok=True)
+
+    @property
+    def l1_path(self) -> Path | None:
+        return Path("/dev/shm", self.l1_segment) if self.l1_segment else None
 
     def __enter__(self) -> LMCacheServer:
         return self.start()

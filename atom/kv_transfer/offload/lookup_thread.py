@@ -1,6 +1,9 @@
 """The lookup thread: owns lmcache's AtomMPSchedulerAdapter (which has no lock and whose calls
 block on the server) so the step thread never waits on a lookup.
 
+A hit is located before it is answered when a ``Locator`` is given (engine-driven loads): the
+answer then carries where its objects sit in the server's L1, so the load is a local copy.
+
 Commands run in the order given: lookups, frees of lookup read locks, session ends (the last
 two are fire-and-forget on the server's normal pool, which is FIFO with one worker, so a free
 sent before an end_session is applied before it). Pending lookups are polled on a timer only
@@ -12,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 
@@ -34,10 +38,12 @@ class LookupThread:
         zmq_context,
         on_outcome: Callable[[LookupOp], None],
         poll_interval_s: float = 0.0005,
+        locator=None,
     ):
         self.url, self.namespace, self.world_size = url, namespace, world_size
         self.block_size, self.cfg, self.ctx = block_size, config, zmq_context
         self.on_outcome, self.poll_interval_s = on_outcome, poll_interval_s
+        self.locator = locator  # locator.Locator, or None (lmcache_driven loads)
         self._cond = threading.Condition()
         self._commands: deque[tuple[str, tuple]] = deque()
         self._pending: list[LookupOp] = []
@@ -77,6 +83,8 @@ class LookupThread:
     # ---- lookup thread ----------------------------------------------------------------------
 
     def _run(self) -> None:
+        if self.locator is not None:
+            self.locator.prepare(self.cfg.rpc_timeout_s)  # map the server's L1 up front
         try:
             while True:
                 with self._cond:
@@ -103,6 +111,8 @@ class LookupThread:
                     self._adapter.shutdown()
                 except Exception:
                     log.warning("LMCache scheduler adapter shutdown failed", exc_info=True)
+            if self.locator is not None:
+                self.locator.close()
 
     def _run_command(self, kind: str, args: tuple) -> None:
         if kind == "lookup":
@@ -168,7 +178,7 @@ class LookupThread:
         if not self._pending:
             return
         adapter = self._adapter
-        still = []
+        still, answered = [], []
         for op in self._pending:
             try:
                 hit = adapter.check_lookup_result(op.lmc_id)
@@ -179,10 +189,26 @@ class LookupThread:
                 still.append(op)
                 continue
             adapter.cleanup_lookup_result(op.lmc_id)
-            before = self._finish(op, int(hit))
-            if before is OpState.LATE and hit:  # nobody will load it: release its locks
-                self._do_free(op.lmc_id, op.token_ids, 0, int(hit))
+            answered.append((op, int(hit)))
         self._pending = still
+        self._locate(answered)
+        for op, hit in answered:
+            before = self._finish(op, hit)
+            if before is OpState.LATE and hit:  # nobody will load it: release its locks
+                self._do_free(op.lmc_id, op.token_ids, 0, hit)
+
+    def _locate(self, answered: list[tuple[LookupOp, int]]) -> None:
+        """Attach where each hit sits (one round of locate calls for all of them)."""
+        want = [(op, hit) for op, hit in answered if hit and op.state is not OpState.LATE]
+        if self.locator is None or not want:
+            return
+        left = min(op.deadline for op, _ in want) - time.monotonic()
+        found = self.locator.locate_many(
+            [(op.lmc_id, op.token_ids, hit) for op, hit in want],
+            min(self.cfg.rpc_timeout_s, max(left, 0.05)),
+        )
+        for (op, _), located in zip(want, found):
+            op.located = located
 
     def _finish(self, op: LookupOp, hit: int | None, error: str = "") -> OpState | None:
         before = op.resolve(hit, error)

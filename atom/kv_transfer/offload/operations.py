@@ -92,6 +92,7 @@ class TransferOp(_Settles):
     finished_at: float | None = None
     nbytes: int = 0
     was_late: bool = False  # the request already gave up on it
+    local: bool = False  # an engine-driven load: the engine copies it from the server's L1
     reported: bool = False  # the step thread has acted on its outcome
     future: Any = None  # transfer thread only
     _leased: bool = False
@@ -157,6 +158,7 @@ class LookupOp(_Settles):
     owner: Any = None
     state: OpState = OpState.QUEUED
     hit: int | None = None
+    located: Any = None  # where the hit's objects sit (locator.Located), for engine-driven loads
     error: str = ""
     created_at: float = field(default_factory=time.monotonic)
     finished_at: float | None = None

@@ -61,6 +61,8 @@ class OffloadConnector(TransferOutcomes, Connector):
         metrics: Registry,
         notify_progress,
         clock=time.monotonic,
+        local=None,  # local_load.LocalLoads: engine-driven loads (None: every load via server)
+        mappings=None,  # l1_map.Mappings the locator maps into (closed here when idle)
     ):
         self.cfg, self.spec, self.chunk_size = config, spec, chunk_size
         self.pool, self.store, self.pool_tensor = pool, store, pool_tensor
@@ -72,6 +74,7 @@ class OffloadConnector(TransferOutcomes, Connector):
         self._requests: dict[int, TierRequest] = {}  # seq_id -> alive or with live transfers
         self._stored: OrderedDict[int, None] = OrderedDict()  # image keys the tier holds
         self._epoch = transfers.epoch
+        self.local, self.mappings = local, mappings
         self.m = TierMetrics(metrics, self)
 
     # ---- outcomes from the threads (any thread) ---------------------------------------------
@@ -117,6 +120,10 @@ class OffloadConnector(TransferOutcomes, Connector):
         if epoch != self._epoch:  # the tier may have lost everything: store again from 0
             self._epoch = epoch
             self.tier_lost()
+        if self.local is not None:
+            self.local.poll()  # copies that completed: their locks are freed, ops retired
+            if self.mappings is not None:
+                self.mappings.close_idle()
         with self._lock:
             outcomes, self._outcomes = list(self._outcomes), deque()
         for op in outcomes:
@@ -178,6 +185,7 @@ class OffloadConnector(TransferOutcomes, Connector):
     def settle_lookup(self, seq: Sequence) -> None:
         st = self._requests.get(seq.seq_id)
         if st is not None and st.phase is Phase.ANSWERED:
+            st.located = None
             self._free_locks(st)
             st.to(Phase.RUNNING)
 
@@ -196,7 +204,9 @@ class OffloadConnector(TransferOutcomes, Connector):
         self.store.unpin(image)  # the creation pin passes to the op's lease
         st.load = op
         st.to(Phase.LOADING)
-        self._launch(st, op)
+        located, st.located = st.located, None
+        if located is None or not self._load_locally(st, op, located):
+            self._launch(st, op)  # the server copies it
 
     def after_step(self, seqs: list[Sequence]) -> None:
         if not self.cfg.save:
@@ -243,6 +253,7 @@ class OffloadConnector(TransferOutcomes, Connector):
             self.m.lookups.inc(outcome="failed")
             log.debug("lookup %s: %s", op.lmc_id, op.error)
         st.locked = st.answer
+        st.located = op.located if op.located is not None and op.located.end == hit else None
         if st.phase is Phase.LOOKING_UP and st.answer:
             st.to(Phase.ANSWERED)
             self._emitted.append(Answered(st.seq))
@@ -330,6 +341,8 @@ class OffloadConnector(TransferOutcomes, Connector):
         """Stores in flight get ``timeout_s`` to finish; then every lease is released and
         every session ended (a lookup still pending is given up and its locks freed)."""
         self.transfers.stop(timeout_s)
+        if self.local is not None:
+            self.local.drain()  # local copies complete quickly: their locks are freed below
         self.update()
         for st in list(self._requests.values()):
             lk = st.lookup

@@ -11,7 +11,15 @@ class TierMetrics:
         self.loads = m.counter("tier_loads_total", "Tier loads by outcome.")
         self.saves = m.counter("tier_saves_total", "Tier saves by outcome.")
         self.bytes = m.counter("tier_bytes_total", "Bytes moved to/from the tier by direction.")
-        self.latency = m.histogram("tier_transfer_seconds", "Load/save latency, submit to end.")
+        self.local_loads = m.counter(
+            "tier_local_loads_total",
+            "Engine-driven loads: copied from the server's L1 by the engine, or sent through "
+            "the server (via_server) because the located answer could not serve them.",
+        )
+        self.latency = m.histogram(
+            "tier_transfer_seconds",
+            "Load latency (the decision to load to the copy's completion) and save latency.",
+        )
         self.lookup_latency = m.histogram("tier_lookup_seconds", "Lookup latency.")
         m.gauge(
             "tier_transfers_in_flight",

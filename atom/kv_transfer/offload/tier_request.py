@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 from atom.engine.sequence import Sequence
 from atom.kv_transfer.offload.operations import LookupOp, TransferOp
@@ -60,6 +61,7 @@ class TierRequest:
     tier_has: int | None = None  # what the tier holds of this prefix; None: unknown, no saves
     saved_upto: int = 0  # the tier holds (or is being sent) [0, saved_upto), an image there
     load: TransferOp | None = None
+    located: Any = None  # where the answer's objects sit in the server's L1 (engine-driven)
     ops: set[TransferOp] = field(default_factory=set)  # live transfers (leased or unreported)
     session_open: bool = False
 

@@ -7,6 +7,14 @@ A load's outcome: DONE with an image of this layout at its own boundary -> its p
 published and the image is READY (``Loaded``); anything else -> ``LoadFailed``. LATE -> the
 request recomputes at once, the op stays quarantined (its leases held) until it resolves.
 A save's outcome: DONE -> the image is known stored; FAILED -> the span is stored again later.
+
+Engine-driven loads (``_load_locally``): the lookup's answer located the objects; the engine
+checks them against the load and copies them itself (local_load.py). The op is DONE when the
+copy is issued (the next forward is ordered after it), and stays live, with its leases, until
+the copy completed: then the read locks of its span are freed and its latency is observed
+(from the decision to load to the copy's completion). A located answer that cannot serve the
+load (a server since gone or replaced, too old, objects not what the load expects) sends the
+load through the server instead.
 """
 
 from __future__ import annotations
@@ -15,6 +23,7 @@ import logging
 
 from atom.engine.checkpoints import Checkpoint
 from atom.engine.connector import Loaded, LoadFailed
+from atom.kv_transfer.offload.local_load import LocalLoadError
 from atom.kv_transfer.offload.operations import OpState, TransferOp
 from atom.kv_transfer.offload.tier_request import Phase, TierRequest
 from atom.model_api import image_header
@@ -53,6 +62,8 @@ class TransferOutcomes:
         """None if the load put an image of this layout and of its own boundary in place."""
         if op.state is not OpState.DONE:
             return op.error or "failed"
+        if op.local:
+            return None  # checked in the source bytes before the copy (no device read)
         tag, position = image_header(self.spec, self.pool_tensor, op.units)
         if tag != self.spec.layout_tag:
             return "image of another layout"
@@ -68,8 +79,8 @@ class TransferOutcomes:
             self.pool.register(b, seq.block_hashes[op.start // bs + i])
         self.m.loads.inc(outcome="done")
         self.m.bytes.inc(op.nbytes, direction="load")
-        if op.latency_s is not None:
-            self.m.latency.observe(op.latency_s, op="load")
+        if not op.local and op.finished_at is not None:
+            self.m.latency.observe(op.finished_at - op.created_at, op="load")
         image = op.image
         self._remember_stored(image)  # it came from the tier
         ready = self.store.mark_ready(image)
@@ -78,11 +89,51 @@ class TransferOutcomes:
             self.store.pin(image)  # the request's own hold, for its restore
             st.saved_upto = max(st.saved_upto, op.end)
             self._emitted.append(Loaded(seq, op.end, image, op.start))
-        self._retire(st, op)
+        if not op.local:  # a local op is retired when its copy completed (_local_copied)
+            self._retire(st, op)
         if st.alive:
             st.to(Phase.RUNNING)
             if not ready:  # its prefix left the pool meanwhile
                 self._recompute(st, op.start)
+
+    def _load_locally(self, st: TierRequest, op: TransferOp, located) -> bool:
+        """Copy ``op`` from where the lookup located it; False: send it to the server."""
+        why = self._local_refusal(located)
+        plan = None
+        if why is None:
+            try:
+                plan = self.local.plan(located, op.start, op.end, op.page_blocks, op.units)
+            except LocalLoadError as exc:
+                why = str(exc)
+        if plan is None:
+            self.m.local_loads.inc(outcome="via_server")
+            log.debug("load %s through the server: %s", op, why)
+            return False
+        op.local = True
+        op.mark_in_flight()
+        with self._lock:
+            st.ops.add(op)
+        self.local.copy(located, plan, lambda t, st=st, op=op: self._local_copied(st, op, t))
+        op.resolve(True)
+        self.m.local_loads.inc(outcome="copied")
+        self._on_load(op)
+        return True
+
+    def _local_refusal(self, located) -> str | None:
+        alive = getattr(self.transfers, "server_alive", None)
+        if self.mappings is None or located.mapping is not self.mappings.current:
+            return "the server that located it was replaced"
+        if not self.transfers.healthy or (alive is not None and not alive()):
+            return "the server is down"
+        if self.clock() - located.at > self.cfg.located_max_age_s:
+            return f"located {self.clock() - located.at:.0f} s ago"
+        return None
+
+    def _local_copied(self, st: TierRequest, op: TransferOp, done_at: float) -> None:
+        """The copy completed: free the span's read locks, retire the op."""
+        self.lookups.free_locks(st.lmc_id, op.token_ids, op.start, op.end)
+        self.m.latency.observe(done_at - op.created_at, op="load")
+        self._retire(st, op)
 
     def _load_failed(self, st: TierRequest, op: TransferOp, why: str) -> None:
         log.warning("tier load %s failed (%s); recomputing [%d, %d)", op, why, op.start, op.end)

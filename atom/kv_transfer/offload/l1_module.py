@@ -1,0 +1,144 @@
+"""Server side of engine-driven loads: an LMCache server module that says where objects sit.
+
+Loaded into the LMCache MP server with ``--server-module '{"module_path":
+"atom.kv_transfer.offload.l1_module"}'`` (the owned server does this when loads are
+engine-driven). It imports lmcache and msgspec only: it runs inside the server process.
+
+One method, ``atom.locate``: for one request's token range [start, end) it returns, for
+every chunk of each asked object group, the byte offset and length of the object in the
+server's shared-memory L1 (``/dev/shm/<shm_name>``), plus the segment's name, size and the
+identity of this server process. It takes no lock and changes nothing: the caller holds the
+lookup's read locks on exactly these objects (which keeps them in place) and frees them
+after copying. An object that is missing (evicted, never stored, another server) makes the
+whole answer ``found=False``.
+
+Wire format (msgpack maps, both ways), version ``LOCATE_VERSION``:
+  request  {v, model_name, world_size, worker_id, request_id, token_ids, start, end, groups}
+           groups: [[object_group_id, last_n]] -- last_n < 0: every chunk, else the last n
+  answer   {v, found, error, shm_name, shm_size, shm_dev, shm_ino, boot_id, server_id,
+            objects: [[[offset, length], ...] per asked group]}
+The segment's device and inode and the host's boot id let the engine prove that the file it
+maps is this server's segment on this host (a name alone could be another server's).
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+import msgspec
+from lmcache.v1.multiprocess.ext_server_module import server_module_handler
+
+LOCATE_METHOD = "atom.locate"
+LOCATE_VERSION = 1
+
+
+class L1Locator:
+    """The module object the server composes; ``context`` is the shared server context."""
+
+    def __init__(self, ctx) -> None:
+        self._ctx = ctx
+        # one id per server process: an engine that sees it change knows its mapping and
+        # every located offset belong to a server that is gone
+        self.server_id = f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        self.calls = 0
+        self.misses = 0
+        self._segment: dict | None = None
+
+    def _segment_identity(self) -> dict:
+        if self._segment is None:
+            info = self._ctx.shm_pool_info
+            ident = {"shm_name": info["shm_name"], "shm_size": int(info["pool_size"])}
+            ident.update(shm_dev=-1, shm_ino=-1, boot_id="")
+            if info["shm_name"]:
+                st = os.stat(os.path.join("/dev/shm", info["shm_name"]))
+                ident.update(shm_dev=st.st_dev, shm_ino=st.st_ino, boot_id=boot_id())
+            self._segment = ident
+        return self._segment
+
+    @property
+    def context(self):
+        return self._ctx
+
+    def report_status(self) -> dict:
+        return {"atom_l1_locator": {"calls": self.calls, "misses": self.misses}}
+
+    def close(self) -> None:
+        return None
+
+    @server_module_handler(LOCATE_METHOD)
+    def locate(self, payload: bytes) -> bytes:
+        self.calls += 1
+        answer = self._locate(msgspec.msgpack.decode(payload))
+        if not answer["found"]:
+            self.misses += 1
+        return msgspec.msgpack.encode(answer)
+
+    def _locate(self, req: dict) -> dict:
+        from lmcache.v1.multiprocess.custom_types import IPCCacheServerKey
+
+        answer = {
+            "v": LOCATE_VERSION,
+            "found": False,
+            "error": "",
+            **self._segment_identity(),
+            "server_id": self.server_id,
+            "objects": [],
+        }
+        if req.get("v") != LOCATE_VERSION:
+            answer["error"] = f"locate version {req.get('v')!r}; this module: {LOCATE_VERSION}"
+            return answer
+        if not answer["shm_name"]:
+            answer["error"] = "the server's L1 is not in shared memory (start it with --shm-name)"
+            return answer
+        key = IPCCacheServerKey(
+            model_name=req["model_name"],
+            world_size=int(req["world_size"]),
+            worker_id=int(req["worker_id"]),
+            token_ids=tuple(req["token_ids"]),
+            start=int(req["start"]),
+            end=int(req["end"]),
+            request_id=req["request_id"],
+            num_kv_readers=1,
+        )
+        groups = [(int(g), int(n)) for g, n in req["groups"]]
+        if not groups or key.end <= key.start:
+            answer["found"] = True  # nothing asked: the segment's identity only
+            return answer
+        keys_per_group = self._ctx.resolve_obj_keys(key, [g for g, _ in groups])
+        sm = self._ctx.storage_manager
+        owners = self._ctx.get_read_owners(key.request_id)
+        for (_, last_n), keys in zip(groups, keys_per_group, strict=True):
+            wanted = keys if last_n < 0 else keys[len(keys) - last_n :]
+            found, objs = sm.unsafe_read(wanted, l1_owners=owners)
+            if found != wanted:
+                answer["error"] = f"{len(wanted) - len(found)} of {len(wanted)} objects not in L1"
+                answer["objects"] = []
+                return answer
+            spans = []
+            for obj in objs:
+                offset = getattr(obj, "shm_offset", None)
+                # (not obj.tensor: an image object's metadata shape is one layer's, and
+                # viewing its K layers through it raises)
+                if offset is None or offset < 0:
+                    answer["error"] = "an object has no shared-memory offset"
+                    answer["objects"] = []
+                    return answer
+                spans.append([int(offset), int(obj.shm_byte_length)])
+            answer["objects"].append(spans)
+        answer["found"] = True
+        return answer
+
+
+def boot_id() -> str:
+    """This host's boot id (Linux): equal in two processes only on the same host and boot."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def build_server_modules(build_context) -> L1Locator:
+    """The factory ``--server-module`` names (lmcache's default factory name)."""
+    return L1Locator(build_context.server_context)

@@ -1,0 +1,155 @@
+"""Engine-driven loads: copy located objects from the server's L1 into the pool (step thread).
+
+``LocalLoads.copy`` checks what it is about to load, then copies it:
+  * every object has the length this layout gives it (a chunk's pages: blocks_per_chunk x
+    block_bytes; the image: units_per_image x block_bytes), and the image's header, read from
+    the source bytes, carries this layout's tag and the load's own boundary;
+  * the copies run in as few pieces as contiguity allows (a run of consecutive source bytes
+    into consecutive pool blocks is one copy).
+On CUDA the copies run on one copy stream that first waits for the compute stream (an
+earlier forward may still read a block being overwritten), and the compute stream waits on
+the copy's event, so the next forward (and the image restore) is ordered after the load with
+no host wait: the load is complete for the scheduler as soon as it is issued. On CPU the
+copies are plain and synchronous.
+
+The lookup's read locks on the source objects are released only after the copy completed
+(``poll`` frees them when the copy's event has fired; on CPU at once), and the mapping
+counts the copy as in flight until then, so neither the server nor an unmap can pull the
+bytes out from under it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from atom.kv_transfer.offload.locator import Located
+from atom.model_api import StateSpec, pool_bytes
+
+
+class LocalLoadError(RuntimeError):
+    pass
+
+
+@dataclass
+class _Pending:
+    event: object | None  # torch.cuda.Event, None on CPU
+    mapping: object
+    on_done: Callable[[float], None]  # gets the time the copy was known complete
+    issued_at: float
+
+
+def runs(pieces: list[tuple[int, int, int]], bb: int) -> list[tuple[int, int, int]]:
+    """Merge (src_offset, dst_block, blocks) pieces into maximal runs where both the source
+    bytes and the destination blocks continue each other."""
+    out: list[list[int]] = []
+    for src, dst, n in pieces:
+        if out:
+            s, d, m = out[-1]
+            if s + m * bb == src and d + m == dst:
+                out[-1][2] += n
+                continue
+        out.append([src, dst, n])
+    return [tuple(r) for r in out]
+
+
+class LocalLoads:
+    def __init__(self, spec: StateSpec, pool_tensor: torch.Tensor, chunk: int):
+        self.spec, self.chunk = spec, chunk
+        self.bb = spec.block_bytes
+        self.bpc = chunk // spec.block_size
+        self.blocks = pool_bytes(pool_tensor)  # [num_blocks, block_bytes] uint8 view
+        self.cuda = pool_tensor.device.type == "cuda"
+        self._stream = torch.cuda.Stream(pool_tensor.device) if self.cuda else None
+        self._pending: list[_Pending] = []
+        self.copies = 0  # copy calls issued (runs), for the benchmark
+        self.bytes = 0
+
+    # ---- checks (host reads of the source; no device work) --------------------------------
+
+    def plan(self, located: Located, start: int, end: int, page_blocks, units) -> list:
+        """The runs of a load of [start, end) into ``page_blocks`` and ``units``; raises
+        LocalLoadError when the located objects cannot be this load."""
+        if end != located.end:
+            raise LocalLoadError(f"located up to {located.end}, load ends at {end}")
+        bb, bpc = self.bb, self.bpc
+        first, last = start // self.chunk, end // self.chunk
+        if len(page_blocks) != (last - first) * bpc:
+            raise LocalLoadError(f"{len(page_blocks)} blocks for chunks [{first}, {last})")
+        pieces = []
+        for i in range(first, last):
+            off, length = located.pages[i]
+            if length != bpc * bb:
+                raise LocalLoadError(f"chunk {i}: object of {length} B, expected {bpc * bb}")
+            base = (i - first) * bpc
+            pieces += [(off + j * bb, page_blocks[base + j], 1) for j in range(bpc)]
+        off, length = located.image
+        k = self.spec.units_per_image
+        if length != k * bb or len(units) != k:
+            raise LocalLoadError(f"image object of {length} B, expected {k} x {bb}")
+        self._check_header(located.mapping.data, off, end)
+        pieces += [(off + j * bb, int(units[j]), 1) for j in range(k)]
+        return runs(pieces, bb)
+
+    def _check_header(self, data: torch.Tensor, image_off: int, end: int) -> None:
+        at = image_off + self.spec.header_offset
+        tag, position = data[at : at + 16].clone().view(torch.int64).tolist()
+        if tag != self.spec.layout_tag:
+            raise LocalLoadError(f"image of another layout (tag {tag:#x})")
+        if position != end:
+            raise LocalLoadError(f"image of boundary {position}, expected {end}")
+
+    # ---- the copy ----------------------------------------------------------------------------
+
+    def copy(self, located: Located, plan: list, on_done: Callable[[float], None]) -> None:
+        """Issue the copies of ``plan`` from ``located``'s mapping; ``on_done(t)`` runs (from
+        ``poll``, or now on CPU) once they completed."""
+        src, dst, bb = located.mapping.data, self.blocks, self.bb
+        now = time.monotonic()
+        if not self.cuda:
+            for s, d, n in plan:
+                dst[d : d + n].view(-1).copy_(src[s : s + n * bb])
+            self._count(plan)
+            on_done(time.monotonic())
+            return
+        compute = torch.cuda.current_stream(dst.device)
+        self._stream.wait_stream(compute)
+        with torch.cuda.stream(self._stream):
+            for s, d, n in plan:
+                dst[d : d + n].view(-1).copy_(src[s : s + n * bb], non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self._stream)
+        compute.wait_event(event)
+        self._count(plan)
+        located.mapping.in_flight += 1
+        self._pending.append(_Pending(event, located.mapping, on_done, now))
+
+    def _count(self, plan) -> None:
+        self.copies += len(plan)
+        self.bytes += sum(n for _, _, n in plan) * self.bb
+
+    def poll(self) -> None:
+        """Finish the copies whose event fired (never waits)."""
+        if not self._pending:
+            return
+        still = []
+        for p in self._pending:
+            if p.event.query():
+                p.mapping.in_flight -= 1
+                p.on_done(time.monotonic())
+            else:
+                still.append(p)
+        self._pending = still
+
+    def drain(self) -> None:
+        """Wait for every copy (shutdown)."""
+        for p in self._pending:
+            p.event.synchronize()
+        self.poll()
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._pending)

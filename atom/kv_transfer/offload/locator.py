@@ -1,0 +1,218 @@
+"""Where a lookup's hit sits in the server's L1: asked right after the lookup answers.
+
+Runs on the lookup thread (the step thread already waits for that answer), so the load that
+follows is a local copy with no RPC on its path. One ``atom.locate`` call to the server module
+(``l1_module.py``) per hit returns the byte spans of every PAGE object of [0, hit) and of the
+image object at ``hit``; the lookup's read locks keep those objects in place until the engine
+frees them, after its copy completed.
+
+A server without the module (or without its L1 in shared memory, or on another host) is
+found out at the first call; loads then go through the server (lmcache_driven), with one
+warning that says how to enable engine-driven loads.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import msgspec
+
+from atom.kv_transfer.offload.l1_map import L1Mapping, Mappings, SegmentError, SegmentId
+
+log = logging.getLogger("atom.offload")
+
+LOCATE_METHOD = "atom.locate"  # the server module's method (l1_module.LOCATE_METHOD)
+LOCATE_VERSION = 1
+PAGES_GROUP, IMAGE_GROUP = 0, 1  # lmcache's object groups: full-attention pages, the images
+
+
+@dataclass(frozen=True)
+class Located:
+    """A hit's objects in one server's L1: ``pages[i]`` is chunk i's (offset, length)."""
+
+    mapping: L1Mapping
+    pages: tuple[tuple[int, int], ...]
+    image: tuple[int, int]
+    end: int
+    at: float  # monotonic time of the answer (the read locks lapse after the server's TTL)
+
+
+class Locator:
+    def __init__(
+        self, *, url: str, zmq_context, namespace: str, world_size: int, chunk: int, mappings
+    ):
+        self.url, self.ctx, self.namespace = url, zmq_context, namespace
+        self.world_size, self.chunk = world_size, chunk
+        self.mappings: Mappings = mappings
+        self._client = None
+        self.unsupported = ""  # why this server cannot serve engine-driven loads
+        self.calls = 0
+        self.failures = 0
+
+    def _call(self, payload: dict, timeout_s: float) -> dict:
+        from lmcache.v1.multiprocess.protocols.server_module import ServerModuleCallRequest
+
+        if self._client is None:
+            from lmcache.v1.multiprocess.transport.factory import RequestClientFactory
+
+            self._client = RequestClientFactory.create(self.url, context=self.ctx)
+        self.calls += 1
+        req = ServerModuleCallRequest(LOCATE_METHOD, msgspec.msgpack.encode(payload))
+        fut = self._client.server_module_call(req)
+        if not fut.wait(max(timeout_s, 0.001)):
+            self._reset_client()  # a reply that comes later must not answer the next call
+            if self._server_answers():
+                # lmcache 0.5.6 never replies to a method no module serves
+                self._unsupported(
+                    "the server answers but not atom.locate (start it with --server-module "
+                    '\'{"module_path": "atom.kv_transfer.offload.l1_module"}\' and --shm-name)'
+                )
+            raise TimeoutError(f"locate not answered in {timeout_s:.3f} s")
+        resp = fut.result()
+        if not resp.success:
+            if "unknown server module method" in resp.error:
+                self._unsupported(
+                    "the server has no atom.locate module (start it with --server-module "
+                    '\'{"module_path": "atom.kv_transfer.offload.l1_module"}\')'
+                )
+            raise RuntimeError(f"locate failed on the server: {resp.error}")
+        answer = msgspec.msgpack.decode(resp.payload)
+        if not answer.get("shm_name"):
+            self._unsupported(answer.get("error") or "the server's L1 is not in shared memory")
+        return answer
+
+    def _server_answers(self, timeout_s: float = 0.5) -> bool:
+        from atom.kv_transfer.offload.lmcache_server import probe
+
+        return probe(self.url, timeout_s)
+
+    def _unsupported(self, why: str) -> None:
+        if not self.unsupported:
+            self.unsupported = why
+            log.warning("engine-driven loads are off for %s: %s", self.url, why)
+
+    def _reset_client(self) -> None:
+        if self._client is not None:
+            try:
+                self._client.close()
+            except Exception:
+                pass
+            self._client = None
+
+    def _request(self, lmc_id: str, tokens: list[int], start: int, end: int, groups) -> dict:
+        return {
+            "v": LOCATE_VERSION,
+            "model_name": self.namespace,
+            "world_size": self.world_size,
+            "worker_id": 0,
+            "request_id": lmc_id,
+            "token_ids": list(tokens[:end]),
+            "start": start,
+            "end": end,
+            "groups": groups,
+        }
+
+    def prepare(self, timeout_s: float) -> None:
+        """Start mapping the server's segment before the first hit needs it. Failures are
+        left to the first ``locate``."""
+        try:
+            answer = self._call(self._request("atom-locate-probe", [], 0, 0, []), timeout_s)
+            if answer.get("found") and answer.get("shm_name"):
+                self.mappings.for_answer(SegmentId.of_answer(answer))
+        except SegmentError as exc:
+            self._unsupported(str(exc))
+        except Exception as exc:
+            log.debug("locate probe of %s: %s", self.url, exc)
+
+    def locate_many(self, hits: list[tuple[str, list[int], int]], timeout_s: float) -> list:
+        """Where each (lmc_id, tokens, hit)'s objects sit: a ``Located`` or None (then that
+        load goes through the server). The calls are sent together, then collected."""
+        if self.unsupported:
+            return [None] * len(hits)
+        from lmcache.v1.multiprocess.protocols.server_module import ServerModuleCallRequest
+
+        groups = [[PAGES_GROUP, -1], [IMAGE_GROUP, 1]]
+        sent = []
+        try:
+            if self._client is None:
+                from lmcache.v1.multiprocess.transport.factory import RequestClientFactory
+
+                self._client = RequestClientFactory.create(self.url, context=self.ctx)
+            for lmc_id, tokens, hit in hits:
+                hit = hit // self.chunk * self.chunk  # as the connector floors it
+                req = self._request(lmc_id, tokens, 0, hit, groups)
+                payload = msgspec.msgpack.encode(req)
+                sent.append(
+                    (
+                        hit,
+                        (
+                            self._client.server_module_call(
+                                ServerModuleCallRequest(LOCATE_METHOD, payload)
+                            )
+                            if hit > 0
+                            else None
+                        ),
+                    )
+                )
+        except Exception as exc:
+            self.failures += len(hits)
+            log.debug("locate: %s", exc)
+            self._reset_client()
+            return [None] * len(hits)
+        self.calls += len(sent)
+        deadline = time.monotonic() + timeout_s
+        out = []
+        for hit, fut in sent:
+            out.append(self._collect(hit, fut, deadline) if fut is not None else None)
+        return out
+
+    def _collect(self, hit: int, fut, deadline: float) -> Located | None:
+        if not fut.wait(max(deadline - time.monotonic(), 0.001)):
+            self.failures += 1
+            self._reset_client()  # late replies must not answer later calls
+            if self._server_answers():
+                self._unsupported(
+                    "the server answers but not atom.locate (start it with --server-module "
+                    '\'{"module_path": "atom.kv_transfer.offload.l1_module"}\' and --shm-name)'
+                )
+            return None
+        try:
+            resp = fut.result()
+            if not resp.success:
+                raise RuntimeError(resp.error)
+            answer = msgspec.msgpack.decode(resp.payload)
+            if not answer.get("shm_name"):
+                self._unsupported(answer.get("error") or "the server's L1 is not in shared memory")
+                return None
+            if not answer.get("found"):
+                raise RuntimeError(answer.get("error") or "not found")
+            mapping = self.mappings.for_answer(SegmentId.of_answer(answer))
+        except SegmentError as exc:
+            self._unsupported(str(exc))
+            return None
+        except Exception as exc:
+            self.failures += 1
+            log.debug("locate [0, %d): %s", hit, exc)
+            return None
+        if mapping is None:
+            return None  # being mapped: this load goes through the server
+        pages, images = answer["objects"]
+        if len(pages) != hit // self.chunk or len(images) != 1:
+            self.failures += 1
+            return None
+        return Located(
+            mapping,
+            tuple((int(o), int(n)) for o, n in pages),
+            (int(images[0][0]), int(images[0][1])),
+            hit,
+            time.monotonic(),
+        )
+
+    def locate(self, lmc_id: str, tokens: list[int], hit: int, timeout_s: float):
+        """One hit's ``Located`` or None."""
+        return self.locate_many([(lmc_id, tokens, hit)], timeout_s)[0]
+
+    def close(self) -> None:
+        self._reset_client()
