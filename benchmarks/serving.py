@@ -250,7 +250,12 @@ def run_arm(name: str, prompts: list[list[int]], args, fill: bool = True, **engi
             line.split(" ")[0]: float(line.split(" ")[1])
             for line in eng.metrics.render().splitlines()
             if line.startswith(
-                ("atom_tier_loads_total", "atom_tier_saves_total", "atom_tier_lookups_total")
+                (
+                    "atom_tier_loads_total",
+                    "atom_tier_local_loads_total",
+                    "atom_tier_saves_total",
+                    "atom_tier_lookups_total",
+                )
             )
         }
     llm.shutdown()
@@ -263,7 +268,9 @@ def idle(args) -> None:
     HBM-only against HBM + tier, interleaved ``--repeats`` times (A B A B) to expose drift."""
     prompts = shared_prefix_prompts(args.concurrency, args.prefixes, args.prefix_len, args.tail_len)
     args.pool_blocks *= 2
-    tier = dict(offload="lmcache_mp", lmcache={"l1_size_gb": args.l1_gb})
+    tier = dict(
+        offload="lmcache_mp", lmcache={"l1_size_gb": args.l1_gb, "load_mode": args.load_mode}
+    )
     arms = []
     for rep in range(args.repeats):
         arms.append(run_arm(f"HBM only #{rep + 1}", prompts, args))
@@ -328,6 +335,13 @@ def main() -> None:
         "tier: the HBM + tier arm of main alone (diagnosis: its steps and sources)",
     )
     ap.add_argument("--repeats", type=int, default=2, help="idle: A/B pairs to interleave")
+    ap.add_argument(
+        "--load-mode",
+        choices=("engine_driven", "lmcache_driven"),
+        default="engine_driven",
+        help="who copies tier loads: the engine, from the server's shared-memory L1, or the "
+        "server (lmcache.load_mode)",
+    )
     for key, value in PRESETS["cpu"].items():
         ap.add_argument(f"--{key.replace('_', '-')}", type=type(value), default=None)
     args = ap.parse_args()
@@ -338,7 +352,9 @@ def main() -> None:
         idle(args)
         return
     prompts = shared_prefix_prompts(args.requests, args.prefixes, args.prefix_len, args.tail_len)
-    tier_engine = dict(offload="lmcache_mp", lmcache={"l1_size_gb": args.l1_gb})
+    tier_engine = dict(
+        offload="lmcache_mp", lmcache={"l1_size_gb": args.l1_gb, "load_mode": args.load_mode}
+    )
     if args.arms == "tier":
         arm = run_arm("HBM + tier", prompts, args, **tier_engine)
         table = md_table(STEPS_HEADER, steps_table([arm]))

@@ -14,6 +14,14 @@ pinned host-to-device copy on CUDA, the copy a perfect load path would do.
 ``--burst B`` also submits B loads of the largest size at once (as a wave of requests admitted
 together does in serving) and reports each one's latency and the aggregate GB/s: whether the
 server overlaps loads or serves them one after another.
+
+Both load modes run side by side on the same stored objects: lmcache_driven (the server's
+retrieve; its own handler time, from the "Retrieved N tokens in S seconds" lines it logs, is
+reported next to the client's latency) and engine_driven (benchmarks/transfer_local.py: the
+locate on the lookup path, then the engine's copy from the server's shared-memory L1, timed
+from the decision to load to the copy's completion event). On CUDA the cost of an
+interprocess event (create, record, export, open), which the server pays per operation, is
+measured too.
 """
 
 from __future__ import annotations
@@ -40,6 +48,7 @@ from atom.models.deepseek_v41.pool_geometry import build_v41_pool_geometry
 from atom.models.deepseek_v41.presets import preset_config
 from benchmarks.common import md_table, write_results
 from benchmarks.serving import plain_copy_seconds
+from benchmarks.transfer_local import EngineDriven, ServerLog, event_costs, write_header
 
 
 class _Image:
@@ -85,7 +94,8 @@ def main() -> None:
     segment = share_pool(pool)
     pool.view(torch.uint8).view(num_blocks, -1)[: max_chunks + k].random_(0, 255)
     l1 = max(1.0, 4 * (max_chunks + k) * spec.block_bytes * args.repeats / 2**30)
-    server = LMCacheServer(chunk_size=256, l1_size_gb=min(l1, 60.0)).start()
+    server = LMCacheServer(chunk_size=256, l1_size_gb=min(l1, 60.0), shared_l1=True).start()
+    slog = ServerLog(server.log_path)
     ctx = zmq.Context()
     ctx.linger = 0
     par = AtomMPParallelConfig(world_size=1, worker_id=0, tp_size=1)
@@ -105,6 +115,8 @@ def main() -> None:
     events = EventPool(torch.device(args.device))
     shape = SpecShape(256, 256, k)
     rows, raw = [], []
+    local = EngineDriven(server=server, ctx=ctx, namespace=ns, spec=spec, pool=pool, sched=sched)
+    pbytes = pool.view(torch.uint8).view(num_blocks, -1)
 
     def store_visible(rid, tokens, n, src, src_units) -> tuple[float, float]:
         """Store n chunks + an image; returns (store seconds, seconds of the lookup that first
@@ -130,6 +142,7 @@ def main() -> None:
     def burst(n: int, b: int) -> dict:
         """b stored prompts loaded at once into distinct blocks; every load verified."""
         src, src_units = list(range(n)), list(range(max_chunks, max_chunks + k))
+        write_header(pbytes, spec, src_units, n * 256)
         base = 2 * (max_chunks + k)
         jobs = []
         for i in range(b):
@@ -140,6 +153,7 @@ def main() -> None:
             units = list(range(dst[-1] + 1, dst[-1] + 1 + k))
             op = TransferOp("load", rid, tokens, 0, n * 256, dst, _Image(units), 0)
             jobs.append((rid, op, events.acquire()))
+        slog.mark()
         t0 = time.perf_counter()
         futs = [
             worker.submit_retrieve_request(rid, build_spec(op, shape), ev) for rid, op, ev in jobs
@@ -154,15 +168,40 @@ def main() -> None:
             time.sleep(0.0002)
         if gpu:
             torch.cuda.synchronize()
+        handler = slog.retrieves_s()
         pb = pool.view(torch.uint8).view(num_blocks, -1)
-        for rid, op, ev in jobs:
+        for _, op, ev in jobs:
             assert torch.equal(pb[op.page_blocks], pb[src])
             assert torch.equal(pb[op.image.units], pb[src_units])
             events.recycle(ev)
+        # the same b loads engine-driven: lookups and locates first (the answers), then every
+        # copy issued at once, timed to the last completion
+        located = []
+        for rid, op, _ in jobs:
+            pb[op.page_blocks] = 0
+            pb[op.image.units] = 0
+            located.append(local.lookup_locate(rid, op.token_ids, n)[0])
+        got: list[float] = []
+        t1 = time.perf_counter()
+        for loc, (_, op, _) in zip(located, jobs):
+            local.issue(loc, n, op.page_blocks, op.image.units, got)
+        issued = time.perf_counter() - t1
+        local.wait(got, b)
+        ed_lat = sorted(t - t1 for t in got)
+        for rid, op, _ in jobs:
+            assert torch.equal(pb[op.page_blocks], pb[src])
+            assert torch.equal(pb[op.image.units], pb[src_units])
+            local.free(rid, op.token_ids, n)
             sched.end_session(rid)
         lat = sorted(done.values())
         nbytes = (n + k) * spec.block_bytes
         return {
+            "server_handler_ms": [round(1e3 * h, 2) for h in handler],
+            "server_handler_sum_ms": round(1e3 * sum(handler), 2),
+            "engine_driven_issue_all_ms": round(1e3 * issued, 3),
+            "engine_driven_p50_ms": round(1e3 * statistics.median(ed_lat), 3),
+            "engine_driven_max_ms": round(1e3 * ed_lat[-1], 3),
+            "engine_driven_aggregate_gbps": round(b * nbytes / ed_lat[-1] / 1e9, 3),
             "burst": b,
             "chunks": n,
             "mib_each": round(nbytes / 2**20, 2),
@@ -176,6 +215,7 @@ def main() -> None:
     try:
         for n in args.chunks:
             stores, loads, lookups = [], [], []
+            handler, ed_loads, ed_lookups, ed_locates, ed_runs = [], [], [], [], []
             nbytes = (n + k) * spec.block_bytes
             for r in range(args.repeats):
                 tokens = torch.randint(0, 256, (n * 256 + 1,)).tolist()
@@ -184,20 +224,36 @@ def main() -> None:
                 dst = list(range(max_chunks + k, max_chunks + k + n))
                 dst_units = list(range(2 * max_chunks + k, 2 * max_chunks + 2 * k))
                 rid = f"bench-{n}-{r}"
+                write_header(pbytes, spec, src_units, n * 256)
                 store_s, lookup_s = store_visible(rid, tokens, n, src, src_units)
                 stores.append(store_s)
                 lookups.append(lookup_s)
                 load = TransferOp("load", rid, tokens, 0, n * 256, dst, _Image(dst_units), 0)
                 event = events.acquire()
+                slog.mark()
                 t0 = time.perf_counter()
                 fut = worker.submit_retrieve_request(rid, build_spec(load, shape), event)
                 wait(fut)
                 loads.append(time.perf_counter() - t0)
+                handler += slog.retrieves_s()
                 events.recycle(event)
                 if gpu:
                     torch.cuda.synchronize()
                 pb = pool.view(torch.uint8).view(num_blocks, -1)
                 assert torch.equal(pb[dst], pb[src]) and torch.equal(pb[dst_units], pb[src_units])
+                # the same load, engine-driven, into the zeroed destination
+                pb[dst] = 0
+                pb[dst_units] = 0
+                located, lk_s, loc_s = local.lookup_locate(rid, tokens, n)
+                got: list[float] = []
+                t0 = time.perf_counter()
+                ed_runs.append(local.issue(located, n, dst, dst_units, got))
+                local.wait(got, 1)
+                ed_loads.append(got[0] - t0)
+                ed_lookups.append(lk_s)
+                ed_locates.append(loc_s)
+                assert torch.equal(pb[dst], pb[src]) and torch.equal(pb[dst_units], pb[src_units])
+                local.free(rid, tokens, n)
                 sched.end_session(rid)
             copy = plain_copy_seconds(nbytes, args.device)
             s50, l50 = statistics.median(stores), statistics.median(loads)
@@ -209,17 +265,37 @@ def main() -> None:
                 "load_p50_ms": round(1e3 * l50, 2),
                 "load_gbps": round(nbytes / l50 / 1e9, 3),
                 "lookup_p50_ms": round(1e3 * statistics.median(lookups), 2),
+                "server_handler_p50_ms": (
+                    round(1e3 * statistics.median(handler), 2) if handler else None
+                ),
                 "copy_ms": round(1e3 * copy, 3),
                 "copy_gbps": round(nbytes / copy / 1e9, 2),
                 "load_over_copy": round(l50 / copy, 1),
+                "ed_locate_p50_ms": round(1e3 * statistics.median(ed_locates), 3),
+                "ed_load_p50_ms": round(1e3 * statistics.median(ed_loads), 3),
+                "ed_load_gbps": round(nbytes / statistics.median(ed_loads) / 1e9, 3),
+                "ed_load_over_copy": round(statistics.median(ed_loads) / copy, 2),
+                "ed_copies": ed_runs[0],
             }
-            raw.append({**row, "stores_s": stores, "loads_s": loads})
+            raw.append(
+                {
+                    **row,
+                    "stores_s": stores,
+                    "loads_s": loads,
+                    "server_handler_s": handler,
+                    "ed_loads_s": ed_loads,
+                    "ed_lookups_s": ed_lookups,
+                    "ed_locates_s": ed_locates,
+                }
+            )
             rows.append(row)
             print(row, flush=True)
         if args.burst:
             bursts.append(burst(max_chunks, args.burst))
             print(bursts[-1], flush=True)
+        events_ms = event_costs() if gpu else None
     finally:
+        local.close()
         worker.shutdown()
         sched.shutdown()
         ctx.term()
@@ -234,16 +310,34 @@ def main() -> None:
             "load p50 ms",
             "load GB/s",
             "lookup p50 ms",
+            "server handler p50 ms",
             "plain copy ms",
             "plain copy GB/s",
             "load / copy",
+            "ED locate p50 ms",
+            "ED load p50 ms",
+            "ED load GB/s",
+            "ED load / copy",
+            "ED copies",
         ],
         [list(r.values()) for r in rows],
     )
     table += (
         f"\n\nGeometry: {model}, block {spec.block_bytes} B, image {k} units "
         f"({spec.state_bytes} B). Every load verified byte-exact against its source.\n"
+        "\nLoad = lmcache_driven (the server's retrieve, submit to terminal future); server "
+        "handler = the retrieve's own time as the server logs it. ED = engine_driven: locate = "
+        "the RPC on the lookup path that says where the objects sit; load = the decision to "
+        "load to the copy's completion event (the copy from the server's shared-memory L1 "
+        f"into the pool; 'copies' = copy calls after merging contiguous runs). Mapping the "
+        f"L1 ({server.l1_size_gb:g} GiB) took {local.map_s:.2f} s at start.\n"
     )
+    if events_ms is not None:
+        table += (
+            f"\nInterprocess CUDA event, median ms: create {events_ms['create']}, record "
+            f"{events_ms['record']}, export handle {events_ms['export']}, open handle "
+            f"{events_ms['open']} (the server creates, exports and opens one per operation).\n"
+        )
     for row in bursts:
         single = next(r for r in rows if r["chunks"] == row["chunks"])
         table += (
@@ -251,7 +345,12 @@ def main() -> None:
             f"submitted at once (in {row['submit_all_ms']} ms): latency p50 "
             f"{row['latency_p50_ms']} ms, last {row['latency_max_ms']} ms, aggregate "
             f"{row['aggregate_gbps']} GB/s (one load alone: {single['load_p50_ms']} ms, "
-            f"{single['load_gbps']} GB/s).\n"
+            f"{single['load_gbps']} GB/s). The server's handler times sum to "
+            f"{row['server_handler_sum_ms']} ms (each: {row['server_handler_ms']}).\n"
+            f"Engine-driven, the same {row['burst']} loads issued at once (in "
+            f"{row['engine_driven_issue_all_ms']} ms): p50 {row['engine_driven_p50_ms']} ms, last "
+            f"{row['engine_driven_max_ms']} ms, aggregate {row['engine_driven_aggregate_gbps']} "
+            f"GB/s.\n"
         )
     name = args.name or ("transfer_h200" if gpu else "transfer_cpu")
     cmd = (
@@ -260,7 +359,7 @@ def main() -> None:
         + (f" --burst {args.burst}" if args.burst else "")
     )
     print(table)
-    data = {"geometry": geo.describe(), "rows": raw, "bursts": bursts}
+    data = {"geometry": geo.describe(), "rows": raw, "bursts": bursts, "event_ms": events_ms}
     print(write_results(name, data, table, cmd))
 
 
