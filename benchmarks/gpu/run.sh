@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # On the GPU machine: install carried wheels, run GPU tests and benchmarks, keep results.
 # Usage: bash benchmarks/gpu/run.sh STEP...
-#   steps: tests tier forward profile transfer cuda_ops transfer_native serving tier_only idle
+#   steps: tests tier forward profile transfer cuda_ops transfer_native transfer_modes serving
+#          tier_only idle
 #          train forward_v4 serving_v4
 # cuda_ops builds lmcache.cuda_ops from lmcache's sources against this machine's torch
 # (benchmarks/gpu/build_cuda_ops.py); once built (build/ stays while the machine is warm, or
@@ -39,6 +40,8 @@ for s in "$@"; do
       --repeats 5 ;;
     cuda_ops) step 420 python3 benchmarks/gpu/build_cuda_ops.py \
       && cp build/lmcache_cuda_ops/cuda_ops.so "$RESULTS"/ ;;
+    transfer_modes) step 200 python3 -m benchmarks.transfer --device cuda --chunks 1 4 16 28 \
+      --repeats 5 --burst 16 --name transfer_h200_load_modes ;;
     transfer_native) step 150 python3 -m benchmarks.transfer --device cuda --chunks 1 4 16 28 \
       --repeats 5 --burst 16 --name transfer_h200_native ;;
     serving) step 585 python3 -m benchmarks.serving --preset gpu ;;
