@@ -3,7 +3,7 @@
 ``EagerBackend`` "captures" by keeping the function and "replays" by running it again on the
 static buffers, so everything but the CUDA graph itself runs here: bucket and width choice,
 the packed upload, padding rows in the spare slot and block, the mirror, the eager fallbacks.
-tests/gpu/test_cuda_graphs.py runs the same with real graphs.
+tests/gpu/test_decode_graphs_cuda.py runs the same with real graphs.
 """
 
 from __future__ import annotations

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import logging
 import traceback
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -109,12 +110,21 @@ def pack_inputs(
 
 
 class EagerBackend:
-    """Runs instead of capturing: ``replay`` re-runs the function into the static output."""
+    """Runs instead of capturing: ``replay`` re-runs the function into the static output. It
+    keeps only a weak reference to the function, as a CUDA graph keeps only addresses: a
+    replay after the function (and the tensors it holds) was freed raises."""
 
     def capture(self, fn: Callable[[], torch.Tensor]):
         fn()  # the warm-up, as on CUDA
-        out = fn()
-        return (lambda: out.copy_(fn())), out
+        out, ref = fn(), weakref.ref(fn)
+
+        def replay():
+            fn = ref()
+            if fn is None:
+                raise RuntimeError("replay of a freed function: a graph would read freed memory")
+            out.copy_(fn())
+
+        return replay, out
 
 
 class CudaGraphBackend:
@@ -143,6 +153,9 @@ class _Graph:
     inp: torch.Tensor  # the static inputs (pack_inputs' layout) on the device
     out: torch.Tensor  # [bucket, V] static logits
     replay: Callable[[], object]
+    # the captured function: it holds the plan's other static tensors (gram sources, rows),
+    # which the graph reads by address, alive as long as the graph
+    forward: Callable[[], torch.Tensor]
 
 
 class DecodeGraphs:
@@ -263,7 +276,7 @@ class DecodeGraphs:
             self.failed[(bucket, width)] = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
             log.warning("decode graph (batch %d, width %d) not captured: %s", bucket, width, e)
             return None
-        graph = _Graph(inp, out, replay)
+        graph = _Graph(inp, out, replay, forward)
         self.graphs[(bucket, width)] = graph
         log.info("captured decode graph: batch %d, width %d blocks", bucket, width)
         return graph
