@@ -96,7 +96,7 @@ class L1Mapping:
             self.pinned = int(rc) == 0
             self.register_s = time.monotonic() - t0
             if not self.pinned:
-                _clear_cuda_error()
+                clear_cuda_error()
                 log.warning(
                     "cudaHostRegister of %s failed (error %s): loads copy from pageable memory",
                     path,
@@ -122,7 +122,7 @@ class L1Mapping:
         return f"L1Mapping({self.ident.name}, {self.ident.size} B, server {self.ident.server_id})"
 
 
-def _clear_cuda_error() -> None:
+def clear_cuda_error() -> None:
     """Reset the runtime's last error after a failed registration, so the next kernel launch
     check does not report it (torch.cuda.cudart() has no cudaGetLastError)."""
     import ctypes

@@ -6,7 +6,10 @@
     the source bytes, carries this layout's tag and the load's own boundary;
   * the copies run in as few pieces as contiguity allows (a run of consecutive source bytes
     into consecutive pool blocks is one copy).
-On CUDA the copies run on one copy stream that first waits for the compute stream (an
+On CUDA the copies are ``cudaMemcpyAsync`` calls made straight into the CUDA runtime that
+torch loaded (about 20 us less per copy than ``Tensor.copy_``, which a burst of loads of many
+chunks pays hundreds of times), falling back to ``Tensor.copy_`` when that runtime cannot be
+reached. They run on one copy stream that first waits for the compute stream (an
 earlier forward may still read a block being overwritten), and the compute stream waits on
 the copy's event, so the next forward (and the image restore) is ordered after the load with
 no host wait: the load is complete for the scheduler as soon as it is issued. On CPU the
@@ -20,18 +23,39 @@ bytes out from under it.
 
 from __future__ import annotations
 
+import ctypes
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from atom.kv_transfer.offload.l1_map import clear_cuda_error
 from atom.kv_transfer.offload.locator import Located
 from atom.model_api import StateSpec, pool_bytes
+
+log = logging.getLogger("atom.offload")
+
+CUDA_MEMCPY_HOST_TO_DEVICE = 1
 
 
 class LocalLoadError(RuntimeError):
     pass
+
+
+def _cuda_memcpy_async():
+    """The runtime's cudaMemcpyAsync(dst, src, bytes, kind, stream), or None."""
+    for name in ("libcudart.so.13", "libcudart.so.12", "libcudart.so"):
+        try:
+            fn = ctypes.CDLL(name).cudaMemcpyAsync
+        except (OSError, AttributeError):
+            continue
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        fn.argtypes += [ctypes.c_void_p]
+        fn.restype = ctypes.c_int
+        return fn
+    return None
 
 
 @dataclass
@@ -64,6 +88,7 @@ class LocalLoads:
         self.blocks = pool_bytes(pool_tensor)  # [num_blocks, block_bytes] uint8 view
         self.cuda = pool_tensor.device.type == "cuda"
         self._stream = torch.cuda.Stream(pool_tensor.device) if self.cuda else None
+        self._memcpy = _cuda_memcpy_async() if self.cuda else None
         self._pending: list[_Pending] = []
         self.copies = 0  # copy calls issued (runs), for the benchmark
         self.bytes = 0
@@ -118,14 +143,33 @@ class LocalLoads:
         compute = torch.cuda.current_stream(dst.device)
         self._stream.wait_stream(compute)
         with torch.cuda.stream(self._stream):
-            for s, d, n in plan:
-                dst[d : d + n].view(-1).copy_(src[s : s + n * bb], non_blocking=True)
+            if not self._raw_copies(located.mapping, dst, plan):
+                for s, d, n in plan:
+                    dst[d : d + n].view(-1).copy_(src[s : s + n * bb], non_blocking=True)
             event = torch.cuda.Event()
             event.record(self._stream)
         compute.wait_event(event)
         self._count(plan)
         located.mapping.in_flight += 1
         self._pending.append(_Pending(event, located.mapping, on_done, now))
+
+    def _raw_copies(self, mapping, dst: torch.Tensor, plan: list) -> bool:
+        """Issue ``plan`` as cudaMemcpyAsync calls on the copy stream (registered source
+        only). False when the runtime is out of reach or refuses a copy: then the caller
+        copies the whole plan through torch (the bytes are the same, a copy made twice is
+        harmless)."""
+        if self._memcpy is None or not mapping.pinned:
+            return False
+        bb, fn, stream = self.bb, self._memcpy, self._stream.cuda_stream
+        s0, d0 = mapping.data.data_ptr(), dst.data_ptr()
+        for s, d, n in plan:
+            rc = fn(d0 + d * bb, s0 + s, n * bb, CUDA_MEMCPY_HOST_TO_DEVICE, stream)
+            if rc != 0:
+                clear_cuda_error()  # or torch's next launch check reports it
+                log.warning("cudaMemcpyAsync refused (error %d): loads copy through torch", rc)
+                self._memcpy = None
+                return False
+        return True
 
     def _count(self, plan) -> None:
         self.copies += len(plan)
