@@ -115,7 +115,10 @@ def test_tier_two_pass_on_cuda_with_interprocess_events():
     first.engine.tier.server = None  # keep the owned server alive for pass 2
     first.shutdown()
     try:
-        second = LLM("v41-mini", lmcache_url=url, **{k: v for k, v in kw.items() if k != "lmcache"})
+        # loads copied by the server, with interprocess events (engine-driven loads, the
+        # default, need none: test_tier_load_modes_cuda.py)
+        tier = {"url": url, "load_mode": "lmcache_driven"}
+        second = LLM("v41-mini", **{**kw, "lmcache": tier})
         out2 = second.generate(prompts, p)
         assert [o.tier_hit_tokens for o in out2] == [512, 1024, 256]
         assert [o.token_ids for o in out1] == [o.token_ids for o in out2]
