@@ -43,6 +43,7 @@ OFFLOAD_FLAGS: dict[str, tuple[str, type]] = {
     "lmcache-lookup-timeout": ("lookup_timeout_s", float),
     "lmcache-transfer-timeout": ("transfer_timeout_s", float),
     "lmcache-rpc-timeout": ("rpc_timeout_s", float),
+    "lmcache-load-mode": ("load_mode", str),
     "model-revision": ("model_revision", str),
     "l2-store-policy": ("l2_store_policy", str),
     "l2-prefetch-policy": ("l2_prefetch_policy", str),
