@@ -63,6 +63,7 @@ class EngineDriven:
         self.map_s = time.perf_counter() - t0
         if self.locator.unsupported or self.mappings.current is None:
             raise RuntimeError(f"engine-driven loads unavailable: {self.locator.unsupported}")
+        self.pool = pool
         self.local = LocalLoads(spec, pool, 256)
 
     def lookup_locate(self, rid: str, tokens: list[int], n: int):
@@ -79,14 +80,20 @@ class EngineDriven:
         assert located is not None, "locate failed"
         return located, t1 - t0, time.perf_counter() - t1
 
-    def issue(self, located, n: int, dst: list[int], units: list[int], done: list):
-        plan = self.local.plan(located, 0, n * 256, dst, units)
-        self.local.copy(located, plan, done.append)
+    def copier(self, streams: int) -> LocalLoads:
+        """A LocalLoads with ``streams`` copy streams (the engine's has 2)."""
+        return LocalLoads(self.local.spec, self.pool, 256, streams=streams)
+
+    def issue(self, located, n: int, dst: list[int], units: list[int], done: list, local=None):
+        local = local or self.local
+        plan = local.plan(located, 0, n * 256, dst, units)
+        local.copy(located, plan, done.append)
         return len(plan)
 
-    def wait(self, done: list, count: int) -> None:
+    def wait(self, done: list, count: int, local=None) -> None:
+        local = local or self.local
         while len(done) < count:
-            self.local.poll()
+            local.poll()
 
     def free(self, rid: str, tokens: list[int], n: int) -> None:
         self.sched.free_lookup_locks(tokens, 0, n * 256, rid)

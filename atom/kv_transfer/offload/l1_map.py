@@ -75,11 +75,9 @@ class L1Mapping:
                     f"{st.st_dev}/{st.st_ino}/{st.st_size}, expected "
                     f"{ident.dev}/{ident.ino}/{ident.size})"
                 )
-            # populated up front (on CUDA the registration pins every page anyway): a load
-            # never pays page faults on its first read of a region
-            populate = getattr(mmap, "MAP_POPULATE", 0) if device.type != "cuda" else 0
-            flags = mmap.MAP_SHARED | populate
-            self._mm = mmap.mmap(fd, ident.size, flags=flags, prot=mmap.PROT_READ)
+            # not populated: page tables for a large L1 would take seconds; a CPU load pays a
+            # minor fault on its first read of a page (on CUDA the registration pins them)
+            self._mm = mmap.mmap(fd, ident.size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
         finally:
             os.close(fd)
         with warnings.catch_warnings():

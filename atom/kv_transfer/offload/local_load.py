@@ -1,19 +1,19 @@
 """Engine-driven loads: copy located objects from the server's L1 into the pool (step thread).
 
-``LocalLoads.copy`` checks what it is about to load, then copies it:
+``LocalLoads.plan`` checks what a load is about to copy, and ``copy`` copies it:
   * every object has the length this layout gives it (a chunk's pages: blocks_per_chunk x
     block_bytes; the image: units_per_image x block_bytes), and the image's header, read from
     the source bytes, carries this layout's tag and the load's own boundary;
   * the copies run in as few pieces as contiguity allows (a run of consecutive source bytes
     into consecutive pool blocks is one copy).
-On CUDA the copies are ``cudaMemcpyAsync`` calls made straight into the CUDA runtime that
-torch loaded (about 20 us less per copy than ``Tensor.copy_``, which a burst of loads of many
-chunks pays hundreds of times), falling back to ``Tensor.copy_`` when that runtime cannot be
-reached. They run on one copy stream that first waits for the compute stream (an
-earlier forward may still read a block being overwritten), and the compute stream waits on
-the copy's event, so the next forward (and the image restore) is ordered after the load with
-no host wait: the load is complete for the scheduler as soon as it is issued. On CPU the
-copies are plain and synchronous.
+On CUDA the copies are ``cudaMemcpyAsync`` calls made straight into the CUDA runtime that torch
+loaded (about 20 us less per copy than ``Tensor.copy_``, which a burst of loads of many chunks
+pays hundreds of times; ``Tensor.copy_`` when that runtime cannot be reached), alternating
+between two copy streams. Each copy stream first waits for the compute stream (an earlier
+forward may still read a block being overwritten), and the compute stream waits on the copies'
+events, so the next forward (and the image restore) is ordered after the load with no host
+wait: the load is complete for the scheduler as soon as it is issued. On CPU the copies are
+plain and synchronous.
 
 The lookup's read locks on the source objects are released only after the copy completed
 (``poll`` frees them when the copy's event has fired; on CPU at once), and the mapping
@@ -60,10 +60,11 @@ def _cuda_memcpy_async():
 
 @dataclass
 class _Pending:
-    event: object | None  # torch.cuda.Event, None on CPU
+    issued: object  # timing event recorded on an idle stream at the issue
+    ends: list  # one timing event per copy stream used, after its last copy
     mapping: object
-    on_done: Callable[[float], None]  # gets the time the copy was known complete
-    issued_at: float
+    on_done: Callable[[float], None]  # gets the time the copy completed
+    issued_at: float  # monotonic time of the issue
 
 
 def runs(pieces: list[tuple[int, int, int]], bb: int) -> list[tuple[int, int, int]]:
@@ -81,13 +82,16 @@ def runs(pieces: list[tuple[int, int, int]], bb: int) -> list[tuple[int, int, in
 
 
 class LocalLoads:
-    def __init__(self, spec: StateSpec, pool_tensor: torch.Tensor, chunk: int):
+    def __init__(self, spec: StateSpec, pool_tensor: torch.Tensor, chunk: int, streams: int = 2):
         self.spec, self.chunk = spec, chunk
         self.bb = spec.block_bytes
         self.bpc = chunk // spec.block_size
         self.blocks = pool_bytes(pool_tensor)  # [num_blocks, block_bytes] uint8 view
         self.cuda = pool_tensor.device.type == "cuda"
-        self._stream = torch.cuda.Stream(pool_tensor.device) if self.cuda else None
+        dev = pool_tensor.device
+        # copies alternate between streams: the setup of one copy overlaps another's bytes
+        self._streams = [torch.cuda.Stream(dev) for _ in range(streams)] if self.cuda else []
+        self._clock = torch.cuda.Stream(dev) if self.cuda else None  # never given work
         self._memcpy = _cuda_memcpy_async() if self.cuda else None
         self._pending: list[_Pending] = []
         self.copies = 0  # copy calls issued (runs), for the benchmark
@@ -131,9 +135,10 @@ class LocalLoads:
 
     def copy(self, located: Located, plan: list, on_done: Callable[[float], None]) -> None:
         """Issue the copies of ``plan`` from ``located``'s mapping; ``on_done(t)`` runs (from
-        ``poll``, or now on CPU) once they completed."""
+        ``poll``, or now on CPU) once they completed, with ``t`` the completion time on the
+        monotonic clock (on CUDA: the issue time plus the GPU's own elapsed time from the
+        issue to the last copy, so a late poll does not lengthen the measured load)."""
         src, dst, bb = located.mapping.data, self.blocks, self.bb
-        now = time.monotonic()
         if not self.cuda:
             for s, d, n in plan:
                 dst[d : d + n].view(-1).copy_(src[s : s + n * bb])
@@ -141,29 +146,37 @@ class LocalLoads:
             on_done(time.monotonic())
             return
         compute = torch.cuda.current_stream(dst.device)
-        self._stream.wait_stream(compute)
-        with torch.cuda.stream(self._stream):
-            if not self._raw_copies(located.mapping, dst, plan):
-                for s, d, n in plan:
-                    dst[d : d + n].view(-1).copy_(src[s : s + n * bb], non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(self._stream)
-        compute.wait_event(event)
+        issued = torch.cuda.Event(enable_timing=True)
+        issued.record(self._clock)  # an idle stream: it marks the issue on the GPU's clock
+        t0 = time.monotonic()
+        ends = []
+        for i, stream in enumerate(self._streams):
+            part = plan[i :: len(self._streams)]  # runs alternate between the copy streams
+            if not part:
+                continue
+            stream.wait_stream(compute)
+            with torch.cuda.stream(stream):
+                if not self._raw_copies(stream, located.mapping, dst, part):
+                    for s, d, n in part:
+                        dst[d : d + n].view(-1).copy_(src[s : s + n * bb], non_blocking=True)
+                end = torch.cuda.Event(enable_timing=True)
+                end.record(stream)
+            compute.wait_event(end)
+            ends.append(end)
         self._count(plan)
         located.mapping.in_flight += 1
-        self._pending.append(_Pending(event, located.mapping, on_done, now))
+        self._pending.append(_Pending(issued, ends, located.mapping, on_done, t0))
 
-    def _raw_copies(self, mapping, dst: torch.Tensor, plan: list) -> bool:
-        """Issue ``plan`` as cudaMemcpyAsync calls on the copy stream (registered source
-        only). False when the runtime is out of reach or refuses a copy: then the caller
-        copies the whole plan through torch (the bytes are the same, a copy made twice is
-        harmless)."""
+    def _raw_copies(self, stream, mapping, dst: torch.Tensor, plan: list) -> bool:
+        """Issue ``plan`` as cudaMemcpyAsync calls on ``stream`` (registered source only).
+        False when the runtime is out of reach or refuses a copy: then the caller copies the
+        whole plan through torch (the bytes are the same, a copy made twice is harmless)."""
         if self._memcpy is None or not mapping.pinned:
             return False
-        bb, fn, stream = self.bb, self._memcpy, self._stream.cuda_stream
+        bb, fn, handle = self.bb, self._memcpy, stream.cuda_stream
         s0, d0 = mapping.data.data_ptr(), dst.data_ptr()
         for s, d, n in plan:
-            rc = fn(d0 + d * bb, s0 + s, n * bb, CUDA_MEMCPY_HOST_TO_DEVICE, stream)
+            rc = fn(d0 + d * bb, s0 + s, n * bb, CUDA_MEMCPY_HOST_TO_DEVICE, handle)
             if rc != 0:
                 clear_cuda_error()  # or torch's next launch check reports it
                 log.warning("cudaMemcpyAsync refused (error %d): loads copy through torch", rc)
@@ -176,14 +189,15 @@ class LocalLoads:
         self.bytes += sum(n for _, _, n in plan) * self.bb
 
     def poll(self) -> None:
-        """Finish the copies whose event fired (never waits)."""
+        """Finish the copies whose events fired (never waits)."""
         if not self._pending:
             return
         still = []
         for p in self._pending:
-            if p.event.query():
+            if all(e.query() for e in p.ends):
                 p.mapping.in_flight -= 1
-                p.on_done(time.monotonic())
+                took = max(p.issued.elapsed_time(e) for e in p.ends) / 1000.0
+                p.on_done(p.issued_at + took)
             else:
                 still.append(p)
         self._pending = still
@@ -191,7 +205,8 @@ class LocalLoads:
     def drain(self) -> None:
         """Wait for every copy (shutdown)."""
         for p in self._pending:
-            p.event.synchronize()
+            for e in p.ends:
+                e.synchronize()
         self.poll()
 
     @property
