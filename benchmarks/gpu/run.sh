@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On the GPU machine: install carried wheels, run GPU tests and benchmarks, keep results.
 # Usage: bash benchmarks/gpu/run.sh STEP...
-#   steps: tests tier forward profile transfer cuda_ops transfer_native transfer_modes serving
+#   steps: tests tier forward profile roofline profile_prefill transfer cuda_ops transfer_native transfer_modes serving
 #          tier_only idle
 #          train forward_v4 serving_v4
 # cuda_ops builds lmcache.cuda_ops from lmcache's sources against this machine's torch
@@ -36,6 +36,12 @@ for s in "$@"; do
     profile) step 200 python3 -m benchmarks.profile_forward --model v41-bench --device cuda \
       --dtype bfloat16 --position 4096 --batch 16 --prefill-tokens 2048 --top 25 \
       --name profile_forward_h200 ;;
+    roofline) step "${ROOFLINE_LIMIT:-240}" python3 -m benchmarks.roofline --model v41-bench \
+      --device cuda --dtype bfloat16 --position 4096 --batch 1 8 16 32 --decode-steps 16 \
+      --repeats 3 --name roofline_h200 ;;
+    profile_prefill) step 200 python3 -m benchmarks.profile_forward --model v41-bench \
+      --device cuda --dtype bfloat16 --position 4096 --batch 16 --prefill-tokens 4096 \
+      --top 30 --graphs --name profile_forward_prefill_h200 ;;
     transfer) step 150 python3 -m benchmarks.transfer --device cuda --chunks 1 4 16 28 \
       --repeats 5 ;;
     cuda_ops) step 420 python3 benchmarks/gpu/build_cuda_ops.py \

@@ -63,7 +63,10 @@ class Indexer(nn.Module):
 
     def scores(self, qi: torch.Tensor, w: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
         """qi [T, Hi, D], w [T, Hi], keys [R, D] shared or [T, R, D] per query (all float32)
-        -> s [T, R] = sum_h w ReLU(q.k)."""
+        -> s [T, R] = sum_h w ReLU(q.k). ``keys`` may also be an object scoring the queries
+        itself (``index_scores(qi, w)``: the paged prefill's keys, one set per sequence)."""
+        if not isinstance(keys, torch.Tensor):
+            return keys.index_scores(qi, w)
         dots = torch.einsum("thd,trd->thr" if keys.dim() == 3 else "thd,rd->thr", qi, keys)
         return torch.einsum("th,thr->tr", w, torch.relu(dots))
 
@@ -156,6 +159,33 @@ class CSA2Attention(nn.Module):
         out = torch.einsum("thn,tnd->thd" if per_query else "thn,nd->thd", probs[..., :nw], win_k)
         if comp is not None:
             out = out + torch.einsum("thk,tkd->thd", probs[..., nw:-1], comp)
+        return out
+
+    def attend_tiles(
+        self,
+        q: torch.Tensor,
+        win_k: torch.Tensor,
+        win_mask: torch.Tensor,
+        comp: torch.Tensor | None,
+        comp_valid: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """``attend`` for B tiles of Q queries at once, each tile with its own window keys:
+        q [B, Q, H, hd], win_k [B, L, hd], win_mask [B, Q, L], comp [B * Q, K, hd], comp_valid
+        [B * Q, K] -> [B * Q, H, hd]. The same arithmetic per query as ``attend``."""
+        b, t, h, hd = q.shape
+        nw = win_k.shape[1]
+        win = torch.bmm(q.reshape(b, t * h, hd), win_k.transpose(1, 2)).float()
+        win = win.view(b * t, h, nw)
+        parts = [(win * self.scale).masked_fill(~win_mask.view(b * t, 1, nw), NEG_INF)]
+        qf = q.reshape(b * t, h, hd)
+        if comp is not None:
+            sc = torch.bmm(qf, comp.transpose(1, 2)).float() * self.scale
+            parts.append(sc.masked_fill(~comp_valid[:, None, :], NEG_INF))
+        sink = self.attn_sink.view(1, -1, 1).expand(b * t, -1, 1)
+        probs = torch.softmax(torch.cat(parts + [sink], dim=-1), dim=-1).to(q.dtype)
+        out = torch.bmm(probs[..., :nw].reshape(b, t * h, nw), win_k).view(b * t, h, hd)
+        if comp is not None:
+            out = out + torch.bmm(probs[..., nw:-1], comp)
         return out
 
     def output(self, o: torch.Tensor, cs) -> torch.Tensor:

@@ -13,16 +13,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from atom.kernels.norm import hc_post, hc_pre, rms_norm
 from atom.kernels.sinkhorn import sinkhorn
 from atom.models.deepseek_v41.config import V41Config
 
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    xf = x.float()
-    out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    if weight is not None:
-        out = out * weight.float()
-    return out.to(x.dtype)
+__all__ = ["rms_norm", "RMSNorm", "HyperConnection", "MoE", "Engram", "linear"]
 
 
 class RMSNorm(nn.Module):
@@ -66,7 +61,7 @@ class HyperConnection(nn.Module):
         hc = self.hc
         mix = self._mix(x)
         pre = torch.sigmoid(mix[:, :hc]) + 1e-6
-        h = (pre[:, :, None] * x.float()).sum(1).to(x.dtype)
+        h = hc_pre(x, pre)
         if self.head:
             return h, None, None
         post = 2 * torch.sigmoid(mix[:, hc : 2 * hc])
@@ -75,8 +70,7 @@ class HyperConnection(nn.Module):
     @staticmethod
     def post(x: torch.Tensor, out: torch.Tensor, post: torch.Tensor, c: torch.Tensor):
         """X_j = post_j * out + sum_i C_ij X_i."""
-        mixed = torch.einsum("nij,nid->njd", c, x.float())
-        return (post[:, :, None] * out.float()[:, None, :] + mixed).to(x.dtype)
+        return hc_post(x, out, post, c)
 
 
 class Expert(nn.Module):

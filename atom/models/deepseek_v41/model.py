@@ -7,7 +7,7 @@ at 0 resets its slot); any mismatch is refused before anything is written.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -18,9 +18,10 @@ from atom.models.deepseek_v41.attention import CSA2Attention
 from atom.models.deepseek_v41.config import V41Config
 from atom.models.deepseek_v41.layers import Engram, HyperConnection, MoE, RMSNorm
 from atom.models.deepseek_v41.paged import PagedKV, StateMismatchError, StateSlots
-from atom.models.deepseek_v41.paged_attention import SeqCarry, paged_attention
+from atom.models.deepseek_v41.paged_attention import paged_attention
 from atom.models.deepseek_v41.paged_decode import DecodeBatch
 from atom.models.deepseek_v41.pool_geometry import INDEX_DTYPES, KV_DTYPES, GeometryError
+from atom.models.deepseek_v41.prefill_plan import PrefillBatch, PrefillHost
 
 COMPUTE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -155,7 +156,13 @@ class DeepseekV41ForCausalLM(nn.Module):
         if token_ids.numel() != sum(sp.num_tokens for sp in spans):
             raise ValueError("token_ids must hold exactly the spans' tokens, in span order")
         self.check_spans(spans, slots)
-        plan = ForwardPlan.build(token_ids, spans, self.device)
+        shape = (
+            self.config.sliding_window,
+            geo.window_rows,
+            geo.compressor_rows,
+            [r for r in self.config.compress_ratios if r > 0],
+        )
+        plan = ForwardPlan.build(token_ids, spans, self.device, shape)
         slots.reset_many([sp.slot for sp in spans if sp.start == 0], plan.reset)
         logits = self.run_plan(plan, kv, slots, all_logits)
         for sp in spans:
@@ -223,11 +230,13 @@ class ForwardPlan:
     span_ends: torch.Tensor  # [S]
     last: torch.Tensor  # [S] each span's last token in the flat batch
     reset: torch.Tensor  # [R] slots of spans starting at 0
-    longer: list[SeqCarry]  # spans of several tokens (their block tables on the device)
+    longer: list[PrefillBatch]  # the spans of several tokens, as one batch (or none)
     decode: DecodeBatch | None  # the single-token spans
 
     @classmethod
-    def build(cls, token_ids: torch.Tensor, spans: list[Span], device) -> ForwardPlan:
+    def build(cls, token_ids: torch.Tensor, spans: list[Span], device, shape) -> ForwardPlan:
+        """``shape``: (sliding window, window ring rows, compressor ring rows, the ratios of
+        the compressed layers), what the prefill batch's indices depend on."""
         device = torch.device(device)
         n, nspan = token_ids.numel(), len(spans)
         segs: list[torch.Tensor] = []  # host int64 pieces of the one upload
@@ -278,9 +287,22 @@ class ForwardPlan:
                 at_dec_tables = put(padded)
         at_tables = {
             k: put(spans[k].block_table)
-            for k in (longer if dec_host_tables else longer + single)
+            for k in ([] if dec_host_tables else single)
             if spans[k].block_table.device.type == "cpu" and spans[k].block_table.device != device
         }
+        prefill = None
+        if longer:
+            window, ring_rows, comp_rows, ratios = shape
+            prefill = PrefillHost(
+                [spans[k] for k in longer],
+                [los[k] for k in longer],
+                n,
+                window,
+                ring_rows,
+                comp_rows,
+                ratios,
+                put,
+            )
         host = torch.cat(segs)
         if device.type == "cuda":
             up = host.pin_memory().to(device, non_blocking=True)
@@ -294,14 +316,7 @@ class ForwardPlan:
             return parts[at_tables[k]] if k in at_tables else spans[k].block_table
 
         pos_d = parts[at_pos]
-        carries = [
-            SeqCarry(
-                replace(spans[k], block_table=table(k)),
-                los[k],
-                pos_d[los[k] : los[k] + spans[k].num_tokens],
-            )
-            for k in longer
-        ]
+        carries = [prefill.resolve(parts, pos_d)] if prefill is not None else []
         decode = None
         if single:
             dec = parts[at_dec].view(3, len(single))

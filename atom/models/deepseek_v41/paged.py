@@ -160,6 +160,27 @@ class PagedKV:
         if scale_view is not None:
             scale_view[blocks, offs] = scale
 
+    def write_rows_of(
+        self,
+        owner: int,
+        tables: torch.Tensor,
+        seq: torch.Tensor,
+        rows: torch.Tensor,
+        main: torch.Tensor,
+        payload: torch.Tensor,
+        scale: torch.Tensor | None,
+    ) -> None:
+        """``write_rows`` for rows of several sequences: row ``rows[g]`` of sequence ``seq[g]``
+        (its table is ``tables[seq[g]]``)."""
+        per_block = self.main[owner].shape[1]
+        blocks = tables[seq, torch.div(rows, per_block, rounding_mode="floor")]
+        offs = rows % per_block
+        self.main[owner][blocks, offs] = main.to(self.main[owner].dtype)
+        pay_view, scale_view = self.index[owner]
+        pay_view[blocks, offs] = payload
+        if scale_view is not None:
+            scale_view[blocks, offs] = scale
+
     def read_rows(self, owner: int, table: torch.Tensor, count: int):
         """Rows [0, count) of ``owner``: (main [count, hd] storage dtype, payload, scale)."""
         per_block = self.main[owner].shape[1]

@@ -1,15 +1,19 @@
 """CSA2 attention of one layer over a paged batch: window rings, compressor rings, PAGE rows.
 
-Per sequence, for its span [s, e) (positions pos, T = e - s tokens):
+For a span [s, e) of a sequence (positions pos, T = e - s tokens):
   window keys = ring rows of [max(0, s - window + 1), s) + this span's own KV; after attending,
       the span's last ``window_rows`` KV rows are written to the ring;
   FULL owners complete groups [s // r, e // r); a group straddling s takes its earlier tokens'
       raw projections from the compressor ring; the rows go to PAGE, the ring is refreshed;
   every compressed layer reads its owner's rows [0, e // r) from PAGE and attends the top-k
       selection of its index-source layer (computed here on FULL/REINDEX layers, carried in
-      ``SeqCarry`` to REUSE layers of the same forward).
+      the batch to REUSE layers of the same forward).
 
-Single-token spans (decode) take the batched path of ``paged_decode`` instead of this loop.
+All multi-token spans of a forward run together (``PrefillBatch``, built on the host by
+``prefill_plan``): one set of batched operations per layer, whatever the number of sequences.
+Every span's rows are written before any span reads (spans of one forward are different
+sequences: they share no rows being written). Single-token spans (decode) take the batched path
+of ``paged_decode``.
 """
 
 from __future__ import annotations
@@ -21,20 +25,24 @@ import torch
 from atom.model_api import Span
 from atom.models.deepseek_v41.attention import (
     CSA2Attention,
-    gather_selected,
     layer_selection,
+    picked_ids,
     visible_rows,
-    window_mask,
 )
 from atom.models.deepseek_v41.config import LayerMode
 from atom.models.deepseek_v41.paged import PagedKV, StateSlots
 from atom.models.deepseek_v41.paged_decode import DecodeBatch, decode_attention
+from atom.models.deepseek_v41.prefill_plan import PrefillBatch
 from atom.models.deepseek_v41.quant import pack_index, unpack_index
+
+# elements of the largest float32 intermediate (index dots, attention scores) one group of tiles
+# makes: larger batches run in groups of tiles
+GROUP_ELEMENTS = 1 << 28
 
 
 @dataclass
 class SeqCarry:
-    """One sequence's per-forward context; selections flow from index layers to REUSE layers."""
+    """One sequence's per-forward context (the V4 model's paged forward loops over these)."""
 
     span: Span
     lo: int  # offset of the span's first token in the flat batch
@@ -47,90 +55,137 @@ class SeqCarry:
         return self.lo + self.span.num_tokens
 
 
+def _groups(num_tiles: int, per_tile: int):
+    step = max(1, GROUP_ELEMENTS // max(1, per_tile))
+    return [(t0, min(num_tiles, t0 + step)) for t0 in range(0, num_tiles, step)]
+
+
+class TiledKeys:
+    """Index keys of each sequence ([S, R, D] float32) scored by the queries of its tiles."""
+
+    def __init__(self, keys: torch.Tensor, batch: PrefillBatch):
+        self.keys, self.batch = keys, batch
+
+    def index_scores(self, qi: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """qi [N, Hi, D], w [N, Hi] of the prefill tokens -> s [N, R] (``Indexer.scores``)."""
+        b, q = self.batch, self.batch.q
+        hi, d, r = qi.shape[1], qi.shape[2], self.keys.shape[1]
+        qi_p, w_p = qi[b.pad_src], w[b.pad_src]
+        out = []
+        for t0, t1 in _groups(b.num_tiles, q * hi * r):
+            keys = self.keys[b.tile_span[t0:t1]]  # [tiles, R, D]
+            qs = qi_p[t0 * q : t1 * q].reshape(t1 - t0, q * hi, d)
+            dots = torch.bmm(qs, keys.transpose(1, 2)).view(-1, hi, r)
+            out.append(torch.einsum("th,thr->tr", w_p[t0 * q : t1 * q], torch.relu(dots)))
+        return torch.cat(out)[b.unpad]
+
+
 def _update_compressor(
-    attn: CSA2Attention, u: torch.Tensor, seq: SeqCarry, kv: PagedKV, slots: StateSlots, cs_fn
+    attn: CSA2Attention, u: torch.Tensor, b: PrefillBatch, kv: PagedKV, slots: StateSlots
 ) -> None:
-    """Complete the owner's groups ending inside the span; write rows and refresh the ring."""
-    geo, span = kv.geometry, seq.span
-    s, e, r = span.start, span.end, attn.ratio
+    """Complete the owner's groups ending inside the spans; write rows and refresh the rings."""
+    geo, r = kv.geometry, attn.ratio
+    plan = b.comp[r]
     o = geo.index_planes.index(geo.index_plane(attn.layer))
-    ring_v, ring_s = slots.comp_values[span.slot, o], slots.comp_scores[span.slot, o]
-    rc = geo.compressor_rows
-    values, scores = attn.compressor.raw(u)
-    first_tok = (s // r) * r
-    if first_tok < s:  # a group straddles the previous forward
-        carried = torch.arange(first_tok, s, device=u.device) % rc
-        values = torch.cat([ring_v[carried], values])
+    values, scores = attn.compressor.raw(u)  # [N, hd] float32
+    if plan.g_row.numel():
+        v = torch.cat([slots.comp_values[plan.c_slot, o, plan.c_row], values])[plan.g_src]
+        sc = None
         if scores is not None:
-            scores = torch.cat([ring_s[carried], scores])
-    groups = e // r - s // r
-    if groups > 0:
-        n = groups * r
-        v = values[:n].view(groups, r, -1)
-        sc = scores[:n].view(groups, r, -1) if scores is not None else None
+            sc = torch.cat([slots.comp_scores[plan.c_slot, o, plan.c_row], scores])[plan.g_src]
         latents = attn.compressor.pool(v, sc)
-        rows = torch.arange(s // r, e // r, device=u.device)
-        main, keys = attn.compressed_rows(latents, cs_fn(rows * r))
+        main, keys = attn.compressed_rows(latents, attn.rope.cos_sin(plan.g_row * r))
         payload, scale = pack_index(keys, geo.index_dtype)
-        kv.write_rows(attn.layer, span.block_table, rows, main, payload, scale)
+        kv.write_rows_of(attn.layer, b.tables, plan.g_span, plan.g_row, main, payload, scale)
     if r > 1:
-        keep = min(rc, e - s)
-        pos = torch.arange(e - keep, e, device=u.device)
-        tail = values[-keep:]
-        ring_v[pos % rc] = tail
+        slots.comp_values[plan.rr_slot, o, plan.rr_row] = values[plan.rr_src]
         if scores is not None:
-            ring_s[pos % rc] = scores[-keep:]
+            slots.comp_scores[plan.rr_slot, o, plan.rr_row] = scores[plan.rr_src]
+
+
+def prefill_attention(
+    attn: CSA2Attention,
+    u: torch.Tensor,
+    cs: tuple[torch.Tensor, torch.Tensor],
+    q: torch.Tensor,
+    qlat: torch.Tensor,
+    win: torch.Tensor,
+    b: PrefillBatch,
+    kv: PagedKV,
+    slots: StateSlots,
+    out: torch.Tensor,
+) -> None:
+    """Fill ``out`` [N, H, hd] at the prefill tokens; write their rows and ring rows."""
+    layer, nt, tq = attn.layer, b.num_tiles, b.q
+    win_l = b.take(win)
+    ring = slots.window[b.ring_slot, layer, b.ring_row].to(win.dtype)
+    win_k = torch.cat([ring, win_l])[b.win_src]  # [nt, L, hd]
+    mask = b.window_mask(attn.window)
+    ids = valid = None
+    if attn.ratio > 0:
+        u_l = b.take(u)
+        if attn.mode is LayerMode.FULL:
+            _update_compressor(attn, u_l, b, kv, slots)
+        if attn.mode in (LayerMode.FULL, LayerMode.REINDEX):
+            count = b.rows[attn.ratio]
+            keys = unpack_index(*kv.read_index_rows(attn.kv_owner, b.tables, count))
+            sel, cand = layer_selection(
+                attn,
+                b.take(qlat),
+                u_l,
+                (b.take(cs[0]), b.take(cs[1])),
+                TiledKeys(keys, b),
+                visible_rows(b.positions, attn.ratio),
+                b.candidates,
+                fixed_k=True,
+            )
+            b.selections[attn.layer] = sel
+            if cand is not None:
+                b.candidates = cand
+        sel = b.selections[attn.sel_owner]
+        ids, valid = picked_ids(sel)[b.pad_src], sel[1][b.pad_src]
+    q_p = b.take(q)[b.pad_src]  # [P, H, hd]
+    heads, hd = q.shape[1], q.shape[2]
+    k = 0 if ids is None else ids.shape[1]
+    res = []
+    for t0, t1 in _groups(nt, tq * heads * (win_k.shape[1] + k + 1)):
+        a, z = t0 * tq, t1 * tq
+        comp = None
+        if ids is not None:
+            picks = ids[a:z].reshape(t1 - t0, tq * k)
+            tables = b.tables[b.tile_span[t0:t1]]
+            comp = kv.gather_rows(attn.kv_owner, tables, picks).view(z - a, k, hd).to(q.dtype)
+        qs = q_p[a:z].view(t1 - t0, tq, heads, hd)
+        res.append(
+            attn.attend_tiles(
+                qs, win_k[t0:t1], mask[t0:t1], comp, None if valid is None else valid[a:z]
+            )
+        )
+    o = torch.cat(res)[b.unpad]
+    if b.all_tokens:
+        out.copy_(o)
+    else:
+        out[b.tok] = o
+    slots.window[b.ww_slot, layer, b.ww_row] = win_l[b.ww_src].to(slots.window.dtype)
 
 
 def paged_attention(
     attn: CSA2Attention,
     u: torch.Tensor,
     positions: torch.Tensor,
-    seqs: list[SeqCarry],
+    seqs: list[PrefillBatch],
     decode: DecodeBatch | None,
     kv: PagedKV,
     slots: StateSlots,
 ) -> torch.Tensor:
     """u [N, d] (normed sublayer input of the whole flat batch) -> attention output [N, d].
-    ``seqs`` are the multi-token spans, ``decode`` the single-token ones."""
+    ``seqs``: the multi-token spans as one batch (or none), ``decode``: the single-token ones."""
     cs = attn.rope.cos_sin(positions)
     q, qlat = attn.queries(u, cs)
     win = attn.window_kv(u, cs)
-    geo = kv.geometry
-    rw, window = geo.window_rows, attn.window
     out = torch.empty_like(q)
-    for seq in seqs:
-        span, lo, hi = seq.span, seq.lo, seq.hi
-        s, e, pos = span.start, span.end, seq.positions
-        ring = slots.window[span.slot, attn.layer]
-        prev = torch.arange(max(0, s - window + 1), s, device=u.device)
-        win_k = torch.cat([ring[prev % rw].to(win.dtype), win[lo:hi]])
-        mask = window_mask(pos, torch.cat([prev, pos]), window)
-        comp = valid = None
-        if attn.ratio > 0:
-            if attn.mode is LayerMode.FULL:
-                _update_compressor(attn, u[lo:hi], seq, kv, slots, attn.rope.cos_sin)
-            count = e // attn.ratio
-            main, payload, scale = kv.read_rows(attn.kv_owner, span.block_table, count)
-            rows = main.to(q.dtype)
-            if attn.mode in (LayerMode.FULL, LayerMode.REINDEX):
-                sel, cand = layer_selection(
-                    attn,
-                    qlat[lo:hi],
-                    u[lo:hi],
-                    (cs[0][lo:hi], cs[1][lo:hi]),
-                    unpack_index(payload, scale),
-                    visible_rows(pos, attn.ratio),
-                    seq.candidates,
-                )
-                seq.selections[attn.layer] = sel
-                if cand is not None:
-                    seq.candidates = cand
-            sel = seq.selections[attn.sel_owner]
-            comp, valid = gather_selected(rows, sel), sel[1]
-        out[lo:hi] = attn.attend(q[lo:hi], win_k, mask, comp, valid)
-        keep = min(rw, e - s)
-        ring[torch.arange(e - keep, e, device=u.device) % rw] = win[hi - keep : hi].to(ring.dtype)
+    for batch in seqs:
+        prefill_attention(attn, u, cs, q, qlat, win, batch, kv, slots, out)
     if decode is not None:
         decode_attention(attn, u, cs, q, qlat, win, decode, kv, slots, out)
     return attn.output(out, cs)
