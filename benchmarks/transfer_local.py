@@ -81,7 +81,7 @@ class EngineDriven:
         return located, t1 - t0, time.perf_counter() - t1
 
     def copier(self, streams: int) -> LocalLoads:
-        """A LocalLoads with ``streams`` copy streams (the engine's has 2)."""
+        """A LocalLoads with ``streams`` copy streams (the engine's has 1)."""
         return LocalLoads(self.local.spec, self.pool, 256, streams=streams)
 
     def issue(self, located, n: int, dst: list[int], units: list[int], done: list, local=None):
