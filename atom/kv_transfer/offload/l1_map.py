@@ -27,6 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
+from atom.kv_transfer.offload.l1_module import boot_id
+
 log = logging.getLogger("atom.offload")
 
 SHM_DIR = "/dev/shm"
@@ -133,14 +135,6 @@ def clear_cuda_error() -> None:
             continue
 
 
-def local_boot_id() -> str:
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return f.read().strip()
-    except OSError:
-        return ""
-
-
 class Mappings:
     """The current server's mapping and the retired ones still being copied from.
 
@@ -150,7 +144,7 @@ class Mappings:
 
     def __init__(self, device: torch.device):
         self.device = torch.device(device)
-        self.boot_id = local_boot_id()
+        self.boot_id = boot_id()
         self._lock = threading.Lock()
         self.current: L1Mapping | None = None
         self._retired: list[L1Mapping] = []
