@@ -181,11 +181,14 @@ class CSA2Attention(nn.Module):
         if comp is not None:
             sc = torch.bmm(qf, comp.transpose(1, 2)).float() * self.scale
             parts.append(sc.masked_fill(~comp_valid[:, None, :], NEG_INF))
-        sink = self.attn_sink.view(1, -1, 1).expand(b * t, -1, 1)
-        probs = torch.softmax(torch.cat(parts + [sink], dim=-1), dim=-1).to(q.dtype)
+        parts.append(self.attn_sink.view(1, -1, 1).expand(b * t, -1, 1))
+        width = sum(p.shape[-1] for p in parts)
+        if width % 8:  # -inf columns (probability 0): the probabilities' rows stay aligned
+            parts.append(parts[0].new_full((b * t, h, 8 - width % 8), NEG_INF))
+        probs = torch.softmax(torch.cat(parts, dim=-1), dim=-1).to(q.dtype)
         out = torch.bmm(probs[..., :nw].reshape(b, t * h, nw), win_k).view(b * t, h, hd)
         if comp is not None:
-            out = out + torch.bmm(probs[..., nw:-1], comp)
+            out = out + torch.bmm(probs[..., nw : nw + comp.shape[1]], comp)
         return out
 
     def output(self, o: torch.Tensor, cs) -> torch.Tensor:

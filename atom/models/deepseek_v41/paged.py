@@ -103,6 +103,19 @@ class StateSlots:
         return self.host_position[slot]
 
 
+def _as_words(t: torch.Tensor) -> torch.Tensor | None:
+    """``t`` [..., n] viewed as int64 words along its last dim, or None where it cannot be."""
+    es = t.element_size()
+    if es >= 8 or t.stride(-1) != 1 or (t.shape[-1] * es) % 8:
+        return None
+    if (t.storage_offset() * es) % 8 or any((st * es) % 8 for st in t.stride()[:-1]):
+        return None
+    try:
+        return t.view(torch.int64)
+    except RuntimeError:
+        return None
+
+
 class PagedKV:
     """The model's views of one PAGE pool tensor ``[num_blocks, ...]`` (blocks first).
 
@@ -199,8 +212,15 @@ class PagedKV:
         return tables.gather(1, torch.div(ids, per_block, rounding_mode="floor")), ids % per_block
 
     def gather_rows(self, owner: int, tables: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """Main rows ``ids`` [B, K] of each sequence's blocks -> [B, K, hd] storage dtype."""
-        return self.main[owner][self._locate_each(owner, tables, ids)]
+        """Main rows ``ids`` [B, K] of each sequence's blocks -> [B, K, hd] storage dtype.
+        Copied as 8-byte words where the rows allow (the same bytes; the element-wise index
+        kernel's time goes by elements: 4x fewer for bf16 rows)."""
+        plane = self.main[owner]
+        where = self._locate_each(owner, tables, ids)
+        words = _as_words(plane)
+        if words is None:
+            return plane[where]
+        return words[where].view(plane.dtype)
 
     def read_index_rows(self, owner: int, tables: torch.Tensor, count: int):
         """Index rows [0, count) of every sequence: (payload [B, count, D], scale or None).

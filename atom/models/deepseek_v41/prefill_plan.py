@@ -4,10 +4,11 @@
 Tokens of the longer spans ("prefill tokens", flat order) are cut into tiles of ``q`` tokens,
 a tile never crossing spans (the last tile of a span is padded by repeating its first token;
 padded rows are computed and dropped). A tile starting at position p0 attends window keys of
-positions [p0 - window + 1, p0 + q): the ring rows before its span's start, then the span's own
-KV, with each query's window mask (``window_mask``); so each query sees exactly the keys the
-per-sequence formula gives it. Index scores and top-k selections are per token (flat order);
-only the compressed rows' gathers and the attention run in tile layout.
+positions [p0 + q - L, p0 + q), L >= window - 1 + q a multiple of 64: the ring rows before its
+span's start, then the span's own KV, with each query's window mask (``window_mask``); so each
+query sees exactly the keys the per-sequence formula gives it. Index scores and top-k
+selections are per token (flat order); only the compressed rows' gathers and the attention run
+in tile layout.
 
 Host arrays here index a source buffer each layer builds:
   window keys: cat(ring rows of the spans' positions before their start, the spans' own KV);
@@ -104,7 +105,9 @@ class PrefillHost:
         q = 1
         while q < min(longest, MAX_TILE):
             q *= 2
-        self.q, lk = q, w - 1 + q
+        # window keys per tile: w - 1 + q, rounded up to a multiple of 64 (aligned matmul
+        # operands; the extra keys are earlier than any query's window: masked)
+        self.q, lk = q, -(-(w - 1 + q) // 64) * 64
         m_off, acc = [], 0
         for sp in spans:
             m_off.append(acc)
@@ -129,10 +132,10 @@ class PrefillHost:
                 unpad.append(len(tile_span) * q + torch.arange(n_in))
                 pad_src.append(m + a + torch.where(ar_q < n_in, ar_q, 0))
                 tile_span.append(k)
-                kp = s + a - w + 1 + ar_l
+                kp = s + a + q - lk + ar_l
                 src = torch.where(kp < s, r0 + kp - p0, ring_total + m + kp - s)
                 kpos.append(kp)
-                win_src.append(torch.where((kp >= 0) & (kp < e), src, 0))
+                win_src.append(torch.where((kp >= p0) & (kp < e), src, 0))
             keep = min(rw, t)
             pos = torch.arange(e - keep, e)
             ww_slot.append(torch.full_like(pos, sp.slot))
