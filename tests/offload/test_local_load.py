@@ -1,10 +1,9 @@
 """Engine-driven loads without a server (local_load.py): how copies are merged into runs, what
 ``LocalLoads.plan`` refuses, and that ``plan`` + ``copy`` put the located bytes in the right
-pool blocks. A small CPU pool; the server's L1 segment is a plain uint8 tensor."""
+pool blocks. A small CPU pool; the server's L1 segment is a plain uint8 tensor behind a fake
+mapping."""
 
 from __future__ import annotations
-
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -78,8 +77,19 @@ def put_header(data: torch.Tensor, image_off: int, tag: int, position: int) -> N
     data[at : at + 16] = torch.tensor([tag, position], dtype=torch.int64).view(torch.uint8)
 
 
+class FakeMapping:
+    """What a load reads of an ``L1Mapping``: ``data`` (uint8 tensor over the segment) and
+    ``read(offset, n)`` (host bytes)."""
+
+    def __init__(self, data: torch.Tensor):
+        self.data = data
+
+    def read(self, offset: int, n: int) -> bytes:
+        return self.data[offset : offset + n].numpy().tobytes()
+
+
 def located(data, pages, image, end) -> Located:
-    return Located(SimpleNamespace(data=data), tuple(pages), image, end, 0.0)
+    return Located(FakeMapping(data), tuple(pages), image, end, 0.0)
 
 
 def loads() -> LocalLoads:
