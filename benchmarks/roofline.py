@@ -18,10 +18,11 @@ Kernel time = the summed duration of the GPU kernels of one profiled step (graph
 Prefill peak fraction = (2 x active parameters per token + attention FLOPs per token) x
 tokens/s / measured matmul FLOP/s. Active parameters: every matmul weight a token passes
 through (routed experts: top_k of them; index keys once per ratio tokens), not embedding or
-Engram tables. Attention FLOPs per token at position p and layer: 4 x heads x head_dim x keys
-(QK and PV; keys = min(window, p + 1) + min(index_topk, (p + 1) // ratio)) plus the indexer's
-scoring, 2 x index_heads x index_head_dim x (p + 1) // ratio, on FULL/REINDEX layers; averaged
-over the prefilled positions.
+Engram tables; the LM head is counted, though a prefill chunk runs it on its last token only:
+the last column leaves it out. Attention FLOPs per token at position p and layer: 4 x heads x
+head_dim x keys (QK and PV; keys = min(window, p + 1) + min(index_topk, (p + 1) // ratio))
+plus the indexer's scoring, 2 x index_heads x index_head_dim x (p + 1) // ratio, on
+FULL/REINDEX layers; averaged over the prefilled positions.
 """
 
 from __future__ import annotations
@@ -93,6 +94,7 @@ def weight_counts(model) -> dict:
     # expert 0 of every layer was summed: one layer's expert is that over the MoE layers
     active += cfg.num_experts_per_tok * per_expert_params
     return {
+        "head_params": model.lm_head.weight.numel(),
         "dense_bytes": dense_bytes,
         "per_expert_bytes": per_expert_bytes / len(model.model.layers),
         "lookup_bytes_per_row": lookup_bytes_per_row,
@@ -218,6 +220,7 @@ def main() -> None:
         )
         floor_ms = weight_bytes / (bw * 1e9) * 1000
         frac = flops_tok * prefill_tps / (peak * 1e12)
+        frac_nohead = (flops_tok - 2 * counts["head_params"]) * prefill_tps / (peak * 1e12)
         row = {
             "batch": batch,
             "position": args.position,
@@ -231,6 +234,7 @@ def main() -> None:
             "prefill_tokens_per_s": round(prefill_tps, 1),
             "prefill_tokens_per_forward": batch * args.chunk,
             "prefill_peak_fraction": round(frac, 4),
+            "prefill_peak_fraction_without_lm_head": round(frac_nohead, 4),
         }
         rows.append(row)
         print(row, flush=True)
@@ -245,6 +249,7 @@ def main() -> None:
                 batch * args.chunk,
                 row["prefill_tokens_per_s"],
                 f"{100 * frac:.1f}%",
+                f"{100 * frac_nohead:.1f}%",
             ]
         )
     table = md_table(
@@ -258,6 +263,7 @@ def main() -> None:
             "prefill tokens / forward",
             "prefill tok/s",
             "of bf16 peak",
+            "of peak, LM head not counted",
         ],
         cells,
     )
