@@ -134,6 +134,9 @@ class FakeLookups:
     def end_session(self, lmc_id: str) -> None:
         self.ended.append(lmc_id)
 
+    def flush(self) -> None:
+        """The real thread's wake-up for queued frees (the ledger applies them at once)."""
+
     def stop(self, timeout_s: float) -> None:
         """As the real thread: lookups still pending end with no answer."""
         self.stopped = True

@@ -512,25 +512,20 @@ def test_sigstop_between_answer_and_copy_outputs_unchanged_nothing_leaks(own_ser
     w.check_loads_byte_exact()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="library bug (lookup_thread.py): a LATE lookup submitted in the same command batch "
-    "as its session's end reads as a miss and its read locks are never freed",
-)
 @pytest.mark.parametrize("mode", ["engine_driven", "lmcache_driven"])
 def test_a_lookup_answered_after_its_request_finished_releases_its_locks(
     lmcache_server, make_llm, mode
 ):
-    """Reproduces a read-lock leak of the lookup thread (seen first after SIGSTOP/SIGCONT of
-    the server; here on cue, with the real server, by holding the lookup thread's first
-    lookup until the pass is over). Every lookup is given up by the step thread (LATE), its
-    request computes and finishes, and the session's end is queued behind the lookup. The
-    lookup thread then runs a batch of commands holding both the LATE lookup and its end:
-    ``_do_lookup`` submits it (the server's prefetch read-locks the hit), ``_do_end`` drops
-    the adapter's pending entry (``cleanup_lookup_result``) and ends the session, and the
-    ``_poll`` after the batch reads the hit as 0 (``check_lookup_result`` answers 0 for an id
-    no longer pending), so the LATE path frees nothing: the locks stay until lmcache's read
-    TTL (300 s), pinning those objects in L1. Both load modes."""
+    """A read-lock leak of the lookup thread, fixed (seen first after SIGSTOP/SIGCONT of the
+    server; here on cue, with the real server, by holding the lookup thread's first lookup
+    until the pass is over). Every lookup is given up by the step thread (LATE), its request
+    computes and finishes, and the session's end is queued behind the lookup. Before the fix
+    the lookup thread then ran a batch holding both the LATE lookup and its end:
+    ``_do_lookup`` submitted it (the server's prefetch read-locked the hit), ``_do_end``
+    dropped the adapter's pending entry and ended the session, and the ``_poll`` after the
+    batch read the hit as 0, so nothing was freed: the locks stayed until lmcache's read TTL
+    (300 s). Now a lookup given up before it is sent is not sent, and a session's end waits
+    for a lookup still answering. Both load modes."""
     prompts = prompts_of(LENGTHS, seed=461 if mode == "engine_driven" else 462)
     llm = make_llm(**tier(lmcache_server, load_mode=mode, **FAST))
     eng, conn, t = llm.engine, llm.engine.scheduler.connector, llm.engine.tier

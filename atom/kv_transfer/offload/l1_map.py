@@ -105,6 +105,10 @@ class L1Mapping:
         self.in_flight = 0  # copies from this mapping not known complete (step thread)
         self.closed = False
 
+    def read(self, offset: int, n: int) -> bytes:
+        """``n`` bytes at ``offset`` (host read of the mapping; no torch op)."""
+        return self._mm[offset : offset + n]
+
     def close(self) -> None:
         if self.closed:
             return

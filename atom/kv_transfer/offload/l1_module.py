@@ -7,10 +7,11 @@ engine-driven). It imports lmcache and msgspec only: it runs inside the server p
 One method, ``atom.locate``: for one request's token range [start, end) it returns, for
 every chunk of each asked object group, the byte offset and length of the object in the
 server's shared-memory L1 (``/dev/shm/<shm_name>``), plus the segment's name, size and the
-identity of this server process. It takes no lock and changes nothing: the caller holds the
-lookup's read locks on exactly these objects (which keeps them in place) and frees them
-after copying. An object that is missing (evicted, never stored, another server) makes the
-whole answer ``found=False``.
+identity of this server process. It takes no lock and frees none (it records the range's
+tokens on the request's session, as every keyed call does): the caller holds the lookup's
+read locks on exactly these objects (which keeps them in place) and frees them after copying.
+An object that is missing (evicted, never stored, another server) makes the whole answer
+``found=False``.
 
 Wire format (msgpack maps, both ways), version ``LOCATE_VERSION``:
   request  {v, model_name, world_size, worker_id, request_id, token_ids, start, end, groups}

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import struct
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -120,13 +121,12 @@ class LocalLoads:
         k = self.spec.units_per_image
         if length != k * bb or len(units) != k:
             raise LocalLoadError(f"image object of {length} B, expected {k} x {bb}")
-        self._check_header(located.mapping.data, off, end)
+        self._check_header(located.mapping, off, end)
         pieces += [(off + j * bb, int(units[j]), 1) for j in range(k)]
         return runs(pieces, bb)
 
-    def _check_header(self, data: torch.Tensor, image_off: int, end: int) -> None:
-        at = image_off + self.spec.header_offset
-        tag, position = data[at : at + 16].clone().view(torch.int64).tolist()
+    def _check_header(self, mapping, image_off: int, end: int) -> None:
+        tag, position = struct.unpack("<qq", mapping.read(image_off + self.spec.header_offset, 16))
         if tag != self.spec.layout_tag:
             raise LocalLoadError(f"image of another layout (tag {tag:#x})")
         if position != end:

@@ -50,6 +50,7 @@ class LookupThread:
         self._adapter = None
         self._backoff = ConnectBackoff(config.heartbeat_s)
         self._stop = False
+        self._ends_after_answer: set[str] = set()  # session ends waiting for a lookup
         self.sessions_ended = 0
         self.locks_freed = 0
         self.thread = threading.Thread(target=self._run, name="atom-lmcache-lookup", daemon=True)
@@ -63,8 +64,16 @@ class LookupThread:
         self._put("lookup", (op,))
 
     def free_locks(self, lmc_id: str, token_ids: list[int], start: int, end: int) -> None:
+        """Queue a free without waking the thread (waking it hands the GIL over mid-step):
+        ``flush`` or the next command sends it, in order."""
         if end > start:
-            self._put("free", (lmc_id, list(token_ids[:end]), start, end))
+            self._put("free", (lmc_id, list(token_ids[:end]), start, end), wake=False)
+
+    def flush(self) -> None:
+        """Wake the thread if commands wait (the connector calls it once per step)."""
+        with self._cond:
+            if self._commands:
+                self._cond.notify()
 
     def end_session(self, lmc_id: str) -> None:
         self._put("end", (lmc_id,))
@@ -75,10 +84,11 @@ class LookupThread:
             self._cond.notify()
         self.thread.join(timeout_s + self.cfg.rpc_timeout_s * 2 + 5)
 
-    def _put(self, kind: str, args: tuple) -> None:
+    def _put(self, kind: str, args: tuple, wake: bool = True) -> None:
         with self._cond:
             self._commands.append((kind, args))
-            self._cond.notify()
+            if wake:
+                self._cond.notify()
 
     # ---- lookup thread ----------------------------------------------------------------------
 
@@ -147,6 +157,9 @@ class LookupThread:
         return self._adapter
 
     def _do_lookup(self, op: LookupOp) -> None:
+        if op.state is OpState.LATE:  # given up before it was sent: sending it would only lock
+            self._finish(op, None, "given up before it was sent")
+            return
         adapter = self._get_adapter()
         if adapter is None:
             self._finish(op, None, "tier unavailable")
@@ -168,6 +181,11 @@ class LookupThread:
             self.locks_freed += 1
 
     def _do_end(self, lmc_id: str) -> None:
+        if any(op.lmc_id == lmc_id for op in self._pending):
+            # its lookup is still answering (a late one): ending the session now would drop
+            # the answer and the read locks it takes with it; end it once that answer is in
+            self._ends_after_answer.add(lmc_id)
+            return
         adapter = self._get_adapter()
         if adapter is not None:
             adapter.cleanup_lookup_result(lmc_id)
@@ -196,6 +214,9 @@ class LookupThread:
             before = self._finish(op, hit)
             if before is OpState.LATE and hit:  # nobody will load it: release its locks
                 self._do_free(op.lmc_id, op.token_ids, 0, hit)
+        for lmc_id in [i for i in self._ends_after_answer if i not in {o.lmc_id for o in still}]:
+            self._ends_after_answer.discard(lmc_id)
+            self._do_end(lmc_id)
 
     def _locate(self, answered: list[tuple[LookupOp, int]]) -> None:
         """Attach where each hit sits (one round of locate calls for all of them)."""

@@ -135,6 +135,7 @@ class OffloadConnector(TransferOutcomes, Connector):
                 self._on_save(op)
         self._sweep_deadlines()
         self._end_sessions()
+        self.lookups.flush()
         emitted, self._emitted = self._emitted, []
         return emitted
 
@@ -206,9 +207,14 @@ class OffloadConnector(TransferOutcomes, Connector):
         st.to(Phase.LOADING)
         located, st.located = st.located, None
         if located is None or not self._load_locally(st, op, located):
+            if self.local is not None and located is None:
+                # engine-driven, but the answer says nowhere (mapping in progress, locate
+                # failed or timed out)
+                self.m.local_loads.inc(outcome="via_server")
             self._launch(st, op)  # the server copies it
 
     def after_step(self, seqs: list[Sequence]) -> None:
+        self.lookups.flush()  # the frees this step's loads queued
         if not self.cfg.save:
             return
         for seq in seqs:
