@@ -75,15 +75,18 @@ class CSA2Attention(nn.Module):
     def __init__(self, config: V41Config, layer: int, dtype: torch.dtype, kv_dtype: str):
         super().__init__()
         c = config
-        self.layer, self.mode = layer, c.layer_modes[layer]
-        self.ratio = c.compress_ratios[layer]
-        self.kv_owner, self.sel_owner = c.kv_owner[layer], c.selection_owner[layer]
+        # a layer past num_hidden_layers is a draft layer: window-only, short RoPE (``draft``)
+        main = layer < c.num_hidden_layers
+        self.layer, self.mode = layer, c.layer_modes[layer] if main else LayerMode.WINDOW
+        self.ratio = c.compress_ratios[layer] if main else 0
+        self.kv_owner = c.kv_owner[layer] if main else None
+        self.sel_owner = c.selection_owner[layer] if main else None
         self.is_candidate_source = layer == c.candidate_source_layer_id
         self.heads, self.head_dim = c.num_attention_heads, c.head_dim
         self.window, self.topk = c.sliding_window, c.index_topk
         self.cand_blocks, self.cand_block_size = c.candidate_topk_blocks, c.candidate_block_size
         self.groups, self.kv_dtype = c.o_groups, kv_dtype
-        theta, scaling = c.layer_rope(layer)
+        theta, scaling = c.layer_rope(layer) if main else (c.rope_theta, None)
         self.rope = Rope(c.qk_rope_head_dim, theta, scaling)
         self.index_rope = Rope(c.qk_rope_head_dim, theta, scaling)
         self.scale = self.head_dim**-0.5 * self.rope.mscale**2

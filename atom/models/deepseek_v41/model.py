@@ -3,6 +3,9 @@
 The paged forward runs a batch of sequence spans against ONE PAGE pool and per-sequence state
 slots, reading and writing nothing else. A span must start where its slot's cursor is (a span
 at 0 resets its slot); any mismatch is refused before anything is written.
+
+The draft layers (``num_nextn_predict_layers`` of them, ``mtp``; see ``draft``) run through
+``forward_draft_paged`` over the same slots, each with its own window ring and cursor.
 """
 
 from __future__ import annotations
@@ -84,24 +87,40 @@ class DeepseekV41ForCausalLM(nn.Module):
         with torch.device(device or "cpu"):
             self.model = V41Model(config, dtype, kv_dtype)
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
+            from atom.models.deepseek_v41.draft import DraftLayer  # draft.py builds on this module
+
+            self.mtp = nn.ModuleList(
+                DraftLayer(config, config.num_hidden_layers + i, dtype, kv_dtype)
+                for i in range(config.num_nextn_predict_layers)
+            )
 
     @property
     def device(self) -> torch.device:
         return self.lm_head.weight.device
 
+    @property
+    def num_draft_layers(self) -> int:
+        return len(self.mtp)
+
     @torch.no_grad()
     def init_weights(self, seed: int) -> DeepseekV41ForCausalLM:
-        """Random weights from a seed (presets without a checkpoint)."""
+        """Random weights from a seed (presets without a checkpoint). The draft layers draw
+        last, so the main weights do not depend on whether they exist."""
         gen = torch.Generator(device=self.device).manual_seed(seed)
+        main = [(n, p) for n, p in self.named_parameters() if not n.startswith("mtp.")]
+        self._init_params(main, gen)
+        self._init_params(self.mtp.named_parameters(prefix="mtp"), gen)
+        return self
+
+    def _init_params(self, params, gen: torch.Generator) -> None:
         std = self.config.initializer_range
-        for name, p in self.named_parameters():
+        for name, p in params:
             if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
                 p.fill_(1.0)
                 continue
             noise = torch.randn(p.shape, generator=gen, device=self.device, dtype=torch.float32)
             scale = 0.5 if name.endswith(("attn_sink", "bias")) else std
             p.copy_(noise * scale)
-        return self
 
     # ---- the paged forward ---------------------------------------------------------------
 
@@ -141,9 +160,12 @@ class DeepseekV41ForCausalLM(nn.Module):
         kv: PagedKV,
         slots: StateSlots,
         all_logits: bool = False,
-    ) -> torch.Tensor:
+        return_residual: bool = False,
+    ):
         """token_ids: int64 [sum of span lengths], spans in order. Returns float32 logits of
-        each span's last token [len(spans), V] (or of every token with ``all_logits``).
+        each span's last token [len(spans), V] (or of every token with ``all_logits``); with
+        ``return_residual``, (logits, the last layer's streams of every token [N, hc, d]): the
+        residual the draft layers read.
 
         No host synchronization: everything the forward indexes with is computed on the host
         from the spans and uploaded in one copy (``ForwardPlan``); the rest is device work."""
@@ -164,15 +186,20 @@ class DeepseekV41ForCausalLM(nn.Module):
         )
         plan = ForwardPlan.build(token_ids, spans, self.device, shape)
         slots.reset_many([sp.slot for sp in spans if sp.start == 0], plan.reset)
-        logits = self.run_plan(plan, kv, slots, all_logits)
+        out = self.run_plan(plan, kv, slots, all_logits, return_residual)
         for sp in spans:
             slots.advance(sp.slot, sp.end)
-        return logits
+        return out
 
     @torch.no_grad()
     def run_plan(
-        self, plan: ForwardPlan, kv: PagedKV, slots: StateSlots, all_logits: bool = False
-    ) -> torch.Tensor:
+        self,
+        plan: ForwardPlan,
+        kv: PagedKV,
+        slots: StateSlots,
+        all_logits: bool = False,
+        return_residual: bool = False,
+    ):
         """The device work of a forward whose spans were checked and whose starting slots were
         reset: no host reads, no host-side state (the slots' host mirror is the caller's). A
         decode graph (``decode_graphs``) captures this with a plan of static tensors."""
@@ -191,9 +218,32 @@ class DeepseekV41ForCausalLM(nn.Module):
         slots.cursor[:, 0].index_copy_(0, plan.span_slots, plan.span_ends)
         slots.cursor[:, 1:].index_copy_(0, plan.span_slots, grams_t[plan.last, 1:])
         slots.header[:, 1].index_copy_(0, plan.span_slots, plan.span_ends)
-        if not all_logits:
-            x = x[plan.last]
-        return self._head(x)
+        logits = self._head(x if all_logits else x[plan.last])
+        return (logits, x) if return_residual else logits
+
+    def check_draft_spans(self, spans: list[Span], slots: StateSlots, layer: int) -> None:
+        """Refuse draft spans draft layer ``layer``'s state cannot continue (``draft``)."""
+        from atom.models.deepseek_v41.draft import check_draft_spans
+
+        check_draft_spans(self, spans, slots, layer)
+
+    @torch.no_grad()
+    def forward_draft_paged(
+        self,
+        token_ids: torch.Tensor,
+        residual: torch.Tensor,
+        spans: list[Span],
+        slots: StateSlots,
+        *,
+        layer: int = 0,
+        all_logits: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One draft layer over spans (``draft.forward_draft_paged``)."""
+        from atom.models.deepseek_v41.draft import forward_draft_paged
+
+        return forward_draft_paged(
+            self, token_ids, residual, spans, slots, layer=layer, all_logits=all_logits
+        )
 
     def _embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         e = self.model.embed_tokens(token_ids)

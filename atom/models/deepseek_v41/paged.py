@@ -49,6 +49,8 @@ class StateSlots:
         self.comp_scores = views["compressor_scores"]
         self.cursor = views["cursor"]
         self.header = views["header"]
+        # each draft layer's position (None: no draft state, speculative_tokens = 0)
+        self.draft_cursor = views.get("draft_cursor")
         flag = os.environ.get("ATOM_VERIFY_CURSORS")
         self.verify = data.device.type == "cpu" if flag is None else flag == "1"
         self.host_position: list[int] = []

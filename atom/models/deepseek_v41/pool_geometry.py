@@ -4,7 +4,9 @@ A PAGE block of ``block_size`` tokens holds, for every compressor owner (kv sour
 compressed-latent rows (``block_size / ratio`` rows, in the *main* plane), and one *index*
 plane per owner with its index-key rows. A state slot holds every layer's sliding-window ring,
 the owners' compressor rings, the cursor (committed position + the last 3 Engram token ids) and
-a header carrying the layout id. An image of a slot fills ``units_per_image`` whole blocks.
+a header carrying the layout id; with ``speculative_tokens`` >= 1 also each draft layer's window
+ring (rows ``num_hidden_layers + i``) and its cursor (``draft_cursor``). An image of a slot
+fills ``units_per_image`` whole blocks.
 
 Real V4.1-Flash, bf16 KV + fp8 index, block 256: 739,840 B/block; bf16 index: 819,200 B/block;
 state 5,276,672 B without drafts, 5,971,968 B with 5 speculative tokens.
@@ -103,6 +105,7 @@ def build_v41_pool_geometry(
 
     state_layers, window_rows = window_rings(config, speculative_tokens)
     comp_rows = config.max_ratio + speculative_tokens
+    n_draft = state_layers - config.num_hidden_layers
     fields, state_bytes = layout_fields(
         [
             ("window", (state_layers, window_rows, config.head_dim), kv),
@@ -111,6 +114,8 @@ def build_v41_pool_geometry(
             ("cursor", (4,), "int64"),  # committed position, last 3 Engram token ids (-1 none)
             ("header", (2,), "int64"),  # layout tag, position (the boundary an image is of)
         ]
+        # each draft layer's position (its window ring is window rows num_hidden_layers + i)
+        + ([("draft_cursor", (n_draft,), "int64")] if n_draft else [])
     )
     return V41PoolGeometry(
         block_size=block_size,

@@ -3,7 +3,8 @@
 v41-flash is the real architecture's config (for geometry checks; too large to instantiate
 here). v41-tiny runs CPU unit tests in seconds, v41-mini CPU integration and accuracy jobs,
 v41-bench keeps the real per-layer dimensions (so bytes per FLOP stay the real model's) with
-fewer layers and experts, for GPU benchmarks.
+fewer layers and experts, for GPU benchmarks. v41-flash has its 3 draft layers (as the real
+config); v41-tiny-draft is v41-tiny with 2, for the draft layers' CPU tests.
 """
 
 from __future__ import annotations
@@ -176,12 +177,17 @@ _RECALL: dict[str, Any] = dict(
     initializer_range=0.02,
 )
 
+# v41-tiny with two draft layers (v41-tiny itself keeps none: its layout id, and so every stored
+# image and namespace derived from it, stays as it was)
+_TINY_DRAFT: dict[str, Any] = dict(_TINY, num_nextn_predict_layers=2)
+
 PRESETS: dict[str, dict[str, Any]] = {
     "v41-flash": _FLASH,
     "v41-tiny": _TINY,
     "v41-mini": _MINI,
     "v41-bench": _BENCH,
     "v41-recall": _RECALL,
+    "v41-tiny-draft": _TINY_DRAFT,
 }
 
 # Block size each preset is meant to run with (the engine's default for it).
@@ -191,6 +197,7 @@ PRESET_BLOCK_SIZE: dict[str, int] = {
     "v41-mini": 256,
     "v41-bench": 256,
     "v41-recall": 256,
+    "v41-tiny-draft": 16,
 }
 
 

@@ -1,4 +1,5 @@
-"""V4.1 as the engine sees it (``atom.model_api.ModelRuntime``): spec, binding, forward, images."""
+"""V4.1 as the engine sees it (``atom.model_api.ModelRuntime``): spec, binding, forward, images;
+and its draft layers (``atom.model_api.DraftRuntime``, see ``draft``)."""
 
 from __future__ import annotations
 
@@ -81,6 +82,33 @@ class V41Runtime:
             if logits is not None:
                 return logits
         return self.model.forward_paged(token_ids, spans, self.kv, self.slots)
+
+    # ---- atom.model_api.DraftRuntime: the draft layers -------------------------------------
+
+    @property
+    def num_draft_layers(self) -> int:
+        return self.model.num_draft_layers
+
+    def forward_with_residual(
+        self, token_ids: torch.Tensor, spans: list[Span], all_logits: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``forward`` (eager: no decode graph) that also returns every token's residual."""
+        return self.model.forward_paged(
+            token_ids, spans, self.kv, self.slots, all_logits, return_residual=True
+        )
+
+    def draft_forward(
+        self,
+        token_ids: torch.Tensor,
+        residual: torch.Tensor,
+        spans: list[Span],
+        *,
+        layer: int = 0,
+        all_logits: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.model.forward_draft_paged(
+            token_ids, residual, spans, self.slots, layer=layer, all_logits=all_logits
+        )
 
     def store_image(self, slot: int, units: torch.Tensor) -> None:
         store_image(self.spec, self.pool, self.slot_bytes, slot, units)

@@ -5,6 +5,13 @@ q_a_proj.weight``), or in DeepSeek's own style (``layers.N.attn.wq_a.weight``), 
 checkpoints use. ``NAMING`` maps one to the other, as data: a row per tensor kind, ``{L}`` a
 layer, ``{E}`` a routed expert, ``{T}`` an Engram table. A checkpoint may use either style, not
 both for one tensor; errors name tensors in the style the checkpoint uses.
+
+Draft layers (``draft``): the model's ``mtp.{i}.*`` are stored as DeepSeek-V3 stores its MTP
+layers, as decoder layers past the main ones, ``model.layers.{num_hidden_layers + i}.*``
+(DeepSeek style ``layers.{num_hidden_layers + i}.*``), with ``enorm``, ``hnorm``, ``eh_proj``,
+``head_hc`` and ``shared_head.norm`` besides the usual layer tensors, and no copy of the shared
+embedding or head. A checkpoint's draft layer the model does not build (a layer past
+``num_hidden_layers + num_nextn_predict_layers`` that has an ``eh_proj``) is left unread.
 """
 
 from __future__ import annotations
@@ -66,6 +73,12 @@ NAMING: tuple[tuple[str, str], ...] = (
     (_P + "engram.value_proj.weight", "layers.{L}.engram.value_proj.weight"),
     (_P + "engram.tables.{T}.weight", "layers.{L}.engram.tables.{T}.weight"),
     (_P + "engram.vocab_map", "layers.{L}.engram.vocab_map"),
+    (_P + "enorm.weight", "layers.{L}.enorm.weight"),
+    (_P + "hnorm.weight", "layers.{L}.hnorm.weight"),
+    (_P + "eh_proj.weight", "layers.{L}.eh_proj.weight"),
+    (_P + "head_hc.fn.weight", "layers.{L}.hc_head_fn"),
+    (_P + "head_hc.bias", "layers.{L}.hc_head_base"),
+    (_P + "shared_head.norm.weight", "layers.{L}.shared_head.norm.weight"),
 )
 
 
@@ -88,6 +101,32 @@ def deepseek_names(params) -> dict[str, str]:
     return out
 
 
+def checkpoint_tensors(model: DeepseekV41ForCausalLM) -> dict[str, torch.Tensor]:
+    """The model's state under its checkpoint (HF-style) names: draft layer i's ``mtp.{i}.*``
+    as ``model.layers.{num_hidden_layers + i}.*``, every other tensor under its own name."""
+    first = model.config.num_hidden_layers
+    out = {}
+    for name, t in model.state_dict().items():
+        m = re.match(r"mtp\.(\d+)\.(.*)$", name)
+        out[f"model.layers.{first + int(m[1])}.{m[2]}" if m else name] = t
+    return out
+
+
+def _unbuilt_draft_layers(stored, first_unbuilt: int) -> set[int]:
+    """Layers >= ``first_unbuilt`` the checkpoint holds as draft layers (with an eh_proj)."""
+    out = set()
+    for name in stored:
+        m = re.match(r"(?:model\.)?layers\.(\d+)\.eh_proj\.weight$", name)
+        if m and int(m[1]) >= first_unbuilt:
+            out.add(int(m[1]))
+    return out
+
+
+def _layer_of(name: str) -> int | None:
+    m = re.match(r"(?:model\.)?layers\.(\d+)\.", name)
+    return int(m[1]) if m else None
+
+
 def _files(path: Path) -> list[Path]:
     if path.is_file():
         return [path]
@@ -99,18 +138,21 @@ def _files(path: Path) -> list[Path]:
 
 @torch.no_grad()
 def load_weights(model: DeepseekV41ForCausalLM, path: str | Path) -> None:
-    """Load every parameter and buffer from safetensors at ``path`` (a file or a directory).
+    """Load every parameter and buffer from safetensors at ``path`` (a file or a directory),
+    named as ``checkpoint_tensors`` names them (or in DeepSeek's style).
 
     Refuses (before copying anything) a missing tensor, an unexpected tensor, or a tensor whose
     shape differs, naming the tensor and both shapes. Values are cast to the model's dtypes.
     """
     path = Path(path)
-    expected = dict(model.state_dict())
+    expected = checkpoint_tensors(model)
     stored: dict[str, tuple[Path, tuple[int, ...]]] = {}
     for f in _files(path):
         with safe_open(str(f), framework="pt") as sf:
             for name in sf.keys():
                 stored[name] = (f, tuple(sf.get_slice(name).get_shape()))
+    unbuilt = _unbuilt_draft_layers(stored, model.config.num_hidden_layers + len(model.mtp))
+    stored = {k: v for k, v in stored.items() if _layer_of(k) not in unbuilt}
     to_ds = deepseek_names(expected)
     from_ds = {ds: name for name, ds in to_ds.items()}
     problems = []
@@ -156,7 +198,7 @@ def save_weights(model: DeepseekV41ForCausalLM, directory: str | Path) -> Path:
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     # clone: expert weights may be views of one stacked tensor (safetensors refuses shared storage)
-    tensors = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+    tensors = {k: v.detach().cpu().clone() for k, v in checkpoint_tensors(model).items()}
     save_file(tensors, str(directory / "model.safetensors"))
     (directory / "config.json").write_text(json.dumps(model.config.to_dict(), indent=2))
     return directory
