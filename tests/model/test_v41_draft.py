@@ -241,3 +241,18 @@ def test_v41_flash_has_three_draft_layers_in_config_and_geometry():
     assert layer.index == 1 and layer.self_attn.mode is LayerMode.WINDOW
     assert list(layer.eh_proj.weight.shape) == [5120, 10240]
     assert layer.self_attn.rope.mscale == 1.0 and len(layer.mlp.experts) == 384
+
+
+def test_draft_state_travels_in_images(draft_model):
+    seq = tokens(33, 8)
+    rt = runtime(draft_model, num_blocks=40)
+    _, res = target(rt, seq[:32])
+    nxt = seq[1:33]
+    ref, _ = reference_draft_forward(draft_model, nxt, res, 0)
+    draft(rt, nxt[:16], res[:16], 0)
+    units = torch.arange(24, 24 + rt.spec.units_per_image)
+    rt.store_image(0, units)
+    assert rt.restore_image(units, 2) == 32
+    assert int(rt.slots.draft_cursor[2, 0]) == 16  # the draft cursor came with the image
+    lg, _ = draft(rt, nxt[16:32], res[16:32], 16, slot=2)
+    torch.testing.assert_close(lg, ref[16:32], **TOL)
