@@ -51,7 +51,8 @@ class Locator:
         self.calls = 0
         self.failures = 0
 
-    def _call(self, payload: dict, timeout_s: float) -> dict:
+    def _send(self, payload: dict):
+        """Send one locate call; its future."""
         from lmcache.v1.multiprocess.protocols.server_module import ServerModuleCallRequest
 
         if self._client is None:
@@ -60,19 +61,22 @@ class Locator:
             self._client = RequestClientFactory.create(self.url, context=self.ctx)
         self.calls += 1
         req = ServerModuleCallRequest(LOCATE_METHOD, msgspec.msgpack.encode(payload))
-        fut = self._client.server_module_call(req)
-        if not fut.wait(max(timeout_s, 0.001)):
-            self._reset_client()  # a reply that comes later must not answer the next call
-            if self._server_answers():
-                # lmcache 0.5.6 never replies to a method no module serves
+        return self._client.server_module_call(req)
+
+    def _answer(self, fut, deadline: float) -> dict:
+        """A sent call's decoded answer; raises when there is none (and turns engine-driven
+        loads off when the server cannot give one: no module, no shared-memory L1)."""
+        if not fut.wait(max(deadline - time.monotonic(), 0.001)):
+            self._reset_client()  # a reply that comes later must not answer a later call
+            if self._server_answers():  # lmcache 0.5.6 never replies to an unserved method
                 self._unsupported(
                     "the server answers but not atom.locate (start it with --server-module "
                     '\'{"module_path": "atom.kv_transfer.offload.l1_module"}\' and --shm-name)'
                 )
-            raise TimeoutError(f"locate not answered in {timeout_s:.3f} s")
+            raise TimeoutError("locate not answered in time")
         resp = fut.result()
         if not resp.success:
-            if "unknown server module method" in resp.error:
+            if "unknown server module method" in resp.error:  # other modules, not atom's
                 self._unsupported(
                     "the server has no atom.locate module (start it with --server-module "
                     '\'{"module_path": "atom.kv_transfer.offload.l1_module"}\')'
@@ -81,6 +85,7 @@ class Locator:
         answer = msgspec.msgpack.decode(resp.payload)
         if not answer.get("shm_name"):
             self._unsupported(answer.get("error") or "the server's L1 is not in shared memory")
+            raise RuntimeError(self.unsupported)
         return answer
 
     def _server_answers(self, timeout_s: float = 0.5) -> bool:
@@ -118,9 +123,9 @@ class Locator:
         """Start mapping the server's segment before the first hit needs it. Failures are
         left to the first ``locate``."""
         try:
-            answer = self._call(self._request("atom-locate-probe", [], 0, 0, []), timeout_s)
-            if answer.get("found") and answer.get("shm_name"):
-                self.mappings.for_answer(SegmentId.of_answer(answer))
+            fut = self._send(self._request("atom-locate-probe", [], 0, 0, []))
+            answer = self._answer(fut, time.monotonic() + timeout_s)
+            self.mappings.for_answer(SegmentId.of_answer(answer))
         except SegmentError as exc:
             self._unsupported(str(exc))
         except Exception as exc:
@@ -131,61 +136,24 @@ class Locator:
         load goes through the server). The calls are sent together, then collected."""
         if self.unsupported:
             return [None] * len(hits)
-        from lmcache.v1.multiprocess.protocols.server_module import ServerModuleCallRequest
-
         groups = [[PAGES_GROUP, -1], [IMAGE_GROUP, 1]]
         sent = []
         try:
-            if self._client is None:
-                from lmcache.v1.multiprocess.transport.factory import RequestClientFactory
-
-                self._client = RequestClientFactory.create(self.url, context=self.ctx)
             for lmc_id, tokens, hit in hits:
                 hit = hit // self.chunk * self.chunk  # as the connector floors it
                 req = self._request(lmc_id, tokens, 0, hit, groups)
-                payload = msgspec.msgpack.encode(req)
-                sent.append(
-                    (
-                        hit,
-                        (
-                            self._client.server_module_call(
-                                ServerModuleCallRequest(LOCATE_METHOD, payload)
-                            )
-                            if hit > 0
-                            else None
-                        ),
-                    )
-                )
+                sent.append((hit, self._send(req) if hit > 0 else None))
         except Exception as exc:
             self.failures += len(hits)
             log.debug("locate: %s", exc)
             self._reset_client()
             return [None] * len(hits)
-        self.calls += len(sent)
         deadline = time.monotonic() + timeout_s
-        out = []
-        for hit, fut in sent:
-            out.append(self._collect(hit, fut, deadline) if fut is not None else None)
-        return out
+        return [self._collect(hit, fut, deadline) if fut else None for hit, fut in sent]
 
     def _collect(self, hit: int, fut, deadline: float) -> Located | None:
-        if not fut.wait(max(deadline - time.monotonic(), 0.001)):
-            self.failures += 1
-            self._reset_client()  # late replies must not answer later calls
-            if self._server_answers():
-                self._unsupported(
-                    "the server answers but not atom.locate (start it with --server-module "
-                    '\'{"module_path": "atom.kv_transfer.offload.l1_module"}\' and --shm-name)'
-                )
-            return None
         try:
-            resp = fut.result()
-            if not resp.success:
-                raise RuntimeError(resp.error)
-            answer = msgspec.msgpack.decode(resp.payload)
-            if not answer.get("shm_name"):
-                self._unsupported(answer.get("error") or "the server's L1 is not in shared memory")
-                return None
+            answer = self._answer(fut, deadline)
             if not answer.get("found"):
                 raise RuntimeError(answer.get("error") or "not found")
             mapping = self.mappings.for_answer(SegmentId.of_answer(answer))
