@@ -7,9 +7,12 @@ Contract of ``DecodeGraphs.run(token_ids, spans)``:
   rounding of another batch shape; or it returns ``None`` without touching anything, and the
   caller runs the eager forward. It refuses spans exactly as the eager forward does.
 * It runs a forward whose spans are all one token at a position > 0 (a span at 0 resets its
-  slot: eager), with at most the largest bucket's spans and tables that fit ``max_blocks``,
-  and where the model's per-batch path (MoE: dense / grouped) is the same for the real batch
-  and its bucket and has no host sync (``MoE.path``; the fp32 CUDA loop syncs: eager).
+  slot: eager) at their slot's cursor and frontier (a rewound span, ``speculative_tokens``
+  >= 1, or a slot whose frontier is past its cursor: eager; the graph's Engram history is
+  the plain step's shift, ``paged`` module doc), with at most the largest bucket's spans and
+  tables that fit ``max_blocks``, and where the model's per-batch path (MoE: dense / grouped)
+  is the same for the real batch and its bucket and has no host sync (``MoE.path``; the fp32
+  CUDA loop syncs: eager).
 * A graph is keyed by (batch bucket, width bucket). Batch buckets: 1, 2, 4, ... up to
   ``max_batch``, plus ``max_batch`` and every size after which the MoE path changes (so
   padding never changes a real row's path). Width buckets (blocks per table): 1, 2, 3, 4, 6,
@@ -193,6 +196,8 @@ class DecodeGraphs:
         """(batch bucket, width bucket) of a forward a graph can run, else None."""
         if not spans or any(sp.end - sp.start != 1 or sp.start == 0 for sp in spans):
             return None
+        if any(not self._at_cursor(sp) for sp in spans):
+            return None  # a rewound span (or a frontier past the cursor): eager
         n = len(spans)
         bucket = pick_bucket(self.buckets, n)
         if bucket is None:
@@ -205,6 +210,12 @@ class DecodeGraphs:
         if width is None or (bucket, width) in self.failed:
             return None
         return bucket, width
+
+    def _at_cursor(self, sp: Span) -> bool:
+        s = self.slots
+        if not 0 <= sp.slot < s.num_slots:
+            return False  # the eager forward refuses it
+        return s.host_position[sp.slot] == sp.start and s.frontier(sp.slot) == sp.start
 
     def run(self, token_ids: torch.Tensor, spans: list[Span]) -> torch.Tensor | None:
         key = self.key(spans)
@@ -259,15 +270,22 @@ class DecodeGraphs:
         ids, pos, slot_ids, ends = inp[: 4 * bucket].view(4, bucket)
         tables = inp[4 * bucket :].view(bucket, width)
         rows = torch.arange(bucket, dtype=torch.int64)
-        # Engram ids t-3..t of row k: history k (3 per row, after the bucket's ids), then k
-        gram_src = torch.cat([bucket + 3 * rows[:, None] + torch.arange(3), rows[:, None]], 1)
-        gram_src, rows = gram_src.to(dev), rows.to(dev)
+        # Engram ids t-3..t of row k: the last 3 of history k (H per row, after the bucket's
+        # ids), then k; with ``history`` (k >= 1) the new history is the old one shifted by k
+        h = self.slots.gram_history.shape[1]
+        hist = bucket + h * rows[:, None] + torch.arange(h)
+        gram_src = torch.cat([hist[:, h - 3 :], rows[:, None]], 1).to(dev)
+        hist_src = torch.cat([hist[:, 1:], rows[:, None]], 1).to(dev)
+        rows = rows.to(dev)
+        with_history = self.slots.history is not None
         empty = torch.zeros(0, dtype=torch.int64, device=dev)
         max_end = width * self.block_size
 
         def forward() -> torch.Tensor:
             decode = DecodeBatch(rows, slot_ids, pos, tables, max_end)
             plan = ForwardPlan(ids, pos, gram_src, slot_ids, ends, rows, empty, [], decode)
+            if with_history:
+                plan.frontiers, plan.hist_src = ends, hist_src
             return self.model.run_plan(plan, self.kv, self.slots)
 
         try:

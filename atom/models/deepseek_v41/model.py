@@ -2,7 +2,9 @@
 
 The paged forward runs a batch of sequence spans against ONE PAGE pool and per-sequence state
 slots, reading and writing nothing else. A span must start where its slot's cursor is (a span
-at 0 resets its slot); any mismatch is refused before anything is written.
+at 0 resets its slot), or, with ``speculative_tokens`` k >= 1, up to k positions behind it, to
+re-run positions whose inputs were rejected drafts (exactly: ``paged`` module doc); anything
+else is refused before anything is written.
 
 The draft layers (``num_nextn_predict_layers`` of them, ``mtp``; see ``draft``) run through
 ``forward_draft_paged`` over the same slots, each with its own window ring and cursor.
@@ -10,21 +12,17 @@ The draft layers (``num_nextn_predict_layers`` of them, ``mtp``; see ``draft``) 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import nn
-from torch.nn.utils.rnn import pad_sequence
 
 from atom.model_api import Span
 from atom.models.deepseek_v41.attention import CSA2Attention
 from atom.models.deepseek_v41.config import V41Config
+from atom.models.deepseek_v41.forward_plan import ForwardPlan
 from atom.models.deepseek_v41.layers import Engram, HyperConnection, MoE, RMSNorm
 from atom.models.deepseek_v41.paged import PagedKV, StateMismatchError, StateSlots
 from atom.models.deepseek_v41.paged_attention import paged_attention
-from atom.models.deepseek_v41.paged_decode import DecodeBatch
 from atom.models.deepseek_v41.pool_geometry import INDEX_DTYPES, KV_DTYPES, GeometryError
-from atom.models.deepseek_v41.prefill_plan import PrefillBatch, PrefillHost
 
 COMPUTE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -125,9 +123,10 @@ class DeepseekV41ForCausalLM(nn.Module):
     # ---- the paged forward ---------------------------------------------------------------
 
     def check_spans(self, spans: list[Span], slots: StateSlots) -> None:
-        """Refuse spans whose start is not their slot's cursor (before anything is written).
-        Cursors are read from the slots' host mirror: no device read (``slots.verify`` also
-        compares the mirror with the device)."""
+        """Refuse spans their slot cannot run (``StateSlots.check_start``: at the cursor, or
+        behind it within ``speculative_tokens``) before anything is written. Cursors are read
+        from the slots' host mirror: no device read (``slots.verify`` also compares the mirror
+        with the device)."""
         seen = set()
         if slots.verify:
             _verify_mirror(spans, slots)
@@ -141,16 +140,13 @@ class DeepseekV41ForCausalLM(nn.Module):
                 raise ValueError(f"slot {sp.slot} out of range [0, {slots.num_slots})")
             if sp.start == 0:
                 continue
-            at, tag = slots.host_position[sp.slot], slots.host_tag[sp.slot]
+            tag = slots.host_tag[sp.slot]
             if tag != slots.tag:
                 raise StateMismatchError(
                     f"slot {sp.slot} holds no state of this layout (tag {tag:#x}), "
                     f"forward starts at {sp.start}"
                 )
-            if at != sp.start:
-                raise StateMismatchError(
-                    f"slot {sp.slot}: state is at {at}, forward starts at {sp.start}"
-                )
+            slots.check_start(sp.slot, sp.start)
 
     @torch.no_grad()
     def forward_paged(
@@ -184,7 +180,14 @@ class DeepseekV41ForCausalLM(nn.Module):
             geo.compressor_rows,
             [r for r in self.config.compress_ratios if r > 0],
         )
-        plan = ForwardPlan.build(token_ids, spans, self.device, shape)
+        plan = ForwardPlan.build(
+            token_ids,
+            spans,
+            self.device,
+            shape,
+            slots.gram_history.shape[1],
+            _frontiers(spans, slots),
+        )
         slots.reset_many([sp.slot for sp in spans if sp.start == 0], plan.reset)
         out = self.run_plan(plan, kv, slots, all_logits, return_residual)
         for sp in spans:
@@ -203,8 +206,9 @@ class DeepseekV41ForCausalLM(nn.Module):
         """The device work of a forward whose spans were checked and whose starting slots were
         reset: no host reads, no host-side state (the slots' host mirror is the caller's). A
         decode graph (``decode_graphs``) captures this with a plan of static tensors."""
-        history = slots.cursor[plan.span_slots, 1:]  # [S, 3], after the resets
-        grams_t = torch.cat([plan.token_ids, history.flatten()])[plan.gram_src]
+        history = slots.gram_history[plan.span_slots]  # [S, H], after the resets
+        src = torch.cat([plan.token_ids, history.flatten()])
+        grams_t = src[plan.gram_src]
         x = self._embed(plan.token_ids)
         for layer in self.model.layers:
             attn = layer.self_attn
@@ -218,6 +222,9 @@ class DeepseekV41ForCausalLM(nn.Module):
         slots.cursor[:, 0].index_copy_(0, plan.span_slots, plan.span_ends)
         slots.cursor[:, 1:].index_copy_(0, plan.span_slots, grams_t[plan.last, 1:])
         slots.header[:, 1].index_copy_(0, plan.span_slots, plan.span_ends)
+        if slots.history is not None:
+            slots.history[:, 0].index_copy_(0, plan.span_slots, plan.frontiers)
+            slots.history[:, 1:].index_copy_(0, plan.span_slots, src[plan.hist_src])
         logits = self._head(x if all_logits else x[plan.last])
         return (logits, x) if return_residual else logits
 
@@ -265,124 +272,13 @@ def _verify_mirror(spans: list[Span], slots: StateSlots) -> None:
                 f"device says {at} tag {tag:#x}; its bytes were written around StateSlots "
                 "(call StateSlots.refresh after writing a slot directly)"
             )
+        if slots.history is not None and slots.frontier(slot) != int(slots.history[slot, 0]):
+            raise RuntimeError(f"slot {slot}: host mirror's frontier differs from the device")
 
 
-@dataclass
-class ForwardPlan:
-    """A forward's index tensors, computed on the host from its spans (their start, end, slot
-    and block table are host data) and uploaded in one copy: the layers never read the device
-    to decide what to index."""
-
-    token_ids: torch.Tensor  # [N] on the device
-    positions: torch.Tensor  # [N] each token's position
-    gram_src: torch.Tensor  # [N, 4] Engram ids t-3..t: indices into [token ids, S x 3 history]
-    span_slots: torch.Tensor  # [S]
-    span_ends: torch.Tensor  # [S]
-    last: torch.Tensor  # [S] each span's last token in the flat batch
-    reset: torch.Tensor  # [R] slots of spans starting at 0
-    longer: list[PrefillBatch]  # the spans of several tokens, as one batch (or none)
-    decode: DecodeBatch | None  # the single-token spans
-
-    @classmethod
-    def build(cls, token_ids: torch.Tensor, spans: list[Span], device, shape) -> ForwardPlan:
-        """``shape``: (sliding window, window ring rows, compressor ring rows, the ratios of
-        the compressed layers), what the prefill batch's indices depend on."""
-        device = torch.device(device)
-        n, nspan = token_ids.numel(), len(spans)
-        segs: list[torch.Tensor] = []  # host int64 pieces of the one upload
-
-        def put(t: torch.Tensor) -> int:
-            segs.append(t.reshape(-1).to(torch.int64))
-            return len(segs) - 1
-
-        host_ids = token_ids.device.type == "cpu"
-        at_ids = put(token_ids) if host_ids else None
-        los, lo = [], 0
-        for sp in spans:
-            los.append(lo)
-            lo += sp.num_tokens
-        positions, gram_src = [], []
-        for k, (sp, lo) in enumerate(zip(spans, los)):
-            i = torch.arange(sp.num_tokens)[:, None]
-            m = torch.arange(4)[None, :]
-            off = i - 3 + m
-            gram_src.append(torch.where(off >= 0, lo + off, n + 3 * k + i + m))
-            positions.append(torch.arange(sp.start, sp.end))
-        at_pos, at_gram = put(torch.cat(positions)), put(torch.cat(gram_src))
-        meta = torch.tensor(
-            [
-                [sp.slot for sp in spans],
-                [sp.end for sp in spans],
-                [lo + sp.num_tokens - 1 for sp, lo in zip(spans, los)],
-            ],
-            dtype=torch.int64,
-        )
-        at_meta = put(meta)
-        at_reset = put(torch.tensor([sp.slot for sp in spans if sp.start == 0], dtype=torch.int64))
-        single = [k for k, sp in enumerate(spans) if sp.num_tokens == 1]
-        longer = [k for k, sp in enumerate(spans) if sp.num_tokens > 1]
-        at_dec = None
-        dec_host_tables = bool(single) and all(
-            spans[k].block_table.device.type == "cpu" for k in single
-        )
-        if single:
-            width = max(spans[k].block_table.numel() for k in single)
-            rows = [[los[k], spans[k].slot, spans[k].start] for k in single]
-            at_dec = put(torch.tensor(rows, dtype=torch.int64).t())
-            if dec_host_tables:
-                padded = torch.zeros(len(single), width, dtype=torch.int64)
-                for r, k in enumerate(single):
-                    t = spans[k].block_table
-                    padded[r, : t.numel()] = t
-                at_dec_tables = put(padded)
-        at_tables = {
-            k: put(spans[k].block_table)
-            for k in ([] if dec_host_tables else single)
-            if spans[k].block_table.device.type == "cpu" and spans[k].block_table.device != device
-        }
-        prefill = None
-        if longer:
-            window, ring_rows, comp_rows, ratios = shape
-            prefill = PrefillHost(
-                [spans[k] for k in longer],
-                [los[k] for k in longer],
-                n,
-                window,
-                ring_rows,
-                comp_rows,
-                ratios,
-                put,
-            )
-        host = torch.cat(segs)
-        if device.type == "cuda":
-            up = host.pin_memory().to(device, non_blocking=True)
-        else:
-            up = host.to(device)
-        parts = list(torch.split(up, [s.numel() for s in segs]))
-        ids = parts[at_ids] if host_ids else token_ids
-        meta_d = parts[at_meta].view(3, nspan)
-
-        def table(k: int) -> torch.Tensor:
-            return parts[at_tables[k]] if k in at_tables else spans[k].block_table
-
-        pos_d = parts[at_pos]
-        carries = [prefill.resolve(parts, pos_d)] if prefill is not None else []
-        decode = None
-        if single:
-            dec = parts[at_dec].view(3, len(single))
-            if dec_host_tables:
-                tables = parts[at_dec_tables].view(len(single), width)
-            else:
-                tables = pad_sequence([table(k) for k in single], batch_first=True)
-            decode = DecodeBatch(dec[0], dec[1], dec[2], tables, max(spans[k].end for k in single))
-        return cls(
-            ids,
-            pos_d,
-            parts[at_gram].view(n, 4),
-            meta_d[0],
-            meta_d[1],
-            meta_d[2],
-            parts[at_reset],
-            carries,
-            decode,
-        )
+def _frontiers(spans: list[Span], slots: StateSlots) -> list[int] | None:
+    """Each span's slot frontier before the forward (0 for a span at 0), None without
+    ``history`` (k = 0: every span starts at its frontier)."""
+    if slots.history is None:
+        return None
+    return [slots.frontier(sp.slot) if sp.start > 0 else 0 for sp in spans]

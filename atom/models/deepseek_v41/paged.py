@@ -5,6 +5,19 @@ Interval facts (per sequence, after a forward of [start, end)):
   window ring of each layer holds positions [end - window_rows, end), row = pos % window_rows
   compressor ring of each owner holds raw projections of [end - compressor_rows, end)
   cursor = [end, ids at end-3, end-2, end-1]  (-1 before the sequence)
+
+Target rewind (``speculative_tokens`` k >= 1): a forward may start at s behind the cursor c, to
+re-run positions whose inputs were rejected drafts. The slot keeps a frontier f, the furthest
+position any forward has reached since position 0 (f >= c; f = c unless the last forward
+ended behind an earlier one), and ``history`` = [f, Engram ids at f - 3 - k .. f - 1]. A span
+at s > 0 is accepted iff s <= c and f <= s + k (so with f = c: c in [s, s + k]); then every
+row a forward at s reads is exact: rows written for positions in [s, f) (window ring row
+p % (window + k), compressor ring row p % (max_ratio + k)) overwrite only positions < f - k - window
+resp. < f - k - max_ratio, none of which a span at s >= f - k reads; PAGE rows of groups
+completed past s are rewritten by the forward completing them before anything reads them; the
+Engram ids at s - 3 .. s - 1 are in ``history`` (positions >= f - 3 - k). After [s, e) the
+frontier is max(f, e) and ``history`` is refreshed from the span's ids and its old entries.
+With k = 0 there is no ``history``: the frontier is the cursor and a span starts at it.
 """
 
 from __future__ import annotations
@@ -51,10 +64,14 @@ class StateSlots:
         self.header = views["header"]
         # each draft layer's position (None: no draft state, speculative_tokens = 0)
         self.draft_cursor = views.get("draft_cursor")
+        # [frontier, Engram ids before it] (None: speculative_tokens = 0, no rewind)
+        self.history = views.get("history")
+        self.speculative_tokens = geometry.speculative_tokens
         flag = os.environ.get("ATOM_VERIFY_CURSORS")
         self.verify = data.device.type == "cpu" if flag is None else flag == "1"
         self.host_position: list[int] = []
         self.host_tag: list[int] = []
+        self.host_frontier: list[int] = []  # used only with ``history``
         self.refresh()
 
     @classmethod
@@ -69,8 +86,33 @@ class StateSlots:
             at = self.device_states(list(range(self.num_slots)))
             self.host_position = [p for p, _ in at]
             self.host_tag = [t for _, t in at]
+            if self.history is not None:
+                self.host_frontier = self.history[:, 0].tolist()
         else:
             [(self.host_position[slot], self.host_tag[slot])] = self.device_states([slot])
+            if self.history is not None:
+                self.host_frontier[slot] = int(self.history[slot, 0])
+
+    @property
+    def gram_history(self) -> torch.Tensor:
+        """[num_slots, H] the Engram ids a forward reads before its span: the 3 + k ids before
+        the frontier (``history``), or with k = 0 the cursor's 3 ids."""
+        return self.cursor[:, 1:] if self.history is None else self.history[:, 1:]
+
+    def frontier(self, slot: int) -> int:
+        """The furthest position a forward has reached (host mirror; the cursor when k = 0)."""
+        return self.host_position[slot] if self.history is None else self.host_frontier[slot]
+
+    def check_start(self, slot: int, start: int) -> None:
+        """Refuse a span at ``start`` > 0 the slot cannot run exactly (module doc): the cursor
+        c must be in [start, start + k] and the frontier at most start + k."""
+        at, k = self.host_position[slot], self.speculative_tokens
+        f = self.frontier(slot)
+        if not (start <= at and f <= start + k):
+            why = f" (needs it in [{start}, {start + k}], frontier {f} at most {start + k})"
+            raise StateMismatchError(
+                f"slot {slot}: state is at {at}, forward starts at {start}" + (why if k else "")
+            )
 
     def device_states(self, slots: list[int]) -> list[tuple[int, int]]:
         """(cursor position, layout tag) of ``slots`` read from the device (one transfer)."""
@@ -84,6 +126,9 @@ class StateSlots:
         self.data[slot].zero_()
         self.cursor[slot, 1:].fill_(-1)
         self.header[slot, 0].fill_(self.tag)
+        if self.history is not None:
+            self.history[slot, 1:].fill_(-1)
+            self.host_frontier[slot] = 0
         self.host_position[slot], self.host_tag[slot] = 0, self.tag
 
     def reset_many(self, slots: list[int], index: torch.Tensor) -> None:
@@ -93,12 +138,19 @@ class StateSlots:
         self.data.index_fill_(0, index, 0)
         self.cursor[:, 1:].index_fill_(0, index, -1)
         self.header[:, 0].index_fill_(0, index, self.tag)
+        if self.history is not None:
+            self.history[:, 1:].index_fill_(0, index, -1)
         for s in slots:
             self.host_position[s], self.host_tag[s] = 0, self.tag
+            if self.history is not None:
+                self.host_frontier[s] = 0
 
     def advance(self, slot: int, position: int) -> None:
-        """Record in the mirror that a forward left ``slot`` at ``position``."""
+        """Record in the mirror that a forward left ``slot`` at ``position`` (the frontier
+        becomes the larger of it and ``position``)."""
         self.host_position[slot], self.host_tag[slot] = position, self.tag
+        if self.history is not None:
+            self.host_frontier[slot] = max(self.host_frontier[slot], position)
 
     def position(self, slot: int) -> int:
         """The slot's cursor position (from the host mirror: no device read)."""

@@ -5,7 +5,8 @@ compressed-latent rows (``block_size / ratio`` rows, in the *main* plane), and o
 plane per owner with its index-key rows. A state slot holds every layer's sliding-window ring,
 the owners' compressor rings, the cursor (committed position + the last 3 Engram token ids) and
 a header carrying the layout id; with ``speculative_tokens`` >= 1 also each draft layer's window
-ring (rows ``num_hidden_layers + i``) and its cursor (``draft_cursor``). An image of a slot
+ring (rows ``num_hidden_layers + i``) and its cursor (``draft_cursor``), and the target's rewind
+history (``history``: the frontier and the last 3 + k Engram ids before it). An image of a slot
 fills ``units_per_image`` whole blocks.
 
 Real V4.1-Flash, bf16 KV + fp8 index, block 256: 739,840 B/block; bf16 index: 819,200 B/block;
@@ -116,6 +117,9 @@ def build_v41_pool_geometry(
         ]
         # each draft layer's position (its window ring is window rows num_hidden_layers + i)
         + ([("draft_cursor", (n_draft,), "int64")] if n_draft else [])
+        # target rewind (speculative_tokens k >= 1): [frontier f, the Engram ids at positions
+        # f - 3 - k .. f - 1] (``paged.StateSlots``: a span at s needs s >= f - k)
+        + ([("history", (4 + speculative_tokens,), "int64")] if speculative_tokens else [])
     )
     return V41PoolGeometry(
         block_size=block_size,
