@@ -95,6 +95,7 @@ def speculative(rt, seqs, prefill, k, seed, final=None):
             spans.append((c, c + length, s))
             ids.append(span)
             acc.append(j)
+        rt.rewinds = getattr(rt, "rewinds", 0) + sum(c < rt.slots.position(s) for c, _, s in spans)
         out = forward(rt, spans, ids)
         lo = 0
         for (c, e, s), j in zip(spans, acc):
@@ -148,13 +149,21 @@ def continue_plainly(rt, seqs, done):
     return [torch.cat(x) if x else None for x in out]
 
 
-@pytest.mark.parametrize("k,seed", [(1, 0), (2, 1), (3, 2)])
-def test_speculative_equals_plain_decoding(tiny, k, seed):
+@pytest.fixture(scope="module")
+def tiny_draft():
+    return DeepseekV41ForCausalLM(preset_config("v41-tiny-draft")).init_weights(0)
+
+
+@pytest.mark.parametrize("k,seed,preset", [(1, 0, ""), (2, 1, "draft"), (3, 2, "")])
+def test_speculative_equals_plain_decoding(tiny, tiny_draft, k, seed, preset):
+    """v41-tiny, and v41-tiny-draft (its state also holds the draft rings and cursors)."""
+    model = tiny_draft if preset else tiny
     seq = tokens(52, seed=10 + seed)  # crosses blocks at 16, 32, 48 and every ratio-2 group
-    ref_logits, ref = plain(tiny, seq, 5, k)
-    rt = runtime(tiny, k, num_slots=1)
+    ref_logits, ref = plain(model, seq, 5, k)
+    rt = runtime(model, k, num_slots=1)
+    assert (rt.slots.draft_cursor is not None) == bool(preset)
     [logits], [done] = speculative(rt, [seq], 5, k, seed, final=44)
-    assert 44 <= done <= 44 + k and len(logits) == done
+    assert 44 <= done <= 44 + k and len(logits) == done and rt.rewinds >= 3
     assert_close(logits, ref_logits[:done])
     at, f = rt.slots.position(0), rt.slots.frontier(0)
     assert done <= at <= f <= done + k
@@ -169,6 +178,7 @@ def test_several_slots_with_different_rewinds_in_one_forward(tiny):
     refs = [plain(tiny, q, 6, k) for q in seqs]
     rt = runtime(tiny, k)
     got, done = speculative(rt, seqs, 6, k, seed=5, final=30)
+    assert rt.rewinds >= 6
     tails = continue_plainly(rt, seqs, done)
     for s, (ref_logits, ref) in enumerate(refs):
         assert_close(torch.cat([got[s], tails[s]]), ref_logits)
