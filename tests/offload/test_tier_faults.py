@@ -71,7 +71,9 @@ def test_sigkill_mid_run_no_wrong_outputs_quarantine_then_recovery(own_server, m
     old = prompts_of([40, 77, 100, 129, 64, 90], seed=201)  # stored by pass 1
     new = prompts_of([70, 95, 110, 60], seed=202)  # saves in pass 2
     reference = make_llm().generate(old + new, GREEDY)
-    llm = make_llm(**tier(own_server, **FAST))
+    # loads the server copies, so that transfers of unknown fate are in flight when it dies
+    # (engine-driven loads finish without the server: test_engine_driven.py kills it too)
+    llm = make_llm(**tier(own_server, load_mode="lmcache_driven", **FAST))
     eng, conn = llm.engine, llm.engine.scheduler.connector
     same_tokens(llm.generate(old, GREEDY, on_step=check), reference[: len(old)])
     pump(llm, lambda: settled(llm), "pass 1's stores")
