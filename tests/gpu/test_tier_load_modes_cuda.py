@@ -56,7 +56,8 @@ def test_tier_two_pass_on_cuda_in_both_load_modes(mode):
     out1, out2, copied, pinned, health = two_pass(mode, prompts, p)
     assert [o.tier_hit_tokens for o in out2] == [512, 1024, 256]
     # bf16: pass 2's other chunks and batches may decide a near-tie otherwise, nothing more
-    assert_same_greedy(out2, out1, eps=0.05, most=2)
+    # (the tolerance and why: test_cuda_paths.test_tier_two_pass_on_cuda_...)
+    assert_same_greedy(out2, out1, eps=0.25, most=2)
     if mode == "engine_driven":
         assert health == "engine_driven"
         assert copied == 3, f"{copied} loads copied by the engine"
