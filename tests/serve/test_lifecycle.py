@@ -134,3 +134,18 @@ def test_bad_config_names_field_and_value(tmp_path):
         "--print-config",
     )
     assert r.returncode == 2 and "lmcache.url" in r.stderr
+
+
+def test_load_mode_flag_sets_the_tier_config_and_refuses_unknown_modes():
+    r = run_cli(
+        *TINY_FLAGS[:2], "--offload", "lmcache_mp", "--lmcache-load-mode", "lmcache_driven",
+        "--print-config",
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert yaml.safe_load(r.stdout)["lmcache"]["load_mode"] == "lmcache_driven"
+    r = run_cli(
+        *TINY_FLAGS[:2], "--offload", "lmcache_mp", "--lmcache-load-mode", "server",
+        "--print-config",
+    )  # fmt: skip
+    assert r.returncode == 2
+    assert "lmcache.load_mode='server'" in r.stderr and "engine_driven" in r.stderr
