@@ -280,10 +280,6 @@ class LMCacheServer:
         if self.l1_segment and not self.running:
             Path("/dev/shm", self.l1_segment).unlink(missing_ok=True)
 
-    @property
-    def l1_path(self) -> Path | None:
-        return Path("/dev/shm", self.l1_segment) if self.l1_segment else None
-
     def __enter__(self) -> LMCacheServer:
         return self.start()
 

@@ -49,7 +49,6 @@ class Locator:
         self._client = None
         self.unsupported = ""  # why this server cannot serve engine-driven loads
         self.calls = 0
-        self.failures = 0
 
     def _send(self, payload: dict):
         """Send one locate call; its future."""
@@ -144,7 +143,6 @@ class Locator:
                 req = self._request(lmc_id, tokens, 0, hit, groups)
                 sent.append((hit, self._send(req) if hit > 0 else None))
         except Exception as exc:
-            self.failures += len(hits)
             log.debug("locate: %s", exc)
             self._reset_client()
             return [None] * len(hits)
@@ -161,14 +159,12 @@ class Locator:
             self._unsupported(str(exc))
             return None
         except Exception as exc:
-            self.failures += 1
             log.debug("locate [0, %d): %s", hit, exc)
             return None
         if mapping is None:
             return None  # being mapped: this load goes through the server
         pages, images = answer["objects"]
         if len(pages) != hit // self.chunk or len(images) != 1:
-            self.failures += 1
             return None
         return Located(
             mapping,

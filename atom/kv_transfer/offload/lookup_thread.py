@@ -214,7 +214,8 @@ class LookupThread:
             before = self._finish(op, hit)
             if before is OpState.LATE and hit:  # nobody will load it: release its locks
                 self._do_free(op.lmc_id, op.token_ids, 0, hit)
-        for lmc_id in [i for i in self._ends_after_answer if i not in {o.lmc_id for o in still}]:
+        answering = {o.lmc_id for o in still}
+        for lmc_id in self._ends_after_answer - answering:
             self._ends_after_answer.discard(lmc_id)
             self._do_end(lmc_id)
 

@@ -206,11 +206,7 @@ class OffloadConnector(TransferOutcomes, Connector):
         st.load = op
         st.to(Phase.LOADING)
         located, st.located = st.located, None
-        if located is None or not self._load_locally(st, op, located):
-            if self.local is not None and located is None:
-                # engine-driven, but the answer says nowhere (mapping in progress, locate
-                # failed or timed out)
-                self.m.local_loads.inc(outcome="via_server")
+        if self.local is None or not self._load_locally(st, op, located):
             self._launch(st, op)  # the server copies it
 
     def after_step(self, seqs: list[Sequence]) -> None:

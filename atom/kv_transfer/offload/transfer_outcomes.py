@@ -97,7 +97,8 @@ class TransferOutcomes:
                 self._recompute(st, op.start)
 
     def _load_locally(self, st: TierRequest, op: TransferOp, located) -> bool:
-        """Copy ``op`` from where the lookup located it; False: send it to the server."""
+        """Copy ``op`` from where the lookup located it (``located``, or None: nowhere);
+        False: send it to the server (counted as via_server)."""
         why = self._local_refusal(located)
         plan = None
         if why is None:
@@ -121,6 +122,8 @@ class TransferOutcomes:
 
     def _local_refusal(self, located) -> str | None:
         alive = getattr(self.transfers, "server_alive", None)
+        if located is None:
+            return "the answer says nowhere (mapping in progress, locate failed or timed out)"
         if self.mappings is None or located.mapping is not self.mappings.current:
             return "the server that located it was replaced"
         if not self.transfers.healthy or (alive is not None and not alive()):
