@@ -26,8 +26,12 @@ def build_engine(config: EngineConfig, attach_tier=None) -> LLMEngine:
         block_size=cfg.block_size,
         device=cfg.device,
         seed=cfg.seed,
+        speculative_tokens=cfg.speculative_tokens,
     )
-    if cfg.cuda_graphs and hasattr(runtime, "enable_decode_graphs"):
+    # decode graphs replay plain one-token decode forwards; with speculative decoding every
+    # decode forward verifies drafts and returns residuals, so it runs eagerly
+    graphs = cfg.cuda_graphs and not cfg.speculative_tokens
+    if graphs and hasattr(runtime, "enable_decode_graphs"):
         runtime.enable_decode_graphs(cfg.max_num_seqs, cfg.max_model_len)  # CUDA only
     attach = attach_tier
     if attach is None and cfg.offload == "lmcache_mp":

@@ -39,6 +39,9 @@ class EngineConfig(BaseModel):
     # decode steps replay CUDA graphs captured per batch size (CUDA only; a runtime without
     # them ignores it); False runs every forward eagerly, for debugging
     cuda_graphs: bool = True
+    # speculative decoding with the model's own draft layers: drafts verified per decode step
+    # (0 = off; up to 5). The state gains rows for them, so it is part of the tier namespace
+    speculative_tokens: int = 0
     offload: Literal["none", "lmcache_mp"] = "none"
     lmcache: OffloadConfig = OffloadConfig()  # the tier's settings (with offload=lmcache_mp)
 
@@ -47,6 +50,13 @@ class EngineConfig(BaseModel):
     def _positive(cls, v: int, info) -> int:
         if v < 1:
             raise ValueError(f"must be >= 1, got {v}")
+        return v
+
+    @field_validator("speculative_tokens")
+    @classmethod
+    def _drafts(cls, v: int) -> int:
+        if not 0 <= v <= 5:
+            raise ValueError(f"must be in [0, 5] (0 turns speculative decoding off), got {v}")
         return v
 
     @field_validator("num_blocks", "block_size", "max_model_len")
@@ -136,8 +146,15 @@ class EngineConfig(BaseModel):
         index = self.index_dtype
         if index == "auto":
             index = "fp8" if on_gpu else kv
+        drafts = self.speculative_tokens
+        if drafts and not getattr(model_cfg, "num_nextn_predict_layers", 0):
+            raise EngineConfigError(
+                f"speculative_tokens={drafts}: model {self.model!r} has no draft layers "
+                "(num_nextn_predict_layers=0); use a model with draft layers (e.g. "
+                "v41-tiny-draft) or speculative_tokens=0"
+            )
         geometry = partial(
-            pool_geometry, model_cfg, kv_dtype=kv, block_size=block, speculative_tokens=0
+            pool_geometry, model_cfg, kv_dtype=kv, block_size=block, speculative_tokens=drafts
         )
         try:
             geo = geometry(index_dtype=index)

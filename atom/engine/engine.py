@@ -13,7 +13,8 @@ from atom.config import EngineConfig
 from atom.engine.block_pool import BlockPool
 from atom.engine.checkpoints import CheckpointStore
 from atom.engine.connector import Connector
-from atom.engine.engine_metrics import EngineMetrics
+from atom.engine.drafter import Drafter
+from atom.engine.engine_metrics import EngineMetrics, SpecStats
 from atom.engine.integrity import check_integrity
 from atom.engine.model_runner import ModelRunner
 from atom.engine.sampler import (
@@ -24,8 +25,9 @@ from atom.engine.sampler import (
 )
 from atom.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from atom.engine.sequence import SeqStatus, Sequence
+from atom.engine.spec_step import speculative_step
 from atom.metrics import Registry
-from atom.model_api import ModelRuntime
+from atom.model_api import ModelRuntime, draft_layers
 from atom.sampling_params import SamplingParams
 
 log = logging.getLogger("atom.engine")
@@ -92,6 +94,7 @@ class LLMEngine:
                 max_model_len=cfg.max_model_len,
                 prefix_caching=cfg.enable_prefix_caching,
                 take_images=cfg.enable_prefix_caching or self.tier is not None,
+                speculative_tokens=cfg.speculative_tokens,
             ),
             self.pool,
             self.store,
@@ -99,6 +102,10 @@ class LLMEngine:
             connector=self.tier.connector if self.tier is not None else None,
         )
         self.sampler = Sampler(cfg.seed)
+        self.drafter = self.spec_stats = None
+        if cfg.speculative_tokens:
+            self.drafter = Drafter(runtime, cfg.speculative_tokens, _draft_capable(cfg, runtime))
+            self.spec_stats = SpecStats(self.metrics)
         self.requests: dict[str, Sequence] = {}
         self.steps = 0
         self.m = EngineMetrics(self.metrics, self.scheduler, self.store, self.pool)
@@ -217,6 +224,10 @@ class LLMEngine:
         if not out.spans:
             return StepResult(False, [], self.scheduler.has_work() or self.tier_busy())
         t0 = time.perf_counter()
+        if self.drafter is not None:
+            finished = speculative_step(self, out)
+            self.m.step.observe(time.perf_counter() - t0)
+            return StepResult(True, finished, False)
         # spans of requests asking for prompt logprobs need every token's logits
         full = [i for i, sp in enumerate(out.spans) if needs_prompt_logits(sp.seq, sp.start)]
         try:
@@ -347,6 +358,7 @@ class LLMEngine:
             "preemptions": s.preemptions,
             "tier_tokens_recomputed": s.tier_tokens_recomputed,
             "steps": self.steps,
+            **({"speculative": self.spec_stats.as_dict()} if self.spec_stats else {}),
         }
 
     def tier_health(self) -> dict:
@@ -360,3 +372,20 @@ class LLMEngine:
         if self.tier is not None:
             tier, self.tier = self.tier, None
             tier.shutdown(timeout_s)
+
+
+def _draft_capable(cfg: EngineConfig, runtime: ModelRuntime) -> int:
+    """The runtime's draft layers, or a clear error when it cannot decode speculatively."""
+    layers = draft_layers(runtime)
+    if layers < 1:
+        raise ValueError(
+            f"speculative_tokens={cfg.speculative_tokens}: model {cfg.model!r} has no draft "
+            "layers (num_nextn_predict_layers=0); use a model with draft layers or "
+            "speculative_tokens=0"
+        )
+    if not getattr(runtime, "rewinds_on_rejection", False):
+        raise ValueError(
+            f"speculative_tokens={cfg.speculative_tokens}: model {cfg.model!r} cannot re-run "
+            "positions after rejected drafts (its state has no rewind); use speculative_tokens=0"
+        )
+    return layers

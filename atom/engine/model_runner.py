@@ -53,15 +53,25 @@ class ModelRunner:
         return torch.tensor(blocks, dtype=torch.int64, device=self.device)
 
     def execute(
-        self, spans: list[ScheduledSpan], full_logits: Collection[int] = ()
+        self,
+        spans: list[ScheduledSpan],
+        full_logits: Collection[int] = (),
+        *,
+        residual: bool = False,
+        images: bool = True,
     ) -> torch.Tensor:
         """Run one step; returns float32 logits [len(spans), V] (each span's last token).
 
         ``full_logits``: indices of spans that need the logits of every token (prompt
-        logprobs); those spans run in a forward of their own, so the others do not pay for
-        them, and ``self.span_logits[i]`` holds span i's [end - start, V] after the call."""
+        logprobs, verify spans); those spans run in a forward of their own, so the others do
+        not pay for them, and ``self.span_logits[i]`` holds span i's [end - start, V] after
+        the call. ``residual`` (a ``DraftRuntime``): ``self.span_residual[i]`` holds span i's
+        residual rows [end - start, ...] after the call. ``images=False`` leaves the spans'
+        image stores to the caller (``store_images``), who decides which are valid."""
         assert self._bound, "bind() the runner before running it"
         self.span_logits: dict[int, torch.Tensor] = {}
+        self.span_residual: dict[int, torch.Tensor] = {}
+        self._residual = residual
         for sp in spans:
             seq, slot = sp.seq, sp.seq.slot
             if sp.restore is not None:
@@ -78,28 +88,33 @@ class ModelRunner:
                 )
         full = sorted(set(full_logits))
         if not full:
-            logits = self._forward(spans, all_logits=False)
+            logits = self._forward(spans, range(len(spans)), all_logits=False)
         else:
             rows: dict[int, torch.Tensor] = {}
             rest = [i for i in range(len(spans)) if i not in full]
             if rest:
-                rows.update(zip(rest, self._forward([spans[i] for i in rest], all_logits=False)))
-            every, lo = self._forward([spans[i] for i in full], all_logits=True), 0
+                part = self._forward([spans[i] for i in rest], rest, all_logits=False)
+                rows.update(zip(rest, part))
+            every, lo = self._forward([spans[i] for i in full], full, all_logits=True), 0
             for i in full:
                 n = spans[i].end - spans[i].start
                 self.span_logits[i] = every[lo : lo + n]
                 rows[i] = every[lo + n - 1]
                 lo += n
             logits = torch.stack([rows[i] for i in range(len(spans))])
+        if images:
+            self.store_images(spans)
+        return logits
+
+    def store_images(self, spans: list[ScheduledSpan]) -> None:
+        """Copy each span's slot into its PENDING image (the state at the span's end)."""
         for sp in spans:
             if sp.image is not None:
                 self.runtime.store_image(sp.seq.slot, self._units(sp.image.units))
-        return logits
 
-    def _forward(self, spans: list[ScheduledSpan], all_logits: bool) -> torch.Tensor:
-        ids = torch.tensor(
-            [t for sp in spans for t in sp.seq.tokens[sp.start : sp.end]], dtype=torch.int64
-        )
+    def _forward(self, spans: list[ScheduledSpan], index, all_logits: bool) -> torch.Tensor:
+        """One forward over ``spans`` (span indices ``index`` of the step)."""
+        ids = torch.tensor([t for sp in spans for t in sp.token_ids()], dtype=torch.int64)
         # a runtime that uploads its forward's indices in one copy takes host block tables
         # (a device table per span would be one host-to-device copy, and sync, each)
         host = getattr(self.runtime, "host_block_tables", False)
@@ -116,6 +131,13 @@ class ModelRunner:
             )
             for sp in spans
         ]
+        if self._residual:
+            logits, res = self.runtime.forward_with_residual(ids, model_spans, all_logits)
+            lo = 0
+            for i, sp in zip(index, spans):
+                self.span_residual[i] = res[lo : lo + sp.end - sp.start]
+                lo += sp.end - sp.start
+            return logits
         if not all_logits:
             return self.runtime.forward(ids, model_spans)
         forward = self.runtime.forward

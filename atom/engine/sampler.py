@@ -31,20 +31,33 @@ class Sampler:
                 if row is not raw:
                     out[i] = int(row.argmax())
                 continue
-            row = row / p.temperature
-            if p.top_k:
-                kth = torch.topk(row, min(p.top_k, row.numel())).values[-1]
-                row = row.masked_fill(row < kth, float("-inf"))
-            probs = torch.softmax(row, -1)
-            if p.top_p < 1.0:
-                sorted_p, order = torch.sort(probs, descending=True)
-                keep = torch.cumsum(sorted_p, 0) - sorted_p < p.top_p
-                mask = torch.zeros_like(probs, dtype=torch.bool)
-                mask[order[keep]] = True
-                probs = torch.where(mask, probs, torch.zeros_like(probs))
-                probs = probs / probs.sum()
+            probs = sampling_probs(row, p)
             out[i] = int(torch.multinomial(probs, 1, generator=self._gen(seq)))
         return out
+
+    def verify(self, row: torch.Tensor, seq: Sequence, draft: int | None) -> tuple[int, bool]:
+        """One verify position: ``row`` (float32 [V], the target's logits for ``seq``'s next
+        token, with every token accepted before it already in ``seq.tokens``) and the draft
+        proposed there (None past the drafts). Returns (token, the draft was accepted).
+
+        Greedy: the draft is accepted when it is the argmax; otherwise the argmax is the token.
+        Sampling: the drafts are greedy (a one-hot proposal q), so the standard rejection rule
+        accepts with probability p(draft) and otherwise samples from p without the draft,
+        renormalised (max(0, p - q) normalised): the token is distributed exactly as p."""
+        raw = row.float().cpu()
+        adjusted = adjust_logits(raw, seq)
+        if seq.params.greedy:
+            token = int(adjusted.argmax())
+            return token, token == draft
+        probs = sampling_probs(adjusted, seq.params)
+        gen = self._gen(seq)
+        if draft is not None:
+            if float(torch.rand((), generator=gen)) < float(probs[draft]):
+                return draft, True
+            probs = probs.clone()
+            probs[draft] = 0.0
+            probs = probs / probs.sum()
+        return int(torch.multinomial(probs, 1, generator=gen)), False
 
     def _gen(self, seq: Sequence) -> torch.Generator:
         gen = self._gens.get(seq.seq_id)
@@ -55,6 +68,24 @@ class Sampler:
 
     def forget(self, seq: Sequence) -> None:
         self._gens.pop(seq.seq_id, None)
+
+
+def sampling_probs(row: torch.Tensor, p) -> torch.Tensor:
+    """float32 [V] logits (after ``adjust_logits``) -> the distribution sampling draws from:
+    temperature, then top-k, then top-p."""
+    row = row / p.temperature
+    if p.top_k:
+        kth = torch.topk(row, min(p.top_k, row.numel())).values[-1]
+        row = row.masked_fill(row < kth, float("-inf"))
+    probs = torch.softmax(row, -1)
+    if p.top_p < 1.0:
+        sorted_p, order = torch.sort(probs, descending=True)
+        keep = torch.cumsum(sorted_p, 0) - sorted_p < p.top_p
+        mask = torch.zeros_like(probs, dtype=torch.bool)
+        mask[order[keep]] = True
+        probs = torch.where(mask, probs, torch.zeros_like(probs))
+        probs = probs / probs.sum()
+    return probs
 
 
 def adjust_logits(row: torch.Tensor, seq: Sequence) -> torch.Tensor:

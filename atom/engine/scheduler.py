@@ -43,6 +43,7 @@ class SchedulerConfig:
     max_model_len: int
     prefix_caching: bool = True
     take_images: bool = True
+    speculative_tokens: int = 0  # drafts a decode span may verify (0: no speculative decoding)
 
 
 @dataclass(eq=False)
@@ -52,10 +53,17 @@ class ScheduledSpan:
     end: int
     restore: Checkpoint | None = None  # copy into the slot before the forward
     image: Checkpoint | None = None  # PENDING: copy the slot into it after the forward
+    # speculative decoding: draft tokens for positions [num_tokens, end) to verify (the span
+    # is then [num_tokens - 1, num_tokens + len(drafts)): one verify forward)
+    drafts: tuple[int, ...] = ()
 
     @property
     def samples(self) -> bool:
-        return self.end == self.seq.num_tokens
+        return self.end - len(self.drafts) == self.seq.num_tokens
+
+    def token_ids(self) -> list[int]:
+        """The span's input tokens: committed ones, then the drafts."""
+        return self.seq.tokens[self.start : self.end - len(self.drafts)] + list(self.drafts)
 
 
 @dataclass
@@ -139,9 +147,11 @@ class Scheduler(Admission):
             if end is None:
                 i += 1
                 continue
+            drafts = self._drafts_for(seq, end, budget)
+            end += len(drafts)
             if not self._grow(seq, end, out, scheduled):
                 continue  # seq itself was preempted; running[i] is now the next one
-            out.spans.append(self._span(seq, seq.num_computed, end))
+            out.spans.append(self._span(seq, seq.num_computed, end, drafts=drafts))
             scheduled.add(seq.seq_id)
             budget -= end - seq.num_computed
             i += 1
@@ -186,6 +196,18 @@ class Scheduler(Admission):
             end = end // bs * bs
         return end if end > start else None
 
+    def _drafts_for(self, seq: Sequence, end: int, budget: int) -> tuple[int, ...]:
+        """The drafts a decode span ending at ``end`` (= num_tokens) verifies: the sequence's
+        proposals, cut to the budget, to max_model_len and, when images are taken, to the
+        next block boundary, so that a boundary is only ever a verify span's end (its image
+        is then taken from state holding accepted tokens only, or not at all)."""
+        if not seq.draft or end != seq.num_tokens or seq.num_computed != end - 1:
+            return ()
+        room = min(budget - 1, self.cfg.max_model_len - end)
+        if self.cfg.take_images:
+            room = min(room, (end - 1) // self.block_size * self.block_size + self.block_size - end)
+        return tuple(seq.draft[: max(0, room)])
+
     def _blocks_for(self, end: int) -> int:
         return -(-end // self.block_size)
 
@@ -213,13 +235,25 @@ class Scheduler(Admission):
             if victim is seq:
                 return False
 
-    def _span(self, seq: Sequence, start: int, end: int, restore=None) -> ScheduledSpan:
-        return ScheduledSpan(seq, start, end, restore=restore, image=self._image_at(seq, end))
+    def _span(
+        self, seq: Sequence, start: int, end: int, restore=None, drafts: tuple[int, ...] = ()
+    ) -> ScheduledSpan:
+        image = self._image_at(seq, end, drafts)
+        return ScheduledSpan(seq, start, end, restore=restore, image=image, drafts=drafts)
 
-    def _image_at(self, seq: Sequence, end: int) -> Checkpoint | None:
+    def _image_at(self, seq: Sequence, end: int, drafts: tuple[int, ...] = ()) -> Checkpoint | None:
         if end % self.block_size or not self.cfg.take_images:
             return None
-        hashes = self._hashes(seq, end // self.block_size)
+        n = end // self.block_size
+        if not drafts:
+            hashes = self._hashes(seq, n)
+        else:
+            # the boundary block ends in drafts: hash it as if they were accepted (the image is
+            # dropped unless they are), without caching the hash on the sequence
+            bs = self.block_size
+            hashes = self._hashes(seq, n - 1)
+            last = (seq.tokens + list(drafts))[(n - 1) * bs : end]
+            hashes = hashes + block_hashes(last, bs, hashes[-1] if hashes else 0)
         return self.store.create(hashes[-1], end, tuple(hashes))
 
     def _hashes(self, seq: Sequence, n_blocks: int) -> list[int]:
@@ -247,6 +281,7 @@ class Scheduler(Admission):
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)
         self._release(seq)
+        seq.draft = []
         seq.status = SeqStatus.WAITING
         seq.num_computed = 0
         seq.counters.preemptions += 1
@@ -263,18 +298,26 @@ class Scheduler(Admission):
 
     # ---- after the forward ------------------------------------------------------------------
 
-    def commit(self, span: ScheduledSpan) -> None:
-        """The forward of ``span`` ran: publish its full blocks, settle its checkpoints."""
+    def commit(self, span: ScheduledSpan, end: int | None = None) -> None:
+        """The forward of ``span`` ran: publish its full blocks, settle its checkpoints.
+
+        ``end``: where the committed tokens end when it is not the span's end (a verify span
+        whose drafts were not all accepted: positions past ``end`` ran on rejected drafts; no
+        block of them is published and the span's image, if any, is dropped)."""
         seq, bs = span.seq, self.block_size
-        seq.num_computed = span.end
-        seq.counters.computed(span.end)
-        first, last = span.start // bs, span.end // bs
+        end = span.end if end is None else end
+        seq.num_computed = end
+        seq.counters.computed(end)
+        first, last = span.start // bs, end // bs
         if last > first:
             hashes = self._hashes(seq, last)
             for i in range(first, last):
                 self.pool.register(seq.block_table[i], hashes[i])
         if span.image is not None:
-            self.store.mark_ready(span.image)
+            if end == span.end:
+                self.store.mark_ready(span.image)
+            else:
+                self.store.drop(span.image)
             self.store.unpin(span.image)
         if span.restore is not None:
             self.store.unpin(span.restore)
@@ -296,6 +339,7 @@ class Scheduler(Admission):
             self.store.unpin(seq.prepared.image)
             seq.prepared = None
         self._release(seq)
+        seq.draft = []
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
         if self.connector is not None:

@@ -86,6 +86,9 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # chained hash of each full block
     num_computed: int = 0  # tokens whose KV and state are committed
+    # speculative decoding: proposed tokens for positions [num_tokens, ...), verified by the
+    # next decode span (cleared when the sequence leaves the running set)
+    draft: list[int] = field(default_factory=list)
     slot: int | None = None
     prepared: Prepared | None = None
     finish_reason: str | None = None

@@ -15,6 +15,9 @@ from atom.models.deepseek_v41.pool_geometry import build_v41_pool_geometry
 class V41Runtime:
     # spans may carry block tables on the host: the forward uploads them with its other indices
     host_block_tables = True
+    # with speculative_tokens k >= 1 a forward may start up to k positions behind its slot's
+    # cursor (re-running positions whose inputs were rejected drafts; ``paged`` module doc)
+    rewinds_on_rejection = True
 
     def __init__(
         self, model: DeepseekV41ForCausalLM, *, block_size: int, speculative_tokens: int = 0

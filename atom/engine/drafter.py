@@ -1,0 +1,102 @@
+"""Proposals from a model's own draft layers (``atom.model_api.DraftRuntime``).
+
+After each target forward the draft layers run over the positions whose target state is now
+committed, and propose the next ``k`` tokens of each sequence that continues. DeepSeek's MTP
+alignment: depth ``d`` (1-based) at index ``j`` reads the token at ``j + d`` and the residual of
+depth ``d - 1`` at ``j`` (depth 0: the target's last-layer streams) and predicts the token at
+``j + d + 1``. Depth ``d`` runs draft layer ``d - 1``; past the model's ``m`` draft layers the
+last one is applied again (as DeepSeek's single MTP layer is applied recursively).
+
+Which positions each layer runs (every layer's window ring stays contiguous, so its cursor is
+always where the draft contract wants it, ``[s, s + k]`` of the next call's start s):
+
+* depths ``d <= m`` run over exactly the target's committed span ``[s, e)`` of this step, at the
+  same positions. The token at ``j + d`` is a committed token, else the proposal chain's (the
+  last ``d - 1`` indices when proposing), else the last committed token: a placeholder used
+  only at the end of a non-final prefill chunk, where nothing is proposed.
+* depths ``d > m`` (only when proposing) run the last layer at one position each, ``e``,
+  ``e + 1``, ...; the next step starts that layer at its next committed span again, at most
+  ``k - m`` positions back, which the contract allows.
+
+Draft rows computed from proposals or placeholders stay in the rings and in checkpoint images:
+they steer later proposals only. The target verifies every proposal, so no output depends on a
+draft row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from atom.engine.sequence import Sequence
+from atom.model_api import Span
+
+
+@dataclass
+class DraftItem:
+    """One sequence's committed span of this step and what the draft layers need of it."""
+
+    seq: Sequence
+    start: int
+    end: int  # committed positions [start, end) of this step
+    residual: torch.Tensor  # the target's residual rows of [start, end)
+    want: int  # proposals to make (0: fill the rings only)
+
+
+class Drafter:
+    def __init__(self, runtime, speculative_tokens: int, num_layers: int):
+        if num_layers < 1:
+            raise ValueError("speculative decoding needs a runtime with draft layers")
+        self.runtime, self.k, self.m = runtime, speculative_tokens, num_layers
+        self._no_blocks = torch.empty(0, dtype=torch.int64)
+
+    def propose(self, items: list[DraftItem]) -> dict[int, list[int]]:
+        """Run the draft layers over every item; returns each proposing item's proposals
+        (by seq_id; ``want`` of them, fewer only past ``k``)."""
+        chains: dict[int, list[int]] = {it.seq.seq_id: [] for it in items if it.want > 0}
+        if not items:
+            return chains
+        residual = [it.residual for it in items]
+        for d in range(1, min(self.k, self.m) + 1):
+            ids = [self._token(it, j + d, chains) for it in items for j in range(it.start, it.end)]
+            spans = [Span(it.start, it.end, it.seq.slot, self._no_blocks) for it in items]
+            logits, out = self._call(ids, torch.cat(residual), spans, d - 1)
+            residual = list(out.split([it.end - it.start for it in items]))
+            self._extend(items, logits, chains, d)
+        last = [i for i, it in enumerate(items) if it.want > self.m]
+        for d in range(self.m + 1, self.k + 1):
+            last = [i for i in last if items[i].want >= d]
+            if not last:
+                break
+            picked = [items[i] for i in last]
+            ids = [chains[it.seq.seq_id][-1] for it in picked]
+            at = [it.end + d - self.m - 1 for it in picked]
+            spans = [Span(p, p + 1, it.seq.slot, self._no_blocks) for p, it in zip(at, picked)]
+            res = torch.cat([residual[i][-1:] for i in last])
+            logits, out = self._call(ids, res, spans, self.m - 1)
+            for n, i in enumerate(last):
+                residual[i] = out[n : n + 1]
+            self._extend(picked, logits, chains, d)
+        return chains
+
+    def _call(self, ids: list[int], residual: torch.Tensor, spans: list[Span], layer: int):
+        token_ids = torch.tensor(ids, dtype=torch.int64)
+        return self.runtime.draft_forward(token_ids, residual, spans, layer=layer)
+
+    @staticmethod
+    def _token(it: DraftItem, q: int, chains: dict[int, list[int]]) -> int:
+        tokens = it.seq.tokens
+        if q < len(tokens):
+            return tokens[q]
+        chain = chains.get(it.seq.seq_id, ())
+        return chain[q - len(tokens)] if q - len(tokens) < len(chain) else tokens[-1]
+
+    @staticmethod
+    def _extend(items, logits: torch.Tensor, chains: dict[int, list[int]], d: int) -> None:
+        """Append depth ``d``'s proposal (the argmax at each item's last index) to the chains
+        of the items that still want one."""
+        best = logits.argmax(-1).tolist()
+        for it, tok in zip(items, best):
+            if it.want >= d:
+                chains[it.seq.seq_id].append(int(tok))

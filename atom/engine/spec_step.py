@@ -1,0 +1,123 @@
+"""One engine step with speculative decoding (``speculative_tokens`` k >= 1).
+
+Order, and why:
+
+1. the target forward, with residuals: prefill chunks in one forward (last-token logits), the
+   verify spans ``[n - 1, n + j)`` (a decode position plus its j <= k drafts) and spans that
+   need prompt logprobs in another (every token's logits);
+2. tokens: a prefill chunk's last token is sampled as without drafts; a verify span walks its
+   positions: each draft is accepted or the position's own token is taken and the walk stops
+   (``Sampler.verify``); after every accepted draft the bonus position is sampled. A stop token
+   or a length limit ends the walk too. Tokens are appended as they are decided (penalties of
+   the next position see them), each one's logprobs recorded before it;
+3. the committed end of each span: ``start +`` the tokens appended (a verify span's positions
+   past it ran on rejected drafts; the model re-runs them on the next forward, which may start
+   up to k positions behind its slot's cursor);
+4. the draft layers over every committed span (``Drafter``), proposing the next k tokens of
+   each sequence that continues;
+5. images: a span ending on a block boundary stores its image only if its end is committed,
+   i.e. every draft was accepted (the scheduler cuts a verify span at the next boundary, so a
+   boundary is never inside one), and only now, after the draft layers, so that the image holds
+   them at the boundary too; otherwise the PENDING image is dropped;
+6. commit (blocks published up to the committed end only: draft rows are never a hit), then
+   timings, metrics and finished requests.
+"""
+
+from __future__ import annotations
+
+import time
+
+from atom.engine.drafter import DraftItem
+from atom.engine.sampler import needs_prompt_logits, record_prompt_logprobs, token_logprobs
+
+
+def speculative_step(engine, out) -> list:
+    """Run ``out`` (a SchedulerOutput with spans) as one speculative step; returns the
+    sequences that finished."""
+    spans, runner, sampler = out.spans, engine.runner, engine.sampler
+    full = [i for i, sp in enumerate(spans) if sp.drafts or needs_prompt_logits(sp.seq, sp.start)]
+    try:
+        logits = runner.execute(spans, full, residual=True, images=False)
+    except Exception:
+        for sp in spans:
+            engine.scheduler.abandon(sp)
+        raise
+    engine.steps += 1
+    for i in full:
+        sp = spans[i]
+        if not sp.drafts:
+            record_prompt_logprobs(sp.seq, sp.start, runner.span_logits[i])
+    new: dict[int, int] = {}  # span index -> tokens appended
+    stops: dict[int, str] = {}
+    plain = [i for i, sp in enumerate(spans) if sp.samples and not sp.drafts]
+    picked = sampler.sample(logits[plain], [spans[i].seq for i in plain])
+    for i, tok in zip(plain, picked):
+        _append(spans[i].seq, logits[i : i + 1], tok)
+        new[i] = 1
+        reason = engine._stop_reason(spans[i].seq)
+        if reason:
+            stops[i] = reason
+    stats = engine.spec_stats
+    for i, sp in enumerate(spans):
+        if not sp.drafts:
+            continue
+        seq, rows = sp.seq, runner.span_logits[i]
+        new[i], accepted = 0, 0
+        for j in range(len(sp.drafts) + 1):
+            draft = sp.drafts[j] if j < len(sp.drafts) else None
+            tok, ok = sampler.verify(rows[j], seq, draft)
+            _append(seq, rows[j : j + 1], tok)
+            new[i] += 1
+            accepted += ok
+            reason = engine._stop_reason(seq)
+            if reason:
+                stops[i] = reason
+                break
+            if not ok:
+                break
+        stats.observe(len(sp.drafts), accepted)
+    ends = [sp.start + new[i] if sp.drafts else sp.end for i, sp in enumerate(spans)]
+    items = []
+    for i, sp in enumerate(spans):
+        seq = sp.seq
+        proposing = i in new and i not in stops
+        want = min(engine.config.speculative_tokens, seq.max_tokens - len(seq.output) - 1)
+        items.append(
+            DraftItem(
+                seq,
+                sp.start,
+                ends[i],
+                runner.span_residual[i][: ends[i] - sp.start],
+                max(0, want) if proposing else 0,
+            )
+        )
+    proposals = engine.drafter.propose(items)
+    for sp in spans:
+        sp.seq.draft = proposals.get(sp.seq.seq_id, [])
+    runner.store_images([sp for sp, end in zip(spans, ends) if end == sp.end])
+    for sp, end in zip(spans, ends):
+        engine.scheduler.commit(sp, end)
+    if engine.scheduler.connector is not None:
+        engine.scheduler.connector.after_step([sp.seq for sp in spans])
+    now, finished = time.perf_counter(), []
+    for i, count in new.items():
+        seq = spans[i].seq
+        for _ in range(count):
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+                engine.m.ttft.observe(now - seq.arrival_time)
+            else:
+                engine.m.itl.observe(now - seq.token_times[-1])
+            seq.token_times.append(now)
+            engine.m.gen.inc()
+        if i in stops:
+            engine._finish(seq, stops[i])
+            finished.append(seq)
+    return finished
+
+
+def _append(seq, row, token: int) -> None:
+    """Append one decided token, its logprobs recorded first (as the plain step does)."""
+    if seq.params.logprobs is not None:
+        seq.logprobs += token_logprobs(row, [token], seq.params.logprobs)
+    seq.tokens.append(token)
