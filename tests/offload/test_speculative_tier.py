@@ -1,0 +1,90 @@
+"""The tier under speculative decoding, against the real LMCache server: images (and so tier
+saves) hold accepted tokens only, pass 2 resumed from the tier equals pass 1 and plain decoding,
+requests resumed from the tier share steps with other requests' verify spans, and engines with
+another ``speculative_tokens`` never read each other's objects."""
+
+from __future__ import annotations
+
+from atom import SamplingParams
+
+from ..engine.test_speculative import ScriptedDrafter
+from .conftest import BLOCK
+from .test_two_pass import ceiling, prompts_of, tier
+
+MODEL = "v41-tiny-draft"
+GREEDY = SamplingParams(max_tokens=2 * BLOCK, ignore_eos=True)
+
+
+def scripted(llm, truth, wrong=lambda p: p % 5 == 0):
+    llm.engine.drafter = ScriptedDrafter(llm.engine.drafter, truth, wrong)
+    return llm
+
+
+def test_two_pass_with_drafts_equals_plain_and_resumes_at_the_ceiling(lmcache_server, make_llm):
+    prompts = prompts_of([40, 77, 100, 16, 63, 64], seed=11)
+    plain = make_llm(MODEL).generate(prompts, GREEDY)
+    truth = {tuple(p): p + o.token_ids for p, o in zip(prompts, plain)}
+    first = scripted(make_llm(MODEL, speculative_tokens=3, **tier(lmcache_server)), truth)
+    out1 = first.generate(prompts, GREEDY, on_step=lambda e: e.check_integrity())
+    assert first.engine.stats()["speculative"]["accepted_tokens"] > 0
+    first.shutdown()  # stores drain before it returns
+    # pass 2: resumed requests are admitted while earlier ones verify drafts (4 slots, 6
+    # requests, a 32-token budget: admissions and verify spans share steps)
+    second = scripted(make_llm(MODEL, speculative_tokens=3, **tier(lmcache_server)), truth)
+    mixed = []
+
+    def watch(engine):
+        engine.check_integrity()
+
+    inner = second.engine.runner.execute
+
+    def execute(spans, *a, **kw):
+        if any(sp.drafts for sp in spans) and any(sp.restore is not None for sp in spans):
+            mixed.append(len(spans))
+        return inner(spans, *a, **kw)
+
+    second.engine.runner.execute = execute
+    out2 = second.generate(prompts, GREEDY, on_step=watch)
+    got = sum(o.tier_hit_tokens for o in out2)
+    ceil = sum(ceiling(len(p)) for p in prompts)
+    assert got >= 0.99 * ceil, f"tier hit {got} of ceiling {ceil}"
+    assert mixed, "no step mixed a tier-resumed admission with a verify span"
+    for a, b, c in zip(plain, out1, out2):
+        assert a.token_ids == b.token_ids == c.token_ids
+
+
+def test_decode_boundaries_saved_with_drafts_resume_exactly(lmcache_server, make_llm):
+    """Images taken at block boundaries crossed while decoding with drafts (rejections right
+    before each boundary) are saved; a request whose prompt is prompt + output resumes from
+    them and continues as plain decoding does."""
+    prompt = prompts_of([BLOCK + 7], seed=12)
+    plain = make_llm(MODEL).generate(prompt, GREEDY)[0]
+    truth = {tuple(prompt[0]): prompt[0] + plain.token_ids}
+    first = scripted(
+        make_llm(MODEL, speculative_tokens=5, **tier(lmcache_server)),
+        truth,
+        wrong=lambda p: p % BLOCK == BLOCK - 1,
+    )
+    assert first.generate(prompt, GREEDY)[0].token_ids == plain.token_ids
+    first.shutdown()
+    longer = (prompt[0] + plain.token_ids)[: 3 * BLOCK + 2]
+    want = make_llm(MODEL).generate([longer], GREEDY)[0]
+    second = make_llm(MODEL, speculative_tokens=5, **tier(lmcache_server))
+    got = second.generate([longer], GREEDY)[0]
+    assert got.tier_hit_tokens == 3 * BLOCK  # the boundaries at 32 and 48 were decode ones
+    assert got.token_ids == want.token_ids
+
+
+def test_engines_with_another_speculative_tokens_share_no_object(lmcache_server, make_llm):
+    prompts = prompts_of([70, 90], seed=13)
+    first = make_llm(MODEL, speculative_tokens=2, **tier(lmcache_server))
+    out1 = first.generate(prompts, GREEDY)
+    first.shutdown()
+    for k in (0, 3):
+        other = make_llm(MODEL, speculative_tokens=k, **tier(lmcache_server))
+        out = other.generate(prompts, GREEDY)
+        assert sum(o.tier_hit_tokens for o in out) == 0, f"k={k} read k=2's objects"
+        assert [o.token_ids for o in out] == [o.token_ids for o in out1]
+        other.shutdown()
+    same = make_llm(MODEL, speculative_tokens=2, **tier(lmcache_server))
+    assert sum(o.tier_hit_tokens for o in same.generate(prompts, GREEDY)) > 0
