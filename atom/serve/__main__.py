@@ -35,6 +35,7 @@ ENGINE_FLAGS: dict[str, type] = {
     "index-dtype": str,
     "seed": int,
     "offload": str,
+    "speculative-tokens": int,
 }
 OFFLOAD_FLAGS: dict[str, tuple[str, type]] = {
     "lmcache-url": ("url", str),
