@@ -1,0 +1,162 @@
+"""Speculative decoding: acceptance and decode speed with the model's own draft layers.
+
+    python -m benchmarks.speculative --device cpu --ks 0 1 2 3
+    python -m benchmarks.speculative --model v41-tiny-draft --device cpu   # random weights
+
+Default model: models/v41-recall (trained target + trained draft layer) on recall-task prompts
+(benchmarks/recall_task.py, the held-out "test" split). For each k (0 = plain decoding) one
+engine generates ``--output-len`` greedy tokens for every prompt; each k runs ``--repeats``
+times after a warm-up, arms interleaved (k0, k1, ..., k0, k1, ...) so that drift hits every arm
+alike. Reported: decode tokens/s (output tokens / wall time of the generate call, prompts
+included: they are short next to the output), its ratio to k = 0 per repeat (median and
+spread), drafts verified, acceptance rate, mean tokens per verify span (accepted + 1), engine
+steps, and whether every output equals the k = 0 output (greedy must).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from atom import LLM, SamplingParams
+from benchmarks.common import md_table, write_results
+from benchmarks.recall_task import split
+
+RECALL = Path(__file__).resolve().parent.parent / "models" / "v41-recall"
+
+
+def parse(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.speculative", description=__doc__)
+    ap.add_argument("--model", default=str(RECALL))
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default=None, help="default: float32 on cpu, bfloat16 on cuda")
+    ap.add_argument("--ks", type=int, nargs="+", default=[0, 1, 2, 3])
+    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--prompt-len", type=int, default=192)
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--name", default=None, help="results name (default speculative_<device>)")
+    return ap.parse_args(argv)
+
+
+def prompts_for(args) -> list[list[int]]:
+    if Path(args.model).is_dir() and "recall" in Path(args.model).name:
+        return [ex.prompt for ex in split("test", args.prompts, args.prompt_len)]
+    g = torch.Generator().manual_seed(0)
+    return [
+        torch.randint(0, 256, (args.prompt_len,), generator=g).tolist() for _ in range(args.prompts)
+    ]
+
+
+def build(args, k: int) -> LLM:
+    dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
+    blocks = -(-(args.prompt_len + args.output_len + 8) // 256) * args.concurrency + 64
+    return LLM(
+        args.model,
+        device=args.device,
+        dtype=dtype,
+        block_size=256,
+        num_blocks=blocks,
+        max_num_seqs=args.concurrency,
+        max_num_batched_tokens=max(2048, args.prompt_len),
+        speculative_tokens=k,
+    )
+
+
+def main(argv=None) -> int:
+    args = parse(argv)
+    prompts = prompts_for(args)
+    params = SamplingParams(max_tokens=args.output_len, ignore_eos=True)
+    engines = {k: build(args, k) for k in args.ks}
+    for llm in engines.values():  # warm-up (allocations, kernels, graphs)
+        llm.generate(prompts[:2], SamplingParams(max_tokens=4, ignore_eos=True))
+    times = {k: [] for k in args.ks}
+    outputs, stats, steps = {}, {}, {}
+    for r in range(args.repeats):
+        for k, llm in engines.items():
+            before, spec = llm.engine.steps, llm.engine.spec_stats
+            counts = (spec.proposed, spec.accepted, spec.verifies) if spec else None
+            if args.device.startswith("cuda"):
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            outs = llm.generate(prompts, params)
+            times[k].append(time.perf_counter() - t0)
+            steps[k] = llm.engine.steps - before
+            outputs[k] = [o.token_ids for o in outs]
+            if spec is not None:
+                proposed, accepted, verifies = (
+                    now - then
+                    for now, then in zip((spec.proposed, spec.accepted, spec.verifies), counts)
+                )
+                stats[k] = {
+                    "draft_tokens": proposed,
+                    "accepted_tokens": accepted,
+                    "verify_spans": verifies,
+                    "acceptance_rate": accepted / max(1, proposed),
+                    "tokens_per_verify": (accepted + verifies) / max(1, verifies),
+                }
+            print(f"repeat {r} k={k}: {times[k][-1]:.3f} s, {steps[k]} steps", file=sys.stderr)
+    total = sum(len(o) for o in outputs[args.ks[0]])
+    base = args.ks[0]
+    rows, data = [], {"arms": {}}
+    for k in args.ks:
+        ratio = [times[base][i] / times[k][i] for i in range(args.repeats)]
+        same = sum(a == b for a, b in zip(outputs[k], outputs[base]))
+        s = stats.get(k, {})
+        arm = {
+            "seconds": times[k],
+            "tokens_per_s_median": total / statistics.median(times[k]),
+            "speedup_vs_k0": ratio,
+            "steps": steps[k],
+            "outputs_equal_to_k0": f"{same}/{len(prompts)}",
+            **s,
+        }
+        data["arms"][str(k)] = arm
+        rows.append(
+            [
+                k,
+                f"{arm['tokens_per_s_median']:.1f}",
+                f"{statistics.median(ratio):.2f} ({min(ratio):.2f}-{max(ratio):.2f})",
+                steps[k],
+                s.get("draft_tokens", 0),
+                f"{s.get('acceptance_rate', 0.0):.3f}",
+                f"{s.get('tokens_per_verify', 1.0):.2f}",
+                arm["outputs_equal_to_k0"],
+            ]
+        )
+    table = md_table(
+        [
+            "k",
+            "output tok/s (median)",
+            "speed-up vs k=0 (median, min-max)",
+            "steps",
+            "drafts verified",
+            "acceptance",
+            "tokens / verify",
+            "outputs = k0",
+        ],
+        rows,
+    )
+    data.update(
+        model=args.model,
+        prompts=len(prompts),
+        prompt_len=args.prompt_len,
+        output_len=args.output_len,
+        concurrency=args.concurrency,
+        repeats=args.repeats,
+    )
+    name = args.name or f"speculative_{'h200' if args.device.startswith('cuda') else 'cpu'}"
+    command = "python -m benchmarks.speculative " + " ".join(argv or sys.argv[1:])
+    print(table)
+    print(write_results(name, data, table, command))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

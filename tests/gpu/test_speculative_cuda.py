@@ -1,0 +1,47 @@
+"""Speculative decoding on CUDA: greedy outputs with drafts equal plain decoding (fp32 exactly,
+bf16 up to near-ties), with the real draft layers and with scripted drafts that are mostly
+accepted. Skipped without a GPU (tests/engine/test_speculative.py runs the same on CPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from atom import LLM, SamplingParams
+from tests.engine.test_speculative import ScriptedDrafter, prompts_of
+from tests.gpu.test_decode_graphs_cuda import assert_same_greedy
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+MODEL = "v41-tiny-draft"
+KW = dict(block_size=16, num_blocks=128, max_num_seqs=8, max_num_batched_tokens=128)
+
+
+@pytest.mark.parametrize(
+    "dtype, eps",
+    [
+        (dict(dtype="float32", kv_dtype="fp32", index_dtype="fp32"), 0.0),
+        (dict(dtype="bfloat16"), 0.25),
+    ],
+)
+def test_speculative_greedy_on_cuda_equals_plain(dtype, eps):
+    prompts = prompts_of([5, 17, 33, 40, 64, 90], seed=21)
+    params = SamplingParams(max_tokens=40, ignore_eos=True, logprobs=2)
+    plain = LLM(MODEL, device="cuda", **KW, **dtype).generate(prompts, params)
+    truth = {tuple(p): p + o.token_ids for p, o in zip(prompts, plain)}
+    for scripted in (False, True):
+        llm = LLM(MODEL, device="cuda", speculative_tokens=3, **KW, **dtype)
+        if scripted:
+            llm.engine.drafter = ScriptedDrafter(llm.engine.drafter, truth, lambda p: p % 6 == 0)
+        spec = llm.generate(prompts, params, on_step=lambda e: e.check_integrity())
+        if eps == 0.0:
+            assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+        else:
+            assert_same_greedy(spec, plain, eps, most=2)
+        stats = llm.engine.stats()["speculative"]
+        assert stats["verify_spans"] > 0
+        if scripted:
+            assert stats["acceptance_rate"] > 0.5, stats
