@@ -2,6 +2,7 @@
 # On the GPU machine: install carried wheels, run GPU tests and benchmarks, keep results.
 # Usage: bash benchmarks/gpu/run.sh STEP...
 #   steps: tests tier forward profile roofline profile_prefill transfer cuda_ops transfer_native transfer_modes serving
+#          speculative
 #          tier_only idle
 #          train forward_v4 serving_v4
 # cuda_ops builds lmcache.cuda_ops from lmcache's sources against this machine's torch
@@ -50,6 +51,9 @@ for s in "$@"; do
       --repeats 5 --burst 16 --name transfer_h200_load_modes ;;
     transfer_native) step 150 python3 -m benchmarks.transfer --device cuda --chunks 1 4 16 28 \
       --repeats 5 --burst 16 --name transfer_h200_native ;;
+    speculative) step "${SPEC_LIMIT:-300}" python3 -m benchmarks.speculative --device cuda \
+      --ks 0 1 2 3 --eager-baseline --prompts 32 --output-len 128 --concurrency 16 \
+      --repeats 3 ;;
     serving) step 585 python3 -m benchmarks.serving --preset gpu ;;
     tier_only) step 300 python3 -m benchmarks.serving --preset gpu --arms tier ;;
     idle) step 560 python3 -m benchmarks.serving --preset gpu --arms idle \
