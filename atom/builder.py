@@ -18,6 +18,11 @@ def build_engine(config: EngineConfig, attach_tier=None) -> LLMEngine:
     (tests attach fakes through it)."""
     cfg = config.resolved()
     torch.manual_seed(cfg.seed)
+    if cfg.tensor_parallel_size > 1:
+        from atom.distributed.ranks import start_ranks
+
+        # every rank runs every forward eagerly (no decode graphs across ranks yet)
+        return LLMEngine(cfg, start_ranks(cfg), attach_tier)
     runtime = load_runtime(
         cfg.model,
         dtype=getattr(torch, cfg.dtype),

@@ -42,10 +42,14 @@ class EngineConfig(BaseModel):
     # speculative decoding with the model's own draft layers: drafts verified per decode step
     # (0 = off; up to 5). The state gains rows for them, so it is part of the tier namespace
     speculative_tokens: int = 0
+    # tensor parallelism: ranks (one process each; this one is rank 0) the model is split over
+    tensor_parallel_size: int = 1
     offload: Literal["none", "lmcache_mp"] = "none"
     lmcache: OffloadConfig = OffloadConfig()  # the tier's settings (with offload=lmcache_mp)
 
-    @field_validator("max_num_seqs", "max_num_batched_tokens", "checkpoint_interval")
+    @field_validator(
+        "max_num_seqs", "max_num_batched_tokens", "checkpoint_interval", "tensor_parallel_size"
+    )
     @classmethod
     def _positive(cls, v: int, info) -> int:
         if v < 1:
@@ -86,6 +90,16 @@ class EngineConfig(BaseModel):
             raise ValueError(
                 f"num_blocks={self.num_blocks} and pool_memory_gb={self.pool_memory_gb} both "
                 "size the pool; set only one"
+            )
+        if self.tensor_parallel_size > 1 and self.offload != "none":
+            raise ValueError(
+                f"tensor_parallel_size={self.tensor_parallel_size} with offload={self.offload!r}: "
+                "the tier does not run across ranks yet (use offload=none or one rank)"
+            )
+        if self.tensor_parallel_size > 1 and self.speculative_tokens:
+            raise ValueError(
+                f"tensor_parallel_size={self.tensor_parallel_size} with speculative_tokens="
+                f"{self.speculative_tokens}: speculative decoding does not run across ranks yet"
             )
         if self.block_size is not None and self.offload == "lmcache_mp":
             self.lmcache.resolved_chunk(self.block_size)

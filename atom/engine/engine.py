@@ -372,6 +372,9 @@ class LLMEngine:
         if self.tier is not None:
             tier, self.tier = self.tier, None
             tier.shutdown(timeout_s)
+        close = getattr(self.runtime, "close", None)  # a tensor-parallel runtime's other ranks
+        if close is not None:
+            close()
 
 
 def _draft_capable(cfg: EngineConfig, runtime: ModelRuntime) -> int:

@@ -36,6 +36,7 @@ ENGINE_FLAGS: dict[str, type] = {
     "seed": int,
     "offload": str,
     "speculative-tokens": int,
+    "tensor-parallel-size": int,
 }
 OFFLOAD_FLAGS: dict[str, tuple[str, type]] = {
     "lmcache-url": ("url", str),

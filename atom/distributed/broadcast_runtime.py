@@ -1,0 +1,138 @@
+"""Rank 0's model runtime in a tensor-parallel engine: every call is sent to the other ranks,
+which make it on their own runtime, then made here.
+
+The engine (scheduler, runner, sampler, tier) runs on rank 0 only and never knows there are
+other ranks: it holds a ``BroadcastRuntime`` where it would hold a ``ModelRuntime``. Each rank
+holds its own pool and state slots, with the same shapes; every rank makes the same calls in
+the same order (the forward's all-reduces need it), so their pools and slots hold the same
+bytes and the logits are the same on every rank. Rank 0's are the ones the engine samples.
+
+An op is a tuple ``(name, *args)`` of host values (token ids and block tables on the host,
+image units as lists), sent with one object broadcast on the control group. Ops:
+``("bind", pool_shape, pool_dtype, slot_shape)``, ``("forward", ids, spans, all_logits)``,
+``("store_image", slot, units)``, ``("restore_image", units, slot)``, ``("stop",)``.
+"""
+
+from __future__ import annotations
+
+import logging
+from contextlib import contextmanager
+
+import torch
+
+from atom.model_api import Span
+
+log = logging.getLogger("atom.distributed")
+
+
+class RankFailure(RuntimeError):
+    """Another rank is gone (or a collective with it failed): the engine cannot continue."""
+
+
+class BroadcastRuntime:
+    """A ``ModelRuntime`` that broadcasts each call to the ranks of ``state`` first."""
+
+    host_block_tables = True
+
+    def __init__(self, runtime, state, on_close=None):
+        self.inner, self.state = runtime, state
+        self.spec, self.vocab_size, self.device = runtime.spec, runtime.vocab_size, runtime.device
+        self.reserved_blocks = getattr(runtime, "reserved_blocks", 0)
+        self.reserved_slots = getattr(runtime, "reserved_slots", 0)
+        self._on_close = on_close
+        self.closed = False
+        self.processes: list = []  # the other ranks' processes (set by ``start_ranks``)
+
+    @property
+    def model(self):
+        return self.inner.model
+
+    def _send(self, *op) -> None:
+        if self.closed:
+            raise RankFailure("the tensor-parallel ranks were stopped")
+        with self._ranks():
+            self.state.broadcast_object(op)
+
+    @contextmanager
+    def _ranks(self):
+        """Turn a failed collective into a RankFailure naming the rank that died, if one did."""
+        try:
+            yield
+        except RankFailure:
+            raise
+        except Exception as exc:
+            for p in self.processes:
+                p.join(1.0)  # a peer that died has usually exited by now: reap it (bounded)
+            dead = [
+                f"rank {i + 1} (pid {p.pid}) exited with code {p.exitcode}"
+                for i, p in enumerate(self.processes)
+                if p.exitcode is not None
+            ]
+            why = "; ".join(dead) or f"a collective failed: {exc}"
+            raise RankFailure(f"tensor parallelism: {why}; the engine cannot continue") from exc
+
+    def bind(self, pool: torch.Tensor, slot_bytes: torch.Tensor) -> None:
+        self._send("bind", tuple(pool.shape), str(pool.dtype), tuple(slot_bytes.shape))
+        self.inner.bind(pool, slot_bytes)
+
+    def forward(
+        self, token_ids: torch.Tensor, spans: list[Span], all_logits: bool = False
+    ) -> torch.Tensor:
+        ids = token_ids.cpu()
+        spans = [Span(s.start, s.end, s.slot, s.block_table.cpu()) for s in spans]
+        self._send("forward", ids, spans, all_logits)
+        with self._ranks():
+            return run_forward(self.inner, ids, spans, all_logits)
+
+    def store_image(self, slot: int, units: torch.Tensor) -> None:
+        self._send("store_image", slot, units.tolist())
+        self.inner.store_image(slot, units)
+
+    def restore_image(self, units: torch.Tensor, slot: int) -> int:
+        self._send("restore_image", units.tolist(), slot)
+        return self.inner.restore_image(units, slot)
+
+    def close(self) -> None:
+        """Stop the other ranks (they leave their loop and exit) and leave the group."""
+        if self.closed:
+            return
+        try:
+            self._send("stop")
+        except RankFailure as exc:
+            log.warning("stopping the tensor-parallel ranks: %s", exc)
+        finally:
+            self.closed = True
+            if self._on_close is not None:
+                self._on_close()
+
+
+def run_forward(runtime, ids: torch.Tensor, spans: list[Span], all_logits: bool):
+    """The runtime's forward, every token's logits with ``all_logits``."""
+    if not all_logits:
+        return runtime.forward(ids, spans)
+    return runtime.model.forward_paged(ids, spans, runtime.kv, runtime.slots, all_logits=True)
+
+
+def serve_ops(runtime, state) -> None:
+    """A rank other than 0: make every op rank 0 sends on ``runtime`` until ``stop``."""
+    device = runtime.device
+    while True:
+        op = state.broadcast_object()
+        name, args = op[0], op[1:]
+        if name == "stop":
+            return
+        if name == "bind":
+            shape, dtype, slot_shape = args
+            pool = torch.zeros(shape, dtype=getattr(torch, dtype.split(".")[-1]), device=device)
+            slots = torch.zeros(slot_shape, dtype=torch.uint8, device=device)
+            runtime.bind(pool, slots)
+        elif name == "forward":
+            run_forward(runtime, *args)
+        elif name == "store_image":
+            slot, units = args
+            runtime.store_image(slot, torch.tensor(units, dtype=torch.int64, device=device))
+        elif name == "restore_image":
+            units, slot = args
+            runtime.restore_image(torch.tensor(units, dtype=torch.int64, device=device), slot)
+        else:
+            raise RuntimeError(f"unknown tensor-parallel op {name!r}")

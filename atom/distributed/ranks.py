@@ -1,0 +1,133 @@
+"""Start a tensor-parallel engine's ranks: one process per rank, this process is rank 0.
+
+``start_ranks(cfg)`` spawns ranks 1..N-1 (``multiprocessing`` spawn), joins the group as rank
+0, builds this rank's split runtime and returns it wrapped in a ``BroadcastRuntime``. Each
+other rank builds its own split runtime and then makes the ops rank 0 sends
+(``broadcast_runtime.serve_ops``) until ``stop``.
+
+Lifetimes: a rank whose parent (rank 0's process) dies exits at once (a watchdog thread on the
+parent's sentinel), so no rank outlives the engine; a rank that dies makes rank 0's next
+collective fail within ``tp_timeout_s`` (an error, never a hang); ``BroadcastRuntime.close``
+sends ``stop`` and joins the ranks (killing one that does not exit in time). On CUDA rank r
+uses device ``cuda:r``.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import threading
+
+import torch
+
+from atom.distributed.broadcast_runtime import BroadcastRuntime, serve_ops
+from atom.distributed.parallel_state import ParallelState, local_init_method
+
+log = logging.getLogger("atom.distributed")
+
+#: seconds a collective of the forward may take before it fails (a dead rank)
+TP_TIMEOUT_S = 30.0
+
+
+def rank_device(device: str, rank: int) -> str:
+    return f"cuda:{rank}" if device.startswith("cuda") else "cpu"
+
+
+def build_rank_runtime(cfg, state: ParallelState):
+    """This rank's split runtime for the resolved config ``cfg``."""
+    from atom.distributed.v41 import TensorParallelError, build_v41_tp
+    from atom.models.deepseek_v41.runtime import V41Runtime
+    from atom.models.registry import resolve_config
+
+    model_cfg, path = resolve_config(cfg.model)
+    if getattr(model_cfg, "model_type", None) != "deepseek_v41":
+        raise TensorParallelError(
+            f"tensor_parallel_size={state.world_size}: model {cfg.model!r} is "
+            f"{getattr(model_cfg, 'model_type', '?')}; tensor parallelism is built for "
+            "deepseek_v41 models (use tensor_parallel_size=1)"
+        )
+    model = build_v41_tp(
+        model_cfg,
+        state,
+        dtype=getattr(torch, cfg.dtype),
+        kv_dtype=cfg.kv_dtype,
+        index_dtype=cfg.index_dtype,
+        device=rank_device(cfg.device, state.rank),
+        seed=cfg.seed if path is None else None,
+        checkpoint=path,
+    )
+    return V41Runtime(model, block_size=cfg.block_size, speculative_tokens=0)
+
+
+def _rank_main(rank: int, world: int, init_method: str, values: dict) -> None:
+    from atom.config import EngineConfig
+
+    parent = mp.parent_process()
+    if parent is not None:
+        threading.Thread(
+            target=lambda: (parent.join(), os._exit(3)), daemon=True, name="parent-watch"
+        ).start()
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{rank} %(message)s")
+    cfg = EngineConfig(**values)
+    torch.set_num_threads(max(1, torch.get_num_threads() // world))
+    state = ParallelState.init(
+        rank,
+        world,
+        init_method=init_method,
+        device=rank_device(cfg.device, rank),
+        timeout_s=TP_TIMEOUT_S,
+    )
+    runtime = build_rank_runtime(cfg, state)
+    serve_ops(runtime, state)
+    state.destroy()
+
+
+def start_ranks(cfg) -> BroadcastRuntime:
+    """Spawn ranks 1..N-1 of the resolved config ``cfg``, join as rank 0, return its runtime."""
+    from atom.distributed.v41 import check_v41_tp
+    from atom.models.registry import resolve_config
+
+    world = cfg.tensor_parallel_size
+    model_cfg, _ = resolve_config(cfg.model)
+    if getattr(model_cfg, "model_type", None) == "deepseek_v41":
+        check_v41_tp(model_cfg, world)  # before any process or group exists
+    init_method = local_init_method()
+    ctx = mp.get_context("spawn")
+    procs = [
+        ctx.Process(
+            target=_rank_main,
+            args=(rank, world, init_method, cfg.model_dump()),
+            name=f"atom-tp-rank{rank}",
+            daemon=True,
+        )
+        for rank in range(1, world)
+    ]
+    for p in procs:
+        p.start()
+    try:
+        state = ParallelState.init(
+            0, world, init_method=init_method, device=rank_device(cfg.device, 0),
+            timeout_s=TP_TIMEOUT_S,
+        )  # fmt: skip
+        runtime = build_rank_runtime(cfg, state)
+    except BaseException:
+        _stop(procs, 0.0)
+        raise
+    log.info("tensor parallel: %d ranks (pids %s)", world, [p.pid for p in procs])
+
+    def close() -> None:
+        _stop(procs, 30.0 if all(p.is_alive() for p in procs) else 0.0)
+        state.destroy()
+
+    broadcast = BroadcastRuntime(runtime, state, on_close=close)
+    broadcast.processes = procs
+    return broadcast
+
+
+def _stop(procs, timeout_s: float) -> None:
+    for p in procs:
+        p.join(timeout_s)
+        if p.is_alive():
+            p.kill()
+            p.join()

@@ -1,0 +1,135 @@
+"""The engine at tensor_parallel_size=2 (CPU, gloo; rank 0 is this process, rank 1 a spawned
+one): greedy outputs equal one rank's on the engine-oracle workload (up to near-ties, which are
+reported), every rank stops with the engine, a killed rank stops the engine with an error and
+no process outlives it, and what does not run across ranks yet is refused by the config."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from atom import LLM, SamplingParams
+from atom.config import EngineConfigError
+from atom.distributed.broadcast_runtime import RankFailure
+from tests.engine.test_engine_oracle import run_checked
+from tests.engine.workloads import prefix_tree_prompts
+from tests.gpu.test_decode_graphs_cuda import assert_same_greedy
+
+KW = dict(
+    block_size=16,
+    num_blocks=40,
+    max_num_seqs=4,
+    max_num_batched_tokens=48,
+    dtype="float32",
+    kv_dtype="fp32",
+    index_dtype="fp32",
+    device="cpu",
+)
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie is not alive
+        return f.read().split(")")[-1].split()[0] != "Z"
+
+
+def test_tp2_greedy_equals_one_rank_and_stops_every_rank():
+    prompts = prefix_tree_prompts(12, 16, seed=5)
+    params = SamplingParams(max_tokens=8, ignore_eos=True, logprobs=2)
+    one = LLM("v41-tiny", **KW).generate(prompts, params)
+    llm = LLM("v41-tiny", tensor_parallel_size=2, **KW)
+    pids = [p.pid for p in llm.engine.runtime.processes]
+    assert len(pids) == 1 and alive(pids[0])
+    two = run_checked(llm, prompts, params)
+    assert sum(o.hbm_hit_tokens for o in two) > 0, "the tree workload produced no hit"
+    # split reductions change the last bits; a token may differ only where one rank's top two
+    # were within 1e-3 (a near-tie), and not in more than one sequence
+    assert_same_greedy(two, one, eps=1e-3, most=1)
+    llm.shutdown()
+    assert not alive(pids[0]), "rank 1 outlived the engine"
+
+
+def test_a_killed_rank_stops_the_engine_with_an_error():
+    llm = LLM("v41-tiny", tensor_parallel_size=2, **KW)
+    (proc,) = llm.engine.runtime.processes
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    steps = []
+
+    def kill_on_third(engine):
+        steps.append(1)
+        if len(steps) == 3:
+            os.kill(proc.pid, signal.SIGKILL)
+
+    t0 = time.monotonic()
+    with pytest.raises(RankFailure, match=r"rank 1 \(pid \d+\) exited with code -9") as err:
+        llm.generate(prefix_tree_prompts(4, 16, seed=6), params, on_step=kill_on_third)
+    took = time.monotonic() - t0
+    assert took < 40, f"the engine took {took:.0f} s to notice a dead rank"
+    assert len(steps) >= 3
+    print(f"dead rank noticed after {took:.1f} s: {type(err.value).__name__}: {err.value}")
+    proc.join(5)
+    assert not proc.is_alive()
+    t0 = time.monotonic()
+    llm.shutdown()  # stops what is left and leaves the group, without waiting on the dead rank
+    assert time.monotonic() - t0 < 10
+
+
+def test_ranks_exit_when_rank_0_is_killed(tmp_path):
+    script = tmp_path / "tp_rank0.py"
+    script.write_text(textwrap.dedent(f"""
+        import sys
+        from atom import LLM, SamplingParams
+        if __name__ == "__main__":
+            llm = LLM("v41-tiny", tensor_parallel_size=2, **{KW!r})
+            llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2))
+            print("PIDS", *[p.pid for p in llm.engine.runtime.processes], flush=True)
+            sys.stdin.read()  # until the test kills this process
+    """))
+    rank0 = subprocess.Popen(
+        [sys.executable, str(script)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        line = ""
+        while not line.startswith("PIDS"):
+            line = rank0.stdout.readline()
+            assert line, "rank 0 exited before starting its ranks"
+        (pid,) = [int(x) for x in line.split()[1:]]
+        assert alive(pid)
+        rank0.kill()
+        rank0.wait(30)
+        deadline = time.monotonic() + 30
+        while alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.05)  # allowed: polling another process's exit, bounded
+        assert not alive(pid), "rank 1 outlived a killed rank 0"
+    finally:
+        rank0.kill()
+
+
+@pytest.mark.parametrize(
+    "extra, needle",
+    [
+        (dict(offload="lmcache_mp"), "tier does not run across ranks"),
+        (dict(model="v41-tiny-draft", speculative_tokens=2), "speculative decoding does not run"),
+        (dict(tensor_parallel_size=0), "tensor_parallel_size"),
+    ],
+)
+def test_config_refuses_what_does_not_run_across_ranks(extra, needle):
+    values = {**KW, "model": "v41-tiny", "tensor_parallel_size": 2, **extra}
+    model = values.pop("model")
+    with pytest.raises(EngineConfigError, match=needle):
+        LLM(model, **values)
+
+
+def test_a_world_size_that_does_not_divide_the_heads_is_refused():
+    with pytest.raises(Exception, match="tensor_parallel_size=3|world size 3|3 ranks") as err:
+        LLM("v41-tiny", tensor_parallel_size=3, **KW)
+    print(err.value)
