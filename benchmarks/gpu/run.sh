@@ -2,7 +2,7 @@
 # On the GPU machine: install carried wheels, run GPU tests and benchmarks, keep results.
 # Usage: bash benchmarks/gpu/run.sh STEP...
 #   steps: tests tier forward profile roofline profile_prefill transfer cuda_ops transfer_native transfer_modes serving
-#          speculative
+#          speculative tp tp_tests (tp, tp_tests: two GPUs)
 #          tier_only idle
 #          train forward_v4 serving_v4
 # cuda_ops builds lmcache.cuda_ops from lmcache's sources against this machine's torch
@@ -54,6 +54,10 @@ for s in "$@"; do
     speculative) step "${SPEC_LIMIT:-300}" python3 -m benchmarks.speculative --device cuda \
       --ks 0 1 2 3 --eager-baseline --prompts 32 --output-len 128 --concurrency 16 \
       --repeats 3 ;;
+    tp) step "${TP_LIMIT:-400}" python3 -m benchmarks.tp --model v41-bench --device cuda --tp 2 \
+      --prompts 16 --prompt-len 1024 --output-len 64 --concurrency 16 --repeats 3 ;;
+    tp_tests) step 200 python3 -m pytest -x -q -p no:cacheprovider tests/gpu/test_tp_cuda.py \
+      tests/distributed ;;
     serving) step 585 python3 -m benchmarks.serving --preset gpu ;;
     tier_only) step 300 python3 -m benchmarks.serving --preset gpu --arms tier ;;
     idle) step 560 python3 -m benchmarks.serving --preset gpu --arms idle \

@@ -1,0 +1,35 @@
+"""Tensor parallelism over two GPUs (NCCL): TP=2 greedy equals one rank in fp32, and agrees in
+bf16 up to near-ties. Skipped without two CUDA devices (tests/distributed runs gloo on CPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from atom import LLM, SamplingParams
+from tests.engine.workloads import prefix_tree_prompts
+from tests.gpu.test_decode_graphs_cuda import assert_same_greedy
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices"),
+]
+
+KW = dict(block_size=16, num_blocks=128, max_num_seqs=8, max_num_batched_tokens=128, device="cuda")
+
+
+@pytest.mark.parametrize(
+    "dtype, eps",
+    [
+        (dict(dtype="float32", kv_dtype="fp32", index_dtype="fp32"), 1e-3),
+        (dict(dtype="bfloat16"), 0.25),
+    ],
+)
+def test_tp2_on_two_gpus_matches_one(dtype, eps):
+    prompts = prefix_tree_prompts(16, 16, seed=31)
+    params = SamplingParams(max_tokens=16, ignore_eos=True, logprobs=2)
+    one = LLM("v41-tiny", **KW, **dtype).generate(prompts, params)
+    llm = LLM("v41-tiny", tensor_parallel_size=2, **KW, **dtype)
+    two = llm.generate(prompts, params, on_step=lambda e: e.check_integrity())
+    llm.shutdown()
+    assert_same_greedy(two, one, eps, most=2)
