@@ -12,6 +12,8 @@ runs. A query at position p sees ``(p + 1) // ratio`` compressed rows.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -86,9 +88,7 @@ class CSA2Attention(nn.Module):
         self.window, self.topk = c.sliding_window, c.index_topk
         self.cand_blocks, self.cand_block_size = c.candidate_topk_blocks, c.candidate_block_size
         self.groups, self.kv_dtype = c.o_groups, kv_dtype
-        theta, scaling = c.layer_rope(layer) if main else (c.rope_theta, None)
-        self.rope = Rope(c.qk_rope_head_dim, theta, scaling)
-        self.index_rope = Rope(c.qk_rope_head_dim, theta, scaling)
+        self.build_ropes(c)
         self.scale = self.head_dim**-0.5 * self.rope.mscale**2
         d = c.hidden_size
         self.q_a_proj = linear(d, c.q_lora_rank, dtype)
@@ -101,12 +101,23 @@ class CSA2Attention(nn.Module):
         self.o_a_proj = linear(per_group, self.groups * c.o_lora_rank, dtype)
         self.o_b_proj = linear(self.groups * c.o_lora_rank, d, dtype)
         self.o_lora_rank = c.o_lora_rank
+        # tensor parallelism (``atom.distributed``): this rank holds a slice of the heads and
+        # output groups, and this sums the ranks' partial outputs; None without it
+        self.reduce_output: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.compressor = Compressor(c, self.ratio, dtype) if self.mode is LayerMode.FULL else None
         self.indexer = (
             Indexer(c, owner=self.mode is LayerMode.FULL, dtype=dtype)
             if self.mode in (LayerMode.FULL, LayerMode.REINDEX)
             else None
         )
+
+    def build_ropes(self, c: V41Config) -> None:
+        """(Re)build the RoPE tables on the current default device (``atom.distributed`` calls
+        it again after materializing a model built on ``meta``)."""
+        main = self.layer < c.num_hidden_layers
+        theta, scaling = c.layer_rope(self.layer) if main else (c.rope_theta, None)
+        self.rope = Rope(c.qk_rope_head_dim, theta, scaling)
+        self.index_rope = Rope(c.qk_rope_head_dim, theta, scaling)
 
     # ---- per-token projections ------------------------------------------------------------
 
@@ -195,13 +206,15 @@ class CSA2Attention(nn.Module):
         return out
 
     def output(self, o: torch.Tensor, cs) -> torch.Tensor:
-        """Inverse RoPE at the query position, then the grouped output projection."""
+        """Inverse RoPE at the query position, then the grouped output projection (under
+        tensor parallelism: of this rank's groups, summed over the ranks)."""
         o = self.rope.apply(o, cs, inverse=True)
         n = o.shape[0]
         grouped = o.reshape(n, self.groups, -1)
         w = self.o_a_proj.weight.view(self.groups, self.o_lora_rank, -1)
         mid = torch.einsum("ngi,goi->ngo", grouped, w).reshape(n, -1)
-        return self.o_b_proj(mid)
+        y = self.o_b_proj(mid)
+        return y if self.reduce_output is None else self.reduce_output(y)
 
 
 # ---- selection ------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -125,6 +126,9 @@ class MoE(nn.Module):
         )
         self.shared_experts = Expert(d, inter * config.n_shared_experts, config.swiglu_limit, dtype)
         self._stack: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        # tensor parallelism (``atom.distributed``): this rank holds a slice of every expert's
+        # intermediate dimension, and this sums the ranks' float32 partial outputs
+        self.reduce_output: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.mix(x, *self.route(x))
@@ -146,14 +150,21 @@ class MoE(nn.Module):
         return "grouped" if _grouped_mm_usable(x) else "loop"
 
     def mix(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """The shared expert plus the routed experts ``idx`` weighted by ``w``."""
+        """The shared expert plus the routed experts ``idx`` weighted by ``w`` (under tensor
+        parallelism: this rank's slice of each, summed over the ranks in float32)."""
+        out = self._mix_float(x, idx, w)
+        if self.reduce_output is not None:
+            out = self.reduce_output(out)
+        return out.to(x.dtype)
+
+    def _mix_float(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         out = self.shared_experts(x).float()
         path = self.path(x.shape[0], x)
         if path == "dense":
-            return (out + self._dense(x, idx, w)).to(x.dtype)
+            return out + self._dense(x, idx, w)
         if path == "grouped":
             try:
-                return self._grouped(x, idx, w, out).to(x.dtype)
+                return self._grouped(x, idx, w, out)
             except RuntimeError as e:  # an unsupported shape or build: the loop, from now on
                 _GROUPED_MM["failed"] = f"{type(e).__name__}: {e}"
         flat = idx.flatten()
@@ -167,7 +178,7 @@ class MoE(nn.Module):
                 y = expert(x.index_select(0, r)).float() * w[r, slot[start : start + count], None]
                 out.index_add_(0, r, y)
                 start += count
-        return out.to(x.dtype)
+        return out
 
     def _grouped(
         self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, out: torch.Tensor

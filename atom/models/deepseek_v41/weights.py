@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -137,15 +138,34 @@ def _files(path: Path) -> list[Path]:
 
 
 @torch.no_grad()
-def load_weights(model: DeepseekV41ForCausalLM, path: str | Path) -> None:
+def load_weights(
+    model: DeepseekV41ForCausalLM,
+    path: str | Path,
+    *,
+    shards: Mapping[str, tuple[int, int, int]] | None = None,
+) -> None:
     """Load every parameter and buffer from safetensors at ``path`` (a file or a directory),
     named as ``checkpoint_tensors`` names them (or in DeepSeek's style).
 
     Refuses (before copying anything) a missing tensor, an unexpected tensor, or a tensor whose
     shape differs, naming the tensor and both shapes. Values are cast to the model's dtypes.
+
+    ``shards`` (tensor parallelism, ``atom.distributed``): checkpoint name -> (dim, index,
+    parts) for tensors of which the model holds only part ``index`` of ``parts`` equal slices
+    along ``dim``; the stored tensor must have the whole shape (the model's, ``dim`` times
+    ``parts``) and only that slice is read.
     """
     path = Path(path)
     expected = checkpoint_tensors(model)
+    shards = shards or {}
+
+    def whole(name: str) -> tuple[int, ...]:
+        shape = list(expected[name].shape)
+        if name in shards:
+            dim, _, parts = shards[name]
+            shape[dim] *= parts
+        return tuple(shape)
+
     stored: dict[str, tuple[Path, tuple[int, ...]]] = {}
     for f in _files(path):
         with safe_open(str(f), framework="pt") as sf:
@@ -166,17 +186,15 @@ def load_weights(model: DeepseekV41ForCausalLM, path: str | Path) -> None:
     deepseek = any(name not in expected and name in from_ds for name in stored)
     for name in sorted(set(expected) - set(found)):
         shown = to_ds.get(name, name) if deepseek else name
-        problems.append(
-            f"missing tensor {shown} (model expects shape {list(expected[name].shape)})"
-        )
+        problems.append(f"missing tensor {shown} (model expects shape {list(whole(name))})")
     for name in sorted(set(found) - set(expected)):
         f, shape, as_stored = found[name]
         problems.append(f"unexpected tensor {as_stored} with shape {list(shape)} in {f.name}")
     for name in sorted(set(found) & set(expected)):
-        if found[name][1] != tuple(expected[name].shape):
+        if found[name][1] != whole(name):
             problems.append(
                 f"tensor {found[name][2]} has shape {list(found[name][1])} in the checkpoint, "
-                f"the model expects {list(expected[name].shape)}"
+                f"the model expects {list(whole(name))}"
             )
     if problems:
         shown = "; ".join(problems[:20])
@@ -189,7 +207,13 @@ def load_weights(model: DeepseekV41ForCausalLM, path: str | Path) -> None:
         with safe_open(str(f), framework="pt") as sf:
             for name in names:
                 target = expected[name]
-                raw = sf.get_tensor(found[name][2])
+                if name in shards:  # read only this rank's slice
+                    dim, index, _ = shards[name]
+                    n = target.shape[dim]
+                    cut = (slice(None),) * dim + (slice(index * n, (index + 1) * n),)
+                    raw = sf.get_slice(found[name][2])[cut]
+                else:
+                    raw = sf.get_tensor(found[name][2])
                 target.copy_(raw.to(device=target.device, dtype=target.dtype))
 
 
