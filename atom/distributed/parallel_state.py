@@ -1,0 +1,127 @@
+"""One rank's view of a tensor-parallel group: rank, world size, process groups, collectives.
+
+``ParallelState.single()`` is the world of one rank: every collective is a no-op and no
+``torch.distributed`` group exists. ``ParallelState.init`` joins a group of ``world_size``
+processes (one per rank, each calling it with its own ``rank`` and the same ``init_method``),
+with NCCL on CUDA devices and gloo on CPU.
+
+Two process groups, two timeouts:
+  * ``control`` (the default group): rendezvous, barriers and object broadcasts (startup, the
+    steps rank 0 sends), with ``init_timeout_s`` (a rank may spend minutes loading weights);
+  * ``group`` (a second group of the same ranks): the forward's all-reduces, with
+    ``timeout_s``: a collective that does not complete in that time raises on gloo (a peer
+    that exited is usually seen at once, as a closed connection); on NCCL the watchdog aborts
+    the process after it (``TORCH_NCCL_ASYNC_ERROR_HANDLING``, on by default). Either way a dead
+    rank ends the others' forwards with an error, never a hang.
+"""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_TIMEOUT_S = 30.0
+DEFAULT_INIT_TIMEOUT_S = 600.0
+
+
+def local_init_method(host: str = "127.0.0.1") -> str:
+    """``tcp://host:port`` with a port free right now (for ranks on this machine)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return f"tcp://{host}:{s.getsockname()[1]}"
+
+
+@dataclass
+class ParallelState:
+    """Rank ``rank`` of ``world_size``; ``group`` runs the forward's collectives (None at world
+    size 1), ``control`` the rest."""
+
+    rank: int = 0
+    world_size: int = 1
+    group: Any = None
+    control: Any = None
+    backend: str | None = None
+    timeout_s: float | None = None
+    _owns_dist: bool = field(default=False, repr=False)
+
+    @classmethod
+    def single(cls) -> ParallelState:
+        return cls()
+
+    @classmethod
+    def init(
+        cls,
+        rank: int,
+        world_size: int,
+        *,
+        init_method: str,
+        device: torch.device | str = "cpu",
+        backend: str | None = None,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        init_timeout_s: float = DEFAULT_INIT_TIMEOUT_S,
+    ) -> ParallelState:
+        """Join the group (every rank calls this; returns once all have). ``backend``: nccl
+        for a CUDA ``device`` (made this process's current device), gloo otherwise."""
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(f"rank={rank} world_size={world_size}: need 0 <= rank < world_size")
+        device = torch.device(device)
+        backend = backend or ("nccl" if device.type == "cuda" else "gloo")
+        if backend == "nccl":
+            torch.cuda.set_device(device)
+        if dist.is_initialized():
+            raise RuntimeError("torch.distributed is already initialized in this process")
+        dist.init_process_group(
+            backend,
+            init_method=init_method,
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=init_timeout_s),
+        )
+        group = dist.new_group(
+            list(range(world_size)), timeout=timedelta(seconds=timeout_s), backend=backend
+        )
+        return cls(rank, world_size, group, dist.group.WORLD, backend, timeout_s, True)
+
+    @property
+    def is_first(self) -> bool:
+        return self.rank == 0
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum of ``x`` over the ranks, the same tensor on every rank (in place when ``x`` is
+        contiguous); ``x`` itself at world size 1."""
+        if self.world_size == 1:
+            return x
+        x = x.contiguous()
+        dist.all_reduce(x, op=dist.ReduceOp.SUM, group=self.group)
+        return x
+
+    def broadcast_object(self, obj: Any = None, src: int = 0) -> Any:
+        """``obj`` of rank ``src`` on every rank (picklable; on the control group)."""
+        if self.world_size == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=src, group=self.control)
+        return box[0]
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj``, in rank order (on the control group)."""
+        if self.world_size == 1:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.control)
+        return out
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            dist.barrier(group=self.control)
+
+    def destroy(self) -> None:
+        """Leave the group (if ``init`` joined it)."""
+        if self._owns_dist and dist.is_initialized():
+            dist.destroy_process_group()
+        self._owns_dist = False
