@@ -1,0 +1,463 @@
+"""Give the trained recall model (models/v41-recall) one trained draft (MTP) layer.
+
+    python -m tools.train_draft --steps 1450 --answer-weight 16 --reference-seqs 96
+
+(the command that made the draft layer of models/v41-recall, one CPU thread: 1,450 steps on 363
+fresh target batches of 8 sequences, 1,365 s of training, 1,441 s in all. Held-out agreement,
+96 sequences of 384 tokens: dense target 0.879 overall, 0.548 on answer positions, against
+chance 0.347 / 0.083 (0.657 / 0.225 at the initialisation); sparse reference target, as
+inference runs, 0.865 / 0.285 against chance 0.366 / 0.090. Record: draft_training.json.)
+
+On answer positions the agreement with the sparse target is half that with the dense one. The
+draft predicts the value from the target's streams at the key token alone (its attention is
+window-only, the records lie beyond the window), so the likely reason is that the sparse
+target's streams there carry the looked-up value less often; it is not only the draft having
+been trained on dense streams: fine-tuning it for 4 minutes on the sparse target's streams (a
+probe, not kept) moved its sparse answer agreement on 32 held-out sequences from 0.28 to 0.32,
+within noise.
+
+The target (the ten main layers, the embedding and the head) is loaded from the directory and
+frozen; the model is rebuilt with ``num_nextn_predict_layers: 1`` and only the draft layer
+(``mtp.0``, stored as ``model.layers.10.*``) is trained, by distillation. Draft semantics
+(DeepSeek MTP, ``atom.models.deepseek_v41.draft``): the draft at position p reads the token at
+p + 1 and the target's last-layer streams at p and predicts the token at p + 2; its job is to
+agree with the target's greedy choice there, since speculative decoding accepts a draft token
+when it equals the target's argmax. So the label of draft position p is the target's own
+distribution at p + 1 (loss: KL to it, plus cross-entropy to its argmax), on every position of
+recall-task training sequences (``tools.train_recall.batch``: train seeds), with the answer
+positions (p + 1 the ``<ans>`` token) weighted up, since they are a few per sequence.
+
+Target logits and streams come from the dense forward (``dense.dense_forward``, mirrored here
+as ``target_forward`` to also return the streams); the draft runs through ``draft_forward``, a
+batched, grad-enabled mirror of ``draft.reference_draft_forward`` (checked against it at start).
+Computing the frozen target dominates a step, so each target batch is kept in a pool and
+trained on ``--reuse`` times on average.
+
+Initialisation: the draft layer is window-only like the target's last layers (8 and 9), so it
+starts as a copy of layer 9 (mHC, norms, attention, MoE), with the model's head reader and final
+norm as its ``head_hc`` / ``shared_head.norm``; ``enorm`` / ``hnorm`` are set to the measured RMS
+of the embeddings / the streams so both keep their scale, and ``eh_proj`` starts as [I, I] (the
+residual passed through, the next token's embedding added, as the model's own input is).
+
+Evaluation (held-out sequences, seeds from the eval split's range, disjoint from training):
+teacher-forced agreement, the fraction of draft positions p whose argmax equals the target's
+argmax at p + 1, over all positions and over the answer positions; chance is the agreement of
+always predicting the most frequent target argmax (of that set of positions). Measured with the
+dense target (what was trained on) and with the sparse reference forward (the saved config's
+top-k, what inference runs). The draft's tensors are written into model.safetensors as the
+target's are stored (bf16, float32 biases and sinks; the target's tensors byte-identical,
+checked), config.json gets ``num_nextn_predict_layers: 1``, and draft_training.json records
+the run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from atom.models.deepseek_v41 import reference
+from atom.models.deepseek_v41.config import V41Config
+from atom.models.deepseek_v41.dense import _attention as dense_attention
+from atom.models.deepseek_v41.draft import reference_draft_forward
+from atom.models.deepseek_v41.model import DeepseekV41ForCausalLM
+from atom.models.deepseek_v41.weights import checkpoint_tensors, load_weights
+from benchmarks.recall_task import SPLIT_SEEDS, make_training_sequence
+from tools.train_recall import batch
+
+DENSE = {"index_topk": 1 << 16, "candidate_topk_blocks": 1 << 13}
+
+
+def read_config(directory: Path, **overrides) -> V41Config:
+    data = json.loads((directory / "config.json").read_text())
+    return V41Config.from_dict({**data, **overrides}, source=str(directory / "config.json"))
+
+
+def load_model(directory: Path, *, dense: bool, draft_from: str = "init") -> DeepseekV41ForCausalLM:
+    """The model of ``directory`` in float32 with one draft layer: the target's tensors from the
+    checkpoint; the draft layer's from it too (``draft_from="checkpoint"``) or left at the
+    random init (the checkpoint's draft layer, if any, is then not read)."""
+    extra = DENSE if dense else {}
+    target = DeepseekV41ForCausalLM(read_config(directory, num_nextn_predict_layers=0, **extra))
+    load_weights(target, directory)  # a draft layer in the checkpoint is left unread
+    model = DeepseekV41ForCausalLM(read_config(directory, num_nextn_predict_layers=1, **extra))
+    if draft_from == "checkpoint":
+        load_weights(model, directory)
+        return model
+    model.init_weights(0)
+    missing, unexpected = model.load_state_dict(target.state_dict(), strict=False)
+    assert not unexpected and all(k.startswith("mtp.") for k in missing), (missing, unexpected)
+    return model
+
+
+# ---- forwards ------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def target_forward(model, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``dense.dense_forward`` (no indexer loss) that also returns the last layer's streams:
+    ids [B, S] -> (float32 logits [B, S, V], streams [B, S, hc, d])."""
+    b, s = ids.shape
+    hist = torch.full((b, 3), -1, dtype=torch.int64, device=ids.device)
+    grams = torch.cat([hist, ids], dim=1).unfold(1, 4, 1).reshape(b * s, 4)
+    x = model._embed(ids.reshape(-1))
+    rows: dict = {}
+    for layer in model.model.layers:
+
+        def attend(u, a=layer.self_attn):
+            return dense_attention(a, u.view(b, s, -1), rows, model.index_dtype, []).reshape(
+                b * s, -1
+            )
+
+        x = layer.block(x, grams, attend)
+    return model._head(x).view(b, s, -1), x.view(b, s, *x.shape[1:])
+
+
+@torch.no_grad()
+def reference_target_forward(model, ids) -> tuple[torch.Tensor, torch.Tensor]:
+    """``reference.reference_forward`` (the model's own top-k selection: what inference runs)
+    that also returns the streams: ids [S] -> (logits [S, V], streams [S, hc, d])."""
+    dev = model.device
+    ids = torch.as_tensor(ids, dtype=torch.int64, device=dev)
+    pos = torch.arange(ids.numel(), device=dev)
+    grams = torch.cat([torch.full((3,), -1, dtype=torch.int64, device=dev), ids]).unfold(0, 4, 1)
+    rows: dict = {}
+    selections: dict = {}
+    x = model._embed(ids)
+    for layer in model.model.layers:
+        x = layer.block(
+            x,
+            grams,
+            lambda u, a=layer.self_attn: reference._attention(
+                a, u, pos, rows, selections, model.index_dtype
+            ),
+        )
+    return model._head(x), x
+
+
+def draft_forward(model, next_ids: torch.Tensor, residual: torch.Tensor, layer: int = 0):
+    """Batched, grad-enabled ``draft.reference_draft_forward``: next_ids [B, S] (the token at
+    p + 1 for each position p), residual [B, S, hc, d] (the target's streams at p) ->
+    (float32 logits [B, S, V] predicting the token at p + 2, output streams [B, S, hc, d])."""
+    b, s = next_ids.shape
+    block = model.mtp[layer]
+
+    def attend(u):  # window-only: the dense path's attention without compressed rows
+        return dense_attention(block.self_attn, u.view(b, s, -1), {}, model.index_dtype, [])
+
+    e = model.model.embed_tokens(next_ids.reshape(-1))
+    x = block.draft(
+        e, residual.reshape(b * s, *residual.shape[2:]), lambda u: attend(u).view(-1, u.shape[-1])
+    )
+    return block.logits(x, model.lm_head).view(b, s, -1), x.view(b, s, *x.shape[1:])
+
+
+def draft_pairs(ids: torch.Tensor, logits: torch.Tensor, streams: torch.Tensor):
+    """A target pass over ids [B, S] -> the draft's inputs and labels for positions
+    p = 0 .. S - 2: (next ids [B, S-1], streams at p, target logits at p + 1)."""
+    return ids[:, 1:], streams[:, :-1], logits[:, 1:]
+
+
+# ---- initialisation ------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def init_draft(model, embed_rms: float, stream_rms: float) -> None:
+    """The draft layer from the target's last layer (module doc)."""
+    block, last = model.mtp[0], model.model.layers[-1]
+    for name in ("attn_hc", "input_layernorm", "self_attn", "ffn_hc", "post_attention_layernorm"):
+        getattr(block, name).load_state_dict(getattr(last, name).state_dict())
+    block.mlp.load_state_dict(last.mlp.state_dict())
+    block.head_hc.load_state_dict(model.model.head_hc.state_dict())
+    block.shared_head.norm.load_state_dict(model.model.norm.state_dict())
+    block.enorm.weight.fill_(embed_rms)
+    block.hnorm.weight.fill_(stream_rms)
+    d = model.config.hidden_size
+    eye = torch.eye(d, dtype=block.eh_proj.weight.dtype)
+    block.eh_proj.weight.copy_(torch.cat([eye, eye], dim=1))
+
+
+# ---- data ----------------------------------------------------------------------------------
+
+
+def held_out(count: int, length: int, far: int, records) -> tuple[torch.Tensor, torch.Tensor]:
+    """Held-out sequences (seeds from the eval split's range; training seeds are < 10M):
+    inputs [N, length - 1] and a mask of the positions whose next token is an answer."""
+    base = SPLIT_SEEDS["eval"]
+    seqs, answers = zip(
+        *(make_training_sequence(base + i, length, far, records) for i in range(count))
+    )
+    ids = torch.tensor(seqs)[:, :-1]
+    asks = torch.zeros_like(ids, dtype=torch.bool)
+    for row, positions in enumerate(answers):
+        asks[row, [p - 1 for p in positions]] = True  # position of <ans>: predicts the value
+    return ids, asks
+
+
+def agreement(draft_argmax, target_argmax, mask) -> dict:
+    """Teacher-forced agreement on the masked positions and its chance baseline (always the
+    most frequent target argmax of those positions)."""
+    d, t = draft_argmax[mask], target_argmax[mask]
+    mode = torch.bincount(t).argmax()
+    return {
+        "positions": int(t.numel()),
+        "agreement": round((d == t).float().mean().item(), 4),
+        "chance": round((t == mode).float().mean().item(), 4),
+    }
+
+
+@torch.no_grad()
+def evaluate(model, ids, asks, target=None, chunk=8) -> dict:
+    """Agreement over all draft positions and the answer ones (draft p: target at p + 1 is
+    an ``<ans>`` position). ``target``: cached (logits, streams) of the dense target."""
+    da, ta, am = [], [], []
+    for i in range(0, ids.shape[0], chunk):
+        part = ids[i : i + chunk]
+        logits, streams = target[0][i : i + chunk], target[1][i : i + chunk]
+        nxt, res, lab = draft_pairs(part, logits, streams)
+        out, _ = draft_forward(model, nxt, res)
+        da.append(out.argmax(-1))
+        ta.append(lab.argmax(-1))
+        am.append(asks[i : i + chunk, 1:])
+    da, ta, am = torch.cat(da), torch.cat(ta), torch.cat(am)
+    return {"all": agreement(da, ta, torch.ones_like(am)), "answers": agreement(da, ta, am)}
+
+
+@torch.no_grad()
+def evaluate_reference(model, ids, asks) -> dict:
+    """The same agreement with the sparse reference target and atom's own
+    ``reference_draft_forward``, one sequence at a time."""
+    da, ta, am = [], [], []
+    for row in range(ids.shape[0]):
+        logits, streams = reference_target_forward(model, ids[row])
+        out, _ = reference_draft_forward(model, ids[row, 1:], streams[:-1])
+        da.append(out.argmax(-1))
+        ta.append(logits[1:].argmax(-1))
+        am.append(asks[row, 1:])
+    da, ta, am = torch.cat(da), torch.cat(ta), torch.cat(am)
+    return {"all": agreement(da, ta, torch.ones_like(am)), "answers": agreement(da, ta, am)}
+
+
+@torch.no_grad()
+def cache_target(model, ids, chunk=8):
+    parts = [target_forward(model, ids[i : i + chunk]) for i in range(0, ids.shape[0], chunk)]
+    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+
+
+# ---- saving --------------------------------------------------------------------------------
+
+
+def write_draft(model, directory: Path) -> dict:
+    """Add the draft layer's tensors to model.safetensors (``model`` is the bf16 model: its
+    tensors' dtypes as the target's are stored, bf16 but for the float32 biases and sinks),
+    keeping every other tensor's bytes, and set num_nextn_predict_layers: 1 in config.json.
+    Returns the check's counts."""
+    f = directory / "model.safetensors"
+    first = model.config.num_hidden_layers
+    prefix = f"model.layers.{first}."
+    with safe_open(str(f), framework="pt") as sf:
+        metadata = sf.metadata()
+        kept = {k: sf.get_tensor(k) for k in sf.keys() if not k.startswith(prefix)}
+    draft = {
+        k: v.detach().contiguous().clone()
+        for k, v in checkpoint_tensors(model).items()
+        if k.startswith(prefix)
+    }
+    mode = f.stat().st_mode & 0o777
+    save_file({**kept, **draft}, str(f), metadata=metadata)
+    f.chmod(mode)
+    with safe_open(str(f), framework="pt") as sf:
+        names = set(sf.keys())
+        for k, v in kept.items():
+            w = sf.get_tensor(k)
+            assert w.dtype == v.dtype and w.shape == v.shape, k
+            assert torch.equal(w.view(torch.uint8), v.view(torch.uint8)), k
+    assert names == set(kept) | set(draft)
+    cfg_path = directory / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["num_nextn_predict_layers"] = 1
+    cfg_path.write_text(json.dumps(cfg, indent=2))
+    return {"target_tensors_unchanged": len(kept), "draft_tensors": len(draft)}
+
+
+# ---- main ----------------------------------------------------------------------------------
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--model", default="models/v41-recall")
+    ap.add_argument("--minutes", type=float, default=20.0, help="training loop budget")
+    ap.add_argument("--steps", type=int, default=0, help="a step budget instead of --minutes")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--lengths", type=int, nargs=2, default=[128, 384])
+    ap.add_argument("--far", type=int, default=80)
+    ap.add_argument("--records", type=int, nargs=2, default=[2, 8])
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--reuse", type=int, default=4, help="steps per fresh target batch")
+    ap.add_argument("--pool", type=int, default=48, help="target batches kept")
+    ap.add_argument("--answer-weight", type=float, default=8.0)
+    ap.add_argument("--ce", type=float, default=0.5, help="weight of CE to the target argmax")
+    ap.add_argument("--eval-seqs", type=int, default=96)
+    ap.add_argument("--eval-length", type=int, default=384)
+    ap.add_argument("--reference-seqs", type=int, default=32)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--no-write", action="store_true", help="train and measure only")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    rng = random.Random(args.seed)
+    directory = Path(args.model)
+    records = tuple(args.records)
+    t_start = time.time()
+
+    model = load_model(directory, dense=True)
+    model.requires_grad_(False)
+    probe, _ = batch(0, args.batch, args.lengths[1], model.device, args.far, records)
+    logits, streams = target_forward(model, probe)
+    embed_rms = model.model.embed_tokens.weight.pow(2).mean().sqrt().item()
+    stream_rms = streams.pow(2).mean(-1).sqrt().median().item()
+    init_draft(model, embed_rms, stream_rms)
+    params = list(model.mtp.parameters())
+    for p in params:
+        p.requires_grad_(True)
+    n_params = sum(p.numel() for p in params)
+    print({"embed_rms": round(embed_rms, 4), "stream_rms": round(stream_rms, 4)}, flush=True)
+    print({"draft_params": n_params}, flush=True)
+    # the batched mirror agrees with atom's reference_draft_forward
+    with torch.no_grad():
+        nxt, res, _ = draft_pairs(probe[:1], logits[:1], streams[:1])
+        mine = draft_forward(model, nxt, res)[0][0]
+        ref = reference_draft_forward(model, nxt[0], res[0])[0]
+        mirror_err = (mine - ref).abs().max().item()
+    print({"draft_forward_vs_reference_max_abs": mirror_err}, flush=True)
+    assert mirror_err < 1e-3, mirror_err
+
+    ev_ids, ev_asks = held_out(args.eval_seqs, args.eval_length, args.far, records)
+    ev_target = cache_target(model, ev_ids)
+    initial = evaluate(model, ev_ids, ev_asks, ev_target)
+    print({"eval_at_init": initial}, flush=True)
+
+    opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.01, betas=(0.9, 0.95))
+    pool: list = []
+    t0, step, fresh, log = time.time(), 0, 0, []
+    budget = args.minutes * 60
+
+    def progress() -> float:  # the fraction of the budget spent
+        return step / args.steps if args.steps else (time.time() - t0) / budget
+
+    while progress() < 1:
+        if step % args.reuse == 0:
+            length = rng.randrange(args.lengths[0], args.lengths[1] + 1, 16)
+            ids, targets = batch(fresh, args.batch, length, model.device, args.far, records)
+            logits, streams = target_forward(model, ids)
+            pool.append((ids, targets != -100, logits, streams))
+            pool = pool[-args.pool :]
+            fresh += 1
+            item = pool[-1]
+        else:
+            item = pool[rng.randrange(len(pool))]
+        ids, asks, logits, streams = item
+        frac = progress()
+        lr = args.lr * min(1.0, (step + 1) / 50) * (0.05 + 0.95 * (1 - frac))
+        for g in opt.param_groups:
+            g["lr"] = lr
+        nxt, res, lab = draft_pairs(ids, logits, streams)
+        out, _ = draft_forward(model, nxt, res)
+        logq = F.log_softmax(out, -1)
+        logp = F.log_softmax(lab, -1)
+        kl = (logp.exp() * (logp - logq)).sum(-1)
+        ce = F.nll_loss(logq.flatten(0, 1), lab.argmax(-1).flatten(), reduction="none")
+        ans = asks[:, 1:]
+        w = 1.0 + (args.answer_weight - 1.0) * ans.float()
+        per = kl + args.ce * ce.view_as(kl)
+        loss = (per * w).sum() / w.sum()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        step += 1
+        if step % 25 == 0:
+            agree = out.argmax(-1) == lab.argmax(-1)
+            rec = {
+                "step": step,
+                "s": round(time.time() - t0, 1),
+                "fresh_batches": fresh,
+                "len": ids.shape[1] + 1,
+                "loss": round(loss.item(), 4),
+                "kl": round(kl.mean().item(), 4),
+                "kl_answers": round(kl[ans].mean().item(), 4),
+                "train_agree": round(agree.float().mean().item(), 4),
+                "train_agree_answers": round(agree[ans].float().mean().item(), 4),
+                "lr": round(lr, 6),
+            }
+            if step % 200 == 0:
+                rec["eval"] = evaluate(model, ev_ids, ev_asks, ev_target)
+            log.append(rec)
+            print(rec, flush=True)
+    train_s = round(time.time() - t0, 1)
+    print({"steps": step, "fresh_batches": fresh, "train_s": train_s}, flush=True)
+
+    # the model as stored (bf16 weights, float32 biases and sinks, as train_recall saves it)
+    stored = DeepseekV41ForCausalLM(model.config, dtype=torch.bfloat16)
+    stored.load_state_dict(model.state_dict())
+    model.load_state_dict(stored.state_dict())
+    if args.no_write:
+        final = evaluate(model, ev_ids, ev_asks, ev_target)
+        print({"eval_bf16": final}, flush=True)
+        return
+    written = write_draft(stored, directory)
+    print(written, flush=True)
+    loaded = load_model(directory, dense=True, draft_from="checkpoint")
+    for a, b in zip(loaded.mtp.parameters(), params):
+        assert torch.equal(a, b)
+    final = evaluate(loaded, ev_ids, ev_asks, ev_target)
+    print({"eval_dense": final}, flush=True)
+    sparse = load_model(directory, dense=False, draft_from="checkpoint")
+    ref = evaluate_reference(sparse, ev_ids[: args.reference_seqs], ev_asks[: args.reference_seqs])
+    print({"eval_sparse_reference": ref}, flush=True)
+    command = "python -m tools.train_draft " + " ".join(
+        f"--{k.replace('_', '-')}"
+        + ("" if v is True else f" {' '.join(map(str, v)) if isinstance(v, list) else v}")
+        for k, v in vars(args).items()
+        if v is not False
+    )
+    (directory / "draft_training.json").write_text(
+        json.dumps(
+            {
+                "command": command,
+                "steps": step,
+                "fresh_target_batches": fresh,
+                "train_seconds": train_s,
+                "total_seconds": round(time.time() - t_start, 1),
+                "draft_params": n_params,
+                "init": {"embed_rms": embed_rms, "stream_rms": stream_rms},
+                "held_out": {
+                    "sequences": args.eval_seqs,
+                    "length": args.eval_length,
+                    "seeds": f"{SPLIT_SEEDS['eval']}..{SPLIT_SEEDS['eval'] + args.eval_seqs - 1}",
+                    "make": "benchmarks.recall_task.make_training_sequence",
+                },
+                "agreement_at_init_dense": initial,
+                "agreement_dense": final,
+                "agreement_sparse_reference": {"sequences": args.reference_seqs, **ref},
+                "written": written,
+                "log": log,
+                "device": "cpu",
+                "threads": args.threads,
+            },
+            indent=1,
+        )
+    )
+    print("wrote", directory, flush=True)
+
+
+if __name__ == "__main__":
+    main()
