@@ -214,7 +214,11 @@ class CSA2Attention(nn.Module):
         w = self.o_a_proj.weight.view(self.groups, self.o_lora_rank, -1)
         mid = torch.einsum("ngi,goi->ngo", grouped, w).reshape(n, -1)
         y = self.o_b_proj(mid)
-        return y if self.reduce_output is None else self.reduce_output(y)
+        if self.reduce_output is None:
+            return y
+        # the ranks' partial outputs are summed in float32 (as the MoE's are): a bf16 sum would
+        # round twice where one rank's matmul rounds once
+        return self.reduce_output(y.float()).to(y.dtype)
 
 
 # ---- selection ------------------------------------------------------------------------------
