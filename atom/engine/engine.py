@@ -259,19 +259,23 @@ class LLMEngine:
                         logits[i : i + 1], [sampled[i]], seq.params.logprobs
                     )
                 seq.tokens.append(sampled[i])
-                if seq.first_token_time is None:
-                    seq.first_token_time = now
-                    self.m.ttft.observe(now - seq.arrival_time)
-                else:
-                    self.m.itl.observe(now - seq.token_times[-1])
-                seq.token_times.append(now)
-                self.m.gen.inc()
+                self.token_emitted(seq, now)
                 reason = self._stop_reason(seq)
                 if reason:
                     self._finish(seq, reason)
                     finished.append(seq)
         self.m.step.observe(time.perf_counter() - t0)
         return StepResult(True, finished, False)
+
+    def token_emitted(self, seq: Sequence, now: float) -> None:
+        """Timings and counters of one output token of ``seq`` made visible at ``now``."""
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+            self.m.ttft.observe(now - seq.arrival_time)
+        else:
+            self.m.itl.observe(now - seq.token_times[-1])
+        seq.token_times.append(now)
+        self.m.gen.inc()
 
     # ---- driving ------------------------------------------------------------------------
 

@@ -103,13 +103,7 @@ def speculative_step(engine, out) -> list:
     for i, count in new.items():
         seq = spans[i].seq
         for _ in range(count):
-            if seq.first_token_time is None:
-                seq.first_token_time = now
-                engine.m.ttft.observe(now - seq.arrival_time)
-            else:
-                engine.m.itl.observe(now - seq.token_times[-1])
-            seq.token_times.append(now)
-            engine.m.gen.inc()
+            engine.token_emitted(seq, now)
         if i in stops:
             engine._finish(seq, stops[i])
             finished.append(seq)
