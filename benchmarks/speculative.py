@@ -4,7 +4,7 @@
     python -m benchmarks.speculative --model v41-tiny-draft --device cpu   # random weights
 
 Default model: models/v41-recall (trained target + trained draft layer) on recall-task prompts
-(benchmarks/recall_task.py, the held-out "test" split). For each k (0 = plain decoding) one
+(benchmarks/recall_task.py, the held-out "eval" split). For each k (0 = plain decoding) one
 engine generates ``--output-len`` greedy tokens for every prompt; each k runs ``--repeats``
 times after a warm-up, arms interleaved (k0, k1, ..., k0, k1, ...) so that drift hits every arm
 alike. Reported: decode tokens/s (output tokens / wall time of the generate call, prompts
@@ -55,7 +55,7 @@ def parse(argv=None) -> argparse.Namespace:
 
 def prompts_for(args) -> list[list[int]]:
     if Path(args.model).is_dir() and "recall" in Path(args.model).name:
-        return [ex.prompt for ex in split("test", args.prompts, args.prompt_len)]
+        return [ex.prompt for ex in split("eval", args.prompts, args.prompt_len)]
     g = torch.Generator().manual_seed(0)
     return [
         torch.randint(0, 256, (args.prompt_len,), generator=g).tolist() for _ in range(args.prompts)
