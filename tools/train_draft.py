@@ -1,12 +1,31 @@
 """Give the trained recall model (models/v41-recall) one trained draft (MTP) layer.
 
+The draft layer of models/v41-recall was made by two runs, the second continuing the first:
+
     python -m tools.train_draft --steps 1450 --answer-weight 16 --reference-seqs 96
 
-(the command that made the draft layer of models/v41-recall, one CPU thread: 1,450 steps on 363
-fresh target batches of 8 sequences, 1,365 s of training, 1,441 s in all. Held-out agreement,
-96 sequences of 384 tokens: dense target 0.879 overall, 0.548 on answer positions, against
-chance 0.347 / 0.083 (0.657 / 0.225 at the initialisation); sparse reference target, as
-inference runs, 0.865 / 0.285 against chance 0.366 / 0.090. Record: draft_training.json.)
+(one CPU thread: 1,450 steps on 363 fresh target batches of 8 sequences, 1,365 s of training,
+1,441 s in all. Held-out agreement, 96 sequences of 384 tokens: dense target 0.879 overall,
+0.548 on answer positions, against chance 0.347 / 0.083 (0.657 / 0.225 at the initialisation);
+sparse reference target, as inference runs, 0.865 / 0.285 against chance 0.366 / 0.090.
+Record: draft_training.json's "previous".) Then
+
+    python -m tools.train_draft --init-from-committed --self-generated 384 --gen-len 96 \
+        --self-mix 0.5 --minutes 7 --lr 3e-4 --answer-weight 16 --eval-seqs 32 \
+        --reference-seqs 16 --measure 32 --threads 2
+
+(two CPU threads, 881 s in all, the measurement included: the engine's greedy continuations
+(96 tokens) of 384 recall prompts from train seeds, 292 s, their sparse reference targets 89 s;
+then 807 steps, 409 on those sequences and 398 on the recall training sequences as before,
+420 s.) That first
+draft agreed with the target well on recall sequences but not on the target's own greedy
+outputs after a prompt (repetitive answer-like tokens, unlike the training data), which is what
+speculative decoding drafts on. Measured on split("eval", 32, 192) and 64 greedy tokens
+(``measure``), before -> after: teacher-forced agreement on the continuation 0.237 -> 0.643
+(chance 0.285), on the prompt 0.913 -> 0.913; the engine's acceptance rate at k = 1
+0.217 -> 0.640, at k = 3 0.086 -> 0.266 (greedy outputs equal to k = 0's in every case).
+Recall-sequence agreement stayed where it was (dense, 32 held-out sequences: 0.873 / 0.553
+before, 0.880 / 0.526 after). Record: draft_training.json.
 
 On answer positions the agreement with the sparse target is half that with the dense one. The
 draft predicts the value from the target's streams at the key token alone (its attention is
@@ -32,6 +51,15 @@ as ``target_forward`` to also return the streams); the draft runs through ``draf
 batched, grad-enabled mirror of ``draft.reference_draft_forward`` (checked against it at start).
 Computing the frozen target dominates a step, so each target batch is kept in a pool and
 trained on ``--reuse`` times on average.
+
+Self-generated data (``--self-generated N``): ``make_example`` prompts (seeds 5,000,000 + i of
+the train split, lengths ``--gen-prompt-lengths`` in groups of ``--batch`` sharing one) are
+continued for ``--gen-len`` greedy tokens by the engine (CPU, float32, k = 0), and the labels
+and streams over prompt + continuation come from ``reference_target_forward`` (the sparse path
+inference runs), computed once; a fraction ``--self-mix`` of the steps trains on them (no
+answer weighting), the rest on the recall sequences as above. ``--init-from-committed`` starts
+from the checkpoint's draft layer instead of the layer-9 copy; the previous record is kept
+under "previous" in draft_training.json. ``--measure N`` runs ``measure`` after writing.
 
 Initialisation: the draft layer is window-only like the target's last layers (8 and 9), so it
 starts as a copy of layer 9 (mHC, norms, attention, MoE), with the model's head reader and final
@@ -69,7 +97,7 @@ from atom.models.deepseek_v41.dense import _attention as dense_attention
 from atom.models.deepseek_v41.draft import reference_draft_forward
 from atom.models.deepseek_v41.model import DeepseekV41ForCausalLM
 from atom.models.deepseek_v41.weights import checkpoint_tensors, load_weights
-from benchmarks.recall_task import SPLIT_SEEDS, make_training_sequence
+from benchmarks.recall_task import SPLIT_SEEDS, make_example, make_training_sequence
 from tools.train_recall import batch
 
 DENSE = {"index_topk": 1 << 16, "candidate_topk_blocks": 1 << 13}
@@ -251,6 +279,114 @@ def cache_target(model, ids, chunk=8):
     return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
 
 
+# ---- the target's own greedy continuations (self-generated data) -------------------------
+
+
+def engine(directory: Path, *, k: int = 0, seqs: int = 16, blocks: int = 48):
+    """The engine on CPU in float32 (as the measurements run it), ``k`` draft tokens."""
+    from atom import LLM
+
+    return LLM(
+        str(directory),
+        device="cpu",
+        dtype="float32",
+        block_size=256,
+        num_blocks=blocks,
+        max_num_seqs=seqs,
+        speculative_tokens=k,
+    )
+
+
+def generate(llm, prompts: list[list[int]], length: int) -> list[list[int]]:
+    """Greedy continuations of ``length`` tokens (ignore_eos) from the engine."""
+    from atom import SamplingParams
+
+    outs = llm.generate(prompts, SamplingParams(max_tokens=length, ignore_eos=True))
+    return [list(o.token_ids) for o in outs]
+
+
+def self_generated_prompts(count: int, lengths, group: int, seed: int) -> list[list[int]]:
+    """Recall prompts (``make_example``) from the train split's range (seeds 5,000,000 + i, away
+    from the ones ``tools.train_recall.batch`` uses first; eval seeds are >= 10M), in groups of
+    ``group`` sharing a length drawn from ``lengths`` (so a group stacks into one batch)."""
+    rng = random.Random(seed + 1)
+    base = SPLIT_SEEDS["train"] + 5_000_000
+    assert base + count < SPLIT_SEEDS["eval"]
+    prompts, length = [], 0
+    for i in range(count):
+        if i % group == 0:
+            length = rng.randrange(lengths[0], lengths[1] + 1, 16)
+        prompts.append(make_example(base + i, length, records=(2, 8)).prompt)
+    return prompts
+
+
+@torch.no_grad()
+def sparse_targets(model, seqs: list[list[int]], group: int) -> list:
+    """The sparse reference target (what inference runs) over each sequence, stacked per group
+    of equal length into pool items (ids [B, S], no answer mask, logits, streams)."""
+    items = []
+    for i in range(0, len(seqs), group):
+        part = seqs[i : i + group]
+        assert len({len(q) for q in part}) == 1
+        outs = [reference_target_forward(model, q) for q in part]
+        ids = torch.tensor(part)
+        items.append(
+            (
+                ids,
+                torch.zeros_like(ids, dtype=torch.bool),
+                torch.stack([o[0] for o in outs]),
+                torch.stack([o[1] for o in outs]),
+            )
+        )
+    return items
+
+
+@torch.no_grad()
+def continuation_agreement(model, prompts, continuations) -> dict:
+    """Teacher-forced agreement (sparse reference target, ``reference_draft_forward``) on the
+    prompt + continuation sequences, split into the draft positions whose label (the target's
+    argmax at p + 1) is the target's choice after a generated token (p + 1 >= len(prompt): the
+    positions speculative decoding drafts at) and the rest (the prompt)."""
+    da, ta, gen = [], [], []
+    for prompt, cont in zip(prompts, continuations):
+        ids = torch.tensor(prompt + cont)
+        logits, streams = reference_target_forward(model, ids)
+        out, _ = reference_draft_forward(model, ids[1:], streams[:-1])
+        da.append(out.argmax(-1))
+        ta.append(logits[1:].argmax(-1))
+        g = torch.zeros(ids.numel() - 1, dtype=torch.bool)
+        g[len(prompt) - 1 :] = True  # p + 1 a generated token: the positions decoding drafts at
+        gen.append(g)
+    da, ta, gen = torch.cat(da), torch.cat(ta), torch.cat(gen)
+    return {"continuation": agreement(da, ta, gen), "prompt": agreement(da, ta, ~gen)}
+
+
+def measure(directory: Path, count: int, prompt_len: int, gen_len: int) -> dict:
+    """Before/after numbers on held-out prompts (``split("eval", count, prompt_len)``): their
+    greedy continuations from the engine (k = 0), teacher-forced agreement on them, and the
+    engine's acceptance at k = 1 and k = 3 (greedy output checked equal to k = 0's)."""
+    from benchmarks.recall_task import split
+
+    t0 = time.time()
+    prompts = [e.prompt for e in split("eval", count, prompt_len)]
+    blocks = 64
+    outs = generate(engine(directory, k=0, seqs=8, blocks=blocks), prompts, gen_len)
+    model = load_model(directory, dense=False, draft_from="checkpoint")
+    res = {"prompts": f"split('eval', {count}, {prompt_len})", "gen_len": gen_len}
+    res["agreement"] = continuation_agreement(model, prompts, outs)
+    for k in (1, 3):
+        llm = engine(directory, k=k, seqs=8, blocks=blocks)
+        spec_outs = generate(llm, prompts, gen_len)
+        spec = llm.engine.stats()["speculative"]
+        res[f"k{k}"] = {
+            "acceptance_rate": round(spec["acceptance_rate"], 4),
+            "same_output_as_k0": spec_outs == outs,
+            **{key: spec[key] for key in ("draft_tokens", "accepted_tokens", "tokens_per_verify")},
+        }
+    res["seconds"] = round(time.time() - t0, 1)
+    return res
+
+
 # ---- saving --------------------------------------------------------------------------------
 
 
@@ -310,6 +446,28 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--no-write", action="store_true", help="train and measure only")
+    ap.add_argument(
+        "--init-from-committed",
+        action="store_true",
+        help="continue from the checkpoint's draft layer instead of the layer-9 copy",
+    )
+    ap.add_argument(
+        "--self-generated",
+        type=int,
+        default=0,
+        help="recall prompts (train seeds) continued greedily by the engine, added to the data",
+    )
+    ap.add_argument("--gen-len", type=int, default=96, help="tokens generated per prompt")
+    ap.add_argument("--gen-prompt-lengths", type=int, nargs=2, default=[96, 384])
+    ap.add_argument(
+        "--self-mix", type=float, default=0.5, help="fraction of steps on self-generated data"
+    )
+    ap.add_argument(
+        "--measure",
+        type=int,
+        default=0,
+        help="held-out engine measurement (split('eval', N, 192), 64 tokens) after writing",
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
@@ -318,13 +476,43 @@ def main() -> None:
     records = tuple(args.records)
     t_start = time.time()
 
-    model = load_model(directory, dense=True)
+    model = load_model(
+        directory, dense=True, draft_from="checkpoint" if args.init_from_committed else "init"
+    )
     model.requires_grad_(False)
     probe, _ = batch(0, args.batch, args.lengths[1], model.device, args.far, records)
     logits, streams = target_forward(model, probe)
     embed_rms = model.model.embed_tokens.weight.pow(2).mean().sqrt().item()
     stream_rms = streams.pow(2).mean(-1).sqrt().median().item()
-    init_draft(model, embed_rms, stream_rms)
+    if not args.init_from_committed:
+        init_draft(model, embed_rms, stream_rms)
+    generated: list = []
+    gen_info: dict = {}
+    if args.self_generated:
+        t_gen = time.time()
+        prompts = self_generated_prompts(
+            args.self_generated, args.gen_prompt_lengths, args.batch, args.seed
+        )
+        outs = generate(engine(directory, k=0, seqs=16, blocks=48), prompts, args.gen_len)
+        gen_s = round(time.time() - t_gen, 1)
+        sparse_model = load_model(directory, dense=False, draft_from="checkpoint")
+        sparse_model.requires_grad_(False)
+        seqs = [q + o for q, o in zip(prompts, outs)]
+        generated = sparse_targets(sparse_model, seqs, args.batch)
+        del sparse_model
+        gen_info = {
+            "prompts": args.self_generated,
+            "seeds": f"{SPLIT_SEEDS['train'] + 5_000_000}.."
+            f"{SPLIT_SEEDS['train'] + 5_000_000 + args.self_generated - 1}",
+            "make": "benchmarks.recall_task.make_example, records (2, 8)",
+            "prompt_lengths": args.gen_prompt_lengths,
+            "gen_len": args.gen_len,
+            "engine": "LLM(device=cpu, float32, block_size 256, max_num_seqs 16), greedy, k=0",
+            "generate_seconds": gen_s,
+            "sparse_target_seconds": round(time.time() - t_gen - gen_s, 1),
+            "batches": len(generated),
+        }
+        print({"self_generated": gen_info}, flush=True)
     params = list(model.mtp.parameters())
     for p in params:
         p.requires_grad_(True)
@@ -353,8 +541,13 @@ def main() -> None:
     def progress() -> float:  # the fraction of the budget spent
         return step / args.steps if args.steps else (time.time() - t0) / budget
 
+    gen_steps = 0
     while progress() < 1:
-        if step % args.reuse == 0:
+        is_gen = bool(generated) and rng.random() < args.self_mix
+        if is_gen:
+            item = generated[rng.randrange(len(generated))]
+            gen_steps += 1
+        elif step % args.reuse == 0 or not pool:
             length = rng.randrange(args.lengths[0], args.lengths[1] + 1, 16)
             ids, targets = batch(fresh, args.batch, length, model.device, args.far, records)
             logits, streams = target_forward(model, ids)
@@ -393,9 +586,12 @@ def main() -> None:
                 "len": ids.shape[1] + 1,
                 "loss": round(loss.item(), 4),
                 "kl": round(kl.mean().item(), 4),
-                "kl_answers": round(kl[ans].mean().item(), 4),
+                "kl_answers": round(kl[ans].mean().item(), 4) if ans.any() else None,
                 "train_agree": round(agree.float().mean().item(), 4),
-                "train_agree_answers": round(agree[ans].float().mean().item(), 4),
+                "train_agree_answers": (
+                    round(agree[ans].float().mean().item(), 4) if ans.any() else None
+                ),
+                "self_generated": is_gen,
                 "lr": round(lr, 6),
             }
             if step % 200 == 0:
@@ -403,7 +599,7 @@ def main() -> None:
             log.append(rec)
             print(rec, flush=True)
     train_s = round(time.time() - t0, 1)
-    print({"steps": step, "fresh_batches": fresh, "train_s": train_s}, flush=True)
+    print({"steps": step, "fresh_batches": fresh, "gen_steps": gen_steps, "train_s": train_s})
 
     # the model as stored (bf16 weights, float32 biases and sinks, as train_recall saves it)
     stored = DeepseekV41ForCausalLM(model.config, dtype=torch.bfloat16)
@@ -429,10 +625,19 @@ def main() -> None:
         for k, v in vars(args).items()
         if v is not False
     )
-    (directory / "draft_training.json").write_text(
+    measured = measure(directory, args.measure, 192, 64) if args.measure else None
+    if measured:
+        print({"measured": measured}, flush=True)
+    record_path = directory / "draft_training.json"
+    previous = json.loads(record_path.read_text()) if args.init_from_committed else None
+    record_path.write_text(
         json.dumps(
             {
                 "command": command,
+                "init_from_committed": args.init_from_committed,
+                "self_generated": gen_info or None,
+                "self_generated_steps": gen_steps,
+                "engine_measurement": measured,
                 "steps": step,
                 "fresh_target_batches": fresh,
                 "train_seconds": train_s,
@@ -452,6 +657,7 @@ def main() -> None:
                 "log": log,
                 "device": "cpu",
                 "threads": args.threads,
+                **({"previous": previous} if previous else {}),
             },
             indent=1,
         )
