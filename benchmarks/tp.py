@@ -70,8 +70,7 @@ def main(argv=None) -> int:
     args = parse(argv)
     g = torch.Generator().manual_seed(0)
     prompts = [
-        torch.randint(0, 250, (args.prompt_len,), generator=g).tolist()
-        for _ in range(args.prompts)
+        torch.randint(0, 250, (args.prompt_len,), generator=g).tolist() for _ in range(args.prompts)
     ]
     params = SamplingParams(max_tokens=args.output_len, ignore_eos=True, logprobs=2)
     t1, one = arm(args, 1, prompts, params)
