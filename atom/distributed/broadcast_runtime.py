@@ -34,14 +34,14 @@ class BroadcastRuntime:
 
     host_block_tables = True
 
-    def __init__(self, runtime, state, on_close=None):
+    def __init__(self, runtime, state, processes=(), on_close=None):
         self.inner, self.state = runtime, state
         self.spec, self.vocab_size, self.device = runtime.spec, runtime.vocab_size, runtime.device
         self.reserved_blocks = getattr(runtime, "reserved_blocks", 0)
         self.reserved_slots = getattr(runtime, "reserved_slots", 0)
         self._on_close = on_close
         self.closed = False
-        self.processes: list = []  # the other ranks' processes (set by ``start_ranks``)
+        self.processes = list(processes)  # the other ranks' processes
 
     @property
     def model(self):

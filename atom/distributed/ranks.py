@@ -120,9 +120,7 @@ def start_ranks(cfg) -> BroadcastRuntime:
         _stop(procs, 30.0 if all(p.is_alive() for p in procs) else 0.0)
         state.destroy()
 
-    broadcast = BroadcastRuntime(runtime, state, on_close=close)
-    broadcast.processes = procs
-    return broadcast
+    return BroadcastRuntime(runtime, state, procs, on_close=close)
 
 
 def _stop(procs, timeout_s: float) -> None:

@@ -94,7 +94,6 @@ class LLMEngine:
                 max_model_len=cfg.max_model_len,
                 prefix_caching=cfg.enable_prefix_caching,
                 take_images=cfg.enable_prefix_caching or self.tier is not None,
-                speculative_tokens=cfg.speculative_tokens,
             ),
             self.pool,
             self.store,

@@ -2,7 +2,9 @@
 
 Order within a step: restores (image -> slot), the forward, image stores (slot -> image). A
 store therefore captures the state exactly at the boundary its forward ended on, before any
-later step mutates the slot; a restore lands before the forward that reads it.
+later step mutates the slot; a restore lands before the forward that reads it. With speculative
+decoding the step makes the stores itself (``store_images``), after the accept walk and the
+draft layers, and only for spans whose end was committed.
 
 Slot ownership is tracked here: a span may continue a slot only if the same sequence owned it
 last; a new owner must start at 0 (the model resets the slot) or restore an image, whatever the
@@ -71,7 +73,6 @@ class ModelRunner:
         assert self._bound, "bind() the runner before running it"
         self.span_logits: dict[int, torch.Tensor] = {}
         self.span_residual: dict[int, torch.Tensor] = {}
-        self._residual = residual
         for sp in spans:
             seq, slot = sp.seq, sp.seq.slot
             if sp.restore is not None:
@@ -88,14 +89,14 @@ class ModelRunner:
                 )
         full = sorted(set(full_logits))
         if not full:
-            logits = self._forward(spans, range(len(spans)), all_logits=False)
+            logits = self._forward(spans, range(len(spans)), False, residual)
         else:
             rows: dict[int, torch.Tensor] = {}
             rest = [i for i in range(len(spans)) if i not in full]
             if rest:
-                part = self._forward([spans[i] for i in rest], rest, all_logits=False)
+                part = self._forward([spans[i] for i in rest], rest, False, residual)
                 rows.update(zip(rest, part))
-            every, lo = self._forward([spans[i] for i in full], full, all_logits=True), 0
+            every, lo = self._forward([spans[i] for i in full], full, True, residual), 0
             for i in full:
                 n = spans[i].end - spans[i].start
                 self.span_logits[i] = every[lo : lo + n]
@@ -112,8 +113,11 @@ class ModelRunner:
             if sp.image is not None:
                 self.runtime.store_image(sp.seq.slot, self._units(sp.image.units))
 
-    def _forward(self, spans: list[ScheduledSpan], index, all_logits: bool) -> torch.Tensor:
-        """One forward over ``spans`` (span indices ``index`` of the step)."""
+    def _forward(
+        self, spans: list[ScheduledSpan], index, all_logits: bool, residual: bool
+    ) -> torch.Tensor:
+        """One forward over ``spans`` (span indices ``index`` of the step); with ``residual``
+        each span's residual rows go to ``span_residual``."""
         ids = torch.tensor([t for sp in spans for t in sp.token_ids()], dtype=torch.int64)
         # a runtime that uploads its forward's indices in one copy takes host block tables
         # (a device table per span would be one host-to-device copy, and sync, each)
@@ -131,7 +135,7 @@ class ModelRunner:
             )
             for sp in spans
         ]
-        if self._residual:
+        if residual:
             logits, res = self.runtime.forward_with_residual(ids, model_spans, all_logits)
             lo = 0
             for i, sp in zip(index, spans):

@@ -43,7 +43,6 @@ class SchedulerConfig:
     max_model_len: int
     prefix_caching: bool = True
     take_images: bool = True
-    speculative_tokens: int = 0  # drafts a decode span may verify (0: no speculative decoding)
 
 
 @dataclass(eq=False)
@@ -252,7 +251,7 @@ class Scheduler(Admission):
             # dropped unless they are), without caching the hash on the sequence
             bs = self.block_size
             hashes = self._hashes(seq, n - 1)
-            last = (seq.tokens + list(drafts))[(n - 1) * bs : end]
+            last = seq.tokens[(n - 1) * bs :] + list(drafts)
             hashes = hashes + block_hashes(last, bs, hashes[-1] if hashes else 0)
         return self.store.create(hashes[-1], end, tuple(hashes))
 

@@ -61,7 +61,7 @@ def speculative_step(engine, out) -> list:
     for i, sp in enumerate(spans):
         if not sp.drafts:
             continue
-        seq, rows = sp.seq, runner.span_logits[i]
+        seq, rows = sp.seq, runner.span_logits[i].float().cpu()  # one copy, not one per row
         new[i], accepted = 0, 0
         for j in range(len(sp.drafts) + 1):
             draft = sp.drafts[j] if j < len(sp.drafts) else None
