@@ -4,7 +4,8 @@ v41-flash is the real architecture's config (for geometry checks; too large to i
 here). v41-tiny runs CPU unit tests in seconds, v41-mini CPU integration and accuracy jobs,
 v41-bench keeps the real per-layer dimensions (so bytes per FLOP stay the real model's) with
 fewer layers and experts, for GPU benchmarks. v41-flash has its 3 draft layers (as the real
-config); v41-tiny-draft is v41-tiny with 2, for the draft layers' CPU tests.
+config); v41-tiny-draft is v41-tiny with 2, for the draft layers' CPU tests; v41-bench-draft is
+v41-bench with 1, for speculative decoding on the GPU.
 """
 
 from __future__ import annotations
@@ -181,6 +182,14 @@ _RECALL: dict[str, Any] = dict(
 # image and namespace derived from it, stays as it was)
 _TINY_DRAFT: dict[str, Any] = dict(_TINY, num_nextn_predict_layers=2)
 
+# v41-bench with one (random) draft layer. Its target weights are v41-bench's, bit for bit
+# (``init_weights`` draws the draft layers last; tests/model/test_bench_draft_preset.py). A
+# preset of its own rather than a draft layer in v41-bench: the layout id hashes the config
+# (v41-bench's tier namespace would change), and the model builds its draft layers whether or
+# not it speculates (every v41-bench run would hold 0.5 B more parameters, which the roofline
+# counts as weight bytes)
+_BENCH_DRAFT: dict[str, Any] = dict(_BENCH, num_nextn_predict_layers=1)
+
 PRESETS: dict[str, dict[str, Any]] = {
     "v41-flash": _FLASH,
     "v41-tiny": _TINY,
@@ -188,6 +197,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     "v41-bench": _BENCH,
     "v41-recall": _RECALL,
     "v41-tiny-draft": _TINY_DRAFT,
+    "v41-bench-draft": _BENCH_DRAFT,
 }
 
 # Block size each preset is meant to run with (the engine's default for it).
@@ -198,6 +208,7 @@ PRESET_BLOCK_SIZE: dict[str, int] = {
     "v41-bench": 256,
     "v41-recall": 256,
     "v41-tiny-draft": 16,
+    "v41-bench-draft": 256,
 }
 
 
