@@ -4,6 +4,7 @@ HBM + LMCache tier.
     python -m benchmarks.serving                       # CPU scale (v41-mini)
     python -m benchmarks.serving --preset gpu          # H200 scale (v41-bench, bf16)
     python -m benchmarks.serving --preset gpu --model v4-bench ...   # another model, same arms
+    python -m benchmarks.serving --preset cpu --arms speculative     # the arms with drafts
 
 Each prompt is one of ``--prefixes`` shared prefixes plus a unique tail; ``--output-len``
 tokens each; ``--concurrency`` requests in flight; a PAGE pool too small to hold the tails.
@@ -17,21 +18,35 @@ Reported per arm: req/s, TTFT and ITL (p50, mean), prompt tokens by source, per-
 time spent in the tier connector per step, and a calibrated model: t(c) = a*c + b (engine time
 per request against computed prompt tokens per request), fitted on the two arms that move no
 bytes, predicting the tier arm's req/s.
+
+``--arms speculative`` runs each of the three arms twice, without drafts (k = 0) and with
+``--speculative-tokens`` k (default 1) drafts from the model's own draft layers, on a model that
+has them: models/v41-recall (trained target and draft layer) on CPU, v41-bench-draft (v41-bench
+plus one random draft layer: its acceptance is a random draft's) on the GPU; sizes of its own
+(``SPECULATIVE``), each overridable. On the recall model the prompts are recall-task text
+(``--workload recall``: filler prefixes, recall questions as tails), which its draft layer was
+trained on. Reported per arm: req/s, output tokens/s, ITL p50 (accepted drafts arrive in the
+step that verified them: a gap of ~0), acceptance rate and mean tokens per verify span of the
+measured pass, tier tokens, and whether both passes' outputs equal the k = 0 arm's (greedy: in
+fp32 they must; the run exits 1 otherwise).
 """
 
 from __future__ import annotations
 
 import argparse
+import random
 import shlex
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import psutil
 import torch
 
 from atom import LLM, SamplingParams
 from benchmarks.common import md_table, write_results
+from benchmarks.recall_task import SPLIT_SEEDS, filler, split
 from benchmarks.step_log import STEPS_HEADER, StepLog, steps_table
 from benchmarks.tier_probe import tier_holds
 from benchmarks.workload import pct, shared_prefix_prompts, summarize
@@ -68,6 +83,28 @@ PRESETS = {
         dtype="bfloat16",
         l1_gb=16.0,
         name="serving_h200",
+    ),
+}
+
+RECALL = Path(__file__).resolve().parent.parent / "models" / "v41-recall"
+
+# --arms speculative: models with draft layers and sizes of their own (a flag still overrides)
+SPECULATIVE = {
+    "cpu": dict(
+        # 16 requests' tail blocks (2 each: 32) do not fit beside 8 running requests (48) and
+        # the prefixes (8); 64 output tokens: decoding, where drafts act, is a real share
+        model=str(RECALL),
+        prefix_len=512,
+        tail_len=768,
+        output_len=64,
+        pool_blocks=64,
+        name="serving_speculative_cpu",
+    ),
+    "gpu": dict(
+        # half the requests of the three-arm run: six arms in one step's time
+        model="v41-bench-draft",
+        requests=32,
+        name="serving_speculative_h200",
     ),
 }
 
@@ -162,8 +199,32 @@ def record_lookups(connector) -> dict:
     return answers
 
 
-def run_arm(name: str, prompts: list[list[int]], args, fill: bool = True, **engine) -> dict:
-    """Pass 1 (unless ``fill`` is False: nothing to fill) then the measured pass 2."""
+def recall_prompts(
+    num_requests: int, num_prefixes: int, prefix_len: int, tail_len: int
+) -> list[list[int]]:
+    """The shared-prefix workload in recall-task text: prefix i is seeded filler, each tail a
+    recall question (the held-out "eval" split) of ``tail_len`` tokens."""
+    base = SPLIT_SEEDS["preamble"]
+    prefixes = [filler(random.Random(base + i), prefix_len) for i in range(num_prefixes)]
+    tails = split("eval", num_requests, tail_len)
+    return [prefixes[i % num_prefixes] + t.prompt for i, t in enumerate(tails)]
+
+
+def spec_counts(eng) -> tuple[int, int, int] | None:
+    spec = eng.spec_stats
+    return None if spec is None else (spec.proposed, spec.accepted, spec.verifies)
+
+
+def run_arm(
+    name: str,
+    prompts: list[list[int]],
+    args,
+    fill: bool = True,
+    keep: dict | None = None,
+    **engine,
+) -> dict:
+    """Pass 1 (unless ``fill`` is False: nothing to fill) then the measured pass 2; ``keep``
+    receives both passes' output tokens ("pass1", "pass2") and the blocks an image takes."""
     llm = LLM(
         args.model,
         device=args.device,
@@ -198,9 +259,14 @@ def run_arm(name: str, prompts: list[list[int]], args, fill: bool = True, **engi
     server_cpu0 = cpu_seconds(server)
     steps0 = eng.steps
     log = StepLog(eng, busy=conn.busy if conn is not None else None)
+    spec0 = spec_counts(eng)
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params)
     wall = time.perf_counter() - t0
+    if keep is not None:
+        keep["pass1"] = [o.token_ids for o in first] if first is not None else None
+        keep["pass2"] = [o.token_ids for o in outs]
+        keep["units_per_image"] = eng.spec.units_per_image
     server_cpu = cpu_seconds(server) - server_cpu0 if server is not None else None
     steps = eng.steps - steps0
     itls = [x for o in outs for x in o.itl_s]
@@ -221,6 +287,15 @@ def run_arm(name: str, prompts: list[list[int]], args, fill: bool = True, **engi
         res["lookup_answers_by_request"] = [answers.get(o.request_id) for o in outs]
     if first is not None:
         res["same_tokens_as_pass1"] = all(a.token_ids == b.token_ids for a, b in zip(first, outs))
+    if spec0 is not None:  # drafts verified in the measured pass
+        proposed, accepted, verifies = (b - a for a, b in zip(spec0, spec_counts(eng)))
+        res["speculative"] = {
+            "draft_tokens": proposed,
+            "accepted_tokens": accepted,
+            "verify_spans": verifies,
+            "acceptance_rate": round(accepted / max(1, proposed), 4),
+            "tokens_per_verify": round((accepted + verifies) / max(1, verifies), 4),
+        }
     if conn is not None:
         lat = eng.metrics._metrics["atom_tier_transfer_seconds"].samples(op="load")
         nbytes = eng.metrics._metrics["atom_tier_bytes_total"].get(direction="load")
@@ -321,6 +396,121 @@ def idle(args) -> None:
     )
 
 
+def speculative(args, prompts: list[list[int]]) -> int:
+    """The three arms without and with drafts; 1 if, in fp32, any output differs from k = 0."""
+    k = args.speculative_tokens
+    tier = dict(
+        offload="lmcache_mp", lmcache={"l1_size_gb": args.l1_gb, "load_mode": args.load_mode}
+    )
+    configs = [
+        ("no prefix reuse", dict(fill=False, enable_prefix_caching=False)),
+        ("HBM prefix caching", {}),
+        ("HBM + tier", tier),
+    ]
+    arms, kept = [], {}
+    for config, engine in configs:  # k = 0 then k, back to back: drift hits both alike
+        for kk in (0, k):
+            name = f"{config}, k={kk}"
+            kept[name] = {}
+            arm = run_arm(name, prompts, args, keep=kept[name], speculative_tokens=kk, **engine)
+            arm["config"], arm["k"] = config, kk
+            arm["blocks_per_image"] = kept[name]["units_per_image"]
+            arm["output_tokens_per_s"] = round(arm["output_tokens"] / arm["wall_s"], 2)
+            arms.append(arm)
+    reference = kept[f"{configs[0][0]}, k=0"]["pass2"]
+    failures = []
+    for arm in arms:
+        base = kept[f"{arm['config']}, k=0"]
+        mine = kept[arm["arm"]]
+        equal = {}
+        for p in ("pass1", "pass2"):
+            if mine[p] is not None:
+                equal[p] = sum(a == b for a, b in zip(mine[p], base[p]))
+        arm["outputs_equal_to_k0"] = {p: f"{n}/{len(prompts)}" for p, n in equal.items()}
+        arm["pass2_equal_to_no_reuse_k0"] = (
+            f"{sum(a == b for a, b in zip(mine['pass2'], reference))}/{len(prompts)}"
+        )
+        if arm["k"] and any(n != len(prompts) for n in equal.values()):
+            failures.append(f"{arm['arm']}: outputs differ from k=0 ({arm['outputs_equal_to_k0']})")
+    summary = {}
+    for config, _ in configs:
+        plain, drafts = (a for a in arms if a["config"] == config)
+        summary[config] = {
+            "req_per_s_ratio": round(drafts["req_per_s"] / plain["req_per_s"], 4),
+            "output_tokens_per_s_ratio": round(
+                drafts["output_tokens_per_s"] / plain["output_tokens_per_s"], 4
+            ),
+        }
+    rows = []
+    for a in arms:
+        spec = a.get("speculative", {})
+        eq = a["outputs_equal_to_k0"]
+        rows.append(
+            [a["arm"], a["req_per_s"], a["output_tokens_per_s"], a["ttft_p50_ms"]]
+            + [a.get("itl_p50_ms", ""), a.get("itl_mean_ms", "")]
+            + [f"{spec['acceptance_rate']:.3f}" if spec else ""]
+            + [f"{spec['tokens_per_verify']:.2f}" if spec else ""]
+            + [spec.get("draft_tokens", ""), a["steps"]]
+            + [a["hbm_hit_tokens"], a["tier_hit_tokens"], a["computed_prompt_tokens"]]
+            + [a["preemptions"], a["blocks_per_image"]]
+            + [" / ".join(eq.get(p, "-") for p in ("pass1", "pass2"))]
+            + [a["pass2_equal_to_no_reuse_k0"]]
+        )
+    table = md_table(
+        [
+            "arm",
+            "req/s",
+            "output tok/s",
+            "TTFT p50 ms",
+            "ITL p50 ms",
+            "ITL mean ms",
+            "acceptance",
+            "tokens / verify",
+            "drafts verified",
+            "steps",
+            "HBM tokens",
+            "tier tokens",
+            "computed tokens",
+            "preemptions",
+            "blocks / image",
+            "outputs = k=0 (pass 1 / pass 2)",
+            "pass 2 = no reuse k=0",
+        ],
+        rows,
+    )
+    table += "\n\nWith drafts over without (same reuse configuration):\n\n" + md_table(
+        ["configuration", "req/s", "output tok/s"],
+        [
+            [c, f"{v['req_per_s_ratio']:.2f}x", f"{v['output_tokens_per_s_ratio']:.2f}x"]
+            for c, v in summary.items()
+        ],
+    )
+    table += (
+        f"\n\nModel {args.model}, {args.workload} prompts: {args.requests} requests, "
+        f"{args.prefixes} prefixes of {args.prefix_len} tokens + tails of {args.tail_len}, "
+        f"{args.output_len} greedy output tokens each, {args.concurrency} in flight, a pool of "
+        f"{args.pool_blocks} blocks; k={k}. Measured pass (pass 2) of each arm; acceptance, "
+        "tokens / verify and drafts verified are its own. ITL: accepted drafts arrive with the "
+        "token that verified them (a gap of ~0), so p50 may be the step time or 0 as acceptance "
+        "varies; output tok/s is the rate. Blocks / image: PAGE blocks one state image takes "
+        "(the draft layers' rings and k more rows per ring make it larger with drafts: fewer "
+        "images and prefixes fit in the same pool). "
+        + ("Outputs all equal to k=0: yes.\n" if not failures else "OUTPUTS DIFFER.\n")
+    )
+    table += (
+        "\nSteps of the measured pass by kind (decode: every span one token or a verify span):"
+        "\n\n" + md_table(STEPS_HEADER, steps_table(arms)) + "\n"
+    )
+    cmd = f"python -m benchmarks.serving {shlex.join(sys.argv[1:])}"
+    print(table)
+    data = {"args": vars(args), "arms": arms, "summary": summary, "failures": failures}
+    print(write_results(args.name, data, table, cmd))
+    strict = args.dtype == "float32"  # greedy drafts are exact in fp32; bf16 near-ties may flip
+    for f in failures:
+        print(("FAIL: " if strict else "note: ") + f, file=sys.stderr)
+    return 1 if failures and strict else 0
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -328,11 +518,25 @@ def main() -> None:
     ap.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
     ap.add_argument(
         "--arms",
-        choices=("main", "idle", "tier"),
+        choices=("main", "idle", "tier", "speculative"),
         default="main",
         help="main: the three arms on a pool too small for the tails; idle: HBM-only against "
         "HBM + an attached tier on a workload that fits the pool (the idle-tier overhead); "
-        "tier: the HBM + tier arm of main alone (diagnosis: its steps and sources)",
+        "tier: the HBM + tier arm of main alone (diagnosis: its steps and sources); "
+        "speculative: the three arms without and with drafts, on a model with draft layers",
+    )
+    ap.add_argument(
+        "--speculative-tokens",
+        type=int,
+        default=1,
+        help="speculative: drafts per decode step in the arms with drafts (1-5)",
+    )
+    ap.add_argument(
+        "--workload",
+        choices=("auto", "random", "recall"),
+        default="auto",
+        help="prompts of main, tier and speculative: random tokens, or recall-task text "
+        "(filler prefixes, recall questions as tails); auto: recall for a recall model",
     )
     ap.add_argument("--repeats", type=int, default=2, help="idle: A/B pairs to interleave")
     ap.add_argument(
@@ -345,13 +549,23 @@ def main() -> None:
     for key, value in PRESETS["cpu"].items():
         ap.add_argument(f"--{key.replace('_', '-')}", type=type(value), default=None)
     args = ap.parse_args()
-    for key, value in PRESETS[args.preset].items():
+    defaults = dict(PRESETS[args.preset])
+    if args.arms == "speculative":
+        if not 1 <= args.speculative_tokens <= 5:
+            ap.error("--speculative-tokens must be in [1, 5]")
+        defaults.update(SPECULATIVE[args.preset])
+    for key, value in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
+    if args.workload == "auto":
+        args.workload = "recall" if "recall" in Path(args.model).name else "random"
     if args.arms == "idle":
         idle(args)
         return
-    prompts = shared_prefix_prompts(args.requests, args.prefixes, args.prefix_len, args.tail_len)
+    make = recall_prompts if args.workload == "recall" else shared_prefix_prompts
+    prompts = make(args.requests, args.prefixes, args.prefix_len, args.tail_len)
+    if args.arms == "speculative":
+        sys.exit(speculative(args, prompts))
     tier_engine = dict(
         offload="lmcache_mp", lmcache={"l1_size_gb": args.l1_gb, "load_mode": args.load_mode}
     )

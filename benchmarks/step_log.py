@@ -1,6 +1,7 @@
 """Where a serving run's wall time goes: every engine step timed and classified by what it ran.
 
-Steps are ``decode`` (every span one token), ``prefill`` (no single-token span) or ``mixed``.
+Steps are ``decode`` (every span one token, or one token and the drafts it verifies),
+``prefill`` (no such span) or ``mixed``.
 Comparing one kind across arms separates a slower forward (contention: the same step costs
 more) from a different mix of steps; wall time outside steps is the loop waiting for loads or
 lookups with nothing to run. With ``busy`` (sampled as each step starts: the tier has a
@@ -44,8 +45,10 @@ class StepLog:
             dt = time.perf_counter() - t0
             out = last.pop() if last else None
             if out is not None and out.spans:
-                single = sum(1 for sp in out.spans if sp.end - sp.start == 1)
-                prefill = sum(sp.end - sp.start for sp in out.spans if sp.end - sp.start > 1)
+                # a verify span is one decode position plus its drafts
+                sizes = [sp.end - sp.start - len(sp.drafts) for sp in out.spans]
+                single = sum(1 for n in sizes if n == 1)
+                prefill = sum(n for n in sizes if n > 1)
                 kind = "decode" if not prefill else "prefill" if not single else "mixed"
                 self.rows.append((dt, kind, len(out.spans), prefill, tier_busy))
             return finished

@@ -2,7 +2,7 @@
 # On the GPU machine: install carried wheels, run GPU tests and benchmarks, keep results.
 # Usage: bash benchmarks/gpu/run.sh STEP...
 #   steps: tests tier forward profile roofline profile_prefill transfer cuda_ops transfer_native transfer_modes serving
-#          speculative tp tp_tests (tp, tp_tests: two GPUs)
+#          speculative serving_spec tp tp_tests (tp, tp_tests: two GPUs)
 #          tier_only idle
 #          train forward_v4 serving_v4
 # cuda_ops builds lmcache.cuda_ops from lmcache's sources against this machine's torch
@@ -59,6 +59,9 @@ for s in "$@"; do
     tp_tests) step 200 python3 -m pytest -x -q -p no:cacheprovider tests/gpu/test_tp_cuda.py \
       tests/distributed ;;
     serving) step 585 python3 -m benchmarks.serving --preset gpu ;;
+    serving_spec)  # the three arms without / with drafts on v41-bench-draft, 32 requests
+      step "${SERVING_SPEC_LIMIT:-585}" python3 -m benchmarks.serving --preset gpu \
+        --arms speculative --speculative-tokens "${SERVING_SPEC_K:-1}" ;;
     tier_only) step 300 python3 -m benchmarks.serving --preset gpu --arms tier ;;
     idle) step 560 python3 -m benchmarks.serving --preset gpu --arms idle \
       --repeats "${IDLE_REPEATS:-2}" ;;

@@ -1,0 +1,81 @@
+"""benchmarks.serving --arms speculative on a tiny preset: the three arms (no reuse, HBM, HBM +
+an owned LMCache server) each without and with drafts, their acceptance counters and whether
+their outputs equal the k = 0 arm's (fp32 greedy: they must). Results are captured, not written
+to benchmarks/results."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from benchmarks import serving
+from benchmarks.workload import shared_prefix_prompts
+
+ARGS = dict(
+    model="v41-tiny-draft",
+    preset="cpu",
+    requests=4,
+    prefixes=2,
+    prefix_len=32,  # block 16: two prefix blocks, one tail block per prompt
+    tail_len=24,
+    output_len=8,
+    concurrency=2,
+    max_batched_tokens=64,
+    pool_blocks=16,
+    device="cpu",
+    dtype="float32",
+    l1_gb=0.2,
+    load_mode="engine_driven",
+    workload="random",
+    speculative_tokens=2,
+    name="serving_speculative_test",
+)
+
+
+@pytest.fixture
+def captured(monkeypatch):
+    written = {}
+
+    def write_results(name, data, table, command):
+        written.update(name=name, data=data, table=table, command=command)
+        return name
+
+    monkeypatch.setattr(serving, "write_results", write_results)
+    return written
+
+
+def test_speculative_arms_report_acceptance_and_equal_outputs(captured):
+    args = argparse.Namespace(**ARGS)
+    prompts = shared_prefix_prompts(args.requests, args.prefixes, args.prefix_len, args.tail_len)
+    assert serving.speculative(args, prompts) == 0
+    data = captured["data"]
+    assert captured["name"] == "serving_speculative_test" and not data["failures"]
+    arms = {a["arm"]: a for a in data["arms"]}
+    configs = ("no prefix reuse", "HBM prefix caching", "HBM + tier")
+    assert list(arms) == [f"{c}, k={k}" for c in configs for k in (0, 2)]
+    n = len(prompts)
+    for arm in arms.values():
+        assert arm["output_tokens"] == n * args.output_len
+        assert arm["output_tokens_per_s"] > 0
+        assert arm["outputs_equal_to_k0"]["pass2"] == f"{n}/{n}"
+        assert arm["pass2_equal_to_no_reuse_k0"] == f"{n}/{n}"
+        if arm["k"] == 0:
+            assert "speculative" not in arm
+            continue
+        spec = arm["speculative"]
+        # every decode step of the measured pass verified up to k drafts per request
+        assert spec["verify_spans"] > 0 and spec["draft_tokens"] > 0
+        assert spec["draft_tokens"] <= 2 * spec["verify_spans"]
+        assert 0 <= spec["accepted_tokens"] <= spec["draft_tokens"]
+        rate = spec["accepted_tokens"] / spec["draft_tokens"]
+        assert spec["acceptance_rate"] == pytest.approx(rate, abs=1e-4)
+        per_verify = (spec["accepted_tokens"] + spec["verify_spans"]) / spec["verify_spans"]
+        assert spec["tokens_per_verify"] == pytest.approx(per_verify, abs=1e-4)
+    for name in ("HBM prefix caching", "HBM + tier"):
+        assert arms[f"{name}, k=2"]["outputs_equal_to_k0"]["pass1"] == f"{n}/{n}"
+    # the tier arm's measured pass loaded prompt tokens from the tier, with drafts too
+    assert arms["HBM + tier, k=0"]["tier_hit_tokens"] > 0
+    assert arms["HBM + tier, k=2"]["tier_hit_tokens"] > 0
+    assert "acceptance" in captured["table"] and "HBM + tier, k=2" in captured["table"]
+    assert set(data["summary"]) == set(configs)
