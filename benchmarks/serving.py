@@ -23,12 +23,13 @@ bytes, predicting the tier arm's req/s.
 ``--speculative-tokens`` k (default 1) drafts from the model's own draft layers, on a model that
 has them: models/v41-recall (trained target and draft layer) on CPU, v41-bench-draft (v41-bench
 plus one random draft layer: its acceptance is a random draft's) on the GPU; sizes of its own
-(``SPECULATIVE``), each overridable. On the recall model the prompts are recall-task text
-(``--workload recall``: filler prefixes, recall questions as tails), which its draft layer was
-trained on. Reported per arm: req/s, output tokens/s, ITL p50 (accepted drafts arrive in the
-step that verified them: a gap of ~0), acceptance rate and mean tokens per verify span of the
-measured pass, tier tokens, and whether both passes' outputs equal the k = 0 arm's (greedy: in
-fp32 they must; the run exits 1 otherwise).
+(``SPECULATIVE``), each overridable; ``--repeats`` rounds of the six arms (2 on CPU, 1 on the
+GPU), k = 0 and k back to back, alternating which goes first. On the recall model the prompts
+are recall-task text (``--workload recall``: filler prefixes, recall questions as tails), which
+its draft layer was trained on. Reported per arm: req/s, output tokens/s, ITL p50 (accepted
+drafts arrive in the step that verified them: a gap of ~0), acceptance rate and mean tokens per
+verify span of the measured pass, tier tokens, and whether both passes' outputs equal the
+configuration's k = 0 outputs (greedy: in fp32 they must; the run exits 1 otherwise).
 """
 
 from __future__ import annotations
@@ -86,7 +87,8 @@ PRESETS = {
     ),
 }
 
-RECALL = Path(__file__).resolve().parent.parent / "models" / "v41-recall"
+REPO = Path(__file__).resolve().parent.parent
+RECALL = REPO / "models" / "v41-recall"
 
 # --arms speculative: models with draft layers and sizes of their own (a flag still overrides)
 SPECULATIVE = {
@@ -98,12 +100,14 @@ SPECULATIVE = {
         tail_len=768,
         output_len=64,
         pool_blocks=64,
+        repeats=2,
         name="serving_speculative_cpu",
     ),
     "gpu": dict(
-        # half the requests of the three-arm run: six arms in one step's time
+        # half the requests of the three-arm run, one round: six arms in one step's time
         model="v41-bench-draft",
         requests=32,
+        repeats=1,
         name="serving_speculative_h200",
     ),
 }
@@ -208,6 +212,12 @@ def recall_prompts(
     prefixes = [filler(random.Random(base + i), prefix_len) for i in range(num_prefixes)]
     tails = split("eval", num_requests, tail_len)
     return [prefixes[i % num_prefixes] + t.prompt for i, t in enumerate(tails)]
+
+
+def shown_model(model: str) -> str:
+    """A preset's name, or a model directory relative to the repository when inside it."""
+    path = Path(model).resolve()
+    return str(path.relative_to(REPO)) if path.is_dir() and path.is_relative_to(REPO) else model
 
 
 def spec_counts(eng) -> tuple[int, int, int] | None:
@@ -397,7 +407,9 @@ def idle(args) -> None:
 
 
 def speculative(args, prompts: list[list[int]]) -> int:
-    """The three arms without and with drafts; 1 if, in fp32, any output differs from k = 0."""
+    """The three arms without and with drafts, ``--repeats`` rounds (k = 0 and k back to back
+    per configuration, in A B, B A, ... order); 1 if, in fp32, any output differs from the
+    configuration's first k = 0 run."""
     k = args.speculative_tokens
     tier = dict(
         offload="lmcache_mp", lmcache={"l1_size_gb": args.l1_gb, "load_mode": args.load_mode}
@@ -407,52 +419,107 @@ def speculative(args, prompts: list[list[int]]) -> int:
         ("HBM prefix caching", {}),
         ("HBM + tier", tier),
     ]
-    arms, kept = [], {}
-    for config, engine in configs:  # k = 0 then k, back to back: drift hits both alike
-        for kk in (0, k):
-            name = f"{config}, k={kk}"
-            kept[name] = {}
-            arm = run_arm(name, prompts, args, keep=kept[name], speculative_tokens=kk, **engine)
-            arm["config"], arm["k"] = config, kk
-            arm["blocks_per_image"] = kept[name]["units_per_image"]
-            arm["output_tokens_per_s"] = round(arm["output_tokens"] / arm["wall_s"], 2)
-            arms.append(arm)
-    reference = kept[f"{configs[0][0]}, k=0"]["pass2"]
+    runs, kept = [], {}
+    for rep in range(args.repeats):
+        for config, engine in configs:
+            for kk in (0, k) if rep % 2 == 0 else (k, 0):
+                name = f"{config}, k={kk}"
+                keep: dict = {}
+                run = run_arm(
+                    f"{name} #{rep + 1}", prompts, args, keep=keep, speculative_tokens=kk, **engine
+                )
+                run.update(config=config, k=kk, repeat=rep + 1)
+                run["blocks_per_image"] = keep["units_per_image"]
+                run["output_tokens_per_s"] = round(run["output_tokens"] / run["wall_s"], 2)
+                kept.setdefault(name, []).append(keep)
+                runs.append(run)
+    n = len(prompts)
     failures = []
-    for arm in arms:
-        base = kept[f"{arm['config']}, k=0"]
-        mine = kept[arm["arm"]]
-        equal = {}
-        for p in ("pass1", "pass2"):
-            if mine[p] is not None:
-                equal[p] = sum(a == b for a, b in zip(mine[p], base[p]))
-        arm["outputs_equal_to_k0"] = {p: f"{n}/{len(prompts)}" for p, n in equal.items()}
-        arm["pass2_equal_to_no_reuse_k0"] = (
-            f"{sum(a == b for a, b in zip(mine['pass2'], reference))}/{len(prompts)}"
-        )
-        if arm["k"] and any(n != len(prompts) for n in equal.values()):
-            failures.append(f"{arm['arm']}: outputs differ from k=0 ({arm['outputs_equal_to_k0']})")
+    for run in runs:  # every run's outputs against its configuration's first k=0 run
+        base = kept[f"{run['config']}, k=0"][0]
+        mine = kept[f"{run['config']}, k={run['k']}"][run["repeat"] - 1]
+        equal = {
+            p: sum(a == b for a, b in zip(mine[p], base[p]))
+            for p in ("pass1", "pass2")
+            if mine[p] is not None
+        }
+        run["outputs_equal_to_k0"] = equal  # of n prompts
+        if any(m != n for m in equal.values()):
+            failures.append(f"{run['arm']}: outputs equal to k=0's, of {n}: {equal}")
+    reference = kept[f"{configs[0][0]}, k=0"][0]["pass2"]
+    arms = []  # per (configuration, k): the mean over the repeats
+    for config, _ in configs:
+        for kk in (0, k):
+            mine = [r for r in runs if r["config"] == config and r["k"] == kk]
+            last = mine[-1]
+            equal_ref = min(
+                sum(a == b for a, b in zip(keep["pass2"], reference))
+                for keep in kept[f"{config}, k={kk}"]
+            )
+            arms.append(
+                {
+                    "arm": f"{config}, k={kk}",
+                    "config": config,
+                    "k": kk,
+                    "req_per_s": round(statistics.fmean(r["req_per_s"] for r in mine), 4),
+                    "req_per_s_by_repeat": [r["req_per_s"] for r in mine],
+                    "output_tokens_per_s": round(
+                        statistics.fmean(r["output_tokens_per_s"] for r in mine), 2
+                    ),
+                    "ttft_p50_ms": round(statistics.fmean(r["ttft_p50_ms"] for r in mine), 1),
+                    "itl_p50_ms": round(statistics.fmean(r["itl_p50_ms"] for r in mine), 2),
+                    "itl_mean_ms": round(statistics.fmean(r["itl_mean_ms"] for r in mine), 2),
+                    "steps": last["steps"],
+                    "speculative": last.get("speculative"),
+                    "same_speculative_counts_every_repeat": all(
+                        r.get("speculative") == last.get("speculative") for r in mine
+                    ),
+                    **{
+                        key: last[key]
+                        for key in (
+                            "output_tokens",
+                            "hbm_hit_tokens",
+                            "tier_hit_tokens",
+                            "computed_prompt_tokens",
+                            "preemptions",
+                            "blocks_per_image",
+                        )
+                    },
+                    "preemptions_max": max(r["preemptions"] for r in mine),
+                    "outputs_equal_to_k0": {
+                        p: f"{min(r['outputs_equal_to_k0'][p] for r in mine)}/{n}"
+                        for p in mine[0]["outputs_equal_to_k0"]
+                    },
+                    "pass2_equal_to_no_reuse_k0": f"{equal_ref}/{n}",
+                }
+            )
     summary = {}
     for config, _ in configs:
-        plain, drafts = (a for a in arms if a["config"] == config)
+        pairs = [
+            [r for r in runs if r["config"] == config and r["repeat"] == rep + 1]
+            for rep in range(args.repeats)
+        ]
+        ratio = [
+            next(r for r in pair if r["k"])["req_per_s"]
+            / next(r for r in pair if not r["k"])["req_per_s"]
+            for pair in pairs
+        ]
         summary[config] = {
-            "req_per_s_ratio": round(drafts["req_per_s"] / plain["req_per_s"], 4),
-            "output_tokens_per_s_ratio": round(
-                drafts["output_tokens_per_s"] / plain["output_tokens_per_s"], 4
-            ),
+            "req_per_s_ratio_by_repeat": [round(x, 4) for x in ratio],
+            "req_per_s_ratio_mean": round(statistics.fmean(ratio), 4),
         }
     rows = []
     for a in arms:
-        spec = a.get("speculative", {})
+        spec = a["speculative"] or {}
         eq = a["outputs_equal_to_k0"]
         rows.append(
             [a["arm"], a["req_per_s"], a["output_tokens_per_s"], a["ttft_p50_ms"]]
-            + [a.get("itl_p50_ms", ""), a.get("itl_mean_ms", "")]
+            + [a["itl_p50_ms"], a["itl_mean_ms"]]
             + [f"{spec['acceptance_rate']:.3f}" if spec else ""]
             + [f"{spec['tokens_per_verify']:.2f}" if spec else ""]
             + [spec.get("draft_tokens", ""), a["steps"]]
             + [a["hbm_hit_tokens"], a["tier_hit_tokens"], a["computed_prompt_tokens"]]
-            + [a["preemptions"], a["blocks_per_image"]]
+            + [a["preemptions_max"], a["blocks_per_image"]]
             + [" / ".join(eq.get(p, "-") for p in ("pass1", "pass2"))]
             + [a["pass2_equal_to_no_reuse_k0"]]
         )
@@ -478,32 +545,50 @@ def speculative(args, prompts: list[list[int]]) -> int:
         ],
         rows,
     )
-    table += "\n\nWith drafts over without (same reuse configuration):\n\n" + md_table(
-        ["configuration", "req/s", "output tok/s"],
+    table += "\n\nWith drafts over without, req/s (same configuration, same round):\n\n" + md_table(
+        ["configuration", "mean", "by round"],
         [
-            [c, f"{v['req_per_s_ratio']:.2f}x", f"{v['output_tokens_per_s_ratio']:.2f}x"]
+            [
+                c,
+                f"{v['req_per_s_ratio_mean']:.2f}x",
+                ", ".join(f"{x:.2f}x" for x in v["req_per_s_ratio_by_repeat"]),
+            ]
             for c, v in summary.items()
         ],
     )
     table += (
-        f"\n\nModel {args.model}, {args.workload} prompts: {args.requests} requests, "
+        f"\n\nModel {shown_model(args.model)}, {args.workload} prompts: {args.requests} requests, "
         f"{args.prefixes} prefixes of {args.prefix_len} tokens + tails of {args.tail_len}, "
         f"{args.output_len} greedy output tokens each, {args.concurrency} in flight, a pool of "
-        f"{args.pool_blocks} blocks; k={k}. Measured pass (pass 2) of each arm; acceptance, "
-        "tokens / verify and drafts verified are its own. ITL: accepted drafts arrive with the "
-        "token that verified them (a gap of ~0), so p50 may be the step time or 0 as acceptance "
-        "varies; output tok/s is the rate. Blocks / image: PAGE blocks one state image takes "
-        "(the draft layers' rings and k more rows per ring make it larger with drafts: fewer "
-        "images and prefixes fit in the same pool). "
+        f"{args.pool_blocks} blocks; k={k}; {args.repeats} rounds, each arm on a fresh engine "
+        "(and a fresh owned LMCache server), k=0 and k back to back, their order alternating. "
+        "Rates and latencies: means over the rounds of each arm's measured pass (pass 2); "
+        "acceptance, tokens / verify, drafts verified, steps and tokens by source: the last "
+        "round's (the same in every round: "
+        + ("yes" if all(a["same_speculative_counts_every_repeat"] for a in arms) else "NO")
+        + "); preemptions: the most in any round; outputs: the fewest equal in any round, "
+        "against the configuration's first k=0 run. ITL: accepted drafts arrive with the token "
+        "that verified them (a gap of ~0), so the p50 moves between the step time and 0 with "
+        "acceptance; output tok/s is the rate. Blocks / image: PAGE blocks one state image "
+        "takes (more with drafts when the draft layers' rings and the k extra rows per ring "
+        "cross a block: fewer images and prefixes then fit in the same pool). "
         + ("Outputs all equal to k=0: yes.\n" if not failures else "OUTPUTS DIFFER.\n")
     )
     table += (
-        "\nSteps of the measured pass by kind (decode: every span one token or a verify span):"
-        "\n\n" + md_table(STEPS_HEADER, steps_table(arms)) + "\n"
+        "\nSteps of the measured pass by kind, first round (decode: every span one token or a "
+        "verify span):\n\n"
+        + md_table(STEPS_HEADER, steps_table([r for r in runs if r["repeat"] == 1]))
+        + "\n"
     )
     cmd = f"python -m benchmarks.serving {shlex.join(sys.argv[1:])}"
     print(table)
-    data = {"args": vars(args), "arms": arms, "summary": summary, "failures": failures}
+    data = {
+        "args": vars(args),
+        "arms": arms,
+        "summary": summary,
+        "failures": failures,
+        "runs": runs,
+    }
     print(write_results(args.name, data, table, cmd))
     strict = args.dtype == "float32"  # greedy drafts are exact in fp32; bf16 near-ties may flip
     for f in failures:
@@ -538,7 +623,13 @@ def main() -> None:
         help="prompts of main, tier and speculative: random tokens, or recall-task text "
         "(filler prefixes, recall questions as tails); auto: recall for a recall model",
     )
-    ap.add_argument("--repeats", type=int, default=2, help="idle: A/B pairs to interleave")
+    ap.add_argument(
+        "--repeats",
+        type=int,
+        default=None,
+        help="idle: A/B pairs to interleave (default 2); speculative: rounds of the six arms "
+        "(default: 2 on cpu, 1 on gpu)",
+    )
     ap.add_argument(
         "--load-mode",
         choices=("engine_driven", "lmcache_driven"),
@@ -557,6 +648,8 @@ def main() -> None:
     for key, value in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
+    if args.repeats is None:
+        args.repeats = 2
     if args.workload == "auto":
         args.workload = "recall" if "recall" in Path(args.model).name else "random"
     if args.arms == "idle":

@@ -20,15 +20,16 @@ ARGS = dict(
     prefix_len=32,  # block 16: two prefix blocks, one tail block per prompt
     tail_len=24,
     output_len=8,
-    concurrency=2,
-    max_batched_tokens=64,
-    pool_blocks=16,
+    concurrency=4,
+    max_batched_tokens=128,
+    pool_blocks=20,  # 4 running take 16: the prefixes fit beside them, the tails do not
     device="cpu",
     dtype="float32",
     l1_gb=0.2,
     load_mode="engine_driven",
     workload="random",
     speculative_tokens=2,
+    repeats=1,
     name="serving_speculative_test",
 )
 
@@ -61,7 +62,7 @@ def test_speculative_arms_report_acceptance_and_equal_outputs(captured):
         assert arm["outputs_equal_to_k0"]["pass2"] == f"{n}/{n}"
         assert arm["pass2_equal_to_no_reuse_k0"] == f"{n}/{n}"
         if arm["k"] == 0:
-            assert "speculative" not in arm
+            assert arm["speculative"] is None
             continue
         spec = arm["speculative"]
         # every decode step of the measured pass verified up to k drafts per request
@@ -79,3 +80,4 @@ def test_speculative_arms_report_acceptance_and_equal_outputs(captured):
     assert arms["HBM + tier, k=2"]["tier_hit_tokens"] > 0
     assert "acceptance" in captured["table"] and "HBM + tier, k=2" in captured["table"]
     assert set(data["summary"]) == set(configs)
+    assert [r["arm"] for r in data["runs"]] == [f"{a} #1" for a in arms]
