@@ -18,11 +18,14 @@ def build_engine(config: EngineConfig, attach_tier=None) -> LLMEngine:
     (tests attach fakes through it)."""
     cfg = config.resolved()
     torch.manual_seed(cfg.seed)
+    attach = attach_tier
+    if attach is None and cfg.offload == "lmcache_mp":
+        attach = _lmcache_tier(cfg)
     if cfg.tensor_parallel_size > 1:
         from atom.distributed.ranks import start_ranks
 
         # every rank runs every forward eagerly (no decode graphs across ranks yet)
-        return LLMEngine(cfg, start_ranks(cfg), attach_tier)
+        return LLMEngine(cfg, start_ranks(cfg), attach)
     runtime = load_runtime(
         cfg.model,
         dtype=getattr(torch, cfg.dtype),
@@ -38,25 +41,28 @@ def build_engine(config: EngineConfig, attach_tier=None) -> LLMEngine:
     graphs = cfg.cuda_graphs and not cfg.speculative_tokens
     if graphs and hasattr(runtime, "enable_decode_graphs"):
         runtime.enable_decode_graphs(cfg.max_num_seqs, cfg.max_model_len)  # CUDA only
-    attach = attach_tier
-    if attach is None and cfg.offload == "lmcache_mp":
-        from atom.kv_transfer.offload.attach import LMCacheTier
-
-        offload = cfg.lmcache
-
-        def attach(engine: LLMEngine) -> LMCacheTier:
-            return LMCacheTier(
-                config=offload,
-                model=cfg.model,
-                seed=cfg.seed,
-                spec=engine.spec,
-                block_size=cfg.block_size,
-                pool=engine.pool,
-                store=engine.store,
-                pool_tensor=engine.runner.pool,
-                device=cfg.device,
-                metrics=engine.metrics,
-                notify_progress=engine.notify_progress,
-            )
-
     return LLMEngine(cfg, runtime, attach)
+
+
+def _lmcache_tier(cfg: EngineConfig):
+    """The attach hook of the LMCache MP tier (on every rank of a tensor-parallel engine)."""
+    from atom.kv_transfer.offload.attach import LMCacheTier
+
+    def attach(engine: LLMEngine) -> LMCacheTier:
+        tier_ranks = getattr(engine.runtime, "tier_ranks", None)
+        return LMCacheTier(
+            config=cfg.lmcache,
+            model=cfg.model,
+            seed=cfg.seed,
+            spec=engine.spec,
+            block_size=cfg.block_size,
+            pool=engine.pool,
+            store=engine.store,
+            pool_tensor=engine.runner.pool,
+            device=cfg.device,
+            metrics=engine.metrics,
+            notify_progress=engine.notify_progress,
+            ranks=tier_ranks() if tier_ranks is not None else None,
+        )
+
+    return attach

@@ -91,11 +91,6 @@ class EngineConfig(BaseModel):
                 f"num_blocks={self.num_blocks} and pool_memory_gb={self.pool_memory_gb} both "
                 "size the pool; set only one"
             )
-        if self.tensor_parallel_size > 1 and self.offload != "none":
-            raise ValueError(
-                f"tensor_parallel_size={self.tensor_parallel_size} with offload={self.offload!r}: "
-                "the tier does not run across ranks yet (use offload=none or one rank)"
-            )
         if self.tensor_parallel_size > 1 and self.speculative_tokens:
             raise ValueError(
                 f"tensor_parallel_size={self.tensor_parallel_size} with speculative_tokens="

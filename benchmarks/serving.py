@@ -242,6 +242,7 @@ def run_arm(
         max_num_seqs=args.concurrency,
         max_num_batched_tokens=args.max_batched_tokens,
         num_blocks=args.pool_blocks,
+        tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
         **engine,
     )
     eng = llm.engine
@@ -306,6 +307,9 @@ def run_arm(
             "acceptance_rate": round(accepted / max(1, proposed), 4),
             "tokens_per_verify": round((accepted + verifies) / max(1, verifies), 4),
         }
+    tp = eng.tier_health().get("tensor_parallel") if conn is not None else None
+    if tp:  # every rank's parts, bytes and latencies, over both passes
+        res["tensor_parallel"] = tp
     if conn is not None:
         lat = eng.metrics._metrics["atom_tier_transfer_seconds"].samples(op="load")
         nbytes = eng.metrics._metrics["atom_tier_bytes_total"].get(direction="load")
@@ -354,7 +358,12 @@ def idle(args) -> None:
     prompts = shared_prefix_prompts(args.concurrency, args.prefixes, args.prefix_len, args.tail_len)
     args.pool_blocks *= 2
     tier = dict(
-        offload="lmcache_mp", lmcache={"l1_size_gb": args.l1_gb, "load_mode": args.load_mode}
+        offload="lmcache_mp",
+        lmcache={
+            "l1_size_gb": args.l1_gb,
+            "load_mode": args.load_mode,
+            "tp_rank_collapse": args.rank_collapse,
+        },
     )
     arms = []
     for rep in range(args.repeats):
@@ -412,7 +421,12 @@ def speculative(args, prompts: list[list[int]]) -> int:
     configuration's first k = 0 run."""
     k = args.speculative_tokens
     tier = dict(
-        offload="lmcache_mp", lmcache={"l1_size_gb": args.l1_gb, "load_mode": args.load_mode}
+        offload="lmcache_mp",
+        lmcache={
+            "l1_size_gb": args.l1_gb,
+            "load_mode": args.load_mode,
+            "tp_rank_collapse": args.rank_collapse,
+        },
     )
     configs = [
         ("no prefix reuse", dict(fill=False, enable_prefix_caching=False)),
@@ -637,6 +651,18 @@ def main() -> None:
         help="who copies tier loads: the engine, from the server's shared-memory L1, or the "
         "server (lmcache.load_mode)",
     )
+    ap.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="ranks of every arm's engine (the tier arm then loads on every rank)",
+    )
+    ap.add_argument(
+        "--rank-collapse",
+        choices=("auto", "true", "false"),
+        default="auto",
+        help="lmcache.tp_rank_collapse of the tier arm (with --tensor-parallel-size > 1)",
+    )
     for key, value in PRESETS["cpu"].items():
         ap.add_argument(f"--{key.replace('_', '-')}", type=type(value), default=None)
     args = ap.parse_args()
@@ -660,7 +686,12 @@ def main() -> None:
     if args.arms == "speculative":
         sys.exit(speculative(args, prompts))
     tier_engine = dict(
-        offload="lmcache_mp", lmcache={"l1_size_gb": args.l1_gb, "load_mode": args.load_mode}
+        offload="lmcache_mp",
+        lmcache={
+            "l1_size_gb": args.l1_gb,
+            "load_mode": args.load_mode,
+            "tp_rank_collapse": args.rank_collapse,
+        },
     )
     if args.arms == "tier":
         arm = run_arm("HBM + tier", prompts, args, **tier_engine)

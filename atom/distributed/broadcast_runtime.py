@@ -10,7 +10,9 @@ bytes and the logits are the same on every rank. Rank 0's are the ones the engin
 An op is a tuple ``(name, *args)`` of host values (token ids and block tables on the host,
 image units as lists), sent with one object broadcast on the control group. Ops:
 ``("bind", pool_shape, pool_dtype, slot_shape)``, ``("forward", ids, spans, all_logits)``,
-``("store_image", slot, units)``, ``("restore_image", units, slot)``, ``("stop",)``.
+``("store_image", slot, units)``, ``("restore_image", units, slot)``, ``("stop",)``, and the
+tier's ``tier_attach`` / ``tier_op`` / ``tier_stop`` (``rank_tier``), which ride the same
+broadcast so each rank sees them in order with the forwards.
 """
 
 from __future__ import annotations
@@ -34,7 +36,9 @@ class BroadcastRuntime:
 
     host_block_tables = True
 
-    def __init__(self, runtime, state, processes=(), on_close=None):
+    def __init__(
+        self, runtime, state, processes=(), on_close=None, tier_conns=(), rank_replicated=False
+    ):
         self.inner, self.state = runtime, state
         self.spec, self.vocab_size, self.device = runtime.spec, runtime.vocab_size, runtime.device
         self.reserved_blocks = getattr(runtime, "reserved_blocks", 0)
@@ -42,6 +46,19 @@ class BroadcastRuntime:
         self._on_close = on_close
         self.closed = False
         self.processes = list(processes)  # the other ranks' processes
+        self.tier_conns = list(tier_conns)  # read ends of the ranks' tier outcome pipes
+        self.rank_replicated = rank_replicated  # tier bytes identical on every rank
+
+    def tier_ranks(self):
+        """What a tier attached to this engine needs to run on every rank."""
+        from atom.distributed.tier_ranks import TierRanks
+
+        return TierRanks(
+            world_size=self.state.world_size,
+            rank_replicated=self.rank_replicated,
+            send=self._send,
+            conns=self.tier_conns,
+        )
 
     @property
     def model(self):
@@ -113,26 +130,46 @@ def run_forward(runtime, ids: torch.Tensor, spans: list[Span], all_logits: bool)
     return runtime.model.forward_paged(ids, spans, runtime.kv, runtime.slots, all_logits=True)
 
 
-def serve_ops(runtime, state) -> None:
-    """A rank other than 0: make every op rank 0 sends on ``runtime`` until ``stop``."""
+def serve_ops(runtime, state, tier_conn=None) -> None:
+    """A rank other than 0: make every op rank 0 sends on ``runtime`` until ``stop``;
+    ``tier_conn`` is this rank's tier outcome pipe (write end)."""
     device = runtime.device
-    while True:
-        op = state.broadcast_object()
-        name, args = op[0], op[1:]
-        if name == "stop":
-            return
-        if name == "bind":
-            shape, dtype, slot_shape = args
-            pool = torch.zeros(shape, dtype=getattr(torch, dtype.split(".")[-1]), device=device)
-            slots = torch.zeros(slot_shape, dtype=torch.uint8, device=device)
-            runtime.bind(pool, slots)
-        elif name == "forward":
-            run_forward(runtime, *args)
-        elif name == "store_image":
-            slot, units = args
-            runtime.store_image(slot, torch.tensor(units, dtype=torch.int64, device=device))
-        elif name == "restore_image":
-            units, slot = args
-            runtime.restore_image(torch.tensor(units, dtype=torch.int64, device=device), slot)
-        else:
-            raise RuntimeError(f"unknown tensor-parallel op {name!r}")
+    tier = None
+    try:
+        while True:
+            op = state.broadcast_object()
+            name, args = op[0], op[1:]
+            if name == "stop":
+                return
+            if name == "bind":
+                shape, dtype, slot_shape = args
+                if tier is not None:
+                    pool = tier.pool  # made, shared and registered at tier_attach
+                    assert tuple(pool.shape) == tuple(shape), (pool.shape, shape)
+                else:
+                    dt = getattr(torch, dtype.split(".")[-1])
+                    pool = torch.zeros(shape, dtype=dt, device=device)
+                slots = torch.zeros(slot_shape, dtype=torch.uint8, device=device)
+                runtime.bind(pool, slots)
+            elif name == "forward":
+                run_forward(runtime, *args)
+            elif name == "store_image":
+                slot, units = args
+                runtime.store_image(slot, torch.tensor(units, dtype=torch.int64, device=device))
+            elif name == "restore_image":
+                units, slot = args
+                runtime.restore_image(torch.tensor(units, dtype=torch.int64, device=device), slot)
+            elif name == "tier_attach":
+                from atom.distributed.rank_tier import RankTier
+
+                tier = RankTier(args[0], state.rank, tier_conn, runtime.spec)
+                tier.attach(device)
+            elif name == "tier_op":
+                tier.submit(args[0])
+            elif name == "tier_stop":
+                tier.stop(args[0])
+            else:
+                raise RuntimeError(f"unknown tensor-parallel op {name!r}")
+    finally:
+        if tier is not None:
+            tier.stop(0.0)  # idempotent: unregisters and removes the pool's shm segment

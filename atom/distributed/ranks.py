@@ -60,7 +60,7 @@ def build_rank_runtime(cfg, state: ParallelState):
     return V41Runtime(model, block_size=cfg.block_size, speculative_tokens=0)
 
 
-def _rank_main(rank: int, world: int, init_method: str, values: dict) -> None:
+def _rank_main(rank: int, world: int, init_method: str, values: dict, tier_conn=None) -> None:
     from atom.config import EngineConfig
 
     parent = mp.parent_process()
@@ -79,13 +79,13 @@ def _rank_main(rank: int, world: int, init_method: str, values: dict) -> None:
         timeout_s=TP_TIMEOUT_S,
     )
     runtime = build_rank_runtime(cfg, state)
-    serve_ops(runtime, state)
+    serve_ops(runtime, state, tier_conn)
     state.destroy()
 
 
 def start_ranks(cfg) -> BroadcastRuntime:
     """Spawn ranks 1..N-1 of the resolved config ``cfg``, join as rank 0, return its runtime."""
-    from atom.distributed.v41 import check_v41_tp
+    from atom.distributed.v41 import TIER_BYTES_REPLICATED, check_v41_tp
     from atom.models.registry import resolve_config
 
     world = cfg.tensor_parallel_size
@@ -94,10 +94,12 @@ def start_ranks(cfg) -> BroadcastRuntime:
         check_v41_tp(model_cfg, world)  # before any process or group exists
     init_method = local_init_method()
     ctx = mp.get_context("spawn")
+    # one pipe per rank for its tier's outcomes (rank 0 reads them on a thread of its own)
+    pipes = [ctx.Pipe(duplex=False) for _ in range(1, world)]
     procs = [
         ctx.Process(
             target=_rank_main,
-            args=(rank, world, init_method, cfg.model_dump()),
+            args=(rank, world, init_method, cfg.model_dump(), pipes[rank - 1][1]),
             name=f"atom-tp-rank{rank}",
             daemon=True,
         )
@@ -105,6 +107,8 @@ def start_ranks(cfg) -> BroadcastRuntime:
     ]
     for p in procs:
         p.start()
+    for _, send_end in pipes:
+        send_end.close()  # the ranks hold them: a rank that exits closes its pipe (EOF here)
     try:
         state = ParallelState.init(
             0, world, init_method=init_method, device=rank_device(cfg.device, 0),
@@ -120,7 +124,14 @@ def start_ranks(cfg) -> BroadcastRuntime:
         _stop(procs, 30.0 if all(p.is_alive() for p in procs) else 0.0)
         state.destroy()
 
-    return BroadcastRuntime(runtime, state, procs, on_close=close)
+    return BroadcastRuntime(
+        runtime,
+        state,
+        procs,
+        on_close=close,
+        tier_conns=[recv for recv, _ in pipes],
+        rank_replicated=TIER_BYTES_REPLICATED,
+    )
 
 
 def _stop(procs, timeout_s: float) -> None:

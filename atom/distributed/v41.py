@@ -56,7 +56,15 @@ __all__ = [
     "shard_v41_model",
     "load_v41_weights_tp",
     "build_v41_tp",
+    "TIER_BYTES_REPLICATED",
 ]
+
+#: Every rank's PAGE blocks and checkpoint images hold the same bytes: what a block stores
+#: (the latent KV, the index keys, the compressed rows) and what an image holds (window and
+#: compressor rings, the Engram cursor) come from replicated modules (kv_proj, compressor,
+#: indexer, Engram) applied to hidden states that every rank holds whole after each
+#: all-reduce. So one stored copy serves every rank (the tier's rank collapse).
+TIER_BYTES_REPLICATED = True
 
 
 class TensorParallelError(ConfigError):

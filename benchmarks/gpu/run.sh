@@ -56,8 +56,13 @@ for s in "$@"; do
       --repeats 3 ;;
     tp) step "${TP_LIMIT:-400}" python3 -m benchmarks.tp --model v41-bench --device cuda --tp 2 \
       --prompts 16 --prompt-len 1024 --output-len 64 --concurrency 16 --repeats 3 ;;
-    tp_tests) step 200 python3 -m pytest -x -q -p no:cacheprovider tests/gpu/test_tp_cuda.py \
-      tests/distributed ;;
+    tp_tests) step "${TP_TESTS_LIMIT:-500}" python3 -m pytest -x -q -s -p no:cacheprovider \
+      tests/gpu/test_tp_cuda.py tests/gpu/test_tp_tier_cuda.py tests/distributed ;;
+    serving_tp)  # the three arms at TP=2 (two GPUs, eager), the tier arm with rank collapse;
+      # half the gpu preset (8 running need 8 x 28 blocks; 32 tails + prefixes do not fit 360)
+      step "${SERVING_TP_LIMIT:-585}" python3 -m benchmarks.serving --preset gpu \
+        --tensor-parallel-size 2 --rank-collapse true --requests 32 --concurrency 8 \
+        --pool-blocks 360 --name serving_tp2_h200 ;;
     serving) step 585 python3 -m benchmarks.serving --preset gpu ;;
     serving_spec)  # the three arms without / with drafts on v41-bench-draft, 32 requests
       step "${SERVING_SPEC_LIMIT:-585}" python3 -m benchmarks.serving --preset gpu \

@@ -117,7 +117,6 @@ def test_ranks_exit_when_rank_0_is_killed(tmp_path):
 @pytest.mark.parametrize(
     "extra, needle",
     [
-        (dict(offload="lmcache_mp"), "tier does not run across ranks"),
         (dict(model="v41-tiny-draft", speculative_tokens=2), "speculative decoding does not run"),
         (dict(tensor_parallel_size=0), "tensor_parallel_size"),
     ],

@@ -14,7 +14,7 @@ from dataclasses import replace
 import pytest
 
 from atom.config import EngineConfigError
-from atom.kv_transfer.offload.config import model_identity, namespace
+from atom.kv_transfer.offload.config import OffloadConfig, model_identity, namespace
 from atom.model_api import StateSpec
 
 from .conftest import BLOCK
@@ -125,6 +125,8 @@ def test_namespace_is_the_same_in_another_process():
         dict(spec=replace(SPEC, state_bytes=SPEC.state_bytes + 64)),
         dict(chunk_size=2 * BLOCK),
         dict(world_size=2),
+        dict(tp_size=2),
+        dict(rank_collapse=True),
         dict(spec=replace(SPEC, speculative_tokens=1)),
     ],
     ids=lambda c: next(iter(c)) if "spec" not in c else "spec",
@@ -140,6 +142,8 @@ def test_every_hashed_field_gives_its_own_namespace():
         dict(spec=replace(SPEC, layout_id="0" * 32)),
         dict(chunk_size=2 * BLOCK),
         dict(world_size=2),
+        dict(tp_size=2, world_size=2),
+        dict(tp_size=2, rank_collapse=True),
         dict(spec=replace(SPEC, speculative_tokens=1)),
     ]
     names = {namespace(**{**BASE, **v}) for v in variants} | {namespace(**BASE)}
@@ -173,3 +177,15 @@ def test_model_directory_given_relative_to_the_cwd_keeps_its_namespace(tmp_path,
     monkeypatch.chdir(d)
     assert model_identity(".") == model_identity(str(d)) == "mymodel"
     assert namespace(**{**BASE, "model": "."}) == namespace(**{**BASE, "model": str(d)})
+
+
+def test_rank_collapse_resolves_auto_by_the_model_and_refuses_true_where_bytes_differ():
+    auto, on, off = (OffloadConfig(tp_rank_collapse=v) for v in ("auto", "true", "false"))
+    assert auto.rank_collapse(2, rank_replicated=True) is True
+    assert auto.rank_collapse(2, rank_replicated=False) is False
+    assert off.rank_collapse(4, rank_replicated=True) is False
+    assert on.rank_collapse(2, rank_replicated=True) is True
+    assert auto.rank_collapse(1, rank_replicated=True) is False  # one rank: nothing to collapse
+    assert (auto.world_size(4, True), off.world_size(4, True)) == (1, 4)
+    with pytest.raises(EngineConfigError, match="tp_rank_collapse=true.*differ per rank"):
+        on.rank_collapse(2, rank_replicated=False)

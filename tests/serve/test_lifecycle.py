@@ -149,3 +149,19 @@ def test_load_mode_flag_sets_the_tier_config_and_refuses_unknown_modes():
     )  # fmt: skip
     assert r.returncode == 2
     assert "lmcache.load_mode='server'" in r.stderr and "engine_driven" in r.stderr
+
+
+def test_rank_collapse_flag_sets_the_tier_config_and_refuses_unknown_values():
+    r = run_cli(
+        *TINY_FLAGS[:2], "--offload", "lmcache_mp", "--tensor-parallel-size", "2",
+        "--lmcache-tp-rank-collapse", "false", "--print-config",
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    cfg = yaml.safe_load(r.stdout)
+    assert cfg["lmcache"]["tp_rank_collapse"] == "false" and cfg["tensor_parallel_size"] == 2
+    r = run_cli(
+        *TINY_FLAGS[:2], "--offload", "lmcache_mp", "--lmcache-tp-rank-collapse", "yes",
+        "--print-config",
+    )  # fmt: skip
+    assert r.returncode == 2
+    assert "tp_rank_collapse" in r.stderr and "auto" in r.stderr

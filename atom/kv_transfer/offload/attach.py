@@ -43,7 +43,10 @@ class LMCacheTier:
         device,
         metrics,
         notify_progress,
+        ranks=None,
     ):
+        """``ranks``: a tensor-parallel engine's ``TierRanks`` (None with one rank): every
+        rank then registers its own pool and moves its own part of each transfer."""
         import zmq
 
         self.cfg = config
@@ -81,7 +84,10 @@ class LMCacheTier:
         self.server_metrics = ServerMetrics(
             self.server.metrics_url if self.server is not None else config.metrics_url
         )
-        self.world_size = config.world_size(tp_size=1, rank_replicated=True)
+        self.tp_size = ranks.world_size if ranks is not None else 1
+        replicated = ranks.rank_replicated if ranks is not None else True
+        self.rank_collapse = config.rank_collapse(self.tp_size, replicated)
+        self.world_size = 1 if self.rank_collapse else self.tp_size  # in the keys
         self.namespace = namespace(
             model=model,
             revision=config.model_revision,
@@ -89,13 +95,17 @@ class LMCacheTier:
             weights=weights_identity(model, seed),
             chunk_size=self.chunk,
             world_size=self.world_size,
+            tp_size=self.tp_size,
+            rank_collapse=self.rank_collapse,
         )
         self.segment = share_pool(pool_tensor)
         self.ctx = zmq.Context()
         self.ctx.linger = 0
         shape = SpecShape(block_size, self.chunk, spec.units_per_image)
         self.mappings = self.locator = local = None
-        if config.load_mode == "engine_driven" and config.load:
+        # engine-driven loads are built for one rank; across ranks every rank's part is a
+        # retrieve through the server
+        if config.load_mode == "engine_driven" and config.load and ranks is None:
             self.mappings = Mappings(pool_tensor.device)
             self.locator = Locator(
                 url=url,
@@ -117,6 +127,26 @@ class LMCacheTier:
             on_outcome=self._post,
             server_alive=(lambda: self.server.running) if self.server is not None else None,
         )
+        if ranks is not None:
+            from atom.distributed.rank_tier import RankTierSpec
+            from atom.distributed.tier_ranks import RankedTransfers
+
+            fields = ("transfer_timeout_s", "heartbeat_s", "rpc_timeout_s", "lookup_timeout_s")
+            self.transfers = RankedTransfers(
+                local=self.transfers,  # rank 0's part; its outcomes go to the fan-in
+                ranks=ranks,
+                spec=RankTierSpec(
+                    url=url,
+                    namespace=self.namespace,
+                    key_world=self.world_size,
+                    collapse=self.rank_collapse,
+                    shape=shape,
+                    offload=config.model_dump(include=set(fields)),
+                    pool_shape=tuple(pool_tensor.shape),
+                    pool_dtype=str(pool_tensor.dtype),
+                ),
+                on_outcome=self._post,
+            )
         self.lookups = LookupThread(
             url=url,
             namespace=self.namespace,
@@ -126,6 +156,8 @@ class LMCacheTier:
             zmq_context=self.ctx,
             on_outcome=self._post,
             locator=self.locator,
+            # with one copy for every rank, each rank's retrieve releases one read lock
+            readers=self.tp_size if self.rank_collapse else 1,
         )
         self.connector = OffloadConnector(
             config=config,
@@ -208,11 +240,23 @@ class LMCacheTier:
             "l2_prefetch_policy": self.cfg.l2_prefetch_policy if self.cfg.l2_adapters else None,
             "server_metrics_url": self.server_metrics.url,
             "load_mode": self._load_mode(),
+            "tensor_parallel": self._tensor_parallel(),
+        }
+
+    def _tensor_parallel(self) -> dict | None:
+        if self.tp_size == 1:
+            return None
+        return {
+            "size": self.tp_size,
+            "rank_collapse": self.rank_collapse,
+            "ranks": self.transfers.rank_health(),
         }
 
     def _load_mode(self) -> str:
         """engine_driven when loads are copied by the engine (lmcache_driven: by the server)."""
         if self.locator is None:
+            if self.tp_size > 1 and self.cfg.load_mode == "engine_driven":
+                return "lmcache_driven (engine-driven loads run on one rank only)"
             return "lmcache_driven"
         if self.locator.unsupported:
             return f"lmcache_driven ({self.locator.unsupported})"

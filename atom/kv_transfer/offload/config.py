@@ -3,9 +3,9 @@
 The namespace hashes every field that moves a stored byte: model name and revision, the pool
 layout id (which covers every geometry field, sliding_window and candidate_block_size
 included, the KV and index dtypes, the block size and the speculative config), the chunk
-size and the effective world size. Deployments that differ in any of them never share an
-object; deployments that agree always do. Nothing per-process (device, paths, pids, ports)
-enters it.
+size, the tensor-parallel size, rank collapse and the world size in the keys. Deployments
+that differ in any of them never share an object; deployments that agree always do. Nothing
+per-process (device, paths, pids, ports) enters it.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from atom.config_errors import EngineConfigError, format_validation_error
 from atom.kv_transfer.offload import l2
 from atom.model_api import StateSpec
 
-NAMESPACE_FORMAT = "atom.offload.ns/1"
+NAMESPACE_FORMAT = "atom.offload.ns/2"
 
 
 class OffloadConfig(BaseModel):
@@ -126,12 +126,28 @@ class OffloadConfig(BaseModel):
             )
         return chunk
 
-    def world_size(self, tp_size: int, rank_replicated: bool) -> int:
-        """Ranks that enter the keys: 1 when ranks hold identical bytes and collapse is on."""
-        collapse = self.tp_rank_collapse == "true" or (
+    def rank_collapse(self, tp_size: int, rank_replicated: bool) -> bool:
+        """Whether a tensor-parallel engine stores one copy (rank 0's) that every rank loads.
+
+        ``true``, or ``auto`` for a model whose PAGE blocks and images hold the same bytes on
+        every rank (``rank_replicated``; DeepSeek-V4.1: its latent KV and per-request state
+        are computed whole on every rank). ``true`` for a model whose bytes differ per rank is
+        refused: every rank would load rank 0's bytes."""
+        if tp_size == 1:
+            return False
+        if self.tp_rank_collapse == "true" and not rank_replicated:
+            raise EngineConfigError(
+                f"lmcache.tp_rank_collapse=true with tensor_parallel_size={tp_size}: this "
+                "model's tier bytes differ per rank, so one copy cannot serve every rank "
+                "(use auto or false)"
+            )
+        return self.tp_rank_collapse == "true" or (
             self.tp_rank_collapse == "auto" and rank_replicated
         )
-        return 1 if collapse else tp_size
+
+    def world_size(self, tp_size: int, rank_replicated: bool) -> int:
+        """Ranks that enter the keys: 1 when the ranks share one copy (rank collapse)."""
+        return 1 if self.rank_collapse(tp_size, rank_replicated) else tp_size
 
 
 def model_identity(model: str) -> str:
@@ -164,6 +180,8 @@ def namespace(
     weights: str = "",
     chunk_size: int,
     world_size: int,
+    tp_size: int = 1,
+    rank_collapse: bool = False,
 ) -> str:
     """The LMCache ``model_name`` every key carries: readable prefix + hash of the layout (the
     model publishes every byte-moving field of its state, drafts included, in ``spec``)."""
@@ -179,6 +197,8 @@ def namespace(
         "units_per_image": spec.units_per_image,
         "chunk_size": chunk_size,
         "world_size": world_size,
+        "tensor_parallel_size": tp_size,
+        "rank_collapse": rank_collapse,
         "speculative_tokens": spec.speculative_tokens,
     }
     try:

@@ -13,6 +13,7 @@ read locks freed here at once, so nothing stays pinned on the server.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -24,6 +25,27 @@ from atom.kv_transfer.offload.config import OffloadConfig
 from atom.kv_transfer.offload.operations import LookupOp, OpState
 
 log = logging.getLogger("atom.offload")
+
+
+def scheduler_adapter_class(readers: int):
+    """lmcache's scheduler adapter, whose keys declare ``readers`` readers per object.
+
+    The stock adapter declares one (each rank reads its own object). When every rank loads
+    the one copy rank 0 stored (rank collapse), each rank's retrieve releases one read lock,
+    so the lookup must take one per rank: fewer would unpin an object while a rank still
+    copies it.
+    """
+    from lmcache.integration.atom import AtomMPSchedulerAdapter
+
+    if readers == 1:
+        return AtomMPSchedulerAdapter
+
+    class ReadersSchedulerAdapter(AtomMPSchedulerAdapter):
+        def _create_key(self, *args, **kwargs):
+            key = super()._create_key(*args, **kwargs)
+            return dataclasses.replace(key, num_kv_readers=readers)
+
+    return ReadersSchedulerAdapter
 
 
 class LookupThread:
@@ -39,8 +61,10 @@ class LookupThread:
         on_outcome: Callable[[LookupOp], None],
         poll_interval_s: float = 0.0005,
         locator=None,
+        readers: int = 1,
     ):
         self.url, self.namespace, self.world_size = url, namespace, world_size
+        self.readers = readers  # read locks a lookup takes per object: one per loading rank
         self.block_size, self.cfg, self.ctx = block_size, config, zmq_context
         self.on_outcome, self.poll_interval_s = on_outcome, poll_interval_s
         self.locator = locator  # locator.Locator, or None (lmcache_driven loads)
@@ -139,10 +163,10 @@ class LookupThread:
             return self._adapter
         if not self._backoff.ready():
             return None
-        from lmcache.integration.atom import AtomMPParallelConfig, AtomMPSchedulerAdapter
+        from lmcache.integration.atom import AtomMPParallelConfig
 
         try:
-            self._adapter = AtomMPSchedulerAdapter(
+            self._adapter = scheduler_adapter_class(self.readers)(
                 self.url,
                 self.ctx,
                 self.namespace,

@@ -55,6 +55,7 @@ class TransferThread:
         namespace: str,
         world_size: int,
         pool: torch.Tensor,
+        worker_id: int = 0,
         shape: SpecShape,
         config: OffloadConfig,
         zmq_context,
@@ -63,6 +64,7 @@ class TransferThread:
         poll_interval_s: float = 0.0005,
     ):
         self.url, self.namespace, self.world_size = url, namespace, world_size
+        self.worker_id = worker_id  # this rank's worker in the keys (0 with rank collapse)
         self.pool, self.shape, self.cfg = pool, shape, config
         self.ctx, self.on_outcome = zmq_context, on_outcome
         self.server_alive = server_alive
@@ -194,7 +196,7 @@ class TransferThread:
             self.ctx,
             self.namespace,
             self.shape.block_size,
-            AtomMPParallelConfig(world_size=self.world_size, worker_id=0, tp_size=1),
+            AtomMPParallelConfig(world_size=self.world_size, worker_id=self.worker_id, tp_size=1),
             mq_timeout=self.cfg.rpc_timeout_s,
             heartbeat_interval=self.cfg.heartbeat_s,
             transfer_mode="lmcache_driven",

@@ -1,0 +1,211 @@
+"""The tier on a rank other than 0: this rank's pool registered with LMCache, and the transfers
+rank 0 decides, made on this rank's pool.
+
+Rank 0 owns every decision (lookups, which blocks, deadlines as the request sees them); a rank
+only moves bytes. It learns what to move from ops on the control broadcast, in the same order
+as the forwards, so a save is submitted after the forward that wrote its blocks and a load
+lands before the forward that reads them (rank 0 sends that forward only once every rank
+reported its part done). Ops:
+
+  ("tier_attach", RankTierSpec)   before "bind": the rank makes its pool here (the shape rank 0
+                                  sends), shares it and registers it; "bind" then binds it
+  ("tier_op", TierPart)           one rank's part of a load or a save
+  ("tier_stop", drain_s)          drain, unregister, report "stopped"
+
+Outcomes go back to rank 0 on this rank's own pipe (``conn``), as tuples:
+
+  ("part", op_id, state, ok, error, latency_s)   state: "late" | "done" | "failed"
+  ("health", healthy, epoch, last_error)         on every change, and once registered
+  ("segment", name)                              the pool's /dev/shm segment ("" on CUDA)
+  ("stopped",)
+
+With rank collapse every rank's adapter names worker 0 of a world of 1, so every rank reads
+the one copy rank 0 stored (its lookup took one read lock per reader); without it, rank r is
+worker r of N and reads and writes its own objects.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+
+from atom.kv_transfer.offload.config import OffloadConfig
+from atom.kv_transfer.offload.events import EventPool
+from atom.kv_transfer.offload.operations import OpState, TransferOp
+from atom.kv_transfer.offload.transfer_thread import TransferThread
+from atom.kv_transfer.offload.worker import SpecShape, share_pool, unlink_segment
+from atom.model_api import image_header
+
+log = logging.getLogger("atom.distributed")
+
+
+@dataclass(frozen=True)
+class RankTierSpec:
+    """What a rank needs to register its pool the way rank 0 does (sent once, picklable)."""
+
+    url: str
+    namespace: str
+    key_world: int  # world_size in the keys: 1 with collapse, N without
+    collapse: bool
+    shape: SpecShape
+    offload: dict  # OffloadConfig fields
+    pool_shape: tuple[int, ...]
+    pool_dtype: str  # e.g. "torch.uint8"
+
+    def worker_id(self, rank: int) -> int:
+        return 0 if self.collapse else rank
+
+
+@dataclass(frozen=True)
+class TierPart:
+    """One rank's share of a transfer: the same request, range, blocks and image units on
+    every rank (every rank's pool holds the same blocks at the same ids)."""
+
+    op_id: int
+    kind: str  # "load" | "save"
+    lmc_id: str
+    token_ids: tuple[int, ...]  # [0, end)
+    start: int
+    end: int
+    page_blocks: tuple[int, ...]
+    units: tuple[int, ...]
+
+
+class _Units:
+    """The image a part moves, as the transfer thread reads it (``op.units``)."""
+
+    def __init__(self, units):
+        self.units = list(units)
+
+
+class RankTier:
+    """This rank's side of the tier; lives from ``tier_attach`` to ``tier_stop`` (or ``stop``)."""
+
+    HEALTH_POLL_S = 0.2
+
+    def __init__(self, spec: RankTierSpec, rank: int, conn, runtime_spec):
+        import zmq
+
+        self.spec, self.rank, self.conn, self.state_spec = spec, rank, conn, runtime_spec
+        self.cfg = OffloadConfig(**spec.offload)
+        self.ctx = zmq.Context()
+        self.ctx.linger = 0
+        self._send_lock = threading.Lock()
+        self._stopped = threading.Event()
+        self.segment = ""
+        self.pool: torch.Tensor | None = None
+        self.transfers: TransferThread | None = None
+        self.events: EventPool | None = None
+        self._ops: dict[int, TransferOp] = {}
+        self._health_thread = threading.Thread(
+            target=self._watch_health, name=f"atom-tier-health-r{rank}", daemon=True
+        )
+
+    # ---- serve loop (this rank's step thread) ------------------------------------------
+
+    def attach(self, device) -> torch.Tensor:
+        """Make this rank's pool, share it (on CPU its storage moves to shm, before the model
+        derives any view at bind) and register it in the background; returns the pool."""
+        dtype = getattr(torch, self.spec.pool_dtype.split(".")[-1])
+        self.pool = torch.zeros(self.spec.pool_shape, dtype=dtype, device=device)
+        self.segment = share_pool(self.pool)
+        self._send(("segment", self.segment))  # rank 0 removes it if this rank dies
+        self.events = EventPool(self.pool.device)
+        self.transfers = TransferThread(
+            url=self.spec.url,
+            namespace=self.spec.namespace,
+            world_size=self.spec.key_world,
+            worker_id=self.spec.worker_id(self.rank),
+            pool=self.pool,
+            shape=self.spec.shape,
+            config=self.cfg,
+            zmq_context=self.ctx,
+            on_outcome=self._outcome,
+        )
+        self.transfers.start()
+        self._health_thread.start()
+        return self.pool
+
+    def submit(self, part: TierPart) -> None:
+        """Queue this rank's part; its event is recorded now, after every forward this rank
+        was sent before it (the server waits on it before touching the blocks)."""
+        if self.transfers is None:
+            self._send(("part", part.op_id, "failed", False, "rank tier not started", None))
+            return
+        op = TransferOp(
+            part.kind,
+            part.lmc_id,
+            list(part.token_ids),
+            part.start,
+            part.end,
+            list(part.page_blocks),
+            _Units(part.units),
+            time.monotonic() + self.cfg.transfer_timeout_s,
+        )
+        op.op_id = part.op_id
+        op.event = self.events.acquire()
+        self._ops[part.op_id] = op
+        self.transfers.submit(op)
+
+    def stop(self, drain_s: float) -> None:
+        """Let what is in flight finish for up to ``drain_s``, unregister, report, clean up."""
+        if self._stopped.is_set():
+            return
+        self._stopped.set()
+        if self.transfers is not None:
+            self.transfers.stop(drain_s)
+        if self._health_thread.is_alive():
+            self._health_thread.join(2 * self.HEALTH_POLL_S + 1)
+        try:
+            self.ctx.term()
+        except Exception:
+            log.warning("rank %d: zmq context did not terminate cleanly", self.rank)
+        unlink_segment(self.segment)
+        self.segment = ""
+        self._send(("stopped",))
+
+    # ---- transfer thread ----------------------------------------------------------------
+
+    def _outcome(self, op: TransferOp) -> None:
+        if op.state is OpState.LATE:
+            self._send(("part", op.op_id, "late", False, "deadline passed", None))
+            return
+        ok, error = op.state is OpState.DONE, op.error
+        if ok and op.kind == "load":
+            error = self._check_image(op)
+            ok = error == ""
+        self._ops.pop(op.op_id, None)
+        if op.event is not None:
+            self.events.recycle(op.event)  # a list append: safe from this thread
+            op.event = None
+        self._send(("part", op.op_id, "done" if ok else "failed", ok, error, op.latency_s))
+
+    def _check_image(self, op: TransferOp) -> str:
+        """'' if the load put an image of this layout and of its own boundary in place."""
+        tag, position = image_header(self.state_spec, self.pool, op.units)
+        if tag != self.state_spec.layout_tag:
+            return f"rank {self.rank}: image of another layout"
+        if position != op.end:
+            return f"rank {self.rank}: image of boundary {position}, expected {op.end}"
+        return ""
+
+    def _watch_health(self) -> None:
+        last = None
+        while not self._stopped.is_set():
+            t = self.transfers
+            now = (t.note_health(), t.epoch, t.last_error) if t is not None else None
+            if now is not None and now != last and t.registrations + len(t.last_error) > 0:
+                self._send(("health", *now))
+                last = now
+            self._stopped.wait(self.HEALTH_POLL_S)
+
+    def _send(self, msg: tuple) -> None:
+        with self._send_lock:
+            try:
+                self.conn.send(msg)
+            except (BrokenPipeError, OSError):
+                pass  # rank 0 is gone: this rank exits with it

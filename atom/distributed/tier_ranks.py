@@ -1,0 +1,316 @@
+"""Rank 0's transfers in a tensor-parallel engine: one op, one part per rank, one outcome.
+
+The connector (rank 0 only) sees one ``TransferOp`` per load or save, as with one rank.
+``RankedTransfers`` stands where a ``TransferThread`` would and fans each op out: rank 0's part
+goes to its own transfer thread, every other rank's part goes on the control broadcast (in
+order with the forwards; see ``rank_tier``). The op is terminal when every part is:
+
+- DONE only if every part is DONE (a load failed on any rank makes the request recompute on
+  every rank: the connector handles it as any failed load);
+- LATE as soon as any part is late (its blocks stay quarantined until every part resolves);
+- a rank that is gone fails its parts (it can no longer touch its pool).
+
+Which ranks move bytes: a load, every rank (each pool must hold the bytes); a save, every rank
+without rank collapse (each stores its own object), rank 0 alone with it (one copy).
+
+Per-rank numbers (parts, bytes, latencies) are kept for /health and the benchmarks.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from multiprocessing.connection import wait as wait_connections
+
+from atom.distributed.broadcast_runtime import RankFailure
+from atom.distributed.rank_tier import RankTierSpec, TierPart
+from atom.kv_transfer.offload.operations import OpState, TransferOp
+from atom.kv_transfer.offload.worker import unlink_segment
+
+log = logging.getLogger("atom.distributed")
+
+
+@dataclass(frozen=True)
+class TierRanks:
+    """What the tier needs from a tensor-parallel runtime (``BroadcastRuntime.tier_ranks``)."""
+
+    world_size: int
+    rank_replicated: bool  # every rank's PAGE blocks and images hold the same bytes
+    send: Callable[..., None]  # an op to every other rank, in order with the forwards
+    conns: list  # conns[r - 1]: rank r's outcome pipe (read end)
+
+
+@dataclass
+class _Fan:
+    parent: TransferOp
+    pending: set[int]
+    ok: bool = True
+    error: str = ""
+
+
+@dataclass
+class RankStats:
+    """One rank's transfers: parts ended, bytes moved, latencies (seconds, newest 4096)."""
+
+    parts: dict[str, int] = field(default_factory=lambda: {"load": 0, "save": 0})
+    failed: dict[str, int] = field(default_factory=lambda: {"load": 0, "save": 0})
+    bytes: dict[str, int] = field(default_factory=lambda: {"load": 0, "save": 0})
+    latency_s: dict[str, deque] = field(
+        default_factory=lambda: {"load": deque(maxlen=4096), "save": deque(maxlen=4096)}
+    )
+
+    def record(self, kind: str, ok: bool, nbytes: int, latency_s: float | None) -> None:
+        self.parts[kind] += 1
+        if not ok:
+            self.failed[kind] += 1
+            return
+        self.bytes[kind] += nbytes
+        if latency_s is not None:
+            self.latency_s[kind].append(latency_s)
+
+    def summary(self) -> dict:
+        out = {"parts": dict(self.parts), "failed": dict(self.failed), "bytes": dict(self.bytes)}
+        for kind, xs in self.latency_s.items():
+            if xs:
+                s = sorted(xs)
+                out[f"{kind}_ms_p50"] = round(1e3 * s[len(s) // 2], 3)
+                out[f"{kind}_ms_p99"] = round(1e3 * s[min(len(s) - 1, int(0.99 * len(s)))], 3)
+        return out
+
+
+class RankedTransfers:
+    """A ``TransferThread`` (same interface) over every rank of a tensor-parallel engine."""
+
+    def __init__(
+        self,
+        *,
+        local,
+        ranks: TierRanks,
+        spec: RankTierSpec,
+        on_outcome: Callable[[TransferOp], None],
+    ):
+        self.local, self.ranks, self.spec, self.on_outcome = local, ranks, spec, on_outcome
+        self.server_alive = local.server_alive
+        self.world = ranks.world_size
+        self._lock = threading.Condition()
+        self._fans: dict[int, _Fan] = {}
+        # rank -> (healthy, epoch, last_error); None until it first reported
+        self._health: dict[int, tuple | None] = {r: None for r in range(1, self.world)}
+        self._stopped: set[int] = set()
+        self._gone: dict[int, str] = {}
+        self._segments: dict[int, str] = {}  # each rank's pool segment (CPU), for cleanup
+        self.stats = {r: RankStats() for r in range(self.world)}
+        self._closing = False
+        self._reader = threading.Thread(target=self._read, name="atom-tier-ranks", daemon=True)
+        local.on_outcome = self._local_outcome
+
+    # ---- step thread --------------------------------------------------------------------
+
+    def start(self, wait_registered_s: float = 0.0) -> bool:
+        """Attach every rank's tier (before ``bind``: each makes, shares and registers its pool
+        then), start rank 0's; wait up to ``wait_registered_s`` for every registration."""
+        self.ranks.send("tier_attach", self.spec)
+        self._reader.start()
+        deadline = time.monotonic() + wait_registered_s
+        registered = self.local.start(wait_registered_s)
+        with self._lock:
+            self._lock.wait_for(
+                lambda: all(h is not None for h in self._health.values()) or self._gone,
+                max(0.0, deadline - time.monotonic()),
+            )
+        return registered
+
+    def submit(self, op: TransferOp) -> None:
+        ranks = range(self.world) if op.kind == "load" or not self.spec.collapse else (0,)
+        with self._lock:
+            self._fans[op.op_id] = _Fan(op, set(ranks))
+        op.mark_submitted(None)
+        if len(ranks) > 1:
+            part = TierPart(
+                op.op_id,
+                op.kind,
+                op.lmc_id,
+                tuple(op.token_ids[: op.end]),
+                op.start,
+                op.end,
+                tuple(op.page_blocks),
+                tuple(op.units),
+            )
+            try:
+                self.ranks.send("tier_op", part)
+            except RankFailure as exc:  # the next forward stops the engine; fail the parts
+                for r in range(1, self.world):
+                    self._part(r, op.op_id, "failed", False, str(exc), None)
+        local = TransferOp(
+            op.kind,
+            op.lmc_id,
+            op.token_ids,
+            op.start,
+            op.end,
+            op.page_blocks,
+            op.image,
+            op.deadline,
+            owner=op,
+            event=op.event,  # recorded by the connector; recycled once the op is terminal
+            op_id=op.op_id,
+        )
+        self.local.submit(local)
+
+    @property
+    def healthy(self) -> bool:
+        return self.local.healthy and self._ranks_healthy()
+
+    def _ranks_healthy(self) -> bool:
+        return not self._gone and all(h is not None and h[0] for h in self._health.values())
+
+    def note_health(self) -> bool:
+        return self.local.note_health() and self._ranks_healthy()
+
+    @property
+    def epoch(self) -> int:
+        return self.local.epoch + sum(h[1] for h in self._health.values() if h is not None)
+
+    @property
+    def in_flight(self) -> int:
+        with self._lock:
+            return len(self._fans)
+
+    @property
+    def registrations(self) -> int:
+        return self.local.registrations
+
+    @property
+    def recoveries(self) -> int:
+        return self.local.recoveries
+
+    @property
+    def since(self) -> float:
+        return self.local.since
+
+    @property
+    def last_error(self) -> str:
+        if self.local.last_error:
+            return self.local.last_error
+        for r, why in self._gone.items():
+            return f"rank {r}: {why}"
+        for r, h in self._health.items():
+            if h is not None and not h[0] and h[2]:
+                return f"rank {r}: {h[2]}"
+        return ""
+
+    def rank_health(self) -> list[dict]:
+        out = [{"rank": 0, "healthy": self.local.healthy, **self.stats[0].summary()}]
+        for r in range(1, self.world):
+            h = self._health[r]
+            out.append(
+                {
+                    "rank": r,
+                    "healthy": h is not None and h[0] and r not in self._gone,
+                    "last_error": self._gone.get(r) or (h[2] if h is not None else "no report"),
+                    **self.stats[r].summary(),
+                }
+            )
+        return out
+
+    def stop(self, drain_s: float) -> None:
+        """Every rank drains for up to ``drain_s`` and unregisters; what is left fails."""
+        self.local.stop(drain_s)
+        try:
+            self.ranks.send("tier_stop", drain_s)
+        except RankFailure as exc:
+            log.warning("stopping the ranks' tier: %s", exc)
+        bound = drain_s + 2 * self.local.cfg.rpc_timeout_s + 5
+        with self._lock:
+            others = set(range(1, self.world))
+            if not self._lock.wait_for(lambda: others <= self._stopped | set(self._gone), bound):
+                log.warning("ranks %s did not report their tier stopped", others - self._stopped)
+            self._closing = True
+            left = list(self._fans)
+            unstopped = [r for r in range(1, self.world) if r not in self._stopped]
+        for r in unstopped:
+            self._remove_segment(r)
+        for op_id in left:
+            for r in range(self.world):
+                self._part(r, op_id, "failed", False, "abandoned at shutdown", None)
+        self._reader.join(2.0)
+
+    # ---- transfer threads ---------------------------------------------------------------
+
+    def _local_outcome(self, part: TransferOp) -> None:
+        state = {OpState.LATE: "late", OpState.DONE: "done"}.get(part.state, "failed")
+        self._part(0, part.op_id, state, part.state is OpState.DONE, part.error, part.latency_s)
+
+    def _read(self) -> None:
+        conns = {c: r for r, c in enumerate(self.ranks.conns, start=1)}
+        while conns and not self._closing:
+            for c in wait_connections(list(conns), timeout=0.5):
+                r = conns[c]
+                try:
+                    msg = c.recv()
+                except (EOFError, OSError):
+                    del conns[c]
+                    self._rank_gone(r, "its process exited")
+                    continue
+                self._message(r, msg)
+
+    def _message(self, rank: int, msg: tuple) -> None:
+        kind = msg[0]
+        if kind == "part":
+            self._part(rank, *msg[1:])
+        elif kind == "health":
+            with self._lock:
+                self._health[rank] = tuple(msg[1:])
+                self._lock.notify_all()
+        elif kind == "segment":
+            self._segments[rank] = msg[1]
+        elif kind == "stopped":
+            with self._lock:
+                self._stopped.add(rank)
+                self._lock.notify_all()
+
+    def _rank_gone(self, rank: int, why: str) -> None:
+        with self._lock:
+            if rank in self._stopped:
+                return  # it stopped its tier and then exited: nothing is lost
+            self._gone[rank] = why
+            self._lock.notify_all()
+            ids = [i for i, f in self._fans.items() if rank in f.pending]
+        log.error("tensor parallelism: rank %d's tier is gone (%s)", rank, why)
+        self._remove_segment(rank)  # a killed rank could not remove its pool's segment
+        for op_id in ids:
+            self._part(rank, op_id, "failed", False, f"rank {rank} is gone ({why})", None)
+
+    def _remove_segment(self, rank: int) -> None:
+        name = self._segments.pop(rank, "")
+        try:
+            unlink_segment(name)  # no error if the rank removed it itself
+        except OSError as exc:
+            log.warning("could not remove rank %d's pool segment %s: %s", rank, name, exc)
+
+    def _part(self, rank, op_id, state, ok, error, latency_s) -> None:
+        """Record one rank's part; the op's outcome goes to the connector once it is known."""
+        late = done = False
+        with self._lock:
+            fan = self._fans.get(op_id)
+            if fan is None or rank not in fan.pending:
+                return
+            parent = fan.parent
+            if state == "late":
+                late = True
+            else:
+                fan.pending.discard(rank)
+                self.stats[rank].record(parent.kind, ok, parent.nbytes, latency_s)
+                if not ok and fan.ok:
+                    fan.ok, fan.error = False, f"rank {rank}: {error or 'failed'}"
+                done = not fan.pending
+                if done:
+                    del self._fans[op_id]
+        if late:
+            if parent.mark_late():
+                self.on_outcome(parent)
+        elif done and parent.resolve(fan.ok, fan.error):
+            self.on_outcome(parent)

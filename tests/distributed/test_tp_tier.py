@@ -1,0 +1,201 @@
+"""The tier across ranks (CPU, gloo; rank 0 is this process, rank 1 a spawned one) against real
+LMCache servers: every rank registers its pool and moves its part of every transfer.
+
+- Two passes at TP=2, with rank collapse on and off: pass 2 (a fresh engine, an empty pool)
+  resumes from the tier at the ceiling and equals pass 1 token for token; each rank loaded
+  every hit; with collapse rank 1 stored nothing, without it as much as rank 0.
+- The server's stored bytes with collapse are exactly 1/2 of those without.
+- Every read lock a collapsed lookup took (one per rank) is released by the ranks' loads: a
+  non-forced clear afterwards empties the server's L1.
+- A rank killed mid-run stops the engine with an error within 30 s; afterwards no rank, no
+  owned server and no shared-memory segment is left.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+import urllib.request
+
+import pytest
+import zmq
+
+from atom import LLM, SamplingParams
+from atom.distributed.broadcast_runtime import RankFailure
+from atom.kv_transfer.offload.admin import clear_server
+from atom.kv_transfer.offload.lmcache_server import LMCacheServer
+from tests.distributed.test_tp_engine import KW, alive
+from tests.offload.test_two_pass import ceiling, prompts_of
+
+BLOCK = KW["block_size"]
+TP_KW = {**KW, "num_blocks": 64, "tensor_parallel_size": 2}
+GREEDY = SamplingParams(max_tokens=4, ignore_eos=True)
+PROMPTS = prompts_of([40, 77, 100, 64])
+
+
+def l1_bytes(server: LMCacheServer) -> float:
+    """What the server's L1 holds now, from its own Prometheus gauge (read at scrape time)."""
+    text = urllib.request.urlopen(server.metrics_url, timeout=10).read().decode()
+    for line in text.splitlines():
+        if line.startswith("lmcache_mp_l1_memory_usage_bytes"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError("lmcache_mp_l1_memory_usage_bytes not exported")
+
+
+def tp_llm(server: LMCacheServer, collapse: str) -> LLM:
+    tier = {"url": server.url, "tp_rank_collapse": collapse}
+    return LLM("v41-tiny", offload="lmcache_mp", lmcache=tier, **TP_KW)
+
+
+def two_pass(collapse: str):
+    """Pass 1 and pass 2 at TP=2 on a fresh server; returns outputs, health and stored bytes."""
+    server = LMCacheServer(chunk_size=BLOCK, l1_size_gb=0.2)
+    server.start(wait=True)
+    try:
+        first = tp_llm(server, collapse)
+        out1 = first.generate(PROMPTS, GREEDY)
+        health1 = first.engine.tier.health()
+        first.shutdown()  # every rank's saves drain before it returns
+        stored = l1_bytes(server)
+        second = tp_llm(server, collapse)
+        # one read lock per loading rank when they share one copy
+        assert second.engine.tier.lookups.readers == (2 if collapse == "true" else 1)
+        out2 = second.generate(PROMPTS, GREEDY)
+        health2 = second.engine.tier.health()
+        second.shutdown()
+        ctx = zmq.Context()
+        clear_server(server.url, ctx, 10.0)  # drops only objects no read lock holds
+        ctx.term()
+        left = l1_bytes(server)
+    finally:
+        server.stop()
+    return out1, out2, health1, health2, stored, left
+
+
+@pytest.fixture(scope="module")
+def runs():
+    return {c: two_pass(c) for c in ("true", "false")}
+
+
+@pytest.mark.parametrize("collapse", ["true", "false"])
+def test_tp2_two_pass_resumes_from_the_tier_on_every_rank(runs, collapse):
+    out1, out2, health1, health2, stored, left = runs[collapse]
+    tp = health2["tensor_parallel"]
+    assert tp["size"] == 2 and tp["rank_collapse"] is (collapse == "true")
+    for p, a, b in zip(PROMPTS, out1, out2):
+        assert a.token_ids == b.token_ids
+        assert b.tier_hit_tokens == ceiling(len(p)), (len(p), b.tier_hit_tokens)
+        assert b.hbm_hit_tokens == 0
+    r0, r1 = tp["ranks"]
+    hits = sum(o.tier_hit_tokens > 0 for o in out2)
+    assert r0["parts"]["load"] == r1["parts"]["load"] == hits
+    assert r0["failed"] == r1["failed"] == {"load": 0, "save": 0}
+    assert r1["bytes"]["load"] == r0["bytes"]["load"] > 0
+    assert "load_ms_p50" in r1, "rank 1's load latency was not recorded"
+    s0, s1 = health1["tensor_parallel"]["ranks"]
+    assert s0["parts"]["save"] > 0
+    if collapse == "true":
+        assert s1["parts"]["save"] == 0 and s1["bytes"]["save"] == 0  # one copy: rank 0's
+    else:
+        assert s1["parts"]["save"] == s0["parts"]["save"]
+        assert s1["bytes"]["save"] == s0["bytes"]["save"]
+    print(f"collapse={collapse}: rank 0 {r0}; rank 1 {r1}")
+
+
+def test_collapse_stores_half_the_bytes_and_every_read_lock_is_released(runs):
+    with_collapse, without = runs["true"][4], runs["false"][4]
+    assert without > 0
+    assert with_collapse * 2 == without, (with_collapse, without)
+    for collapse in ("true", "false"):
+        assert runs[collapse][5] == 0, f"collapse={collapse}: a read lock was left behind"
+
+
+def test_tp2_outputs_with_the_tier_equal_tp2_without(runs):
+    plain = LLM("v41-tiny", **TP_KW)
+    try:
+        out = plain.generate(PROMPTS, GREEDY)
+    finally:
+        plain.shutdown()
+    assert [o.token_ids for o in out] == [o.token_ids for o in runs["true"][0]]
+
+
+def shm_entries() -> set[str]:
+    return set(os.listdir("/dev/shm"))
+
+
+def test_a_killed_rank_with_the_tier_leaves_nothing_behind():
+    before = shm_entries()
+    llm = LLM("v41-tiny", offload="lmcache_mp", lmcache={"l1_size_gb": 0.2}, **TP_KW)
+    (proc,) = llm.engine.runtime.processes
+    server_pid = llm.engine.tier.server.pid
+    steps = []
+
+    def kill_on_third(engine):
+        steps.append(1)
+        if len(steps) == 3:
+            os.kill(proc.pid, signal.SIGKILL)
+
+    t0 = time.monotonic()
+    with pytest.raises(RankFailure, match=r"rank 1 \(pid \d+\) exited with code -9"):
+        llm.generate(prompts_of([70, 90], seed=4), GREEDY, on_step=kill_on_third)
+    took = time.monotonic() - t0
+    assert took < 30, f"the engine took {took:.0f} s to notice a dead rank"
+    llm.shutdown()
+    proc.join(5)
+    assert not proc.is_alive()
+    assert not alive(server_pid), "the owned LMCache server outlived the engine"
+    left = shm_entries() - before
+    assert not left, f"shared-memory segments left behind: {sorted(left)}"
+
+
+def test_a_collapsed_lookup_takes_one_read_lock_per_rank():
+    """The lookup of a TP=2 engine with collapse holds each object until both ranks released
+    it: after one release a non-forced clear keeps it, after the second it drops it (one lock
+    per lookup would let the first rank's retrieve unpin an object the second still copies)."""
+    from lmcache.integration.atom import AtomMPParallelConfig
+
+    from atom.kv_transfer.offload.lookup_thread import scheduler_adapter_class
+
+    server = LMCacheServer(chunk_size=BLOCK, l1_size_gb=0.2)
+    server.start(wait=True)
+    ctx = zmq.Context()
+    ctx.linger = 0
+    adapters, holder = [], None
+    try:
+        one = LLM("v41-tiny", offload="lmcache_mp", lmcache={"url": server.url}, **KW)
+        prompt = PROMPTS[2]
+        one.generate([prompt], GREEDY)
+        ns = one.engine.tier.namespace
+        one.shutdown()  # its saves drain
+        stored = l1_bytes(server)
+        # a lookup answers only while a worker of its namespace is registered
+        holder = LLM("v41-tiny", offload="lmcache_mp", lmcache={"url": server.url}, **KW)
+        assert stored > 0
+        par = AtomMPParallelConfig(world_size=1, worker_id=0, tp_size=1)
+        looker = scheduler_adapter_class(2)(server.url, ctx, ns, BLOCK, par, mq_timeout=10)
+        releaser = scheduler_adapter_class(1)(server.url, ctx, ns, BLOCK, par, mq_timeout=10)
+        adapters += [looker, releaser]
+        looker.maybe_submit_lookup_request("r", prompt)
+        hit = None
+        while hit is None:
+            hit = looker.check_lookup_result("r")  # a blocking RPC per call: no sleep needed
+        assert hit == ceiling(len(prompt)), hit
+        clear_server(server.url, ctx, 10.0)  # drops what the lookup did not lock
+        locked = l1_bytes(server)
+        assert 0 < locked < stored
+        releaser.free_lookup_locks(prompt, 0, hit, "r")  # one rank's share
+        clear_server(server.url, ctx, 10.0)
+        assert l1_bytes(server) == locked, "one release unpinned objects a second rank reads"
+        releaser.free_lookup_locks(prompt, 0, hit, "r")  # the other rank's share
+        clear_server(server.url, ctx, 10.0)
+        assert l1_bytes(server) == 0, "the second release left a lock"
+    finally:
+        # close the clients before the context: lmcache polls every client of the process on
+        # one shared loop, and a context destroyed under it wedges every later client
+        for a in adapters:
+            a.shutdown()
+        ctx.term()
+        if holder is not None:
+            holder.shutdown()
+        server.stop()
