@@ -117,11 +117,13 @@ class RankedTransfers:
         self._reader.start()
         deadline = time.monotonic() + wait_registered_s
         registered = self.local.start(wait_registered_s)
-        with self._lock:
-            self._lock.wait_for(
-                lambda: all(h is not None for h in self._health.values()) or self._gone,
+        with self._lock:  # a rank whose first registration failed retries: wait for healthy
+            up = self._lock.wait_for(
+                lambda: all(h is not None and h[0] for h in self._health.values()) or self._gone,
                 max(0.0, deadline - time.monotonic()),
             )
+        if not up:
+            log.warning("tier: not every rank registered within %.0f s", wait_registered_s)
         return registered
 
     def submit(self, op: TransferOp) -> None:

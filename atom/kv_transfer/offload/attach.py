@@ -176,7 +176,10 @@ class LMCacheTier:
         )
         self._l2_metrics(metrics)
         self.lookups.start()
-        registered = self.transfers.start(wait_registered_s=config.rpc_timeout_s + 2)
+        # across ranks a rank's first registration can time out (on CUDA the server opens
+        # another device's memory) and is retried: wait for the retry too
+        wait_s = config.rpc_timeout_s + 2 if ranks is None else 3 * config.rpc_timeout_s + 10
+        registered = self.transfers.start(wait_registered_s=wait_s)
         log.info(
             "LMCache tier %s: namespace %s, chunk %d tokens, %s",
             url,
