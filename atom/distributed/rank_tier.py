@@ -109,7 +109,8 @@ class RankTier:
 
     def attach(self, device) -> torch.Tensor:
         """Make this rank's pool, share it (on CPU its storage moves to shm, before the model
-        derives any view at bind) and register it in the background; returns the pool."""
+        derives any view at bind) and register it (its first attempt before returning; retries
+        in the background); returns the pool."""
         dtype = getattr(torch, self.spec.pool_dtype.split(".")[-1])
         self.pool = torch.zeros(self.spec.pool_shape, dtype=dtype, device=device)
         self.segment = share_pool(self.pool)
@@ -126,7 +127,10 @@ class RankTier:
             zmq_context=self.ctx,
             on_outcome=self._outcome,
         )
-        self.transfers.start()
+        # register before going back to the op loop: there, on NCCL, this rank waits inside a
+        # broadcast, and a registration that synchronises this device would wait for rank 0's
+        # next op (on two H200s it timed out that way)
+        self.transfers.start(wait_registered_s=self.cfg.rpc_timeout_s + 2)
         self._health_thread.start()
         return self.pool
 
