@@ -85,7 +85,15 @@ class ParallelState:
         group = dist.new_group(
             list(range(world_size)), timeout=timedelta(seconds=timeout_s), backend=backend
         )
-        return cls(rank, world_size, group, dist.group.WORLD, backend, timeout_s, True)
+        # with NCCL the control ops go on a gloo group of their own: a rank waiting for rank
+        # 0's next op then waits on the host, not inside an NCCL kernel that holds its device
+        # (the tier's transfers into that device's pool must run meanwhile)
+        control = dist.group.WORLD
+        if backend == "nccl":
+            control = dist.new_group(
+                list(range(world_size)), timeout=timedelta(seconds=init_timeout_s), backend="gloo"
+            )
+        return cls(rank, world_size, group, control, backend, timeout_s, True)
 
     @property
     def is_first(self) -> bool:
