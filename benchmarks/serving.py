@@ -362,7 +362,7 @@ def idle(args) -> None:
         lmcache={
             "l1_size_gb": args.l1_gb,
             "load_mode": args.load_mode,
-            "tp_rank_collapse": args.rank_collapse,
+            "tp_rank_collapse": getattr(args, "rank_collapse", "auto"),
         },
     )
     arms = []
@@ -425,7 +425,7 @@ def speculative(args, prompts: list[list[int]]) -> int:
         lmcache={
             "l1_size_gb": args.l1_gb,
             "load_mode": args.load_mode,
-            "tp_rank_collapse": args.rank_collapse,
+            "tp_rank_collapse": getattr(args, "rank_collapse", "auto"),
         },
     )
     configs = [
@@ -690,7 +690,7 @@ def main() -> None:
         lmcache={
             "l1_size_gb": args.l1_gb,
             "load_mode": args.load_mode,
-            "tp_rank_collapse": args.rank_collapse,
+            "tp_rank_collapse": getattr(args, "rank_collapse", "auto"),
         },
     )
     if args.arms == "tier":
