@@ -100,7 +100,6 @@ class RankTier:
         self.pool: torch.Tensor | None = None
         self.transfers: TransferThread | None = None
         self.events: EventPool | None = None
-        self._ops: dict[int, TransferOp] = {}
         self._health_thread = threading.Thread(
             target=self._watch_health, name=f"atom-tier-health-r{rank}", daemon=True
         )
@@ -152,7 +151,6 @@ class RankTier:
         )
         op.op_id = part.op_id
         op.event = self.events.acquire()
-        self._ops[part.op_id] = op
         self.transfers.submit(op)
 
     def stop(self, drain_s: float) -> None:
@@ -182,7 +180,6 @@ class RankTier:
         if ok and op.kind == "load":
             error = self._check_image(op)
             ok = error == ""
-        self._ops.pop(op.op_id, None)
         if op.event is not None:
             self.events.recycle(op.event)  # a list append: safe from this thread
             op.event = None
