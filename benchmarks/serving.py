@@ -130,6 +130,28 @@ CONNECTOR_HOOKS = (
 )
 
 
+def partings(reference, others: list[list[int]]) -> list[list]:
+    """Where each of ``others`` first parts from its ``reference`` output (outputs made with
+    top-2 logprobs): [output index, the reference's top-2 logprob gap there] per parted pair.
+    A small gap is a near-tie that bf16 rounding of another batch shape may flip."""
+    out = []
+    for ref, other in zip(reference, others):
+        j = next((j for j, (x, y) in enumerate(zip(ref.token_ids, other)) if x != y), None)
+        if j is None:
+            continue
+        top = ref.logprobs[j].top if ref.logprobs else ()
+        out.append([j, round(top[0][1] - top[1][1], 4) if len(top) >= 2 else None])
+    return out
+
+
+def parting_text(parts: list[list]) -> str:
+    gaps = sorted(g for _, g in parts if g is not None)
+    return (
+        f"{len(parts)} parted; first parting output indices {sorted(j for j, _ in parts)}; "
+        f"top-2 logprob gaps there, sorted: {gaps}"
+    )
+
+
 def plain_copy_seconds(nbytes: int, device: str, repeats: int = 20) -> float:
     """Median time of a plain copy of ``nbytes`` into the pool's memory (host->device from
     pinned memory on GPU, memcpy on CPU)."""
@@ -247,11 +269,14 @@ def run_arm(
     )
     eng = llm.engine
     params = SamplingParams(max_tokens=args.output_len, ignore_eos=True)
+    # pass 1 (not the measured pass) also returns top-2 logprobs: where a later output parts
+    # from it, the gap says whether that was a near-tie
+    params1 = SamplingParams(max_tokens=args.output_len, ignore_eos=True, logprobs=2)
     llm.generate([[7] * 8], SamplingParams(max_tokens=2, ignore_eos=True))  # warm-up
     eng.reset_prefix_cache()
     t0 = time.perf_counter()
     log1 = StepLog(eng)
-    first = llm.generate(prompts, params) if fill else None
+    first = llm.generate(prompts, params1) if fill else None
     pass1 = time.perf_counter() - t0
     pass1_summary = None
     if first is not None:  # the cold pass: what filling the caches cost
@@ -276,6 +301,7 @@ def run_arm(
     wall = time.perf_counter() - t0
     if keep is not None:
         keep["pass1"] = [o.token_ids for o in first] if first is not None else None
+        keep["pass1_outputs"] = first
         keep["pass2"] = [o.token_ids for o in outs]
         keep["units_per_image"] = eng.spec.units_per_image
     server_cpu = cpu_seconds(server) - server_cpu0 if server is not None else None
@@ -298,6 +324,7 @@ def run_arm(
         res["lookup_answers_by_request"] = [answers.get(o.request_id) for o in outs]
     if first is not None:
         res["same_tokens_as_pass1"] = all(a.token_ids == b.token_ids for a, b in zip(first, outs))
+        res["parting_from_pass1"] = partings(first, [o.token_ids for o in outs])
     if spec0 is not None:  # drafts verified in the measured pass
         proposed, accepted, verifies = (b - a for a, b in zip(spec0, spec_counts(eng)))
         res["speculative"] = {
@@ -458,6 +485,8 @@ def speculative(args, prompts: list[list[int]]) -> int:
             if mine[p] is not None
         }
         run["outputs_equal_to_k0"] = equal  # of n prompts
+        if base["pass1_outputs"] is not None and run["k"] != 0:
+            run["parting_from_k0_pass1"] = partings(base["pass1_outputs"], mine["pass1"])
         if any(m != n for m in equal.values()):
             failures.append(f"{run['arm']}: outputs equal to k=0's, of {n}: {equal}")
     reference = kept[f"{configs[0][0]}, k=0"][0]["pass2"]
@@ -588,6 +617,13 @@ def speculative(args, prompts: list[list[int]]) -> int:
         "cross a block: fewer images and prefixes then fit in the same pool). "
         + ("Outputs all equal to k=0: yes.\n" if not failures else "OUTPUTS DIFFER.\n")
     )
+    for run in runs:  # pass 1 with drafts against pass 1 without (which has top-2 logprobs)
+        if run.get("parting_from_k0_pass1"):
+            table += (
+                f"\n{run['arm']}, pass 1 against k=0's: "
+                + parting_text(run["parting_from_k0_pass1"])
+                + "\n"
+            )
     table += (
         "\nSteps of the measured pass by kind, first round (decode: every span one token or a "
         "verify span):\n\n"
@@ -783,6 +819,11 @@ def main() -> None:
         f"{predicted:.3f} req/s for the tier arm; measured {tier['req_per_s']:.3f} "
         f"({100 * model['tier_measured_over_predicted']:.1f}% of predicted).\n"
     )
+    for arm in arms:  # pass 2 against pass 1 (which has top-2 logprobs)
+        if arm.get("parting_from_pass1"):
+            table += (
+                f"{arm['arm']}, pass 2 against pass 1: {parting_text(arm['parting_from_pass1'])}\n"
+            )
     table += (
         "\nSteps of the measured pass by kind (decode: every span one token; prefill: none; "
         "outside steps: the loop waiting with nothing to run):\n\n"

@@ -81,3 +81,20 @@ def test_speculative_arms_report_acceptance_and_equal_outputs(captured):
     assert "acceptance" in captured["table"] and "HBM + tier, k=2" in captured["table"]
     assert set(data["summary"]) == set(configs)
     assert [r["arm"] for r in data["runs"]] == [f"{a} #1" for a in arms]
+
+
+def test_partings_report_where_outputs_part_and_the_reference_gap_there():
+    from types import SimpleNamespace
+
+    from atom.outputs import TokenLogprob
+    from benchmarks.serving import parting_text, partings
+
+    def out(ids, gaps):
+        lps = [TokenLogprob(t, -0.1, 1, ((t, -0.1), (t + 1, -0.1 - g))) for t, g in zip(ids, gaps)]
+        return SimpleNamespace(token_ids=ids, logprobs=lps)
+
+    ref = [out([1, 2, 3], [1.0, 0.5, 0.25]), out([4, 5], [2.0, 0.03125]), out([6], [1.0])]
+    parts = partings(ref, [[1, 2, 9], [4, 5], [7]])
+    assert parts == [[2, 0.25], [0, 1.0]]  # the equal pair is not listed
+    assert "2 parted" in parting_text(parts) and "[0.25, 1.0]" in parting_text(parts)
+    assert partings([SimpleNamespace(token_ids=[1], logprobs=None)], [[2]]) == [[0, None]]
