@@ -170,3 +170,23 @@ def test_engine_with_fake_graphs_matches_oracle_and_eager(fake_engine_graphs):
     plain.engine.runtime.cuda_graphs = False  # (the fixture gave it graphs too)
     assert [o.token_ids for o in run_checked(plain, prompts, params)] == [o.token_ids for o in outs]
     assert fake_engine_graphs[1].graphs.replays == 0
+
+
+def test_drafts_turn_decode_graphs_off_and_say_so_on_cuda(caplog):
+    from types import SimpleNamespace
+
+    from atom.builder import decode_graphs_wanted
+
+    def cfg(device, k, graphs=True):
+        return SimpleNamespace(device=device, speculative_tokens=k, cuda_graphs=graphs)
+
+    with caplog.at_level("WARNING", logger="atom"):
+        assert decode_graphs_wanted(cfg("cuda", 0)) is True
+        assert decode_graphs_wanted(cfg("cpu", 2)) is False
+        assert decode_graphs_wanted(cfg("cuda:0", 2, graphs=False)) is False
+        assert not caplog.records  # nothing to say: no graphs were asked for on CUDA with drafts
+        assert decode_graphs_wanted(cfg("cuda:0", 2)) is False
+    (rec,) = caplog.records
+    assert (
+        "speculative_tokens=2" in rec.getMessage() and "speculative_tokens: 0" in rec.getMessage()
+    )
