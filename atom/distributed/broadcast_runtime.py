@@ -13,11 +13,19 @@ image units as lists), sent with one object broadcast on the control group. Ops:
 ``("store_image", slot, units)``, ``("restore_image", units, slot)``, ``("stop",)``, and the
 tier's ``tier_attach`` / ``tier_op`` / ``tier_stop`` (``rank_tier``), which ride the same
 broadcast so each rank sees them in order with the forwards.
+
+Idle engines: a rank waits for the next op inside a collective of the control group, which
+fails after that group's timeout. So while no op has been sent for ``keepalive_s`` (a quarter
+of the timeout), a thread of rank 0 sends ``("ping",)``: an engine may sit idle for hours, and
+a rank still notices within the timeout when rank 0 stops sending (it hangs) or dies (its
+watchdog). Sends are serialized by one lock, so a ping never interleaves with an op.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from contextlib import contextmanager
 
 import torch
@@ -37,7 +45,14 @@ class BroadcastRuntime:
     host_block_tables = True
 
     def __init__(
-        self, runtime, state, processes=(), on_close=None, tier_conns=(), rank_replicated=False
+        self,
+        runtime,
+        state,
+        processes=(),
+        on_close=None,
+        tier_conns=(),
+        rank_replicated=False,
+        keepalive_s: float | None = None,
     ):
         self.inner, self.state = runtime, state
         self.spec, self.vocab_size, self.device = runtime.spec, runtime.vocab_size, runtime.device
@@ -48,6 +63,16 @@ class BroadcastRuntime:
         self.processes = list(processes)  # the other ranks' processes
         self.tier_conns = list(tier_conns)  # read ends of the ranks' tier outcome pipes
         self.rank_replicated = rank_replicated  # tier bytes identical on every rank
+        self._send_lock = threading.Lock()
+        self._last_send = time.monotonic()
+        self._stopping = threading.Event()
+        self.pings = 0  # keepalive ops sent
+        self._keepalive = None
+        if keepalive_s is not None and state.world_size > 1:
+            self._keepalive = threading.Thread(
+                target=self._keep_alive, args=(keepalive_s,), daemon=True, name="tp-keepalive"
+            )
+            self._keepalive.start()
 
     def tier_ranks(self):
         """What a tier attached to this engine needs to run on every rank."""
@@ -64,11 +89,30 @@ class BroadcastRuntime:
     def model(self):
         return self.inner.model
 
-    def _send(self, *op) -> None:
-        if self.closed:
-            raise RankFailure("the tensor-parallel ranks were stopped")
-        with self._ranks():
-            self.state.broadcast_object(op)
+    def _send(self, *op) -> bool:
+        with self._send_lock:
+            if op == ("ping",) and self._stopping.is_set():
+                return False  # closing: the last op the ranks see is "stop"
+            if self.closed:
+                raise RankFailure("the tensor-parallel ranks were stopped")
+            with self._ranks():
+                self.state.broadcast_object(op)
+            self._last_send = time.monotonic()
+            return True
+
+    def _keep_alive(self, every_s: float) -> None:
+        """Send a ping whenever no op went out for ``every_s`` (until close or a failure: the
+        engine's next op then raises the RankFailure itself)."""
+        while not self._stopping.wait(max(0.01, self._last_send + every_s - time.monotonic())):
+            if time.monotonic() - self._last_send < every_s:
+                continue  # an op went out meanwhile
+            try:
+                if not self._send("ping"):
+                    return
+            except RankFailure as exc:
+                log.error("tensor parallelism: keepalive to the ranks failed: %s", exc)
+                return
+            self.pings += 1
 
     @contextmanager
     def _ranks(self):
@@ -113,12 +157,15 @@ class BroadcastRuntime:
         """Stop the other ranks (they leave their loop and exit) and leave the group."""
         if self.closed:
             return
+        self._stopping.set()
         try:
             self._send("stop")
         except RankFailure as exc:
             log.warning("stopping the tensor-parallel ranks: %s", exc)
         finally:
             self.closed = True
+            if self._keepalive is not None:
+                self._keepalive.join(5.0)
             if self._on_close is not None:
                 self._on_close()
 
@@ -141,6 +188,8 @@ def serve_ops(runtime, state, tier_conn=None) -> None:
             name, args = op[0], op[1:]
             if name == "stop":
                 return
+            if name == "ping":  # rank 0 is idle (module doc)
+                continue
             if name == "bind":
                 shape, dtype, slot_shape = args
                 if tier is not None:

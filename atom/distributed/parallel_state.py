@@ -64,9 +64,13 @@ class ParallelState:
         backend: str | None = None,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         init_timeout_s: float = DEFAULT_INIT_TIMEOUT_S,
+        control_timeout_s: float | None = None,
     ) -> ParallelState:
         """Join the group (every rank calls this; returns once all have). ``backend``: nccl
-        for a CUDA ``device`` (made this process's current device), gloo otherwise."""
+        for a CUDA ``device`` (made this process's current device), gloo otherwise.
+        ``control_timeout_s``: how long a control op (a rank waiting for rank 0's next op)
+        may wait (default ``init_timeout_s``); an idle rank 0 keeps its ranks within it by
+        sending pings (``broadcast_runtime``)."""
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"rank={rank} world_size={world_size}: need 0 <= rank < world_size")
         device = torch.device(device)
@@ -89,9 +93,10 @@ class ParallelState:
         # 0's next op then waits on the host, not inside an NCCL kernel that holds its device
         # (the tier's transfers into that device's pool must run meanwhile)
         control = dist.group.WORLD
-        if backend == "nccl":
+        control_s = init_timeout_s if control_timeout_s is None else control_timeout_s
+        if backend == "nccl" or control_s != init_timeout_s:
             control = dist.new_group(
-                list(range(world_size)), timeout=timedelta(seconds=init_timeout_s), backend="gloo"
+                list(range(world_size)), timeout=timedelta(seconds=control_s), backend="gloo"
             )
         return cls(rank, world_size, group, control, backend, timeout_s, True)
 

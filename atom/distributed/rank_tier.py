@@ -178,7 +178,10 @@ class RankTier:
             return
         ok, error = op.state is OpState.DONE, op.error
         if ok and op.kind == "load":
-            error = self._check_image(op)
+            try:
+                error = self._check_image(op)
+            except Exception as exc:  # noqa: BLE001 - the part fails, rank 0 still hears of it
+                error = f"rank {self.rank}: image check failed: {exc!r}"
             ok = error == ""
         if op.event is not None:
             self.events.recycle(op.event)  # a list append: safe from this thread

@@ -28,6 +28,9 @@ log = logging.getLogger("atom.distributed")
 
 #: seconds a collective of the forward may take before it fails (a dead rank)
 TP_TIMEOUT_S = 30.0
+#: seconds a rank waits for rank 0's next op before it gives up on rank 0 (an idle rank 0
+#: pings every quarter of it, so idle engines live on)
+CONTROL_TIMEOUT_S = 600.0
 
 
 def rank_device(device: str, rank: int) -> str:
@@ -60,7 +63,14 @@ def build_rank_runtime(cfg, state: ParallelState):
     return V41Runtime(model, block_size=cfg.block_size, speculative_tokens=0)
 
 
-def _rank_main(rank: int, world: int, init_method: str, values: dict, tier_conn=None) -> None:
+def _rank_main(
+    rank: int,
+    world: int,
+    init_method: str,
+    values: dict,
+    tier_conn=None,
+    control_timeout_s: float = CONTROL_TIMEOUT_S,
+) -> None:
     from atom.config import EngineConfig
 
     parent = mp.parent_process()
@@ -77,6 +87,7 @@ def _rank_main(rank: int, world: int, init_method: str, values: dict, tier_conn=
         init_method=init_method,
         device=rank_device(cfg.device, rank),
         timeout_s=TP_TIMEOUT_S,
+        control_timeout_s=control_timeout_s,
     )
     runtime = build_rank_runtime(cfg, state)
     serve_ops(runtime, state, tier_conn)
@@ -93,13 +104,14 @@ def start_ranks(cfg) -> BroadcastRuntime:
     if getattr(model_cfg, "model_type", None) == "deepseek_v41":
         check_v41_tp(model_cfg, world)  # before any process or group exists
     init_method = local_init_method()
+    control_s = CONTROL_TIMEOUT_S
     ctx = mp.get_context("spawn")
     # one pipe per rank for its tier's outcomes (rank 0 reads them on a thread of its own)
     pipes = [ctx.Pipe(duplex=False) for _ in range(1, world)]
     procs = [
         ctx.Process(
             target=_rank_main,
-            args=(rank, world, init_method, cfg.model_dump(), pipes[rank - 1][1]),
+            args=(rank, world, init_method, cfg.model_dump(), pipes[rank - 1][1], control_s),
             name=f"atom-tp-rank{rank}",
             daemon=True,
         )
@@ -112,7 +124,7 @@ def start_ranks(cfg) -> BroadcastRuntime:
     try:
         state = ParallelState.init(
             0, world, init_method=init_method, device=rank_device(cfg.device, 0),
-            timeout_s=TP_TIMEOUT_S,
+            timeout_s=TP_TIMEOUT_S, control_timeout_s=control_s,
         )  # fmt: skip
         runtime = build_rank_runtime(cfg, state)
     except BaseException:
@@ -131,6 +143,7 @@ def start_ranks(cfg) -> BroadcastRuntime:
         on_close=close,
         tier_conns=[recv for recv, _ in pipes],
         rank_replicated=TIER_BYTES_REPLICATED,
+        keepalive_s=control_s / 4,
     )
 
 

@@ -219,12 +219,13 @@ class RankedTransfers:
         return out
 
     def stop(self, drain_s: float) -> None:
-        """Every rank drains for up to ``drain_s`` and unregisters; what is left fails."""
-        self.local.stop(drain_s)
+        """Every rank drains for up to ``drain_s`` (at once) and unregisters; what is left
+        fails."""
         try:
             self.ranks.send("tier_stop", drain_s)
         except RankFailure as exc:
             log.warning("stopping the ranks' tier: %s", exc)
+        self.local.stop(drain_s)
         bound = drain_s + 2 * self.local.cfg.rpc_timeout_s + 5
         with self._lock:
             others = set(range(1, self.world))
@@ -257,7 +258,29 @@ class RankedTransfers:
                     del conns[c]
                     self._rank_gone(r, "its process exited")
                     continue
-                self._message(r, msg)
+                try:
+                    self._message(r, msg)
+                except Exception:  # noqa: BLE001 - one bad message must not stop the reader
+                    log.exception("tensor parallelism: rank %d's tier message %r", r, msg[:1])
+            self._fail_late_parts_of_a_dead_server()
+
+    def _fail_late_parts_of_a_dead_server(self) -> None:
+        """The owned server died: a late part on another rank can no longer complete (nor
+        write into that rank's pool), and that rank's transfer thread does not know the
+        server; fail those parts so their op resolves and its blocks come back (rank 0's own
+        part is failed by its transfer thread, which knows)."""
+        if self.server_alive is None or self.server_alive():
+            return
+        with self._lock:
+            stuck = [
+                (r, i)
+                for i, f in self._fans.items()
+                if f.parent.state is OpState.LATE
+                for r in f.pending
+                if r != 0
+            ]
+        for r, op_id in stuck:
+            self._part(r, op_id, "failed", False, "the server is gone", None)
 
     def _message(self, rank: int, msg: tuple) -> None:
         kind = msg[0]
@@ -285,6 +308,10 @@ class RankedTransfers:
         self._remove_segment(rank)  # a killed rank could not remove its pool's segment
         for op_id in ids:
             self._part(rank, op_id, "failed", False, f"rank {rank} is gone ({why})", None)
+
+    def rank_segments(self) -> list[str]:
+        """The other ranks' pool segments not yet removed (CPU pools; for a last cleanup)."""
+        return [n for n in self._segments.values() if n]
 
     def _remove_segment(self, rank: int) -> None:
         name = self._segments.pop(rank, "")

@@ -1,7 +1,8 @@
 """The engine at tensor_parallel_size=2 (CPU, gloo; rank 0 is this process, rank 1 a spawned
 one): greedy outputs equal one rank's on the engine-oracle workload (up to near-ties, which are
 reported), every rank stops with the engine, a killed rank stops the engine with an error and
-no process outlives it, and what does not run across ranks yet is refused by the config."""
+no process outlives it, an idle engine outlives its ranks' control timeout (keepalive pings),
+and what does not run across ranks yet is refused by the config."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ import pytest
 
 from atom import LLM, SamplingParams
 from atom.config import EngineConfigError
-from atom.distributed.broadcast_runtime import RankFailure
+from atom.distributed import ranks
+from atom.distributed.broadcast_runtime import BroadcastRuntime, RankFailure
 from tests.engine.test_engine_oracle import run_checked
 from tests.engine.workloads import prefix_tree_prompts
 from tests.gpu.test_decode_graphs_cuda import assert_same_greedy
@@ -112,6 +114,46 @@ def test_ranks_exit_when_rank_0_is_killed(tmp_path):
         assert not alive(pid), "rank 1 outlived a killed rank 0"
     finally:
         rank0.kill()
+
+
+CONTROL_S = 6.0  # the ranks' control timeout in the idle tests (the default is 600 s)
+
+
+def test_an_idle_engine_outlives_the_ranks_control_timeout(monkeypatch):
+    monkeypatch.setattr(ranks, "CONTROL_TIMEOUT_S", CONTROL_S)
+    prompts = prefix_tree_prompts(4, 16, seed=7)
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    llm = LLM("v41-tiny", tensor_parallel_size=2, **KW)
+    rt = llm.engine.runtime
+    (proc,) = rt.processes
+    first = run_checked(llm, prompts, params)
+    idle_from, pings = time.monotonic(), rt.pings
+    deadline = idle_from + 60
+    while (rt.pings < pings + 6 or time.monotonic() - idle_from < 1.5 * CONTROL_S) and (
+        time.monotonic() < deadline
+    ):
+        time.sleep(0.1)  # allowed: the engine must sit idle past the timeout; polls the pings
+    idle = time.monotonic() - idle_from
+    assert idle > CONTROL_S and rt.pings >= pings + 6, (idle, rt.pings)
+    assert proc.is_alive()
+    second = llm.generate(prompts, params)
+    assert [o.token_ids for o in second] == [o.token_ids for o in first]
+    llm.shutdown()
+    assert not proc.is_alive()
+
+
+def test_without_pings_an_idle_rank_gives_up_on_rank_0(monkeypatch):
+    """The control timeout the previous test outlives is real: with no pings rank 1 exits
+    once it passes, and the engine's next request fails with an error (no hang)."""
+    monkeypatch.setattr(ranks, "CONTROL_TIMEOUT_S", CONTROL_S)
+    monkeypatch.setattr(BroadcastRuntime, "_keep_alive", lambda self, every_s: None)
+    llm = LLM("v41-tiny", tensor_parallel_size=2, **KW)
+    (proc,) = llm.engine.runtime.processes
+    proc.join(60)  # rank 1 waits for an op that never comes, then exits
+    assert not proc.is_alive() and proc.exitcode != 0
+    with pytest.raises(RankFailure, match=r"rank 1 \(pid \d+\) exited"):
+        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2))
+    llm.shutdown()
 
 
 @pytest.mark.parametrize(

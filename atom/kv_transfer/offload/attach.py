@@ -268,10 +268,12 @@ class LMCacheTier:
     def release(self) -> None:
         """What must not outlive the process, when ``shutdown`` cannot finish in time: stop
         the owned server and unlink the pool's /dev/shm segment (both idempotent)."""
-        try:
-            unlink_segment(self.segment)
-        except Exception:  # already unlinked
-            pass
+        others = getattr(self.transfers, "rank_segments", lambda: [])()
+        for name in [self.segment, *others]:  # other ranks' too: their exit may skip cleanup
+            try:
+                unlink_segment(name)
+            except Exception:  # already unlinked
+                pass
         if self.server is not None:
             self.server.stop(timeout_s=2.0)
 
