@@ -130,6 +130,11 @@ class RankedTransfers:
         ranks = range(self.world) if op.kind == "load" or not self.spec.collapse else (0,)
         with self._lock:
             self._fans[op.op_id] = _Fan(op, set(ranks))
+        # parts go out now and each rank's retrieve releases its own read lock; which reached
+        # the server is not known when the op fails, so its locks are never freed by range
+        # (an unreleased one lapses with the server's read-lock TTL; one freed twice would
+        # drop another request's lock)
+        op.reached_server = True
         op.mark_submitted(None)
         if len(ranks) > 1:
             part = TierPart(

@@ -213,6 +213,7 @@ class FakeTransfers:
 
     def submit(self, op: TransferOp) -> None:
         assert op.event is not None, "the adapter refuses a None event"
+        op.reached_server = True  # as the real thread, once the adapter took it (``refuse``)
         self.submitted.append(op)
         self.events.append(op.event)
         if op.kind == "save" and self.pool is not None:
@@ -251,9 +252,16 @@ class FakeTransfers:
             else:
                 ok = self.server.retrieve(op, self.pool)
                 error = error or ("" if ok else "keys not found")
-        if ok and op.kind == "load" and self.lookups is not None:
+        if op.kind == "load" and self.lookups is not None and not op.terminal:
+            # lmcache 0.5.6: a retrieve releases the read locks it holds, failed or not
             self.lookups.consume(op.lmc_id, op.start, op.end)
         if op.resolve(ok, error or ("" if ok else "server returned False")):
+            self.post(op)
+
+    def refuse(self, op: TransferOp, error: str = "tier unavailable") -> None:
+        """The thread could not hand it to the server (no adapter, submit refused)."""
+        op.reached_server = False
+        if op.resolve(False, error):
             self.post(op)
 
     def complete_all(self, ok: bool = True, kind: str | None = None) -> None:

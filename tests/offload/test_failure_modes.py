@@ -327,6 +327,39 @@ def test_fm3_failed_load_destination_is_never_a_save_source(make, how):
     h.shutdown()
 
 
+@pytest.mark.parametrize("how", ["failed", "late", "refused"])
+def test_a_failed_load_releases_each_read_lock_exactly_once(make, how):
+    """A retrieve that reached the server releases the read locks it holds, failed or not
+    (lmcache 0.5.6); the engine frees the range itself only when its load never got there.
+    Freed twice, a lock count would drop another request's lock on a shared object."""
+    h = make()
+    p = prompt_of(87, 9)
+    first = fill_tier(h, p, max_tokens=2)
+    s = h.add(p, max_tokens=2)
+    h.step_until(lambda: h.transfers.loads)
+    load = h.transfers.loads[0]
+    lmc = h.tier_state(s).lmc_id
+    if how == "failed":
+        h.transfers.complete(load, ok=False)
+    elif how == "late":
+        h.transfers.late(load)
+    else:
+        h.transfers.refuse(load)
+    h.transfers.auto = {"save"}
+    h.run([s])
+    h.step()
+    assert s.counters.failed_loads == 1 and s.output == first.output
+    if how == "late":  # the retrieve ends after all: the server releases its locks then
+        assert h.lookups.frees_of(lmc) == []
+        h.transfers.complete(load, ok=False)
+        h.step()
+    freed = [(load.start, load.end)] if how == "refused" else []
+    assert h.lookups.frees_of(lmc) == freed
+    assert all(t == r == 1 for t, r in h.lookups.lock_balance(lmc).values())
+    h.transfers.complete_all(ok=False)
+    h.shutdown()
+
+
 # ---- 4. blocks still read by another op stay leased ----------------------------------------
 
 

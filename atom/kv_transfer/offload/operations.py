@@ -93,6 +93,9 @@ class TransferOp(_Settles):
     nbytes: int = 0
     was_late: bool = False  # the request already gave up on it
     local: bool = False  # an engine-driven load: the engine copies it from the server's L1
+    # a retrieve of it reached the server (or, an op across ranks, may have): the server then
+    # releases the lookup's read locks that retrieve holds itself, whether it succeeds or not
+    reached_server: bool = False
     reported: bool = False  # the step thread has acted on its outcome
     future: Any = None  # transfer thread only
     _leased: bool = False

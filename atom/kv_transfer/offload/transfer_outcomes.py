@@ -141,7 +141,8 @@ class TransferOutcomes:
     def _load_failed(self, st: TierRequest, op: TransferOp, why: str) -> None:
         log.warning("tier load %s failed (%s); recomputing [%d, %d)", op, why, op.start, op.end)
         self.store.drop(op.image)
-        self.lookups.free_locks(st.lmc_id, op.token_ids, op.start, op.end)
+        if not op.reached_server:  # else the server releases them as its retrieve ends
+            self.lookups.free_locks(st.lmc_id, op.token_ids, op.start, op.end)
         st.load = None
         if st.alive:
             st.to(Phase.RUNNING)

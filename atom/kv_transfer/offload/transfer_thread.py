@@ -266,6 +266,7 @@ class TransferThread:
             if fut is None:
                 self._finish(op, False, "adapter unhealthy at submit")
                 continue
+            op.reached_server = True
             op.mark_submitted(fut)
             with self._cond:
                 self._inflight.append(op)
