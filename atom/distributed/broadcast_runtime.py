@@ -181,7 +181,7 @@ def serve_ops(runtime, state, tier_conn=None) -> None:
     """A rank other than 0: make every op rank 0 sends on ``runtime`` until ``stop``;
     ``tier_conn`` is this rank's tier outcome pipe (write end)."""
     device = runtime.device
-    tier = None
+    tier, tier_error = None, ""
     try:
         while True:
             op = state.broadcast_object()
@@ -209,16 +209,62 @@ def serve_ops(runtime, state, tier_conn=None) -> None:
                 units, slot = args
                 runtime.restore_image(torch.tensor(units, dtype=torch.int64, device=device), slot)
             elif name == "tier_attach":
-                from atom.distributed.rank_tier import RankTier
-
-                tier = RankTier(args[0], state.rank, tier_conn, runtime.spec)
-                tier.attach(device)
+                tier, tier_error = _attach_tier(args[0], state.rank, tier_conn, runtime, device)
             elif name == "tier_op":
-                tier.submit(args[0])
+                _submit_part(tier, args[0], tier_conn, tier_error)
             elif name == "tier_stop":
-                tier.stop(args[0])
+                if tier is None:
+                    _tell(tier_conn, ("stopped",))
+                else:
+                    tier.stop(args[0])
             else:
                 raise RuntimeError(f"unknown tensor-parallel op {name!r}")
     finally:
         if tier is not None:
             tier.stop(0.0)  # idempotent: unregisters and removes the pool's shm segment
+
+
+# ---- the tier on a rank: a failing tier never stops the rank (nor so the engine) ---------------
+
+
+def _tell(conn, msg: tuple) -> None:
+    try:
+        if conn is not None:
+            conn.send(msg)
+    except (OSError, ValueError):
+        pass  # rank 0 is gone: this rank's parent-watch ends it
+
+
+def _attach_tier(spec, rank: int, conn, runtime, device):
+    """This rank's ``RankTier`` attached, or (None, why) when that failed: the rank then binds
+    a pool of its own, reports itself unhealthy (rank 0 then moves nothing through the tier)
+    and fails every part it is sent."""
+    from atom.distributed.rank_tier import RankTier
+
+    tier = None
+    try:
+        tier = RankTier(spec, rank, conn, runtime.spec)
+        tier.attach(device)
+        return tier, ""
+    except Exception as exc:  # noqa: BLE001 - reported to rank 0 as this rank's tier health
+        why = f"rank {rank}: tier attach failed: {exc!r}"
+        log.exception("%s", why)
+        if tier is not None:
+            try:
+                tier.stop(0.0)  # unregisters and removes its pool's segment, if it got there
+            except Exception:  # noqa: BLE001
+                log.warning("rank %d: cleaning up a failed tier attach", rank, exc_info=True)
+        _tell(conn, ("health", False, 0, why))
+        return None, why
+
+
+def _submit_part(tier, part, conn, why: str) -> None:
+    """Queue this rank's part, or report it failed (no tier here, or the submit raised)."""
+    if tier is not None:
+        try:
+            tier.submit(part)
+            return
+        except Exception as exc:  # noqa: BLE001 - the op fails on every rank, the rank lives
+            why = f"submit raised: {exc!r}"
+            log.exception("tier part %d", part.op_id)
+    _tell(conn, ("part", part.op_id, "failed", False, why or "rank tier not attached", None))

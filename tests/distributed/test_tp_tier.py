@@ -199,3 +199,36 @@ def test_a_collapsed_lookup_takes_one_read_lock_per_rank():
         if holder is not None:
             holder.shutdown()
         server.stop()
+
+
+def test_a_rank_whose_tier_cannot_attach_leaves_the_engine_serving(runs, monkeypatch):
+    """A failing tier never stops the engine: rank 1's attach fails (its pool cannot be
+    made), it reports itself unhealthy and binds a pool of its own, rank 0 moves nothing
+    through the tier, and the outputs equal TP=2 without the tier."""
+    import dataclasses
+
+    from atom.distributed.tier_ranks import RankedTransfers
+
+    init = RankedTransfers.__init__
+
+    def broken_spec(self, *, spec, **kw):
+        init(self, spec=dataclasses.replace(spec, pool_dtype="torch.no_such"), **kw)
+
+    monkeypatch.setattr(RankedTransfers, "__init__", broken_spec)
+    before = shm_entries()
+    llm = LLM("v41-tiny", offload="lmcache_mp", lmcache={"l1_size_gb": 0.2}, **TP_KW)
+    try:
+        (proc,) = llm.engine.runtime.processes
+        health = llm.engine.tier.health()
+        r1 = health["tensor_parallel"]["ranks"][1]
+        assert not r1["healthy"] and "tier attach failed" in r1["last_error"], r1
+        out = llm.generate(PROMPTS, GREEDY)
+        assert proc.is_alive()
+        after = llm.engine.tier.health()["tensor_parallel"]["ranks"]
+    finally:
+        llm.shutdown()
+    assert [o.token_ids for o in out] == [o.token_ids for o in runs["true"][0]]
+    assert all(o.tier_hit_tokens == 0 for o in out)
+    assert after[1]["parts"] == {"load": 0, "save": 0}
+    left = shm_entries() - before
+    assert not left, f"shared-memory segments left behind: {sorted(left)}"
