@@ -6,15 +6,11 @@ the model registry and the offload package.
 
 from __future__ import annotations
 
-import logging
-
 import torch
 
 from atom.config import EngineConfig
 from atom.engine.engine import LLMEngine
 from atom.models.registry import load_runtime
-
-log = logging.getLogger("atom")
 
 
 def build_engine(config: EngineConfig, attach_tier=None) -> LLMEngine:
@@ -47,17 +43,9 @@ def build_engine(config: EngineConfig, attach_tier=None) -> LLMEngine:
 
 
 def decode_graphs_wanted(cfg: EngineConfig) -> bool:
-    """Whether the engine replays decode graphs: ``cuda_graphs``, unless drafts are on (every
-    decode forward then verifies drafts and returns residuals, so it runs eagerly; on CUDA
-    that is said in a warning, as it can cost more than the drafts save)."""
-    if cfg.cuda_graphs and cfg.speculative_tokens and str(cfg.device).startswith("cuda"):
-        log.warning(
-            "speculative_tokens=%d: decode runs eagerly (verify and draft forwards have no CUDA "
-            "graphs yet), which on a launch-bound GPU model can cost more than the drafts save "
-            "(README, speculative decoding); speculative_tokens: 0 keeps decode graphs",
-            cfg.speculative_tokens,
-        )
-    return bool(cfg.cuda_graphs and not cfg.speculative_tokens)
+    """Whether the engine replays CUDA graphs for decode forwards (``cuda_graphs``; with
+    drafts, for the verify and draft forwards too: ``span_graphs``)."""
+    return bool(cfg.cuda_graphs)
 
 
 def _lmcache_tier(cfg: EngineConfig):

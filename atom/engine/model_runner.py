@@ -66,10 +66,12 @@ class ModelRunner:
 
         ``full_logits``: indices of spans that need the logits of every token (prompt
         logprobs, verify spans); those spans run in a forward of their own, so the others do
-        not pay for them, and ``self.span_logits[i]`` holds span i's [end - start, V] after
-        the call. ``residual`` (a ``DraftRuntime``): ``self.span_residual[i]`` holds span i's
-        residual rows [end - start, ...] after the call. ``images=False`` leaves the spans'
-        image stores to the caller (``store_images``), who decides which are valid."""
+        not pay for them (unless, with ``residual``, every other span is one token: then one
+        forward runs all), and ``self.span_logits[i]`` holds span i's [end - start, V] after
+        the call (and may for other spans too). ``residual`` (a ``DraftRuntime``):
+        ``self.span_residual[i]`` holds span i's residual rows [end - start, ...] after the
+        call. ``images=False`` leaves the spans' image stores to the caller
+        (``store_images``), who decides which are valid."""
         assert self._bound, "bind() the runner before running it"
         self.span_logits: dict[int, torch.Tensor] = {}
         self.span_residual: dict[int, torch.Tensor] = {}
@@ -88,6 +90,14 @@ class ModelRunner:
                     f"sequence {self.slot_owner[slot]}; a new owner must restore or start at 0"
                 )
         full = sorted(set(full_logits))
+        if (
+            full
+            and residual
+            and all(spans[i].end - spans[i].start == 1 for i in range(len(spans)) if i not in full)
+        ):
+            # a speculative step's decode spans (verify spans and single tokens): one forward
+            # (one verify graph), since a single token's only logits are its last
+            full = list(range(len(spans)))
         if not full:
             logits = self._forward(spans, range(len(spans)), False, residual)
         else:

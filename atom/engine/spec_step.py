@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import time
 
+import torch
+
 from atom.engine.drafter import DraftItem
 from atom.engine.sampler import needs_prompt_logits, record_prompt_logprobs, token_logprobs
 
@@ -58,10 +60,15 @@ def speculative_step(engine, out) -> list:
         if reason:
             stops[i] = reason
     stats = engine.spec_stats
-    for i, sp in enumerate(spans):
-        if not sp.drafts:
-            continue
-        seq, rows = sp.seq, runner.span_logits[i].float().cpu()  # one copy, not one per row
+    drafted = [i for i, sp in enumerate(spans) if sp.drafts]
+    host: dict[int, torch.Tensor] = {}
+    if drafted:  # one copy to the host for every verify span, not one per span or row
+        every = torch.cat([runner.span_logits[i] for i in drafted]).float().cpu()
+        sizes = [runner.span_logits[i].shape[0] for i in drafted]
+        host = dict(zip(drafted, every.split(sizes)))
+    for i in drafted:
+        sp = spans[i]
+        seq, rows = sp.seq, host[i]
         new[i], accepted = 0, 0
         for j in range(len(sp.drafts) + 1):
             draft = sp.drafts[j] if j < len(sp.drafts) else None

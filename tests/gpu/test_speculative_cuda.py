@@ -43,5 +43,9 @@ def test_speculative_greedy_on_cuda_equals_plain(dtype, eps):
             assert_same_greedy(spec, plain, eps, most=2)
         stats = llm.engine.stats()["speculative"]
         assert stats["verify_spans"] > 0
+        graphs = llm.engine.runtime.span_graphs  # verify and draft forwards in CUDA graphs
+        assert not graphs.failed, graphs.failed
+        if dtype["dtype"] == "bfloat16":  # (fp32 small batches take the MoE loop: eager)
+            assert graphs.replays["verify"] > 0 and graphs.replays["draft"] > 0, graphs.replays
         if scripted:
             assert stats["acceptance_rate"] > 0.5, stats

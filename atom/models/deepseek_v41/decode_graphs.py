@@ -118,6 +118,7 @@ class EagerBackend:
     replay after the function (and the tensors it holds) was freed raises."""
 
     def capture(self, fn: Callable[[], torch.Tensor]):
+        """``fn`` returns a tensor or a tuple of tensors (the static outputs)."""
         fn()  # the warm-up, as on CUDA
         out, ref = fn(), weakref.ref(fn)
 
@@ -125,7 +126,9 @@ class EagerBackend:
             fn = ref()
             if fn is None:
                 raise RuntimeError("replay of a freed function: a graph would read freed memory")
-            out.copy_(fn())
+            new = fn()
+            for static, value in zip(*((out, new) if isinstance(out, tuple) else ([out], [new]))):
+                static.copy_(value)
 
         return replay, out
 

@@ -111,9 +111,10 @@ def check_draft_spans(model, spans: list[Span], slots: StateSlots, layer: int) -
     if not resumed:
         return
     k = geo.speculative_tokens
-    ids = [sp.slot for sp in resumed]
-    states = torch.stack([slots.draft_cursor[ids, layer], slots.header[ids, 0]], 1).tolist()
-    for sp, (at, tag) in zip(resumed, states):
+    if slots.verify:
+        _verify_draft_mirror(resumed, slots, layer)
+    for sp in resumed:
+        at, tag = slots.draft_position(sp.slot, layer), slots.host_tag[sp.slot]
         if tag != slots.tag:
             raise StateMismatchError(
                 f"slot {sp.slot} holds no state of this layout (tag {tag:#x}), "
@@ -124,6 +125,37 @@ def check_draft_spans(model, spans: list[Span], slots: StateSlots, layer: int) -
                 f"slot {sp.slot}: draft layer {layer} is at {at}, a draft forward at "
                 f"{sp.start} needs it in [{sp.start}, {sp.start + k}] (speculative_tokens={k})"
             )
+
+
+def _verify_draft_mirror(spans: list[Span], slots: StateSlots, layer: int) -> None:
+    """Debug/test mode: the host mirror of the draft cursors equals the device (a device read)."""
+    ids = [sp.slot for sp in spans]
+    states = torch.stack([slots.draft_cursor[ids, layer], slots.header[ids, 0]], 1).tolist()
+    for slot, (at, tag) in zip(ids, states):
+        mirror = (slots.draft_position(slot, layer), slots.host_tag[slot])
+        if mirror != (at, tag):
+            raise RuntimeError(
+                f"slot {slot}: host mirror says draft layer {layer} at {mirror[0]} tag "
+                f"{mirror[1]:#x}, the device says {at} tag {tag:#x}"
+            )
+
+
+def draft_window_attention(
+    attn: CSA2Attention, u: torch.Tensor, batch, slots: StateSlots
+) -> torch.Tensor:
+    """``_paged_window_attention`` in fixed shapes over a ``DecodeBatch`` whose rows are the
+    flat batch (a draft graph, ``span_graphs``): the row at p attends p - window + 1 .. p (its
+    own span's earlier positions from the batch, the others from the ring) and writes its KV to
+    the ring. The same keys as the loop, in another order."""
+    cs = attn.rope.cos_sin(batch.pos)
+    q, _ = attn.queries(u, cs)
+    win = attn.window_kv(u, cs)
+    ring_rows, valid, own_row = batch.window_index(attn.window, slots.window.shape[2])
+    ring = slots.window[batch.slots[:, None], attn.layer, ring_rows].to(win.dtype)
+    keys = torch.cat([batch.earlier(win, ring, attn.window - 1), win[:, None]], 1)
+    out = attn.attend(q, keys, valid, None, None)
+    slots.window[batch.slots, attn.layer, own_row] = win.to(slots.window.dtype)
+    return attn.output(out, cs)
 
 
 def _paged_window_attention(
@@ -184,6 +216,7 @@ def forward_draft_paged(
     )
     for sp in spans:
         slots.draft_cursor[sp.slot, layer] = sp.end
+        slots.advance_draft(sp.slot, layer, sp.end)
     if not all_logits:
         last, lo = [], 0
         for sp in spans:

@@ -72,6 +72,7 @@ class StateSlots:
         self.host_position: list[int] = []
         self.host_tag: list[int] = []
         self.host_frontier: list[int] = []  # used only with ``history``
+        self.host_draft: list[list[int]] = []  # each draft layer's cursor (with ``draft_cursor``)
         self.refresh()
 
     @classmethod
@@ -88,10 +89,14 @@ class StateSlots:
             self.host_tag = [t for _, t in at]
             if self.history is not None:
                 self.host_frontier = self.history[:, 0].tolist()
+            if self.draft_cursor is not None:
+                self.host_draft = self.draft_cursor.tolist()
         else:
             [(self.host_position[slot], self.host_tag[slot])] = self.device_states([slot])
             if self.history is not None:
                 self.host_frontier[slot] = int(self.history[slot, 0])
+            if self.draft_cursor is not None:
+                self.host_draft[slot] = self.draft_cursor[slot].tolist()
 
     @property
     def gram_history(self) -> torch.Tensor:
@@ -129,6 +134,8 @@ class StateSlots:
         if self.history is not None:
             self.history[slot, 1:].fill_(-1)
             self.host_frontier[slot] = 0
+        if self.draft_cursor is not None:
+            self.host_draft[slot] = [0] * self.draft_cursor.shape[1]
         self.host_position[slot], self.host_tag[slot] = 0, self.tag
 
     def reset_many(self, slots: list[int], index: torch.Tensor) -> None:
@@ -144,6 +151,8 @@ class StateSlots:
             self.host_position[s], self.host_tag[s] = 0, self.tag
             if self.history is not None:
                 self.host_frontier[s] = 0
+            if self.draft_cursor is not None:
+                self.host_draft[s] = [0] * self.draft_cursor.shape[1]
 
     def advance(self, slot: int, position: int) -> None:
         """Record in the mirror that a forward left ``slot`` at ``position`` (the frontier
@@ -151,6 +160,15 @@ class StateSlots:
         self.host_position[slot], self.host_tag[slot] = position, self.tag
         if self.history is not None:
             self.host_frontier[slot] = max(self.host_frontier[slot], position)
+
+    def advance_draft(self, slot: int, layer: int, position: int) -> None:
+        """Record in the mirror that draft layer ``layer``'s forward left ``slot`` at
+        ``position``."""
+        self.host_draft[slot][layer] = position
+
+    def draft_position(self, slot: int, layer: int) -> int:
+        """Draft layer ``layer``'s cursor in ``slot`` (host mirror: no device read)."""
+        return self.host_draft[slot][layer]
 
     def position(self, slot: int) -> int:
         """The slot's cursor position (from the host mirror: no device read)."""
@@ -285,6 +303,28 @@ class PagedKV:
         payload = pay_view[blocks].flatten(1, 2)[:, :count]
         scale = scale_view[blocks].flatten(1, 2)[:, :count] if scale_view is not None else None
         return payload, scale
+
+    def write_rows_or_dump(
+        self,
+        owner: int,
+        tables: torch.Tensor,
+        rows: torch.Tensor,
+        where: torch.Tensor,
+        dump_block: int,
+        main: torch.Tensor,
+        payload: torch.Tensor,
+        scale: torch.Tensor | None,
+    ) -> None:
+        """Row ``rows[b]`` of sequence b gets (main, payload, scale)[b] where ``where[b]``; the
+        other entries are written into ``dump_block`` (a block no sequence reads), so rows of
+        one sequence that share a location write it once (no host sync to pick the writers)."""
+        blocks, offs = (t[:, 0] for t in self._locate_each(owner, tables, rows[:, None]))
+        blocks = torch.where(where, blocks, torch.full_like(blocks, dump_block))
+        self.main[owner][blocks, offs] = main.to(self.main[owner].dtype)
+        pay_view, scale_view = self.index[owner]
+        pay_view[blocks, offs] = payload
+        if scale_view is not None:
+            scale_view[blocks, offs] = scale
 
     def write_rows_where(
         self,

@@ -46,9 +46,18 @@ class DecodeBatch:
     pos: torch.Tensor  # [B] positions
     tables: torch.Tensor  # [B, blocks] block tables, padded with block 0 (never used for rows)
     max_end: int
+    # spans of several rows (a verify span, ``span_graphs``): each row's span start position
+    # and the batch row of that start [B]; None: every span is one token. Positions p' in
+    # [start, p) of a row at p are then read from the batch's own rows, not from the rings.
+    start: torch.Tensor | None = None
+    first: torch.Tensor | None = None
+    # with ``start``: the block that rows completing no group write to (several rows of one
+    # span share a group, and one write per location keeps the writes deterministic)
+    dump_block: int | None = None
     selections: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     candidates: torch.Tensor | None = None
     _windows: dict[tuple[int, int], tuple] = field(default_factory=dict)
+    _spans: dict[int, tuple] = field(default_factory=dict)
 
     def window_index(self, window: int, ring_rows: int):
         """(ring rows of positions p - window + 1 .. p - 1 [B, window - 1], key validity
@@ -61,6 +70,31 @@ class DecodeBatch:
             got = (prev.clamp(min=0) % ring_rows, valid, p % ring_rows)
             self._windows[(window, ring_rows)] = got
         return got
+
+    def own_rows(self, before: int):
+        """For positions p - before .. p - 1 of each row at p: (whether the row's own span holds
+        it [B, before], the batch row holding it [B, before], clamped where it does not); None
+        for single-token spans."""
+        if self.start is None:
+            return None
+        got = self._spans.get(before)
+        if got is None:
+            p = self.pos
+            prev = p[:, None] - before + torch.arange(before, device=p.device)
+            offset = prev - self.start[:, None]
+            got = (offset >= 0, (self.first[:, None] + offset).clamp(min=0))
+            self._spans[before] = got
+        return got
+
+    def earlier(self, own: torch.Tensor, ring: torch.Tensor, before: int) -> torch.Tensor:
+        """``ring`` [B, before, ...] (rows of positions p - before .. p - 1 read from a ring)
+        with the positions inside each row's own span taken from ``own`` [B, ...] instead."""
+        got = self.own_rows(before)
+        if got is None:
+            return ring
+        inside, src = got
+        keep = inside.view(*inside.shape, *([1] * (ring.dim() - 2)))
+        return torch.where(keep, own[src].to(ring.dtype), ring)
 
     @classmethod
     def build(cls, spans: list, offsets: list[int], device) -> DecodeBatch | None:
@@ -86,14 +120,20 @@ def _complete_groups(
     if r > 1:
         earlier = p[:, None] - (r - 1) + torch.arange(r - 1, device=p.device)
         ring_rows = (batch.slots[:, None], o, earlier.clamp(min=0) % rc)
-        v = torch.cat([slots.comp_values[ring_rows], v], 1)
+        v = torch.cat([batch.earlier(values, slots.comp_values[ring_rows], r - 1), v], 1)
         if scores is not None:
-            sc = torch.cat([slots.comp_scores[ring_rows], sc], 1)
+            ring = slots.comp_scores[ring_rows]
+            sc = torch.cat([batch.earlier(scores, ring, r - 1), sc], 1)
     group = torch.div(p, r, rounding_mode="floor")
     main, keys = attn.compressed_rows(attn.compressor.pool(v, sc), attn.rope.cos_sin(group * r))
     payload, scale = pack_index(keys, geo.index_dtype)
     complete = (p + 1) % r == 0
-    kv.write_rows_where(attn.layer, batch.tables, group, complete, main, payload, scale)
+    if batch.dump_block is None:
+        kv.write_rows_where(attn.layer, batch.tables, group, complete, main, payload, scale)
+    else:
+        kv.write_rows_or_dump(
+            attn.layer, batch.tables, group, complete, batch.dump_block, main, payload, scale
+        )
     if r > 1:
         slots.comp_values[batch.slots, o, p % rc] = values
         if scores is not None:
@@ -115,9 +155,9 @@ def decode_attention(
     """Fill ``out`` [N, H, hd] at the batch's tokens; write their window ring rows."""
     p, i = batch.pos, batch.idx
     ring_rows, win_valid, own_row = batch.window_index(attn.window, kv.geometry.window_rows)
-    ring = slots.window[batch.slots[:, None], attn.layer, ring_rows]
+    ring = slots.window[batch.slots[:, None], attn.layer, ring_rows].to(win.dtype)
     own = win[i]
-    win_k = torch.cat([ring.to(win.dtype), own[:, None]], 1)
+    win_k = torch.cat([batch.earlier(own, ring, attn.window - 1), own[:, None]], 1)
     comp = valid = None
     if attn.ratio > 0:
         u_b = u[i]

@@ -10,6 +10,7 @@ from atom.models.deepseek_v41.decode_graphs import DecodeGraphs
 from atom.models.deepseek_v41.model import DeepseekV41ForCausalLM
 from atom.models.deepseek_v41.paged import PagedKV, StateSlots
 from atom.models.deepseek_v41.pool_geometry import build_v41_pool_geometry
+from atom.models.deepseek_v41.span_graphs import SpanGraphs
 
 
 class V41Runtime:
@@ -41,6 +42,8 @@ class V41Runtime:
         # the decode graphs' padding rows use them (``enable_decode_graphs``)
         self.reserved_blocks = self.reserved_slots = 0
         self.graphs: DecodeGraphs | None = None
+        # verify and draft forwards (speculative_tokens >= 1), with the decode graphs
+        self.span_graphs: SpanGraphs | None = None
         self.cuda_graphs = False  # replay decode graphs (once enabled; False: eager, to debug)
         self._graph_args: tuple | None = None
 
@@ -52,7 +55,8 @@ class V41Runtime:
         ``backend``: see ``decode_graphs``). Call before the pool is allocated: whoever
         allocates it then adds ``reserved_blocks`` blocks and ``reserved_slots`` slots at the
         end, which the graphs' padding rows read and write. ``cuda_graphs`` turns the replays
-        off and on afterwards."""
+        off and on afterwards. With ``speculative_tokens`` k >= 1 the verify and draft
+        forwards replay graphs too (``span_graphs``: up to ``max_batch * (k + 1)`` rows)."""
         if self.device.type != "cuda" and backend is None:
             return False
         self.reserved_blocks = self.reserved_slots = 1
@@ -64,9 +68,22 @@ class V41Runtime:
         self.pool, self.slot_bytes = pool, slot_bytes
         self.kv = PagedKV(self.geometry, pool)
         self.slots = StateSlots(self.geometry, slot_bytes)
-        self.graphs = None
+        self.graphs = self.span_graphs = None
         if self._graph_args is not None:
             max_batch, max_len, backend = self._graph_args
+            k = self.geometry.speculative_tokens
+            if k:
+                self.span_graphs = SpanGraphs(
+                    self.model,
+                    self.kv,
+                    self.slots,
+                    block_size=self.block_size,
+                    spare_slot=slot_bytes.shape[0] - 1,
+                    spare_block=pool.shape[0] - 1,
+                    max_rows=max_batch * (k + 1),
+                    max_blocks=-(-max_len // self.block_size),
+                    backend=backend,
+                )
             self.graphs = DecodeGraphs(
                 self.model,
                 self.kv,
@@ -95,7 +112,16 @@ class V41Runtime:
     def forward_with_residual(
         self, token_ids: torch.Tensor, spans: list[Span], all_logits: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``forward`` (eager: no decode graph) that also returns every token's residual."""
+        """``forward`` that also returns every token's residual (a verify forward replays a
+        span graph where it can)."""
+        if self.cuda_graphs and self.span_graphs is not None:
+            got = self.span_graphs.verify(token_ids, spans)
+            if got is not None:
+                logits, residual = got
+                if not all_logits:
+                    ends = torch.tensor([sp.num_tokens for sp in spans]).cumsum(0) - 1
+                    logits = logits[ends.to(logits.device)]
+                return logits, residual
         return self.model.forward_paged(
             token_ids, spans, self.kv, self.slots, all_logits, return_residual=True
         )
@@ -109,6 +135,10 @@ class V41Runtime:
         layer: int = 0,
         all_logits: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.cuda_graphs and self.span_graphs is not None and not all_logits:
+            got = self.span_graphs.draft(token_ids, residual, spans, layer)
+            if got is not None:
+                return got
         return self.model.forward_draft_paged(
             token_ids, residual, spans, self.slots, layer=layer, all_logits=all_logits
         )

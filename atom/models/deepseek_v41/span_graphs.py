@@ -1,0 +1,355 @@
+"""CUDA graphs for speculative decoding's forwards: the target's verify forward and the draft
+layers' forwards, replayed per (rows, width) bucket. (``decode_graphs`` runs plain decode.)
+
+Contract of ``SpanGraphs.verify(token_ids, spans)``:
+
+* It returns what ``model.forward_paged(token_ids, spans, kv, slots, all_logits=True,
+  return_residual=True)`` returns (float32 logits of every row [N, V] and the last layer's
+  streams [N, hc, d], copies the caller owns) and leaves the same state and host mirror, up to
+  the rounding of another batch shape; or it returns ``None`` without touching anything, and
+  the caller runs the eager forward. It refuses spans exactly as the eager forward does.
+* It runs forwards whose spans are all 1 .. k + 1 tokens (a decode position and its drafts) at
+  positions > 0, starting where their slot accepts them (at the cursor, or behind it within
+  k: ``StateSlots.check_start``; the graph reads the Engram history the host computed for that
+  frontier), with at most the largest bucket's rows and tables that fit ``max_blocks``, where
+  the MoE path is the same for the real rows and the bucket and has no host sync.
+* Every row is one row of a ``DecodeBatch`` that knows its span's start and first row
+  (``paged_decode``): a position inside the row's own span is read from the batch, one before
+  it from the rings, so each row sees what the eager forward's prefill path gives it. Rows that
+  complete no compressed group write into ``spare_block`` (several rows of one span share a
+  group's location).
+* Buckets: rows 1, 2, 4, ... up to ``max_rows`` (plus every size after which the MoE path
+  changes), widths as ``decode_graphs``. Padding rows are single-token spans at position 0 in
+  ``spare_slot`` with every table entry ``spare_block``; they read and write only those.
+* Per replay the host packs every index (``pack_rows``) into one int64 tensor, uploaded in one
+  copy; gram sources, windows, selections, PAGE and ring writes, cursors, the new history and
+  the LM head run inside the graph. After the replay the host updates the slots' mirror.
+
+``SpanGraphs.draft(token_ids, residual, spans, layer)`` is the same for one draft layer
+(``draft.forward_draft_paged``; spans of 1 .. k + 1 tokens, any start its cursor accepts): the
+residual is copied into the graph's static buffer; it returns the logits of each span's last row
+and the layer's output streams, and writes the layer's ring and cursor.
+
+Capture is lazy and shared with ``decode_graphs`` (its backends, one memory pool per backend).
+"""
+
+from __future__ import annotations
+
+import logging
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from atom.model_api import Span
+from atom.models.deepseek_v41.decode_graphs import (
+    CudaGraphBackend,
+    batch_buckets,
+    pick_bucket,
+    width_bucket,
+)
+
+log = logging.getLogger(__name__)
+
+# per-row fields of the packed input, in order (each [rows]); then gram sources [rows, 4],
+# history sources [rows, H] and tables [rows, width]. Span fields are indexed by span (a
+# bucket holds at most one span per row; padding spans are the padding rows)
+ROW_FIELDS = ("ids", "pos", "slot", "start", "first", "span_slot", "span_end", "span_last", "front")
+
+
+def pack_rows(
+    token_ids: torch.Tensor | None,
+    spans: list[Span],
+    frontiers: list[int] | None,
+    bucket: int,
+    width: int,
+    hist: int,
+    spare_slot: int,
+    spare_block: int,
+) -> torch.Tensor:
+    """Host int64 [bucket * (len(ROW_FIELDS) + 4 + hist + width)] (layout above). ``frontiers``:
+    each span's slot frontier before the forward (None: at its start). Gram and history
+    sources index [the bucket's token ids, bucket x hist history ids] as ``ForwardPlan``'s do.
+    Device token ids (``token_ids`` None) are left 0 for the caller to copy."""
+    f = {name: torch.zeros(bucket, dtype=torch.int64) for name in ROW_FIELDS}
+    gram = torch.zeros(bucket, 4, dtype=torch.int64)
+    hsrc = torch.zeros(bucket, hist, dtype=torch.int64)
+    tables = torch.full((bucket, width), spare_block, dtype=torch.int64)
+    rows = torch.arange(bucket)
+    for name, value in (("slot", spare_slot), ("span_slot", spare_slot)):
+        f[name].fill_(value)
+    f["span_end"].fill_(1)
+    f["span_last"].copy_(rows)
+    f["first"].copy_(rows)
+    f["front"].fill_(1)
+    # padding rows (each its own span at 0): ids t-3..t from the spare slot's history, then t
+    pad_hist = bucket + hist * rows[:, None] + torch.arange(hist)
+    gram.copy_(torch.cat([pad_hist[:, hist - 3 :], rows[:, None]], 1))
+    hsrc.copy_(torch.cat([pad_hist[:, 1:], rows[:, None]], 1))
+    lo = 0
+    for k, sp in enumerate(spans):
+        n, front = sp.num_tokens, sp.start if frontiers is None else frontiers[k]
+        at = slice(lo, lo + n)
+        f["pos"][at] = torch.arange(sp.start, sp.end)
+        f["slot"][at], f["start"][at], f["first"][at] = sp.slot, sp.start, lo
+        f["span_slot"][k], f["span_end"][k], f["span_last"][k] = sp.slot, sp.end, lo + n - 1
+        new_front = max(front, sp.end)
+        f["front"][k] = new_front
+
+        def source(q: torch.Tensor, sp=sp, lo=lo, k=k, front=front) -> torch.Tensor:
+            own = (q >= sp.start) & (q < sp.end)
+            return torch.where(own, lo + q - sp.start, bucket + hist * k + hist - front + q)
+
+        gram[at] = source(f["pos"][at, None] - 3 + torch.arange(4))
+        hsrc[k] = source(torch.arange(new_front - hist, new_front))
+        t = sp.block_table
+        if width and t.device.type == "cpu":
+            m = min(width, t.numel())
+            tables[at, :m] = t.reshape(-1)[:m]
+        lo += n
+    if token_ids is not None:
+        f["ids"][:lo] = token_ids.reshape(-1)
+    parts = [f[name] for name in ROW_FIELDS] + [gram.reshape(-1), hsrc.reshape(-1)]
+    return torch.cat(parts + [tables.reshape(-1)])
+
+
+@dataclass
+class _Graph:
+    inp: torch.Tensor  # the static inputs (``pack_rows``' layout) on the device
+    out: tuple[torch.Tensor, torch.Tensor]  # static (logits, streams)
+    replay: Callable[[], object]
+    forward: Callable  # the captured function (holds the static tensors it reads)
+    residual: torch.Tensor | None = None  # a draft graph's static residual input
+
+
+class SpanGraphs:
+    def __init__(
+        self,
+        model,
+        kv,
+        slots,
+        *,
+        block_size: int,
+        spare_slot: int,
+        spare_block: int,
+        max_rows: int,
+        max_blocks: int | None = None,
+        backend=None,
+    ):
+        self.model, self.kv, self.slots = model, kv, slots
+        self.block_size, self.max_blocks = block_size, max_blocks
+        self.spare_slot, self.spare_block = spare_slot, spare_block
+        self.k = slots.speculative_tokens
+        self.hist = slots.gram_history.shape[1]
+        self.device = model.device
+        self._probe = torch.empty(0, dtype=model.dtype, device=self.device)
+        self._moe = model.model.layers[0].mlp
+        self.buckets = batch_buckets(max_rows, self._path)
+        self.backend = backend or CudaGraphBackend(self.device)
+        self.graphs: dict[tuple, _Graph] = {}
+        self.failed: dict[tuple, str] = {}
+        self.replays = {"verify": 0, "draft": 0}
+        slots.reset(spare_slot)
+
+    def _path(self, n: int) -> str:
+        with torch.no_grad():
+            return self._moe.path(n, self._probe)
+
+    def _rows_bucket(self, spans: list[Span], min_start: int) -> int | None:
+        if not spans or any(
+            sp.start < min_start or not 1 <= sp.num_tokens <= self.k + 1 for sp in spans
+        ):
+            return None
+        if any(not 0 <= sp.slot < self.slots.num_slots for sp in spans):
+            return None  # the eager forward refuses it
+        n = sum(sp.num_tokens for sp in spans)
+        bucket = pick_bucket(self.buckets, n)
+        if bucket is None:
+            return None
+        path = self._path(n)
+        if path == "loop" or path != self._path(bucket):
+            return None
+        return bucket
+
+    def verify_key(self, spans: list[Span]) -> tuple | None:
+        """("verify", rows bucket, width bucket) of a forward a graph can run, else None."""
+        bucket = self._rows_bucket(spans, 1)
+        if bucket is None:
+            return None
+        need = max(-(-sp.end // self.block_size) for sp in spans)
+        width = width_bucket(need, self.max_blocks)
+        key = ("verify", bucket, width)
+        return None if width is None or key in self.failed else key
+
+    def draft_key(self, spans: list[Span], layer: int) -> tuple | None:
+        bucket = self._rows_bucket(spans, 0)
+        key = ("draft", layer, bucket)
+        return None if bucket is None or key in self.failed else key
+
+    def verify(self, token_ids: torch.Tensor, spans: list[Span]):
+        key = self.verify_key(spans)
+        if key is None:
+            return None
+        if token_ids.numel() != sum(sp.num_tokens for sp in spans):
+            raise ValueError("token_ids must hold exactly the spans' tokens, in span order")
+        self.model.check_spans(spans, self.slots)
+        graph = self.graphs.get(key) or self._capture(key)
+        if graph is None:
+            return None
+        fronts = None
+        if self.slots.history is not None:
+            fronts = [self.slots.frontier(sp.slot) for sp in spans]
+        self._upload(graph, key, token_ids, spans, fronts)
+        graph.replay()
+        self.replays["verify"] += 1
+        for sp in spans:
+            self.slots.advance(sp.slot, sp.end)
+        n = token_ids.numel()
+        return graph.out[0][:n].clone(), graph.out[1][:n].clone()
+
+    def draft(self, token_ids: torch.Tensor, residual: torch.Tensor, spans: list[Span], layer: int):
+        key = self.draft_key(spans, layer)
+        if key is None:
+            return None
+        from atom.models.deepseek_v41.draft import _check_inputs, check_draft_spans
+
+        _check_inputs(self.model, token_ids, residual, sum(sp.num_tokens for sp in spans))
+        check_draft_spans(self.model, spans, self.slots, layer)
+        graph = self.graphs.get(key) or self._capture(key)
+        if graph is None:
+            return None
+        self._upload(graph, key, token_ids, spans, None)
+        n = token_ids.numel()
+        graph.residual[:n].copy_(residual)
+        graph.replay()
+        self.replays["draft"] += 1
+        for sp in spans:
+            self.slots.advance_draft(sp.slot, layer, sp.end)
+        return graph.out[0][: len(spans)].clone(), graph.out[1][:n].clone()
+
+    def _upload(self, graph: _Graph, key, token_ids, spans, fronts) -> None:
+        bucket, width = self._shape(key)
+        on_host = token_ids.device.type == "cpu"
+        host = pack_rows(
+            token_ids if on_host else None,
+            spans,
+            fronts,
+            bucket,
+            width,
+            self.hist,
+            self.spare_slot,
+            self.spare_block,
+        )
+        if self.device.type == "cuda":
+            graph.inp.copy_(host.pin_memory(), non_blocking=True)
+        else:
+            graph.inp.copy_(host)
+        if not on_host:
+            graph.inp[: token_ids.numel()].copy_(token_ids.reshape(-1))
+        if any(sp.block_table.device.type != "cpu" for sp in spans) and width:
+            tables = self._views(graph.inp, bucket, width)["tables"]
+            lo = 0
+            for sp in spans:
+                m = min(width, sp.block_table.numel())
+                tables[lo : lo + sp.num_tokens, :m] = sp.block_table.reshape(-1)[:m]
+                lo += sp.num_tokens
+
+    @staticmethod
+    def _shape(key) -> tuple[int, int]:
+        return (key[1], key[2]) if key[0] == "verify" else (key[2], 0)
+
+    def _views(self, inp: torch.Tensor, bucket: int, width: int) -> dict[str, torch.Tensor]:
+        nf = len(ROW_FIELDS)
+        v = dict(zip(ROW_FIELDS, inp[: nf * bucket].view(nf, bucket)))
+        at = nf * bucket
+        v["gram"] = inp[at : at + 4 * bucket].view(bucket, 4)
+        at += 4 * bucket
+        v["hist"] = inp[at : at + self.hist * bucket].view(bucket, self.hist)
+        at += self.hist * bucket
+        v["tables"] = inp[at:].view(bucket, width)
+        return v
+
+    def _capture(self, key) -> _Graph | None:
+        bucket, width = self._shape(key)
+        dev = self.device
+        inp = pack_rows(None, [], None, bucket, width, self.hist, self.spare_slot, self.spare_block)
+        inp = inp.to(dev)
+        v = self._views(inp, bucket, width)
+        rows = torch.arange(bucket, dtype=torch.int64, device=dev)
+        residual = None
+        if key[0] == "verify":
+            forward = self._verify_fn(v, rows, width * self.block_size)
+        else:
+            c = self.model.config
+            residual = torch.zeros(bucket, c.hc_mult, c.hidden_size, dtype=self.model.dtype)
+            residual = residual.to(dev)
+            forward = self._draft_fn(v, rows, residual, key[1])
+        try:
+            replay, out = self.backend.capture(forward)
+        except Exception as e:  # noqa: BLE001 - any failure: this key runs eagerly
+            self.failed[key] = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
+            log.warning("span graph %s not captured: %s", key, e)
+            return None
+        graph = _Graph(inp, out, replay, forward, residual)
+        self.graphs[key] = graph
+        log.info("captured span graph %s", key)
+        return graph
+
+    def _batch(self, v, rows, max_end: int, dump: bool):
+        from atom.models.deepseek_v41.paged_decode import DecodeBatch
+
+        return DecodeBatch(
+            rows,
+            v["slot"],
+            v["pos"],
+            v["tables"],
+            max_end,
+            start=v["start"],
+            first=v["first"],
+            dump_block=self.spare_block if dump else None,
+        )
+
+    def _verify_fn(self, v, rows, max_end: int):
+        from atom.models.deepseek_v41.model import ForwardPlan
+
+        empty = torch.zeros(0, dtype=torch.int64, device=self.device)
+        with_history = self.slots.history is not None
+
+        def forward():
+            plan = ForwardPlan(
+                v["ids"],
+                v["pos"],
+                v["gram"],
+                v["span_slot"],
+                v["span_end"],
+                v["span_last"],
+                empty,
+                [],
+                self._batch(v, rows, max_end, dump=True),
+            )
+            if with_history:
+                plan.frontiers, plan.hist_src = v["front"], v["hist"]
+            return self.model.run_plan(
+                plan, self.kv, self.slots, all_logits=True, return_residual=True
+            )
+
+        return forward
+
+    def _draft_fn(self, v, rows, residual: torch.Tensor, layer: int):
+        from atom.models.deepseek_v41.draft import draft_window_attention
+
+        model, slots = self.model, self.slots
+        block = model.mtp[layer]
+
+        def forward():
+            batch = self._batch(v, rows, 0, dump=False)
+            x = block.draft(
+                model.model.embed_tokens(v["ids"]),
+                residual,
+                lambda u: draft_window_attention(block.self_attn, u, batch, slots),
+            )
+            slots.draft_cursor[:, layer].index_copy_(0, v["span_slot"], v["span_end"])
+            return block.logits(x[v["span_last"]], model.lm_head), x
+
+        return forward
