@@ -119,6 +119,12 @@ def test_draft_graphs_equal_the_eager_draft_layer(tiny_draft):
     k = 2
     eager = runtime(tiny_draft, k, num_slots=2)
     fake = runtime(tiny_draft, k, num_slots=2, graphs=True)
+    grad = []  # whether the draft layers' MoE ran with autograd on (on CUDA it then takes the
+    # per-expert loop, whose host sync breaks a capture)
+    hooks = [
+        layer.mlp.register_forward_hook(lambda *a: grad.append(torch.is_grad_enabled()))
+        for layer in tiny_draft.mtp
+    ]
     for rt in (eager, fake):  # as the target's first forward does
         rt.slots.reset(0)
         rt.slots.reset(1)
@@ -146,6 +152,9 @@ def test_draft_graphs_equal_the_eager_draft_layer(tiny_draft):
     assert_close(eager.slots.window[:2, layers].float(), fake.slots.window[:2, layers].float())
     assert torch.equal(eager.slots.draft_cursor[:2], fake.slots.draft_cursor[:2])
     assert fake.slots.host_draft[:2] == fake.slots.draft_cursor[:2].tolist()
+    for h in hooks:
+        h.remove()
+    assert len(grad) > 26 and not any(grad)  # every draft forward (graphs too) without autograd
 
 
 @pytest.fixture

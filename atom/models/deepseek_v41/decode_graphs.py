@@ -140,6 +140,11 @@ class CudaGraphBackend:
         self.pool = torch.cuda.graph_pool_handle()
         self.stream = torch.cuda.Stream(device)
 
+    def after_failure(self) -> None:
+        """A capture that failed midway leaves its memory pool unusable for the next capture
+        (the allocator asserts): later graphs get a new pool."""
+        self.pool = torch.cuda.graph_pool_handle()
+
     def capture(self, fn: Callable[[], torch.Tensor]):
         s, current = self.stream, torch.cuda.current_stream()
         s.wait_stream(current)
@@ -296,6 +301,7 @@ class DecodeGraphs:
         except Exception as e:  # noqa: BLE001 - any failure: this key runs eagerly
             self.failed[(bucket, width)] = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
             log.warning("decode graph (batch %d, width %d) not captured: %s", bucket, width, e)
+            getattr(self.backend, "after_failure", lambda: None)()
             return None
         graph = _Graph(inp, out, replay, forward)
         self.graphs[(bucket, width)] = graph

@@ -290,6 +290,7 @@ class SpanGraphs:
         except Exception as e:  # noqa: BLE001 - any failure: this key runs eagerly
             self.failed[key] = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
             log.warning("span graph %s not captured: %s", key, e)
+            getattr(self.backend, "after_failure", lambda: None)()
             return None
         graph = _Graph(inp, out, replay, forward, residual)
         self.graphs[key] = graph
@@ -316,6 +317,7 @@ class SpanGraphs:
         empty = torch.zeros(0, dtype=torch.int64, device=self.device)
         with_history = self.slots.history is not None
 
+        @torch.no_grad()
         def forward():
             plan = ForwardPlan(
                 v["ids"],
@@ -342,6 +344,7 @@ class SpanGraphs:
         model, slots = self.model, self.slots
         block = model.mtp[layer]
 
+        @torch.no_grad()  # (with grad the MoE takes its per-expert loop, which syncs)
         def forward():
             batch = self._batch(v, rows, 0, dump=False)
             x = block.draft(
