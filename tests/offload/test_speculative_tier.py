@@ -5,7 +5,10 @@ another ``speculative_tokens`` never read each other's objects."""
 
 from __future__ import annotations
 
-from atom import SamplingParams
+import pytest
+
+from atom import SamplingParams, builder
+from atom.models.deepseek_v41.decode_graphs import EagerBackend
 
 from ..engine.test_speculative import ScriptedDrafter
 from .conftest import BLOCK
@@ -20,7 +23,27 @@ def scripted(llm, truth, wrong=lambda p: p % 5 == 0):
     return llm
 
 
-def test_two_pass_with_drafts_equals_plain_and_resumes_at_the_ceiling(lmcache_server, make_llm):
+@pytest.fixture(params=["eager", "graphs"])
+def graphs(request, monkeypatch):
+    """Engines built in the test run eagerly, or replay fake span graphs (verify and draft
+    forwards through ``EagerBackend``: everything but the CUDA graph itself)."""
+    made = []
+    if request.param == "graphs":
+        real = builder.load_runtime
+
+        def load(*a, **k):
+            rt = real(*a, **k)
+            rt.enable_decode_graphs(8, backend=EagerBackend())
+            made.append(rt)
+            return rt
+
+        monkeypatch.setattr(builder, "load_runtime", load)
+    return made
+
+
+def test_two_pass_with_drafts_equals_plain_and_resumes_at_the_ceiling(
+    lmcache_server, make_llm, graphs
+):
     prompts = prompts_of([40, 77, 100, 16, 63, 64], seed=11)
     plain = make_llm(MODEL).generate(prompts, GREEDY)
     truth = {tuple(p): p + o.token_ids for p, o in zip(prompts, plain)}
@@ -51,6 +74,9 @@ def test_two_pass_with_drafts_equals_plain_and_resumes_at_the_ceiling(lmcache_se
     assert mixed, "no step mixed a tier-resumed admission with a verify span"
     for a, b, c in zip(plain, out1, out2):
         assert a.token_ids == b.token_ids == c.token_ids
+    for rt in graphs[1:]:  # both passes verified and drafted in graphs
+        assert rt.span_graphs.replays["verify"] > 5 and rt.span_graphs.replays["draft"] > 5
+        assert not rt.span_graphs.failed
 
 
 def test_decode_boundaries_saved_with_drafts_resume_exactly(lmcache_server, make_llm):
