@@ -41,7 +41,8 @@ def assert_same_greedy(graphed, plain, eps: float, most: int = 0):
         other = {t for t, lp in top if lp1 - lp < eps} - {p.token_ids[j]}
         assert g.token_ids[j] in other, (
             f"sequence {k} parts at output {j}: graphs {g.token_ids[j]}, eager {first} "
-            f"(top-2 gap {lp1 - lp2:.3g}, second {second})"
+            f"(top-2 gap {lp1 - lp2:.3g}, second {second}; listed "
+            f"{[(t, round(lp1 - lp, 3)) for t, lp in top]} as (token, gap to the best))"
         )
         parted.append((k, j, lp1 - lp2))
     assert len(parted) <= most, parted
