@@ -20,7 +20,11 @@ class Sampler:
         self._gens: dict[int, torch.Generator] = {}
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
-        """logits float32 [len(seqs), V] -> one token per sequence."""
+        """logits float32 [len(seqs), V] -> one token per sequence. When every sequence is
+        ``plain_greedy`` the argmax runs where the logits are and only the token ids come to
+        the host (not [len(seqs), V] floats)."""
+        if all(plain_greedy(seq) for seq in seqs):
+            return logits.argmax(-1).tolist()
         logits = logits.float().cpu()
         out = logits.argmax(-1).tolist()
         for i, seq in enumerate(seqs):
@@ -68,6 +72,13 @@ class Sampler:
 
     def forget(self, seq: Sequence) -> None:
         self._gens.pop(seq.seq_id, None)
+
+
+def plain_greedy(seq: Sequence) -> bool:
+    """Greedy on the raw logits from now on (``adjust_logits`` returns them unchanged for
+    every later token: no penalty, ``min_tokens`` already met)."""
+    p = seq.params
+    return p.greedy and not p.penalized and len(seq.output) >= p.min_tokens
 
 
 def sampling_probs(row: torch.Tensor, p) -> torch.Tensor:

@@ -30,7 +30,12 @@ import time
 import torch
 
 from atom.engine.drafter import DraftItem
-from atom.engine.sampler import needs_prompt_logits, record_prompt_logprobs, token_logprobs
+from atom.engine.sampler import (
+    needs_prompt_logits,
+    plain_greedy,
+    record_prompt_logprobs,
+    token_logprobs,
+)
 
 
 def speculative_step(engine, out) -> list:
@@ -61,19 +66,25 @@ def speculative_step(engine, out) -> list:
             stops[i] = reason
     stats = engine.spec_stats
     drafted = [i for i, sp in enumerate(spans) if sp.drafts]
-    host: dict[int, torch.Tensor] = {}
-    if drafted:  # one copy to the host for every verify span, not one per span or row
-        every = torch.cat([runner.span_logits[i] for i in drafted]).float().cpu()
-        sizes = [runner.span_logits[i].shape[0] for i in drafted]
-        host = dict(zip(drafted, every.split(sizes)))
+    # greedy spans without logprobs need only each row's argmax (computed where the logits
+    # are); the others' rows come to the host in one copy, not one per span or row
+    best = {
+        i for i in drafted if plain_greedy(spans[i].seq) and spans[i].seq.params.logprobs is None
+    }
+    host = _rows(runner, sorted(best), lambda x: x.argmax(-1).tolist())
+    host.update(_rows(runner, [i for i in drafted if i not in host], lambda x: x.float().cpu()))
     for i in drafted:
         sp = spans[i]
         seq, rows = sp.seq, host[i]
         new[i], accepted = 0, 0
         for j in range(len(sp.drafts) + 1):
             draft = sp.drafts[j] if j < len(sp.drafts) else None
-            tok, ok = sampler.verify(rows[j], seq, draft)
-            _append(seq, rows[j : j + 1], tok)
+            if i in best:
+                tok = rows[j]
+                ok = tok == draft
+            else:
+                tok, ok = sampler.verify(rows[j], seq, draft)
+            _append(seq, None if i in best else rows[j : j + 1], tok)
             new[i] += 1
             accepted += ok
             reason = engine._stop_reason(seq)
@@ -115,6 +126,20 @@ def speculative_step(engine, out) -> list:
             engine._finish(seq, stops[i])
             finished.append(seq)
     return finished
+
+
+def _rows(runner, spans: list[int], fetch) -> dict:
+    """``fetch`` (a tensor [rows, V] -> what the walk reads) of the given spans' logits, in
+    one call for all of them; split back by span."""
+    if not spans:
+        return {}
+    got = fetch(torch.cat([runner.span_logits[i] for i in spans]))
+    out, lo = {}, 0
+    for i in spans:
+        n = runner.span_logits[i].shape[0]
+        out[i] = got[lo : lo + n]
+        lo += n
+    return out
 
 
 def _append(seq, row, token: int) -> None:

@@ -71,47 +71,49 @@ def pack_rows(
     """Host int64 [bucket * (len(ROW_FIELDS) + 4 + hist + width)] (layout above). ``frontiers``:
     each span's slot frontier before the forward (None: at its start). Gram and history
     sources index [the bucket's token ids, bucket x hist history ids] as ``ForwardPlan``'s do.
-    Device token ids (``token_ids`` None) are left 0 for the caller to copy."""
-    f = {name: torch.zeros(bucket, dtype=torch.int64) for name in ROW_FIELDS}
-    gram = torch.zeros(bucket, 4, dtype=torch.int64)
-    hsrc = torch.zeros(bucket, hist, dtype=torch.int64)
-    tables = torch.full((bucket, width), spare_block, dtype=torch.int64)
-    rows = torch.arange(bucket)
-    for name, value in (("slot", spare_slot), ("span_slot", spare_slot)):
-        f[name].fill_(value)
-    f["span_end"].fill_(1)
-    f["span_last"].copy_(rows)
-    f["first"].copy_(rows)
-    f["front"].fill_(1)
-    # padding rows (each its own span at 0): ids t-3..t from the spare slot's history, then t
-    pad_hist = bucket + hist * rows[:, None] + torch.arange(hist)
-    gram.copy_(torch.cat([pad_hist[:, hist - 3 :], rows[:, None]], 1))
-    hsrc.copy_(torch.cat([pad_hist[:, 1:], rows[:, None]], 1))
+    Device token ids (``token_ids`` None) are left 0 for the caller to copy. Built from Python
+    ints and converted once (a replay's host time is the step's)."""
+    rows = {name: [] for name in ("pos", "slot", "start", "first")}
+    span_slot, span_end = [spare_slot] * bucket, [1] * bucket
+    span_last, front = list(range(bucket)), [1] * bucket
+    # padding spans k (each the padding row k): ids from the spare slot's history, then row k
+    hsrc = [[bucket + hist * k + i for i in range(1, hist)] + [k] for k in range(bucket)]
+    gram: list[int] = []
+    tables: list[int] = []
     lo = 0
     for k, sp in enumerate(spans):
-        n, front = sp.num_tokens, sp.start if frontiers is None else frontiers[k]
-        at = slice(lo, lo + n)
-        f["pos"][at] = torch.arange(sp.start, sp.end)
-        f["slot"][at], f["start"][at], f["first"][at] = sp.slot, sp.start, lo
-        f["span_slot"][k], f["span_end"][k], f["span_last"][k] = sp.slot, sp.end, lo + n - 1
-        new_front = max(front, sp.end)
-        f["front"][k] = new_front
+        s, e = sp.start, sp.end
+        f = s if frontiers is None else frontiers[k]
+        old = bucket + hist * k + hist - f  # + q: history entry of position q
 
-        def source(q: torch.Tensor, sp=sp, lo=lo, k=k, front=front) -> torch.Tensor:
-            own = (q >= sp.start) & (q < sp.end)
-            return torch.where(own, lo + q - sp.start, bucket + hist * k + hist - front + q)
+        def source(q: int, s=s, e=e, lo=lo, old=old) -> int:
+            return lo + q - s if s <= q < e else old + q
 
-        gram[at] = source(f["pos"][at, None] - 3 + torch.arange(4))
-        hsrc[k] = source(torch.arange(new_front - hist, new_front))
-        t = sp.block_table
-        if width and t.device.type == "cpu":
-            m = min(width, t.numel())
-            tables[at, :m] = t.reshape(-1)[:m]
-        lo += n
-    if token_ids is not None:
-        f["ids"][:lo] = token_ids.reshape(-1)
-    parts = [f[name] for name in ROW_FIELDS] + [gram.reshape(-1), hsrc.reshape(-1)]
-    return torch.cat(parts + [tables.reshape(-1)])
+        table = sp.block_table.reshape(-1)[:width].tolist() if width else []
+        table += [spare_block] * (width - len(table))
+        for p in range(s, e):
+            rows["pos"].append(p)
+            rows["slot"].append(sp.slot)
+            rows["start"].append(s)
+            rows["first"].append(lo)
+            gram += [source(p - 3), source(p - 2), source(p - 1), lo + p - s]
+            tables += table
+        span_slot[k], span_end[k], span_last[k] = sp.slot, e, lo + e - s - 1
+        front[k] = max(f, e)
+        hsrc[k] = [source(q) for q in range(front[k] - hist, front[k])]
+        lo += e - s
+    for r in range(lo, bucket):  # padding rows: one token at 0 in the spare slot and block
+        rows["pos"].append(0)
+        rows["slot"].append(spare_slot)
+        rows["start"].append(0)
+        rows["first"].append(r)
+        gram += [bucket + hist * r + i for i in range(hist - 3, hist)] + [r]
+        tables += [spare_block] * width
+    ids = token_ids.reshape(-1).tolist() if token_ids is not None else []
+    ids += [0] * (bucket - len(ids))
+    out = ids + rows["pos"] + rows["slot"] + rows["start"] + rows["first"]
+    out += span_slot + span_end + span_last + front + gram + sum(hsrc, []) + tables
+    return torch.tensor(out, dtype=torch.int64)
 
 
 @dataclass
