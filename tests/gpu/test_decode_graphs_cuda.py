@@ -99,7 +99,9 @@ def test_mini_bf16_same_tokens_with_graphs():
     outs, plain, graphs, _ = _engine_pair("v41-mini", prompts, params, **kw)
     assert not graphs.failed, graphs.failed
     assert len({b for b, _ in graphs.graphs}) >= 4, graphs.graphs.keys()
-    assert_same_greedy(outs, plain, eps=0.05, most=len(prompts) // 2)
+    # bf16 CUDA runs are not bitwise repeatable: at 113b4b5 this test passed and then parted at
+    # a top-2 gap of 0.094 on the next run of the same code (0.05 had been enough until then)
+    assert_same_greedy(outs, plain, eps=0.125, most=len(prompts) // 2)
 
 
 def _bound(dtype, graphs: bool, blocks=48, slots=8):
