@@ -14,7 +14,7 @@ from atom.engine.block_pool import BlockPool
 from atom.engine.checkpoints import CheckpointStore
 from atom.engine.connector import Connector
 from atom.engine.drafter import Drafter
-from atom.engine.engine_metrics import EngineMetrics, SpecStats
+from atom.engine.engine_metrics import EngineMetrics, SpecStats, graph_stats
 from atom.engine.integrity import check_integrity
 from atom.engine.model_runner import ModelRunner
 from atom.engine.sampler import (
@@ -107,7 +107,7 @@ class LLMEngine:
             self.spec_stats = SpecStats(self.metrics)
         self.requests: dict[str, Sequence] = {}
         self.steps = 0
-        self.m = EngineMetrics(self.metrics, self.scheduler, self.store, self.pool)
+        self.m = EngineMetrics(self.metrics, self.scheduler, self.store, self.pool, runtime)
         log.info(
             "engine ready: model=%s device=%s dtype=%s kv=%s index=%s block=%d pool=%d blocks "
             "x %d B, image=%d B (%d units)",
@@ -362,6 +362,7 @@ class LLMEngine:
             "tier_tokens_recomputed": s.tier_tokens_recomputed,
             "steps": self.steps,
             **({"speculative": self.spec_stats.as_dict()} if self.spec_stats else {}),
+            **({"cuda_graphs": g} if (g := graph_stats(self.runtime)) else {}),
         }
 
     def tier_health(self) -> dict:

@@ -6,8 +6,14 @@ from __future__ import annotations
 from atom.metrics import Registry
 
 
+def graph_stats(runtime) -> dict:
+    """The runtime's CUDA graph counts by kind (``graph_stats``; empty when it has none)."""
+    read = getattr(runtime, "graph_stats", None)
+    return read() if read is not None else {}
+
+
 class EngineMetrics:
-    def __init__(self, m: Registry, sched, store, pool):
+    def __init__(self, m: Registry, sched, store, pool, runtime=None):
         self.requests = m.counter("requests_total", "Finished requests by finish reason.")
         self.prompt = m.counter(
             "prompt_tokens_total", "Prompt tokens by source: hbm, tier or computed."
@@ -44,6 +50,23 @@ class EngineMetrics:
         )
         m.gauge(
             "checkpoint_images_ready", "READY checkpoint images.", lambda: store.counts()["ready"]
+        )
+
+        def graphs(field: str):
+            return lambda: {(("kind", k),): v[field] for k, v in graph_stats(runtime).items()}
+
+        m.gauge("cuda_graphs_captured", "CUDA graphs captured, by kind.", graphs("captured"))
+        m.gauge(
+            "cuda_graph_replays_total",
+            "Forwards that replayed a CUDA graph, by kind (decode, verify, draft).",
+            graphs("replays"),
+            "counter",
+        )
+        m.gauge(
+            "cuda_graph_capture_failures_total",
+            "CUDA graph captures that failed (those shapes run eagerly; the log says why).",
+            graphs("failed"),
+            "counter",
         )
         m.gauge(
             "checkpoint_images_created_total", "Images taken.", lambda: store.created, "counter"

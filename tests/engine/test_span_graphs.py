@@ -187,6 +187,16 @@ def test_engine_with_drafts_in_fake_graphs_equals_plain_and_oracle(fake_engine_g
     assert not graphs.failed
     assert llm.engine.stats()["preemptions"] > 0
     assert llm.engine.stats()["speculative"]["acceptance_rate"] > 0.5
+    counts = llm.engine.stats()["cuda_graphs"]  # engine.stats() and /metrics say what replayed
+    assert counts["verify"] == {
+        "captured": sum(key[0] == "verify" for key in graphs.graphs),
+        "replays": graphs.replays["verify"],
+        "failed": 0,
+    }
+    assert counts["draft"]["replays"] == graphs.replays["draft"] and counts["decode"]["failed"] == 0
+    text = llm.engine.metrics.render()
+    assert f'atom_cuda_graph_replays_total{{kind="verify"}} {graphs.replays["verify"]}' in text
+    assert 'atom_cuda_graph_capture_failures_total{kind="draft"} 0' in text
     for p, o in zip(prompts, spec):
         assert_greedy_matches_oracle(llm.engine.runtime.model, p, o.token_ids)
 

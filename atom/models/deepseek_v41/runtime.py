@@ -103,6 +103,27 @@ class V41Runtime:
                 return logits
         return self.model.forward_paged(token_ids, spans, self.kv, self.slots)
 
+    def graph_stats(self) -> dict:
+        """Per kind of CUDA graph (decode; verify and draft with drafts): graphs captured, their
+        replays, and captures that failed (those shapes run eagerly). Empty without graphs."""
+        out = {}
+        if self.graphs is not None:
+            g = self.graphs
+            out["decode"] = {
+                "captured": len(g.graphs),
+                "replays": g.replays,
+                "failed": len(g.failed),
+            }
+        if self.span_graphs is not None:
+            g = self.span_graphs
+            for kind in ("verify", "draft"):
+                out[kind] = {
+                    "captured": sum(key[0] == kind for key in g.graphs),
+                    "replays": g.replays[kind],
+                    "failed": sum(key[0] == kind for key in g.failed),
+                }
+        return out
+
     # ---- atom.model_api.DraftRuntime: the draft layers -------------------------------------
 
     @property
