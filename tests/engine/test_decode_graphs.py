@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from atom import LLM, SamplingParams, builder
+from atom import LLM, SamplingParams
 from atom.model_api import Span
 from atom.models.deepseek_v41.decode_graphs import (
     EagerBackend,
@@ -123,22 +123,6 @@ def test_fake_graphs_equal_eager_forwards_and_state():
         torch.tensor([1, 2]), [Span(1, 2, 0, tables[0]), Span(pos[1] + 1, pos[1] + 2, 1, tables[1])]
     )
     assert graphs.replays == replays
-
-
-@pytest.fixture
-def fake_engine_graphs(monkeypatch):
-    """Engines built in this test run decode through fake graphs (every runtime that has them)."""
-    made = []
-    real = builder.load_runtime
-
-    def load(*a, **k):
-        rt = real(*a, **k)
-        rt.enable_decode_graphs(8, backend=EagerBackend())
-        made.append(rt)
-        return rt
-
-    monkeypatch.setattr(builder, "load_runtime", load)
-    return made
 
 
 def test_engine_with_fake_graphs_matches_oracle_and_eager(fake_engine_graphs):

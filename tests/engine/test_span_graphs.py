@@ -11,9 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from atom import LLM, SamplingParams, builder
+from atom import LLM, SamplingParams
 from atom.model_api import Span
-from atom.models.deepseek_v41.decode_graphs import EagerBackend
 from atom.models.deepseek_v41.model import DeepseekV41ForCausalLM
 from atom.models.deepseek_v41.paged import StateMismatchError
 from atom.models.deepseek_v41.presets import preset_config
@@ -155,22 +154,6 @@ def test_draft_graphs_equal_the_eager_draft_layer(tiny_draft):
     for h in hooks:
         h.remove()
     assert len(grad) > 26 and not any(grad)  # every draft forward (graphs too) without autograd
-
-
-@pytest.fixture
-def fake_engine_graphs(monkeypatch):
-    """Engines built in this test replay fake graphs (decode, verify and draft)."""
-    made = []
-    real = builder.load_runtime
-
-    def load(*a, **k):
-        rt = real(*a, **k)
-        rt.enable_decode_graphs(8, backend=EagerBackend())
-        made.append(rt)
-        return rt
-
-    monkeypatch.setattr(builder, "load_runtime", load)
-    return made
 
 
 @pytest.mark.parametrize("k", [1, 3])

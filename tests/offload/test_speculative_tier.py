@@ -7,8 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from atom import SamplingParams, builder
-from atom.models.deepseek_v41.decode_graphs import EagerBackend
+from atom import SamplingParams
 
 from ..engine.test_speculative import ScriptedDrafter
 from .conftest import BLOCK
@@ -24,21 +23,10 @@ def scripted(llm, truth, wrong=lambda p: p % 5 == 0):
 
 
 @pytest.fixture(params=["eager", "graphs"])
-def graphs(request, monkeypatch):
+def graphs(request):
     """Engines built in the test run eagerly, or replay fake span graphs (verify and draft
     forwards through ``EagerBackend``: everything but the CUDA graph itself)."""
-    made = []
-    if request.param == "graphs":
-        real = builder.load_runtime
-
-        def load(*a, **k):
-            rt = real(*a, **k)
-            rt.enable_decode_graphs(8, backend=EagerBackend())
-            made.append(rt)
-            return rt
-
-        monkeypatch.setattr(builder, "load_runtime", load)
-    return made
+    return request.getfixturevalue("fake_engine_graphs") if request.param == "graphs" else []
 
 
 def test_two_pass_with_drafts_equals_plain_and_resumes_at_the_ceiling(

@@ -71,29 +71,21 @@ class V41Runtime:
         self.graphs = self.span_graphs = None
         if self._graph_args is not None:
             max_batch, max_len, backend = self._graph_args
-            k = self.geometry.speculative_tokens
-            if k:
-                self.span_graphs = SpanGraphs(
-                    self.model,
-                    self.kv,
-                    self.slots,
-                    block_size=self.block_size,
-                    spare_slot=slot_bytes.shape[0] - 1,
-                    spare_block=pool.shape[0] - 1,
-                    max_rows=max_batch * (k + 1),
-                    max_blocks=-(-max_len // self.block_size),
-                    backend=backend,
-                )
-            self.graphs = DecodeGraphs(
-                self.model,
-                self.kv,
-                self.slots,
+            common = dict(
                 block_size=self.block_size,
                 spare_slot=slot_bytes.shape[0] - 1,
                 spare_block=pool.shape[0] - 1,
-                max_batch=max_batch,
                 max_blocks=-(-max_len // self.block_size),
                 backend=backend,
+            )
+            k = self.geometry.speculative_tokens
+            if k:
+                rows = max_batch * (k + 1)
+                self.span_graphs = SpanGraphs(
+                    self.model, self.kv, self.slots, max_rows=rows, **common
+                )
+            self.graphs = DecodeGraphs(
+                self.model, self.kv, self.slots, max_batch=max_batch, **common
             )
 
     def forward(self, token_ids: torch.Tensor, spans: list[Span]) -> torch.Tensor:
