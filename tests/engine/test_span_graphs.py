@@ -111,6 +111,22 @@ def test_verify_graphs_refuse_as_the_eager_forward_does(tiny):
     assert torch.equal(rt.slots.data, before) and not rt.span_graphs.graphs
 
 
+def test_graph_counts_survive_a_rebind(tiny):
+    """``graph_stats`` feeds Prometheus counters: binding again (new graphs) keeps the counts."""
+    rt = runtime(tiny, 1, num_slots=2, graphs=True)
+    seq = tokens(20, seed=2)
+    spans = [Span(0, 8, 0, torch.arange(6)), Span(0, 9, 1, torch.arange(6, 12))]
+    rt.forward_with_residual(torch.cat([seq[:8], seq[:9]]), spans, all_logits=True)
+    spans = [Span(8, 10, 0, torch.arange(6)), Span(9, 11, 1, torch.arange(6, 12))]
+    rt.forward_with_residual(torch.cat([seq[8:10], seq[9:11]]), spans, all_logits=True)
+    before = rt.graph_stats()
+    assert before["verify"] == {"captured": 1, "replays": 1, "failed": 0}
+    rt.bind(rt.pool, rt.slot_bytes)
+    after = rt.graph_stats()
+    assert after["verify"] == {"captured": 0, "replays": 1, "failed": 0}
+    assert after["decode"] == before["decode"] and after["draft"]["replays"] == 0
+
+
 def test_draft_graphs_equal_the_eager_draft_layer(tiny_draft):
     """Both draft layers over spans of 1..k + 1 rows of two slots, each continuing where its
     chain left it or rewinding over rejected proposals: logits, streams, the layers' rings and

@@ -44,6 +44,7 @@ class V41Runtime:
         self.graphs: DecodeGraphs | None = None
         # verify and draft forwards (speculative_tokens >= 1), with the decode graphs
         self.span_graphs: SpanGraphs | None = None
+        self._graph_totals: dict = {}  # graph counts of earlier binds (``graph_stats``)
         self.cuda_graphs = False  # replay decode graphs (once enabled; False: eager, to debug)
         self._graph_args: tuple | None = None
 
@@ -68,6 +69,7 @@ class V41Runtime:
         self.pool, self.slot_bytes = pool, slot_bytes
         self.kv = PagedKV(self.geometry, pool)
         self.slots = StateSlots(self.geometry, slot_bytes)
+        self._graph_totals = self.graph_stats()  # counts so far (a counter never goes down)
         self.graphs = self.span_graphs = None
         if self._graph_args is not None:
             max_batch, max_len, backend = self._graph_args
@@ -97,7 +99,8 @@ class V41Runtime:
 
     def graph_stats(self) -> dict:
         """Per kind of CUDA graph (decode; verify and draft with drafts): graphs captured, their
-        replays, and captures that failed (those shapes run eagerly). Empty without graphs."""
+        replays, and captures that failed (those shapes run eagerly), replays and failures
+        counted over every ``bind``. Empty without graphs."""
         out = {}
         if self.graphs is not None:
             g = self.graphs
@@ -114,6 +117,10 @@ class V41Runtime:
                     "replays": g.replays[kind],
                     "failed": sum(key[0] == kind for key in g.failed),
                 }
+        for kind, before in self._graph_totals.items():
+            now = out.setdefault(kind, {"captured": 0, "replays": 0, "failed": 0})
+            now["replays"] += before["replays"]
+            now["failed"] += before["failed"]
         return out
 
     # ---- atom.model_api.DraftRuntime: the draft layers -------------------------------------

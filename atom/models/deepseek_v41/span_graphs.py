@@ -30,7 +30,8 @@ Contract of ``SpanGraphs.verify(token_ids, spans)``:
 residual is copied into the graph's static buffer; it returns the logits of each span's last row
 and the layer's output streams, and writes the layer's ring and cursor.
 
-Capture is lazy and shared with ``decode_graphs`` (its backends, one memory pool per backend).
+Capture is lazy, with ``decode_graphs``' backends; ``SpanGraphs`` has a backend of its own (its
+own memory pool and side stream, apart from the decode graphs').
 """
 
 from __future__ import annotations
@@ -89,7 +90,9 @@ def pack_rows(
         def source(q: int, s=s, e=e, lo=lo, old=old) -> int:
             return lo + q - s if s <= q < e else old + q
 
-        table = sp.block_table.reshape(-1)[:width].tolist() if width else []
+        t = sp.block_table
+        # device tables are copied in by the caller (reading them here would sync)
+        table = t.reshape(-1)[:width].tolist() if width and t.device.type == "cpu" else []
         table += [spare_block] * (width - len(table))
         for p in range(s, e):
             rows["pos"].append(p)
