@@ -79,12 +79,11 @@ def speculative_step(engine, out) -> list:
         new[i], accepted = 0, 0
         for j in range(len(sp.drafts) + 1):
             draft = sp.drafts[j] if j < len(sp.drafts) else None
-            if i in best:
-                tok = rows[j]
-                ok = tok == draft
+            if i in best:  # rows: each position's argmax
+                tok, ok = rows[j], rows[j] == draft
             else:
                 tok, ok = sampler.verify(rows[j], seq, draft)
-            _append(seq, None if i in best else rows[j : j + 1], tok)
+            _append(seq, rows[j : j + 1], tok)  # (the row is read only for logprobs)
             new[i] += 1
             accepted += ok
             reason = engine._stop_reason(seq)

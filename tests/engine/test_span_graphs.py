@@ -127,6 +127,33 @@ def test_graph_counts_survive_a_rebind(tiny):
     assert after["decode"] == before["decode"] and after["draft"]["replays"] == 0
 
 
+class FailingBackend:
+    def __init__(self):
+        self.fresh_pools = 0
+
+    def capture(self, fn):
+        raise RuntimeError("capture refused")
+
+    def after_failure(self):
+        self.fresh_pools += 1
+
+
+def test_a_failed_capture_runs_eagerly_and_is_counted(tiny):
+    eager, rt = runtime(tiny, 1, num_slots=2), runtime(tiny, 1, num_slots=2, graphs=True)
+    rt.span_graphs.backend = backend = FailingBackend()
+    seq = tokens(20, seed=4)
+    spans = [Span(0, 8, 0, torch.arange(6)), Span(0, 9, 1, torch.arange(6, 12))]
+    for _ in range(3):
+        ids = torch.cat([seq[sp.start : sp.end] for sp in spans])
+        want, got = (r.forward_with_residual(ids, spans, all_logits=True) for r in (eager, rt))
+        for a, b in zip(want, got):
+            assert_close(a, b)
+        spans = [Span(sp.end, sp.end + 2, sp.slot, sp.block_table) for sp in spans]
+    # one key tried once: recorded, a fresh pool asked for, then eager without trying again
+    assert list(rt.span_graphs.failed) == [("verify", 4, 1)] and backend.fresh_pools == 1
+    assert rt.graph_stats()["verify"] == {"captured": 0, "replays": 0, "failed": 1}
+
+
 def test_draft_graphs_equal_the_eager_draft_layer(tiny_draft):
     """Both draft layers over spans of 1..k + 1 rows of two slots, each continuing where its
     chain left it or rewinding over rejected proposals: logits, streams, the layers' rings and

@@ -159,6 +159,61 @@ class CudaGraphBackend:
         return graph.replay, out
 
 
+class GraphSet:
+    """What decode graphs and span graphs share: the model's views, the spare slot and block,
+    row buckets where padding never changes the MoE path, the backend, the captured graphs by
+    key and the keys whose capture failed (they run eagerly from then on)."""
+
+    def __init__(
+        self,
+        model,
+        kv,
+        slots,
+        *,
+        block_size: int,
+        spare_slot: int,
+        spare_block: int,
+        max_rows: int,
+        max_blocks: int | None = None,
+        backend=None,
+    ):
+        self.model, self.kv, self.slots = model, kv, slots
+        self.block_size, self.max_blocks = block_size, max_blocks
+        self.spare_slot, self.spare_block = spare_slot, spare_block
+        self.device = model.device
+        self._probe = torch.empty(0, dtype=model.dtype, device=self.device)
+        self._moe = model.model.layers[0].mlp
+        self.buckets = batch_buckets(max_rows, self._path)
+        self.backend = backend or CudaGraphBackend(self.device)
+        self.graphs: dict[tuple, object] = {}
+        self.failed: dict[tuple, str] = {}
+        slots.reset(spare_slot)
+
+    def _path(self, n: int) -> str:
+        with torch.no_grad():
+            return self._moe.path(n, self._probe)
+
+    def bucket(self, n: int) -> int | None:
+        """The bucket ``n`` rows replay in: None past the largest, or where the MoE takes its
+        syncing loop or another path for the bucket than for the rows."""
+        bucket = pick_bucket(self.buckets, n)
+        if bucket is None:
+            return None
+        path = self._path(n)
+        return None if path == "loop" or path != self._path(bucket) else bucket
+
+    def _try_capture(self, key, forward: Callable):
+        """(replay, static outputs) of ``forward``, or None after recording why in ``failed``
+        (a capture that failed midway also gets later captures a fresh memory pool)."""
+        try:
+            return self.backend.capture(forward)
+        except Exception as e:  # noqa: BLE001 - any failure: this key runs eagerly
+            self.failed[key] = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
+            log.warning("%s %s not captured: %s", type(self).__name__, key, e)
+            getattr(self.backend, "after_failure", lambda: None)()
+            return None
+
+
 @dataclass
 class _Graph:
     inp: torch.Tensor  # the static inputs (pack_inputs' layout) on the device
@@ -169,36 +224,10 @@ class _Graph:
     forward: Callable[[], torch.Tensor]
 
 
-class DecodeGraphs:
-    def __init__(
-        self,
-        model,
-        kv,
-        slots,
-        *,
-        block_size: int,
-        spare_slot: int,
-        spare_block: int,
-        max_batch: int,
-        max_blocks: int | None = None,
-        backend=None,
-    ):
-        self.model, self.kv, self.slots = model, kv, slots
-        self.block_size, self.max_blocks = block_size, max_blocks
-        self.spare_slot, self.spare_block = spare_slot, spare_block
-        self.device = model.device
-        self._probe = torch.empty(0, dtype=model.dtype, device=self.device)
-        self._moe = model.model.layers[0].mlp
-        self.buckets = batch_buckets(max_batch, self._path)
-        self.backend = backend or CudaGraphBackend(self.device)
-        self.graphs: dict[tuple[int, int], _Graph] = {}
-        self.failed: dict[tuple[int, int], str] = {}
+class DecodeGraphs(GraphSet):
+    def __init__(self, model, kv, slots, *, max_batch: int, **kw):
+        super().__init__(model, kv, slots, max_rows=max_batch, **kw)
         self.replays = 0
-        slots.reset(spare_slot)
-
-    def _path(self, n: int) -> str:
-        with torch.no_grad():
-            return self._moe.path(n, self._probe)
 
     def key(self, spans: list[Span]) -> tuple[int, int] | None:
         """(batch bucket, width bucket) of a forward a graph can run, else None."""
@@ -206,12 +235,8 @@ class DecodeGraphs:
             return None
         if any(not self._at_cursor(sp) for sp in spans):
             return None  # a rewound span (or a frontier past the cursor): eager
-        n = len(spans)
-        bucket = pick_bucket(self.buckets, n)
+        bucket = self.bucket(len(spans))
         if bucket is None:
-            return None
-        path = self._path(n)
-        if path == "loop" or path != self._path(bucket):
             return None
         need = max(-(-sp.end // self.block_size) for sp in spans)
         width = width_bucket(need, self.max_blocks)
@@ -296,13 +321,10 @@ class DecodeGraphs:
                 plan.frontiers, plan.hist_src = ends, hist_src
             return self.model.run_plan(plan, self.kv, self.slots)
 
-        try:
-            replay, out = self.backend.capture(forward)
-        except Exception as e:  # noqa: BLE001 - any failure: this key runs eagerly
-            self.failed[(bucket, width)] = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
-            log.warning("decode graph (batch %d, width %d) not captured: %s", bucket, width, e)
-            getattr(self.backend, "after_failure", lambda: None)()
+        got = self._try_capture((bucket, width), forward)
+        if got is None:
             return None
+        replay, out = got
         graph = _Graph(inp, out, replay, forward)
         self.graphs[(bucket, width)] = graph
         log.info("captured decode graph: batch %d, width %d blocks", bucket, width)

@@ -37,19 +37,13 @@ own memory pool and side stream, apart from the decode graphs').
 from __future__ import annotations
 
 import logging
-import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from atom.model_api import Span
-from atom.models.deepseek_v41.decode_graphs import (
-    CudaGraphBackend,
-    batch_buckets,
-    pick_bucket,
-    width_bucket,
-)
+from atom.models.deepseek_v41.decode_graphs import GraphSet, width_bucket
 
 log = logging.getLogger(__name__)
 
@@ -128,38 +122,12 @@ class _Graph:
     residual: torch.Tensor | None = None  # a draft graph's static residual input
 
 
-class SpanGraphs:
-    def __init__(
-        self,
-        model,
-        kv,
-        slots,
-        *,
-        block_size: int,
-        spare_slot: int,
-        spare_block: int,
-        max_rows: int,
-        max_blocks: int | None = None,
-        backend=None,
-    ):
-        self.model, self.kv, self.slots = model, kv, slots
-        self.block_size, self.max_blocks = block_size, max_blocks
-        self.spare_slot, self.spare_block = spare_slot, spare_block
+class SpanGraphs(GraphSet):
+    def __init__(self, model, kv, slots, **kw):
+        super().__init__(model, kv, slots, **kw)
         self.k = slots.speculative_tokens
         self.hist = slots.gram_history.shape[1]
-        self.device = model.device
-        self._probe = torch.empty(0, dtype=model.dtype, device=self.device)
-        self._moe = model.model.layers[0].mlp
-        self.buckets = batch_buckets(max_rows, self._path)
-        self.backend = backend or CudaGraphBackend(self.device)
-        self.graphs: dict[tuple, _Graph] = {}
-        self.failed: dict[tuple, str] = {}
         self.replays = {"verify": 0, "draft": 0}
-        slots.reset(spare_slot)
-
-    def _path(self, n: int) -> str:
-        with torch.no_grad():
-            return self._moe.path(n, self._probe)
 
     def _rows_bucket(self, spans: list[Span], min_start: int) -> int | None:
         if not spans or any(
@@ -168,14 +136,7 @@ class SpanGraphs:
             return None
         if any(not 0 <= sp.slot < self.slots.num_slots for sp in spans):
             return None  # the eager forward refuses it
-        n = sum(sp.num_tokens for sp in spans)
-        bucket = pick_bucket(self.buckets, n)
-        if bucket is None:
-            return None
-        path = self._path(n)
-        if path == "loop" or path != self._path(bucket):
-            return None
-        return bucket
+        return self.bucket(sum(sp.num_tokens for sp in spans))
 
     def verify_key(self, spans: list[Span]) -> tuple | None:
         """("verify", rows bucket, width bucket) of a forward a graph can run, else None."""
@@ -290,14 +251,10 @@ class SpanGraphs:
             residual = torch.zeros(bucket, c.hc_mult, c.hidden_size, dtype=self.model.dtype)
             residual = residual.to(dev)
             forward = self._draft_fn(v, rows, residual, key[1])
-        try:
-            replay, out = self.backend.capture(forward)
-        except Exception as e:  # noqa: BLE001 - any failure: this key runs eagerly
-            self.failed[key] = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
-            log.warning("span graph %s not captured: %s", key, e)
-            getattr(self.backend, "after_failure", lambda: None)()
+        got = self._try_capture(key, forward)
+        if got is None:
             return None
-        graph = _Graph(inp, out, replay, forward, residual)
+        graph = _Graph(inp, got[1], got[0], forward, residual)
         self.graphs[key] = graph
         log.info("captured span graph %s", key)
         return graph
