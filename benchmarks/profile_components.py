@@ -1,0 +1,205 @@
+"""Which parts of the model a paged forward's device time goes to: kernel time and kernel count
+per component (mHC, Engram, attention's projections, indexer, selection, attention proper,
+MoE routing, experts, LM head), for a decode batch and a prefill chunk batch.
+
+python -m benchmarks.profile_components --model v41-bench --device cuda --dtype bfloat16 \
+    --position 4096 --batch 16 --name profile_components_h200
+
+The forward runs eagerly (a CUDA graph hides which op launched a kernel); each component is a
+profiler range around the model function that computes it, and its row sums the device time
+of every kernel launched inside that range (nested ranges count in both: "attention" holds
+"indexer"). Kernel times are those of a graph replay; the gaps between them are not. On CPU the rows
+are host time (there are no kernels).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+from collections import defaultdict
+
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
+from atom.models.registry import default_block_size
+from benchmarks.common import bound_runtime, md_table, write_results
+from benchmarks.profile_forward import _shape_runs
+
+CUDA = {"on": False}
+
+
+def _components():
+    """(owner, attribute, label): the functions wrapped in a profiler range."""
+    from atom.models.deepseek_v41 import attention, layers, model, paged_decode
+
+    return [
+        (model.DeepseekV41ForCausalLM, "_embed", "embed"),
+        (model.DeepseekV41ForCausalLM, "_head", "lm head (mHC + norm + head)"),
+        (layers.Engram, "forward", "engram"),
+        (layers.HyperConnection, "pre", "mhc pre (mix, sinkhorn, combine)"),
+        (layers.HyperConnection, "post", "mhc post"),
+        (layers.RMSNorm, "forward", "rms norm (module)"),
+        (model.DecoderLayer, "block", "layer"),
+        (attention.CSA2Attention, "queries", "attn: q projections + rope"),
+        (attention.CSA2Attention, "window_kv", "attn: window kv"),
+        (attention.CSA2Attention, "index_query", "attn: index query"),
+        (attention.CSA2Attention, "attend", "attn: attend (decode)"),
+        (attention.CSA2Attention, "attend_tiles", "attn: attend (prefill)"),
+        (attention.CSA2Attention, "output", "attn: output projection"),
+        (attention.Indexer, "scores", "attn: index scores"),
+        (attention, "select_topk", "attn: top-k"),
+        (attention, "candidate_row_mask", "attn: candidate blocks"),
+        (paged_decode, "_complete_groups", "attn: compressor + PAGE write"),
+        (paged_decode, "decode_attention", "attention (decode, all)"),
+        (layers.MoE, "route", "moe: routing"),
+        (layers.MoE, "_mix_float", "moe: experts (shared + routed)"),
+        (layers.Expert, "forward", "moe: Expert.forward (shared; routed on the loop path)"),
+    ]
+
+
+def _wrap(fn, label):
+    @functools.wraps(fn)
+    def wrapped(*a, **k):
+        with record_function(label):
+            return fn(*a, **k)
+
+    return wrapped
+
+
+def instrument():
+    """Wrap every component; returns a function that undoes it. Module-level functions are
+    also rebound where other modules imported them by name."""
+    from atom.models.deepseek_v41 import attention, paged_attention, paged_decode
+
+    undo = []
+    for owner, attr, label in _components():
+        raw = owner.__dict__[attr]
+        is_static = isinstance(raw, staticmethod)
+        fn = raw.__func__ if is_static else raw
+        new = _wrap(fn, label)
+        setattr(owner, attr, staticmethod(new) if is_static else new)
+        undo.append((owner, attr, raw))
+        for mod in (attention, paged_attention, paged_decode):
+            if mod is not owner and getattr(mod, attr, None) is fn:
+                setattr(mod, attr, new)
+                undo.append((mod, attr, fn))
+
+    def restore():
+        for owner, attr, raw in reversed(undo):
+            setattr(owner, attr, raw)
+
+    return restore
+
+
+def _kernels(event) -> tuple[float, int]:
+    """(device us, kernels) of everything launched under ``event``; on CPU (no kernels), the
+    range's host time and 0."""
+    if not CUDA["on"]:
+        return event.cpu_time_total, 0
+    us = sum(k.duration for k in event.kernels)
+    n = len(event.kernels)
+    for child in event.cpu_children:
+        cu, cn = _kernels(child)
+        us, n = us + cu, n + cn
+    return us, n
+
+
+def breakdown(prof, labels: list[str]) -> tuple[dict, float, int]:
+    """Per label: [device us, kernels, calls] summed over its ranges (outermost only where a
+    label nests in itself); and the whole profile's device us and kernels."""
+    rows: dict[str, list] = defaultdict(lambda: [0.0, 0, 0])
+    for e in prof.events():
+        if e.name not in labels:
+            continue
+        parent, nested = e.cpu_parent, False
+        while parent is not None:
+            nested = nested or parent.name == e.name
+            parent = parent.cpu_parent
+        if nested:
+            continue
+        us, n = _kernels(e)
+        row = rows[e.name]
+        row[0], row[1], row[2] = row[0] + us, row[1] + n, row[2] + 1
+    total_us = total_n = 0
+    for e in prof.events():
+        if e.cpu_parent is None:
+            us, n = _kernels(e)
+            total_us, total_n = total_us + us, total_n + n
+    return rows, total_us, total_n
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--model", default="v41-mini")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--position", type=int, default=1024)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--prefill-tokens", type=int, default=4096)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--name", default="")
+    args = ap.parse_args()
+    per_seq = -(-(args.position + args.repeats + 8) // default_block_size(args.model))
+    rt = bound_runtime(
+        args.model, getattr(torch, args.dtype), args.device, per_seq * args.batch, args.batch
+    )
+    tables = [
+        torch.arange(i * per_seq, (i + 1) * per_seq, device=args.device) for i in range(args.batch)
+    ]
+    cuda = CUDA["on"] = args.device.startswith("cuda")
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    labels = [label for _, _, label in _components()]
+    sections, data = [], {}
+    for shape, run in _shape_runs(rt, args, tables, torch.Generator().manual_seed(0)):
+        run()  # warm
+        sync()
+        restore = instrument()
+        try:
+            per = []
+            for _ in range(args.repeats):
+                with profile(activities=activities) as prof:
+                    run()
+                    sync()
+                per.append(breakdown(prof, labels))
+        finally:
+            restore()
+        total_us = min(p[1] for p in per)
+        total_n = per[0][2]
+        rows = []
+        for label in labels:
+            got = [p[0].get(label) for p in per]
+            if not any(got):
+                continue
+            us = sorted(g[0] for g in got)[len(got) // 2]
+            rows.append(
+                [
+                    label,
+                    round(us / 1000, 3),
+                    f"{100 * us / max(total_us, 1e-9):.1f}%",
+                    got[0][1],
+                    got[0][2],
+                ]
+            )
+        table = md_table(["component", "device ms", "of step", "kernels", "calls"], rows)
+        head = (
+            f"## {shape}\n\nAll kernels: {total_us / 1000:.3f} ms device time (least of "
+            f"{args.repeats}), {total_n} kernels per step (the step's argmax included)."
+        )
+        sections.append(f"{head}\n\n{table}\n")
+        data[shape] = {"device_ms": total_us / 1000, "kernels": total_n, "rows": rows}
+        print(sections[-1], flush=True)
+    text = (
+        "Component ms: median over repeats of the device time of the kernels launched inside "
+        "the component's ranges; components nest (a layer holds its attention, attention its "
+        "indexer), so rows do not add up to the step.\n\n" + "\n".join(sections)
+    )
+    if args.name:
+        cmd = "python -m benchmarks.profile_components " + " ".join(
+            f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
+        )
+        print(write_results(args.name, {"model": args.model, "shapes": data}, text, cmd))
+
+
+if __name__ == "__main__":
+    main()
