@@ -2,7 +2,8 @@
 
 A kernel runs only where it can: a CUDA tensor and an importable Triton (``use_triton``);
 everywhere else the torch expression runs. ``ATOM_TRITON=0`` turns every kernel off (A/B runs,
-and a way out if a kernel misbehaves on some GPU). Kernels are checked against their torch
+and a way out if a kernel misbehaves on some GPU); ``ATOM_TRITON_OFF=sink_attention,engram``
+turns off the named ones. Kernels are checked against their torch
 expressions by tests/kernels (on CUDA, and on CPU under Triton's interpreter when Triton is
 installed).
 """
@@ -29,7 +30,12 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def use_triton(t: torch.Tensor) -> bool:
+def use_triton(t: torch.Tensor, name: str | None = None) -> bool:
+    """Whether kernel ``name`` runs for a tensor like ``t``: off everywhere with
+    ``ATOM_TRITON=0``, off by name with ``ATOM_TRITON_OFF=name[,name...]`` (side-by-side
+    benchmarks of one kernel)."""
     if os.environ.get("ATOM_TRITON", "1") == "0" or not triton_importable():
+        return False
+    if name is not None and name in os.environ.get("ATOM_TRITON_OFF", "").split(","):
         return False
     return t.is_cuda or interpreting()

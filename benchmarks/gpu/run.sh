@@ -40,7 +40,7 @@ for s in "$@"; do
       --name profile_forward_h200 ;;
     roofline) step "${ROOFLINE_LIMIT:-240}" python3 -m benchmarks.roofline --model v41-bench \
       --device cuda --dtype bfloat16 --position 4096 --batch 1 8 16 32 --decode-steps 16 \
-      --repeats 3 --name roofline_h200 ;;
+      --repeats 3 --name "${ROOFLINE_NAME:-roofline_h200}" ;;
     components) step "${COMPONENTS_LIMIT:-200}" python3 -m benchmarks.profile_components \
       --model v41-bench --device cuda --dtype bfloat16 --position 4096 --batch 16 \
       --prefill-tokens 4096 --name "profile_components_h200${COMPONENTS_TAG:-}" ;;

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from atom.kernels.engram import engram_kernel_usable, engram_rows, engram_rows_torch
 from atom.kernels.norm import hc_post, hc_pre, rms_norm
 from atom.kernels.sinkhorn import sinkhorn
 from atom.models.deepseek_v41.config import V41Config
@@ -295,22 +296,48 @@ class Engram(nn.Module):
         self.key_proj = linear(n_tables * self.de, d, dtype)
         self.value_proj = linear(n_tables * self.de, d, dtype)
         self.key_norm = RMSNorm(d, config.rms_norm_eps, dtype)
+        self._stack: tuple[torch.Tensor, torch.Tensor, list[int]] | None = None
+
+    def rows(self, cid: torch.Tensor) -> torch.Tensor:
+        """Every table's hashed row of each token [N, tables * de] (``engram_rows_torch``),
+        in one kernel on CUDA over the tables stacked into one tensor."""
+        weights = [t.weight for t in self.tables]
+        if not engram_kernel_usable(cid, weights[0]):
+            return engram_rows_torch(
+                cid,
+                weights,
+                self.orders,
+                self.heads,
+                self.multipliers,
+                self.sizes,
+                ENGRAM_HASH_MASK,
+            )
+        return engram_rows(cid, *self._stacked(weights), ENGRAM_HASH_MASK)
+
+    def _stacked(self, weights: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(tables [sum of sizes, de], meta [4, tables] on their device): the tables' weights
+        are made views of one stacked tensor (no second copy; loads show through), restacked
+        if a weight was replaced (``MoE.stacked_weights`` does the same for experts)."""
+        got = self._stack
+        if got is not None:
+            table, meta, bases = got
+            if table.device == weights[0].device and all(
+                w.data_ptr() == table[b].data_ptr() for w, b in zip(weights, bases)
+            ):
+                return table, meta
+        table = torch.cat([w.detach() for w in weights])
+        bases = [sum(self.sizes[:k]) for k in range(len(weights))]
+        for w, b, size in zip(weights, bases, self.sizes):
+            w.data = table[b : b + size]
+        orders = [n for n in self.orders for _ in range(self.heads)]
+        meta = torch.tensor([self.multipliers, self.sizes, bases, orders], dtype=torch.int64)
+        self._stack = (table, meta.to(table.device), bases)
+        return self._stack[:2]
 
     def forward(self, x: torch.Tensor, grams: torch.Tensor) -> torch.Tensor:
         """x [N, hc, d]; grams [N, 4] token ids at t-3..t (-1 = before the sequence)."""
         cid = torch.where(grams >= 0, self.vocab_map[grams.clamp(min=0)], -1)
-        parts, k = [], 0
-        for n in self.orders:
-            window = cid[:, 4 - n :]
-            valid = (window >= 0).all(-1)
-            for _ in range(self.heads):
-                h = torch.zeros_like(window[:, 0])
-                for i in range(n):
-                    h = ((h * self.multipliers[k]) & ENGRAM_HASH_MASK) ^ window[:, i].clamp(min=0)
-                rows = self.tables[k](h % self.sizes[k])
-                parts.append(rows * valid[:, None].to(rows.dtype))
-                k += 1
-        e = torch.cat(parts, dim=-1)
+        e = self.rows(cid)
         key = self.key_norm(self.key_proj(e)).float()
         value = self.value_proj(e).float()
         xs = rms_norm(x, None, self.eps).float()

@@ -294,6 +294,13 @@ class PagedKV:
             return plane[where]
         return words[where].view(plane.dtype)
 
+    def row_offsets(self, owner: int, tables: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Element offsets [B, K], from the first element of ``main[owner]``, of main rows
+        ``ids`` [B, K] of each sequence's blocks (where ``sink_attention`` reads them)."""
+        plane = self.main[owner]
+        blocks, offs = self._locate_each(owner, tables, ids)
+        return blocks * plane.stride(0) + offs * plane.stride(1)
+
     def read_index_rows(self, owner: int, tables: torch.Tensor, count: int):
         """Index rows [0, count) of every sequence: (payload [B, count, D], scale or None).
         Rows past a sequence's own count hold whatever its (or padding) blocks hold."""

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from atom.kernels.attention import sink_attention, sink_attention_usable
 from atom.model_api import Span
 from atom.models.deepseek_v41.attention import (
     CSA2Attention,
@@ -148,7 +149,16 @@ def prefill_attention(
     heads, hd = q.shape[1], q.shape[2]
     k = 0 if ids is None else ids.shape[1]
     res = []
-    for t0, t1 in _groups(nt, tq * heads * (win_k.shape[1] + k + 1)):
+    if sink_attention_usable(q):  # one pass over every tile, nothing materialized per query
+        plane = offsets = None
+        if ids is not None:
+            plane = kv.main[attn.kv_owner]
+            picks = ids.view(nt, tq * k)
+            offsets = kv.row_offsets(attn.kv_owner, b.tables[b.tile_span], picks).view(-1, k)
+        sink, scale = attn.attn_sink, attn.scale
+        res.append(sink_attention(q_p, win_k, mask, plane, offsets, valid, sink, scale))
+    groups = [] if res else _groups(nt, tq * heads * (win_k.shape[1] + k + 1))
+    for t0, t1 in groups:
         a, z = t0 * tq, t1 * tq
         comp = None
         if ids is not None:

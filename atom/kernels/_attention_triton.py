@@ -1,0 +1,138 @@
+"""The Triton kernel behind ``atom.kernels.attention`` (imported only where Triton is)."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _online(q, k, ok, m, lsum, acc, scale, IEEE: tl.constexpr):
+    """One tile of keys (= values, MQA) into the running max, denominator and sum."""
+    if IEEE:
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    s = tl.where(ok[None, :], s * scale, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, 1))
+    alpha = tl.exp(m - m_new)
+    p = tl.exp(s - m_new[:, None])
+    lsum = lsum * alpha + tl.sum(p, 1)
+    if IEEE:
+        pv = tl.dot(p.to(k.dtype), k, input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(k.dtype), k)
+    return m_new, lsum, acc * alpha[:, None] + pv
+
+
+# L and K vary with the batch: specializing on them would recompile mid-serving
+@triton.jit(do_not_specialize=["L", "K", "Q"])
+def _sink_attention_kernel(
+    q_ptr,
+    sq_t,
+    sq_h,
+    w_ptr,
+    sw_tile,
+    sw_l,
+    wm_ptr,
+    swm_t,
+    c_ptr,
+    co_ptr,
+    sco_t,
+    cv_ptr,
+    scv_t,
+    sink_ptr,
+    o_ptr,
+    so_t,
+    so_h,
+    L,
+    K,
+    H,
+    Q,
+    scale,
+    D: tl.constexpr,
+    BH: tl.constexpr,
+    BN: tl.constexpr,
+    HAS_COMP: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1) * BH + tl.arange(0, BH)
+    d = tl.arange(0, D)
+    hmask = h < H
+    q = tl.load(q_ptr + t * sq_t + h[:, None] * sq_h + d[None, :], mask=hmask[:, None], other=0.0)
+    # the sink starts the running max and adds exp(sink - max) to the denominator
+    m = tl.load(sink_ptr + h, mask=hmask, other=0.0).to(tl.float32)
+    lsum = tl.full([BH], 1.0, tl.float32)
+    acc = tl.zeros([BH, D], tl.float32)
+    tile = t // Q
+    for n0 in range(0, L, BN):
+        n = n0 + tl.arange(0, BN)
+        ok = (tl.load(wm_ptr + t * swm_t + n, mask=n < L, other=0) != 0) & (n < L)
+        k = tl.load(
+            w_ptr + tile * sw_tile + n[:, None] * sw_l + d[None, :], mask=ok[:, None], other=0.0
+        )
+        m, lsum, acc = _online(q, k.to(q.dtype), ok, m, lsum, acc, scale, IEEE)
+    if HAS_COMP:
+        for n0 in range(0, K, BN):
+            n = n0 + tl.arange(0, BN)
+            ok = (tl.load(cv_ptr + t * scv_t + n, mask=n < K, other=0) != 0) & (n < K)
+            off = tl.load(co_ptr + t * sco_t + n, mask=ok, other=0)
+            k = tl.load(c_ptr + off[:, None] + d[None, :], mask=ok[:, None], other=0.0)
+            m, lsum, acc = _online(q, k.to(q.dtype), ok, m, lsum, acc, scale, IEEE)
+    out = acc / lsum[:, None]
+    tl.store(
+        o_ptr + t * so_t + h[:, None] * so_h + d[None, :],
+        out.to(o_ptr.dtype.element_ty),
+        mask=hmask[:, None],
+    )
+
+
+def sink_attention_triton(q, win_k, win_mask, plane, offsets, valid, sink, scale):
+    t, h, d = q.shape
+    out = torch.empty_like(q)
+    if t == 0:
+        return out
+    q = q if q.stride(2) == 1 else q.contiguous()
+    win_k = win_k if win_k.stride(2) == 1 else win_k.contiguous()
+    win_mask = win_mask.reshape(t, -1).contiguous()
+    has_comp = plane is not None
+    if has_comp:
+        offsets, valid = offsets.contiguous(), valid.contiguous()
+    else:
+        plane = offsets = valid = win_mask  # unused
+    bh = 16
+    wide = q.element_size() > 2  # float32 tiles: half the keys per tile, one stage (shared memory)
+    _sink_attention_kernel[(t, triton.cdiv(h, bh))](
+        q,
+        q.stride(0),
+        q.stride(1),
+        win_k,
+        win_k.stride(0),
+        win_k.stride(1),
+        win_mask.view(torch.uint8) if win_mask.dtype == torch.bool else win_mask,
+        win_mask.stride(0),
+        plane,
+        offsets,
+        offsets.stride(0),
+        valid.view(torch.uint8) if valid.dtype == torch.bool else valid,
+        valid.stride(0),
+        sink,
+        out,
+        out.stride(0),
+        out.stride(1),
+        win_k.shape[1],
+        offsets.shape[1] if has_comp else 0,
+        h,
+        t // win_k.shape[0],
+        scale,
+        D=d,
+        BH=bh,
+        BN=16 if wide else 32,
+        HAS_COMP=has_comp,
+        IEEE=q.dtype == torch.float32,
+        num_warps=4,
+        num_stages=1 if wide else 2,
+    )
+    return out

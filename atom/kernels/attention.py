@@ -1,0 +1,73 @@
+"""CSA2 attention of query rows over their window keys and their selected compressed rows, with
+one learned sink per head in the softmax denominator, in one kernel.
+
+The torch expression (``CSA2Attention.attend_tiles``) gathers every query's selected rows out
+of PAGE into a [T, K, hd] tensor, materializes float32 scores [T, H, window + K + 1], softmaxes
+them and multiplies again: for a prefill chunk of 4096 tokens that is ~2 GB gathered and a few
+GB of scores per layer, and a third of the forward's device time. The kernel reads each
+selected row where it lies in PAGE (by element offset), keeps a running max and denominator
+(the sink starts them) and accumulates the output in float32: one pass, nothing materialized.
+
+Arithmetic differs from the torch expression by rounding only: scores stay float32 (torch
+rounds them to the compute dtype first), probabilities are cast to the compute dtype for the
+second product as torch does, and the window and compressed parts are summed in float32 before
+one final rounding (torch rounds each). On float32 inputs the products are IEEE float32 (no
+TF32).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from atom.kernels import use_triton
+
+
+def sink_attention_usable(q: torch.Tensor) -> bool:
+    """Whether ``sink_attention`` runs the kernel for queries like ``q`` (CUDA, Triton, no
+    gradient, a head dim the kernel tiles)."""
+    if torch.is_grad_enabled() and q.requires_grad:
+        return False
+    d = q.shape[-1]
+    return use_triton(q, "sink_attention") and d >= 16 and d & (d - 1) == 0
+
+
+def gather_offsets(offsets: torch.Tensor, plane: torch.Tensor) -> torch.Tensor:
+    """Rows of ``plane`` at element ``offsets`` [T, K] -> [T, K, D] (what the kernel reads;
+    for tests: it reads the largest offset on the host)."""
+    d = plane.shape[-1]
+    n = int(offsets.max()) + d if offsets.numel() else 0
+    flat = plane.as_strided((n,), (1,))  # from plane's first element
+    return flat[offsets[..., None] + torch.arange(d, device=offsets.device)]
+
+
+def sink_attention_torch(q, win_k, win_mask, comp, valid, sink, scale):
+    """The expression the kernel computes, float32 throughout: q [T, H, D]; win_k [tiles, L,
+    D], query row t reads tile t // (T // tiles) with win_mask [T, L]; comp [T, K, D] or None
+    with valid [T, K]; sink [H] float32 -> [T, H, D] in q's dtype."""
+    t, h, _ = q.shape
+    qf = q.float()
+    per = t // win_k.shape[0]
+    keys = win_k.float().repeat_interleave(per, 0)
+    s = torch.einsum("thd,tnd->thn", qf, keys) * scale
+    parts, vals = [s.masked_fill(~win_mask.reshape(t, 1, -1), float("-inf"))], [keys]
+    if comp is not None:
+        sc = torch.einsum("thd,tkd->thk", qf, comp.float()) * scale
+        parts.append(sc.masked_fill(~valid[:, None, :], float("-inf")))
+        vals.append(comp.float())
+    parts.append(sink.float().view(1, h, 1).expand(t, h, 1))
+    probs = torch.softmax(torch.cat(parts, -1), -1)[..., :-1]
+    return torch.einsum("thn,tnd->thd", probs, torch.cat(vals, 1)).to(q.dtype)
+
+
+def sink_attention(q, win_k, win_mask, plane, offsets, valid, sink, scale: float):
+    """Attention of query rows q [T, H, D] over
+      * window keys win_k [tiles, L, D]: row t reads tile t // (T // tiles), where
+        win_mask [T, L] (or [tiles, T // tiles, L]) is true;
+      * compressed rows of ``plane`` (a tensor whose rows of D are contiguous) at element
+        offsets [T, K] int64 from plane's first element, where valid [T, K]; ``plane`` None:
+        none;
+    keys are values (MQA); sink [H] float32 joins each head's denominator. Returns [T, H, D] in
+    q's dtype. Only where ``sink_attention_usable(q)``."""
+    from atom.kernels._attention_triton import sink_attention_triton
+
+    return sink_attention_triton(q, win_k, win_mask, plane, offsets, valid, sink, scale)

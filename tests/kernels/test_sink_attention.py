@@ -1,0 +1,121 @@
+"""The sink attention kernel against its torch expression (on CUDA, or on CPU under Triton's
+interpreter; CI has neither), and the torch expression against the layer's own attention
+(everywhere): what the kernel computes is what ``CSA2Attention.attend_tiles`` computes."""
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+from atom.kernels.attention import (
+    gather_offsets,
+    sink_attention,
+    sink_attention_torch,
+    sink_attention_usable,
+)
+from atom.models.deepseek_v41.attention import CSA2Attention
+from atom.models.deepseek_v41.presets import preset_config
+
+HAVE_TRITON = importlib.util.find_spec("triton") is not None
+RUNNABLE = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
+needs_kernel = pytest.mark.skipif(
+    not (HAVE_TRITON and RUNNABLE), reason="needs Triton and CUDA (or TRITON_INTERPRET=1)"
+)
+
+
+def _case(device, dtype, tiles, per_tile, heads, d, window, k, gen):
+    """Queries, window keys with masks (one row sees nothing), a PAGE-like plane whose rows
+    are strided blocks, offsets of random rows with validity (one row has none valid)."""
+    t = tiles * per_tile
+    q = torch.randn(t, heads, d, generator=gen).to(device, dtype)
+    win_k = torch.randn(tiles, window, d, generator=gen).to(device, dtype)
+    mask = torch.rand(t, window, generator=gen) < 0.7
+    mask[0] = False
+    blocks, rows = 6, 8
+    plane = None
+    if k:  # 24 elements between blocks: rows are contiguous, blocks are not
+        raw = torch.randn(blocks, rows * d + 24, generator=gen).to(device, dtype)
+        plane = raw[:, : rows * d].view(blocks, rows, d)
+        b = torch.randint(0, blocks, (t, k), generator=gen)
+        r = torch.randint(0, rows, (t, k), generator=gen)
+        offsets = (b * plane.stride(0) + r * plane.stride(1)).to(device)
+        valid = torch.rand(t, k, generator=gen) < 0.8
+        valid[-1] = False
+        valid = valid.to(device)
+    else:
+        offsets = valid = None
+    sink = torch.randn(heads, generator=gen).to(device)
+    return q, win_k, mask.to(device), plane, offsets, valid, sink
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "tiles,per_tile,heads,window,k",
+    [(5, 1, 20, 10, 37), (3, 4, 16, 7, 0), (2, 8, 64, 70, 64), (1, 1, 3, 1, 1)],
+)
+def test_kernel_matches_the_torch_expression(dtype, tiles, per_tile, heads, window, k):
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if dtype == torch.bfloat16 and device == "cpu":
+        pytest.skip("Triton's interpreter computes bfloat16 dots wrongly (a 16x16 dot alone)")
+    gen = torch.Generator().manual_seed(tiles * 100 + k)
+    q, win_k, mask, plane, offsets, valid, sink = _case(
+        device, dtype, tiles, per_tile, heads, 64, window, k, gen
+    )
+    assert sink_attention_usable(q)
+    got = sink_attention(q, win_k, mask, plane, offsets, valid, sink, 0.125)
+    comp = gather_offsets(offsets, plane) if plane is not None else None
+    want = sink_attention_torch(q, win_k, mask, comp, valid, sink, 0.125)
+    assert got.shape == q.shape and got.dtype == dtype
+    tol = 2e-5 if dtype == torch.float32 else 2e-2
+    assert torch.allclose(got.float(), want.float(), atol=tol, rtol=tol), (
+        (got.float() - want.float()).abs().max()
+    )
+
+
+@needs_kernel
+def test_masked_keys_never_reach_the_output():
+    """NaN bytes in masked window rows and in invalid compressed rows (a block nobody wrote)
+    change nothing: the kernel does not load them."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator().manual_seed(7)
+    q, win_k, mask, plane, offsets, valid, sink = _case(
+        device, torch.float32, 4, 1, 16, 64, 9, 12, gen
+    )
+    last = plane.shape[0] - 1  # invalid picks point into the last block, valid ones never
+    valid &= offsets // plane.stride(0) != last
+    offsets = torch.where(valid, offsets, offsets % plane.stride(0) + last * plane.stride(0))
+    clean = sink_attention(q, win_k, mask, plane, offsets, valid, sink, 0.1)
+    win_k[0, ~mask[0]] = float("nan")
+    plane[last] = float("nan")
+    dirty = sink_attention(q, win_k, mask, plane, offsets, valid, sink, 0.1)
+    assert not torch.isnan(dirty).any()
+    assert torch.equal(clean, dirty)
+
+
+def test_atom_triton_off_names_the_kernel(monkeypatch):
+    q = torch.zeros(1, 1, 64, device="cuda" if torch.cuda.is_available() else "cpu")
+    monkeypatch.setenv("ATOM_TRITON_OFF", "engram,sink_attention")
+    assert not sink_attention_usable(q)
+
+
+@pytest.mark.parametrize("per_tile", [1, 4])
+def test_torch_expression_is_the_layers_attention(per_tile):
+    """In float32 the expression equals ``CSA2Attention.attend_tiles`` (what the model runs
+    without the kernel), sink and scale included, on CPU."""
+    torch.manual_seed(0)
+    cfg = preset_config("v41-tiny")
+    attn = CSA2Attention(cfg, 4, torch.float32, "fp32")
+    with torch.no_grad():
+        attn.attn_sink.copy_(torch.randn(cfg.num_attention_heads))
+    gen = torch.Generator().manual_seed(per_tile)
+    q, win_k, mask, plane, offsets, valid, _ = _case(
+        "cpu", torch.float32, 3, per_tile, cfg.num_attention_heads, cfg.head_dim, 11, 5, gen
+    )
+    comp = gather_offsets(offsets, plane)
+    want = attn.attend_tiles(
+        q.view(3, per_tile, *q.shape[1:]), win_k, mask.view(3, per_tile, -1), comp, valid
+    )
+    got = sink_attention_torch(q, win_k, mask, comp, valid, attn.attn_sink.detach(), attn.scale)
+    assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
