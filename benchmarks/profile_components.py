@@ -21,6 +21,7 @@ from collections import defaultdict
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
+from atom.model_api import Span
 from atom.models.registry import default_block_size
 from benchmarks.common import bound_runtime, md_table, write_results
 from benchmarks.profile_forward import _shape_runs
@@ -137,9 +138,11 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--prefill-tokens", type=int, default=4096)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--late-prefill", action="store_true", help="also chunks at --position")
     ap.add_argument("--name", default="")
     args = ap.parse_args()
-    per_seq = -(-(args.position + args.repeats + 8) // default_block_size(args.model))
+    bs = default_block_size(args.model)
+    per_seq = -(-(args.position + args.repeats + 8) // bs) + (args.repeats + 2) * args.late_prefill
     rt = bound_runtime(
         args.model, getattr(torch, args.dtype), args.device, per_seq * args.batch, args.batch
     )
@@ -151,7 +154,21 @@ def main() -> None:
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     labels = [label for _, _, label in _components()]
     sections, data = [], {}
-    for shape, run in _shape_runs(rt, args, tables, torch.Generator().manual_seed(0)):
+    shapes = list(_shape_runs(rt, args, tables, torch.Generator().manual_seed(0)))
+    if args.late_prefill:  # chunks at --position, where selection and attention are full
+        n = max(1, min(args.batch, args.prefill_tokens // bs))
+        late = {"pos": None}
+
+        def late_prefill():
+            if late["pos"] is None:
+                late["pos"] = int(rt.slots.host_position[0])
+            p = late["pos"]
+            spans = [Span(p, p + bs, i, tables[i]) for i in range(n)]
+            rt.forward(torch.randint(0, 300, (n * bs,)), spans).argmax(-1).cpu()
+            late["pos"] += bs
+
+        shapes.insert(1, (f"prefill {n} x {bs} tokens at {args.position}", late_prefill))
+    for shape, run in shapes:
         run()  # warm
         sync()
         restore = instrument()

@@ -43,7 +43,7 @@ for s in "$@"; do
       --repeats 3 --name "${ROOFLINE_NAME:-roofline_h200}" ;;
     components) step "${COMPONENTS_LIMIT:-200}" python3 -m benchmarks.profile_components \
       --model v41-bench --device cuda --dtype bfloat16 --position 4096 --batch 16 \
-      --prefill-tokens 4096 --name "profile_components_h200${COMPONENTS_TAG:-}" ;;
+      --prefill-tokens 4096 --late-prefill --name "profile_components_h200${COMPONENTS_TAG:-}" ;;
     profile_prefill) step 200 python3 -m benchmarks.profile_forward --model v41-bench \
       --device cuda --dtype bfloat16 --position 4096 --batch 16 --prefill-tokens 4096 \
       --top 30 --graphs --name profile_forward_prefill_h200 ;;
