@@ -138,6 +138,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--prefill-tokens", type=int, default=4096)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--top", type=int, default=15)
     ap.add_argument("--late-prefill", action="store_true", help="also chunks at --position")
     ap.add_argument("--name", default="")
     args = ap.parse_args()
@@ -178,10 +179,19 @@ def main() -> None:
                 with profile(activities=activities) as prof:
                     run()
                     sync()
-                per.append(breakdown(prof, labels))
+                per.append(breakdown(prof, labels) + (prof.key_averages(),))
         finally:
             restore()
         total_us = min(p[1] for p in per)
+        if cuda:  # every kernel, attributed to a range or not
+            total_us = min(
+                sum(
+                    e.self_device_time_total
+                    for e in p[3]
+                    if e.device_type == torch.autograd.DeviceType.CUDA
+                )
+                for p in per
+            )
         total_n = per[0][2]
         rows = []
         for label in labels:
@@ -199,6 +209,15 @@ def main() -> None:
                 ]
             )
         table = md_table(["component", "device ms", "of step", "kernels", "calls"], rows)
+        if cuda:  # kernels launched outside aten (Triton's) carry no range: listed by name
+            named = sorted(
+                (e for e in per[-1][3] if e.device_type == torch.autograd.DeviceType.CUDA),
+                key=lambda e: -e.self_device_time_total,
+            )[: args.top]
+            table += "\n\nTop kernels by device time (one step):\n\n" + md_table(
+                ["kernel", "device ms", "launches"],
+                [[e.key[:60], round(e.self_device_time_total / 1000, 3), e.count] for e in named],
+            )
         head = (
             f"## {shape}\n\nAll kernels: {total_us / 1000:.3f} ms device time (least of "
             f"{args.repeats}), {total_n} kernels per step (the step's argmax included)."

@@ -13,7 +13,10 @@ def _online(q, k, ok, m, lsum, acc, scale, IEEE: tl.constexpr):
     if IEEE:
         s = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
-        s = tl.dot(q, tl.trans(k))
+        # rounded to the inputs' dtype before scaling, as the torch expression's product is:
+        # with large scores a softmax over unrounded ones moves far from it (and from the
+        # reference forward, which shares that expression)
+        s = tl.dot(q, tl.trans(k)).to(q.dtype).to(tl.float32)
     s = tl.where(ok[None, :], s * scale, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, 1))
     alpha = tl.exp(m - m_new)
@@ -105,8 +108,10 @@ def sink_attention_triton(q, win_k, win_mask, plane, offsets, valid, sink, scale
         offsets, valid = offsets.contiguous(), valid.contiguous()
     else:
         plane = offsets = valid = win_mask  # unused
-    bh = 16
     wide = q.element_size() > 2  # float32 tiles: half the keys per tile, one stage (shared memory)
+    # heads per program: all 64 where there are enough rows to fill the GPU (a prefill: each
+    # query's selected rows are read once, not once per 16 heads), 16 for a decode batch
+    bh = 64 if t >= 256 and h >= 64 and not wide else 16
     _sink_attention_kernel[(t, triton.cdiv(h, bh))](
         q,
         q.stride(0),
@@ -135,7 +140,7 @@ def sink_attention_triton(q, win_k, win_mask, plane, offsets, valid, sink, scale
         BN=16 if wide else 32,
         HAS_COMP=has_comp,
         IEEE=q.dtype == torch.float32,
-        num_warps=4,
+        num_warps=8 if bh == 64 else 4,
         num_stages=1 if wide else 2,
     )
     return out

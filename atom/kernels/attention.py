@@ -8,11 +8,12 @@ GB of scores per layer, and a third of the forward's device time. The kernel rea
 selected row where it lies in PAGE (by element offset), keeps a running max and denominator
 (the sink starts them) and accumulates the output in float32: one pass, nothing materialized.
 
-Arithmetic differs from the torch expression by rounding only: scores stay float32 (torch
-rounds them to the compute dtype first), probabilities are cast to the compute dtype for the
-second product as torch does, and the window and compressed parts are summed in float32 before
-one final rounding (torch rounds each). On float32 inputs the products are IEEE float32 (no
-TF32).
+Arithmetic follows the torch expression's roundings where they matter: scores are rounded to
+the compute dtype before scaling (as torch's product is; with large scores a softmax over
+unrounded ones moved bf16 logits of the tiny test model 22% from the reference forward, which
+rounds them), probabilities are cast to the compute dtype for the second product; the window
+and compressed parts are summed in float32 before one final rounding (torch rounds each). On
+float32 inputs the products are IEEE float32 (no TF32).
 """
 
 from __future__ import annotations
@@ -41,17 +42,18 @@ def gather_offsets(offsets: torch.Tensor, plane: torch.Tensor) -> torch.Tensor:
 
 
 def sink_attention_torch(q, win_k, win_mask, comp, valid, sink, scale):
-    """The expression the kernel computes, float32 throughout: q [T, H, D]; win_k [tiles, L,
+    """The expression the kernel computes, float32 but for the scores (rounded to q's dtype
+    before scaling): q [T, H, D]; win_k [tiles, L,
     D], query row t reads tile t // (T // tiles) with win_mask [T, L]; comp [T, K, D] or None
     with valid [T, K]; sink [H] float32 -> [T, H, D] in q's dtype."""
     t, h, _ = q.shape
-    qf = q.float()
+    qf, rounded = q.float(), (lambda x: x.to(q.dtype).float())
     per = t // win_k.shape[0]
     keys = win_k.float().repeat_interleave(per, 0)
-    s = torch.einsum("thd,tnd->thn", qf, keys) * scale
+    s = rounded(torch.einsum("thd,tnd->thn", qf, keys)) * scale
     parts, vals = [s.masked_fill(~win_mask.reshape(t, 1, -1), float("-inf"))], [keys]
     if comp is not None:
-        sc = torch.einsum("thd,tkd->thk", qf, comp.float()) * scale
+        sc = rounded(torch.einsum("thd,tkd->thk", qf, comp.float())) * scale
         parts.append(sc.masked_fill(~valid[:, None, :], float("-inf")))
         vals.append(comp.float())
     parts.append(sink.float().view(1, h, 1).expand(t, h, 1))
