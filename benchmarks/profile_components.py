@@ -188,7 +188,7 @@ def main() -> None:
                 sum(
                     e.self_device_time_total
                     for e in p[3]
-                    if e.device_type == torch.autograd.DeviceType.CUDA
+                    if e.device_type == torch.autograd.DeviceType.CUDA and e.key not in labels
                 )
                 for p in per
             )
@@ -211,7 +211,11 @@ def main() -> None:
         table = md_table(["component", "device ms", "of step", "kernels", "calls"], rows)
         if cuda:  # kernels launched outside aten (Triton's) carry no range: listed by name
             named = sorted(
-                (e for e in per[-1][3] if e.device_type == torch.autograd.DeviceType.CUDA),
+                (
+                    e
+                    for e in per[-1][3]
+                    if e.device_type == torch.autograd.DeviceType.CUDA and e.key not in labels
+                ),
                 key=lambda e: -e.self_device_time_total,
             )[: args.top]
             table += "\n\nTop kernels by device time (one step):\n\n" + md_table(

@@ -8,12 +8,19 @@ GB of scores per layer, and a third of the forward's device time. The kernel rea
 selected row where it lies in PAGE (by element offset), keeps a running max and denominator
 (the sink starts them) and accumulates the output in float32: one pass, nothing materialized.
 
-Arithmetic follows the torch expression's roundings where they matter: scores are rounded to
-the compute dtype before scaling (as torch's product is; with large scores a softmax over
-unrounded ones moved bf16 logits of the tiny test model 22% from the reference forward, which
-rounds them), probabilities are cast to the compute dtype for the second product; the window
-and compressed parts are summed in float32 before one final rounding (torch rounds each). On
-float32 inputs the products are IEEE float32 (no TF32).
+The paged prefill runs it (``paged_attention``); decode keeps the torch expression: with a
+decode batch's few rows each program walks every key in turn (116 us a layer at batch 16 on the
+H200, against 54 us for torch).
+
+Arithmetic: scores are rounded to the compute dtype before scaling, as torch's product is;
+probabilities are cast to the compute dtype for the second product, but unnormalized (relative
+to the running max), and the window and compressed parts are summed in float32 before one final
+rounding (torch rounds each). So in bf16 the kernel and the torch expression (and the reference
+forward, which uses it) differ by roundings, and a small random model amplifies them: on the
+H200 the tiny test model's bf16 logits were 0.06-0.19 (relative) from their float32 truth either
+way, the kernel's 0.133 on average against torch's 0.149 (tests/gpu/test_prefill_batch_cuda.py
+compares both with that truth). On float32 inputs the products are IEEE float32 (no TF32) and
+the paths agree to 1e-4.
 """
 
 from __future__ import annotations
