@@ -110,8 +110,8 @@ def breakdown(prof, labels: list[str]) -> tuple[dict, float, int]:
     label nests in itself); and the whole profile's device us and kernels."""
     rows: dict[str, list] = defaultdict(lambda: [0.0, 0, 0])
     for e in prof.events():
-        if e.name not in labels:
-            continue
+        if e.name not in labels or e.device_type != torch.autograd.DeviceType.CPU:
+            continue  # a range is also recorded as a device annotation: count it once
         parent, nested = e.cpu_parent, False
         while parent is not None:
             nested = nested or parent.name == e.name
