@@ -14,17 +14,16 @@ are host time (there are no kernels).
 
 from __future__ import annotations
 
-import argparse
 import functools
 from collections import defaultdict
 
 import torch
-from torch.profiler import ProfilerActivity, profile, record_function
+from torch.profiler import profile, record_function
 
 from atom.model_api import Span
 from atom.models.registry import default_block_size
-from benchmarks.common import bound_runtime, md_table, write_results
-from benchmarks.profile_forward import _shape_runs
+from benchmarks.common import md_table, write_results
+from benchmarks.profile_forward import _shape_runs, profiled_runtime, shape_parser
 
 CUDA = {"on": False}
 
@@ -130,29 +129,13 @@ def breakdown(prof, labels: list[str]) -> tuple[dict, float, int]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--model", default="v41-mini")
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    ap.add_argument("--position", type=int, default=1024)
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--prefill-tokens", type=int, default=4096)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--top", type=int, default=15)
+    ap = shape_parser(__doc__, prefill_tokens=4096, top=15)
     ap.add_argument("--late-prefill", action="store_true", help="also chunks at --position")
-    ap.add_argument("--name", default="")
     args = ap.parse_args()
     bs = default_block_size(args.model)
-    per_seq = -(-(args.position + args.repeats + 8) // bs) + (args.repeats + 2) * args.late_prefill
-    rt = bound_runtime(
-        args.model, getattr(torch, args.dtype), args.device, per_seq * args.batch, args.batch
-    )
-    tables = [
-        torch.arange(i * per_seq, (i + 1) * per_seq, device=args.device) for i in range(args.batch)
-    ]
-    cuda = CUDA["on"] = args.device.startswith("cuda")
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    extra = (args.repeats + 2) * args.late_prefill  # a chunk of bs per late prefill run
+    rt, tables, cuda, sync, activities = profiled_runtime(args, extra_blocks=extra)
+    CUDA["on"] = cuda
     labels = [label for _, _, label in _components()]
     sections, data = [], {}
     shapes = list(_shape_runs(rt, args, tables, torch.Generator().manual_seed(0)))

@@ -102,27 +102,33 @@ def _shape_runs(rt, args, tables, gen):
     ]
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
+def shape_parser(doc: str, prefill_tokens: int, top: int) -> argparse.ArgumentParser:
+    """The arguments every forward profile takes (this one and ``profile_components``)."""
+    ap = argparse.ArgumentParser(description=doc)
     ap.add_argument("--model", default="v41-mini")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--position", type=int, default=1024)
     ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--prefill-tokens", type=int, default=2048)
+    ap.add_argument("--prefill-tokens", type=int, default=prefill_tokens)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--top", type=int, default=20)
-    ap.add_argument("--graphs", action="store_true", help="decode through CUDA graphs (CUDA)")
+    ap.add_argument("--top", type=int, default=top)
     ap.add_argument("--name", default="")
-    args = ap.parse_args()
+    return ap
+
+
+def profiled_runtime(args, extra_blocks: int = 0, graphs: bool = False):
+    """(runtime, one block table per sequence, cuda, sync, profiler activities): a pool of
+    ``--batch`` sequences each holding ``--position`` + repeats tokens and ``extra_blocks``."""
     per_seq = -(-(args.position + args.repeats + 8) // default_block_size(args.model))
+    per_seq += extra_blocks
     rt = bound_runtime(
         args.model,
         getattr(torch, args.dtype),
         args.device,
         per_seq * args.batch,
         args.batch,
-        graphs=args.graphs,
+        graphs=graphs,
     )
     tables = [
         torch.arange(i * per_seq, (i + 1) * per_seq, device=args.device) for i in range(args.batch)
@@ -130,6 +136,14 @@ def main() -> None:
     cuda = args.device.startswith("cuda")
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    return rt, tables, cuda, sync, activities
+
+
+def main() -> None:
+    ap = shape_parser(__doc__, prefill_tokens=2048, top=20)
+    ap.add_argument("--graphs", action="store_true", help="decode through CUDA graphs (CUDA)")
+    args = ap.parse_args()
+    rt, tables, cuda, sync, activities = profiled_runtime(args, graphs=args.graphs)
     rows, tops, site_lines = [], [], []
     for name, run in _shape_runs(rt, args, tables, torch.Generator().manual_seed(0)):
         run()  # warm
