@@ -103,11 +103,16 @@ def test_fake_graphs_equal_eager_forwards_and_state():
     assert {w for _, w in graphs.graphs} >= {3, 4}
     assert graphs.replays == 24 - 3 * 3  # every step but [0], [5] and the batch of 6
     assert [fake.slots.position(i) for i in range(6)] == pos
-    assert torch.allclose(eager.pool.view(torch.float32), fake.pool.view(torch.float32)[:40])
+    # rows rounded in other batch shapes: the logits' tolerance (with torch 2.13's CPU build a
+    # PAGE row differed by 3.6e-6, past allclose's default absolute 1e-8)
+    close = dict(atol=1e-5, rtol=1e-5)
+    assert torch.allclose(
+        eager.pool.view(torch.float32), fake.pool.view(torch.float32)[:40], **close
+    )
     for name in ("cursor", "header"):
         assert torch.equal(getattr(eager.slots, name), getattr(fake.slots, name)[:6])
     for name in ("window", "comp_values", "comp_scores"):
-        assert torch.allclose(getattr(eager.slots, name), getattr(fake.slots, name)[:6])
+        assert torch.allclose(getattr(eager.slots, name), getattr(fake.slots, name)[:6], **close)
     assert fake.slots.cursor[6, 0] == 1  # the padding rows' slot: one token at position 0
     # a new sequence's first token (start 0) resets its slot: eager
     replays = graphs.replays
