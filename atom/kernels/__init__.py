@@ -36,6 +36,7 @@ def use_triton(t: torch.Tensor, name: str | None = None) -> bool:
     benchmarks of one kernel)."""
     if os.environ.get("ATOM_TRITON", "1") == "0" or not triton_importable():
         return False
-    if name is not None and name in os.environ.get("ATOM_TRITON_OFF", "").split(","):
+    off = {n.strip() for n in os.environ.get("ATOM_TRITON_OFF", "").split(",")}
+    if name is not None and name in off:
         return False
     return t.is_cuda or interpreting()

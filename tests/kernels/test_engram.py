@@ -87,7 +87,8 @@ def test_stacking_makes_the_tables_views_of_one_tensor():
     assert (table[int(meta[2, 2])] == 7.0).all()
 
 
-def test_rows_keep_autograd_on_the_torch_path():
+def test_rows_keep_autograd_on_the_torch_path(kernels_on):
+    """Where the kernel would run, a table that wants gradients still takes torch."""
     e, cfg = _engram("cpu")
     cid = _cid(8, cfg.engram_vocab_size, "cpu", torch.Generator().manual_seed(2))
     e.rows(cid).sum().backward()

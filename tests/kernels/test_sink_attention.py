@@ -14,6 +14,7 @@ from atom.kernels.attention import (
     sink_attention_torch,
     sink_attention_usable,
 )
+from atom.kernels.engram import engram_kernel_usable
 from atom.models.deepseek_v41.attention import CSA2Attention
 from atom.models.deepseek_v41.presets import preset_config
 
@@ -101,10 +102,26 @@ def test_masked_keys_never_reach_the_output():
     assert torch.equal(clean, dirty)
 
 
-def test_atom_triton_off_names_the_kernel(monkeypatch):
-    q = torch.zeros(1, 1, 64, device="cuda" if torch.cuda.is_available() else "cpu")
-    monkeypatch.setenv("ATOM_TRITON_OFF", "engram,sink_attention")
+def test_atom_triton_off_names_kernels(kernels_on, monkeypatch):
+    q, cid, table = torch.zeros(1, 1, 64), torch.zeros(1, 4, dtype=torch.int64), torch.zeros(8, 4)
+    assert sink_attention_usable(q) and engram_kernel_usable(cid, table)
+    monkeypatch.setenv("ATOM_TRITON_OFF", "engram, sink_attention")
+    assert not sink_attention_usable(q) and not engram_kernel_usable(cid, table)
+    monkeypatch.setenv("ATOM_TRITON_OFF", "engram")
+    assert sink_attention_usable(q) and not engram_kernel_usable(cid, table)
+    monkeypatch.setenv("ATOM_TRITON", "0")
     assert not sink_attention_usable(q)
+
+
+def test_gradients_take_the_torch_expressions(kernels_on):
+    """The kernels have no backward: under autograd, tensors that want gradients never reach
+    them (training runs Engram and attention through torch)."""
+    q = torch.zeros(1, 1, 64, requires_grad=True)
+    table = torch.zeros(8, 4, requires_grad=True)
+    cid = torch.zeros(1, 4, dtype=torch.int64)
+    assert not sink_attention_usable(q) and not engram_kernel_usable(cid, table)
+    with torch.no_grad():
+        assert sink_attention_usable(q) and engram_kernel_usable(cid, table)
 
 
 @pytest.mark.parametrize("per_tile", [1, 4])
