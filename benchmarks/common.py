@@ -57,6 +57,16 @@ def write_results(name: str, data: dict, table: str, command: str) -> Path:
     return RESULTS / f"{name}.md"
 
 
+def command_line(module: str, args) -> str:
+    """The command that reproduces a run: ``python -m benchmarks.<module>`` with every parsed
+    argument spelled out (lists space-separated), for the results files."""
+    flags = " ".join(
+        f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}"
+        for k, v in vars(args).items()
+    )
+    return f"python -m benchmarks.{module} {flags}"
+
+
 def md_table(headers: list[str], rows: list[list]) -> str:
     out = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     for r in rows:

@@ -19,7 +19,7 @@ import torch
 
 from atom.model_api import Span
 from atom.models.registry import default_block_size
-from benchmarks.common import bound_runtime, md_table, write_results
+from benchmarks.common import bound_runtime, command_line, md_table, write_results
 
 MODES = {"off": [False], "on": [True], "both": [False, True]}
 
@@ -149,10 +149,7 @@ def main() -> None:
             f"{args.decode_steps} steps per mode, alternating eager and graphs on the same "
             "sequences (positions advance by one per step); range = min-max of the rounds."
         )
-    cmd = "python -m benchmarks.model_forward " + " ".join(
-        f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}"
-        for k, v in vars(args).items()
-    )
+    cmd = command_line("model_forward", args)
     print(
         write_results(
             args.name,

@@ -22,10 +22,8 @@ from torch.profiler import profile, record_function
 
 from atom.model_api import Span
 from atom.models.registry import default_block_size
-from benchmarks.common import md_table, write_results
+from benchmarks.common import command_line, md_table, write_results
 from benchmarks.profile_forward import _shape_runs, profiled_runtime, shape_parser
-
-CUDA = {"on": False}
 
 
 def _components():
@@ -91,22 +89,22 @@ def instrument():
     return restore
 
 
-def _kernels(event) -> tuple[float, int]:
-    """(device us, kernels) of everything launched under ``event``; on CPU (no kernels), the
-    range's host time and 0."""
-    if not CUDA["on"]:
+def _kernels(event, cuda: bool) -> tuple[float, int]:
+    """(device us, kernels) of the aten kernels launched under ``event``; on CPU (no kernels),
+    the range's host time and 0."""
+    if not cuda:
         return event.cpu_time_total, 0
-    us = sum(k.duration for k in event.kernels)
-    n = len(event.kernels)
+    us, n = sum(k.duration for k in event.kernels), len(event.kernels)
     for child in event.cpu_children:
-        cu, cn = _kernels(child)
+        cu, cn = _kernels(child, cuda)
         us, n = us + cu, n + cn
     return us, n
 
 
-def breakdown(prof, labels: list[str]) -> tuple[dict, float, int]:
+def breakdown(prof, labels: list[str], cuda: bool) -> tuple[dict, float, int]:
     """Per label: [device us, kernels, calls] summed over its ranges (outermost only where a
-    label nests in itself); and the whole profile's device us and kernels."""
+    label nests in itself); and the whole step's device us and kernels. On CUDA the device
+    total counts every kernel (Triton's carry no range and are missing from the rows)."""
     rows: dict[str, list] = defaultdict(lambda: [0.0, 0, 0])
     for e in prof.events():
         if e.name not in labels or e.device_type != torch.autograd.DeviceType.CPU:
@@ -117,15 +115,28 @@ def breakdown(prof, labels: list[str]) -> tuple[dict, float, int]:
             parent = parent.cpu_parent
         if nested:
             continue
-        us, n = _kernels(e)
+        us, n = _kernels(e, cuda)
         row = rows[e.name]
         row[0], row[1], row[2] = row[0] + us, row[1] + n, row[2] + 1
     total_us = total_n = 0
     for e in prof.events():
         if e.cpu_parent is None:
-            us, n = _kernels(e)
+            us, n = _kernels(e, cuda)
             total_us, total_n = total_us + us, total_n + n
+    if cuda:
+        total_us = sum(e.self_device_time_total for e in device_kernels(prof, labels))
     return rows, total_us, total_n
+
+
+def device_kernels(prof, labels: list[str]) -> list:
+    """The profile's kernels by name (key averages), most device time first; the ranges' own
+    device annotations left out."""
+    kernels = [
+        e
+        for e in prof.key_averages()
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.key not in labels
+    ]
+    return sorted(kernels, key=lambda e: -e.self_device_time_total)
 
 
 def main() -> None:
@@ -135,7 +146,6 @@ def main() -> None:
     bs = default_block_size(args.model)
     extra = (args.repeats + 2) * args.late_prefill  # a chunk of bs per late prefill run
     rt, tables, cuda, sync, activities = profiled_runtime(args, extra_blocks=extra)
-    CUDA["on"] = cuda
     labels = [label for _, _, label in _components()]
     sections, data = [], {}
     shapes = list(_shape_runs(rt, args, tables, torch.Generator().manual_seed(0)))
@@ -157,24 +167,16 @@ def main() -> None:
         sync()
         restore = instrument()
         try:
-            per = []
+            per, top = [], []
             for _ in range(args.repeats):
                 with profile(activities=activities) as prof:
                     run()
                     sync()
-                per.append(breakdown(prof, labels) + (prof.key_averages(),))
+                per.append(breakdown(prof, labels, cuda))
+                top = device_kernels(prof, labels)[: args.top] if cuda else []
         finally:
             restore()
         total_us = min(p[1] for p in per)
-        if cuda:  # every kernel, attributed to a range or not
-            total_us = min(
-                sum(
-                    e.self_device_time_total
-                    for e in p[3]
-                    if e.device_type == torch.autograd.DeviceType.CUDA and e.key not in labels
-                )
-                for p in per
-            )
         total_n = per[0][2]
         rows = []
         for label in labels:
@@ -192,18 +194,10 @@ def main() -> None:
                 ]
             )
         table = md_table(["component", "device ms", "of step", "kernels", "calls"], rows)
-        if cuda:  # kernels launched outside aten (Triton's) carry no range: listed by name
-            named = sorted(
-                (
-                    e
-                    for e in per[-1][3]
-                    if e.device_type == torch.autograd.DeviceType.CUDA and e.key not in labels
-                ),
-                key=lambda e: -e.self_device_time_total,
-            )[: args.top]
+        if top:  # kernels launched outside aten (Triton's) carry no range: listed by name
             table += "\n\nTop kernels by device time (one step):\n\n" + md_table(
                 ["kernel", "device ms", "launches"],
-                [[e.key[:60], round(e.self_device_time_total / 1000, 3), e.count] for e in named],
+                [[e.key[:60], round(e.self_device_time_total / 1000, 3), e.count] for e in top],
             )
         head = (
             f"## {shape}\n\nAll kernels: {total_us / 1000:.3f} ms device time (least of "
@@ -218,9 +212,7 @@ def main() -> None:
         "indexer), so rows do not add up to the step.\n\n" + "\n".join(sections)
     )
     if args.name:
-        cmd = "python -m benchmarks.profile_components " + " ".join(
-            f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
-        )
+        cmd = command_line("profile_components", args)
         print(write_results(args.name, {"model": args.model, "shapes": data}, text, cmd))
 
 

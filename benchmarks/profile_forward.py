@@ -30,7 +30,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from atom.model_api import Span
 from atom.models.registry import default_block_size
-from benchmarks.common import bound_runtime, md_table, write_results
+from benchmarks.common import bound_runtime, command_line, md_table, write_results
 
 SYNC_EVENTS = ("cudaStreamSynchronize", "cudaDeviceSynchronize")
 
@@ -196,9 +196,7 @@ def main() -> None:
         "line:\n\n" + "\n".join(site_lines)
     )
     if args.name:
-        cmd = "python -m benchmarks.profile_forward " + " ".join(
-            f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
-        )
+        cmd = command_line("profile_forward", args)
         print(
             write_results(
                 args.name,

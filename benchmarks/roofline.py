@@ -34,7 +34,7 @@ import time
 import torch
 
 from atom.model_api import Span
-from benchmarks.common import bound_runtime, md_table, write_results
+from benchmarks.common import bound_runtime, command_line, md_table, write_results
 
 
 def _timed(fn, n: int) -> float:
@@ -275,10 +275,7 @@ def main() -> None:
         "with CUDA graphs: median over rounds of steps (forward + argmax().cpu()). See the "
         "module doc of benchmarks/roofline.py for what each column counts."
     )
-    cmd = "python -m benchmarks.roofline " + " ".join(
-        f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}"
-        for k, v in vars(args).items()
-    )
+    cmd = command_line("roofline", args)
     data = {
         "model": args.model,
         "dtype": args.dtype,

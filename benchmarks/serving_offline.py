@@ -12,7 +12,7 @@ import argparse
 import time
 
 from atom import LLM, SamplingParams
-from benchmarks.common import md_table, write_results
+from benchmarks.common import command_line, md_table, write_results
 from benchmarks.workload import shared_prefix_prompts, summarize
 
 
@@ -83,9 +83,7 @@ def main() -> None:
         ],
         rows,
     )
-    cmd = "python -m benchmarks.serving_offline " + " ".join(
-        f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
-    )
+    cmd = command_line("serving_offline", args)
     print(table)
     print(write_results(args.name, {"args": vars(args), "arms": arms}, table, cmd))
 

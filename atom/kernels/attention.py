@@ -50,9 +50,9 @@ def gather_offsets(offsets: torch.Tensor, plane: torch.Tensor) -> torch.Tensor:
 
 def sink_attention_torch(q, win_k, win_mask, comp, valid, sink, scale):
     """The expression the kernel computes, float32 but for the scores (rounded to q's dtype
-    before scaling): q [T, H, D]; win_k [tiles, L,
-    D], query row t reads tile t // (T // tiles) with win_mask [T, L]; comp [T, K, D] or None
-    with valid [T, K]; sink [H] float32 -> [T, H, D] in q's dtype."""
+    before scaling): q [T, H, D]; win_k [tiles, L, D], query row t reads tile t // (T // tiles)
+    with win_mask [T, L]; comp [T, K, D] or None with valid [T, K]; sink [H] float32 ->
+    [T, H, D] in q's dtype."""
     t, h, _ = q.shape
     qf, rounded = q.float(), (lambda x: x.to(q.dtype).float())
     per = t // win_k.shape[0]

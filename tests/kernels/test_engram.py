@@ -1,21 +1,13 @@
 """Engram's lookup kernel against its torch expression (on CUDA, or on CPU under Triton's
 interpreter; CI has neither), and the stacked tables it reads (everywhere)."""
 
-import importlib.util
-import os
-
 import pytest
 import torch
 
 from atom.kernels.engram import engram_rows_torch
 from atom.models.deepseek_v41.layers import ENGRAM_HASH_MASK, Engram
 from atom.models.deepseek_v41.presets import preset_config
-
-HAVE_TRITON = importlib.util.find_spec("triton") is not None
-RUNNABLE = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
-needs_kernel = pytest.mark.skipif(
-    not (HAVE_TRITON and RUNNABLE), reason="needs Triton and CUDA (or TRITON_INTERPRET=1)"
-)
+from tests.kernels.runnable import DEVICE, needs_kernel
 
 
 def _engram(device, dtype=torch.float32, **overrides):
@@ -47,9 +39,8 @@ def _torch_rows(e, cid):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n", [1, 37, 300])
 def test_kernel_rows_equal_the_torch_rows(dtype, n):
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    e, cfg = _engram(device, dtype)
-    cid = _cid(n, cfg.engram_vocab_size, device, torch.Generator().manual_seed(n))
+    e, cfg = _engram(DEVICE, dtype)
+    cid = _cid(n, cfg.engram_vocab_size, DEVICE, torch.Generator().manual_seed(n))
     with torch.no_grad():
         got = e.rows(cid)
         want = _torch_rows(e, cid)
@@ -60,9 +51,8 @@ def test_kernel_rows_equal_the_torch_rows(dtype, n):
 
 @needs_kernel
 def test_kernel_sees_weights_loaded_after_stacking():
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    e, cfg = _engram(device)
-    cid = _cid(64, cfg.engram_vocab_size, device, torch.Generator().manual_seed(1))
+    e, cfg = _engram(DEVICE)
+    cid = _cid(64, cfg.engram_vocab_size, DEVICE, torch.Generator().manual_seed(1))
     with torch.no_grad():
         e.rows(cid)
         e.tables[3].weight.add_(1.0)  # a load writes into the parameter

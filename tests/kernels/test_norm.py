@@ -1,9 +1,6 @@
 """The Triton RMSNorm and mHC kernels against their torch expressions: on CUDA, or on CPU under
 Triton's interpreter (``TRITON_INTERPRET=1 pytest tests/kernels``). Skipped elsewhere."""
 
-import importlib.util
-import os
-
 import pytest
 import torch
 
@@ -15,12 +12,9 @@ from atom.kernels.norm import (
     rms_norm,
     rms_norm_torch,
 )
+from tests.kernels.runnable import needs_kernel
 
-HAVE_TRITON = importlib.util.find_spec("triton") is not None
-RUNNABLE = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
-pytestmark = pytest.mark.skipif(
-    not (HAVE_TRITON and RUNNABLE), reason="needs Triton and CUDA (or TRITON_INTERPRET=1)"
-)
+pytestmark = needs_kernel
 
 
 @pytest.fixture

@@ -2,9 +2,6 @@
 interpreter; CI has neither), and the torch expression against the layer's own attention
 (everywhere): what the kernel computes is what ``CSA2Attention.attend_tiles`` computes."""
 
-import importlib.util
-import os
-
 import pytest
 import torch
 
@@ -17,12 +14,7 @@ from atom.kernels.attention import (
 from atom.kernels.engram import engram_kernel_usable
 from atom.models.deepseek_v41.attention import CSA2Attention
 from atom.models.deepseek_v41.presets import preset_config
-
-HAVE_TRITON = importlib.util.find_spec("triton") is not None
-RUNNABLE = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
-needs_kernel = pytest.mark.skipif(
-    not (HAVE_TRITON and RUNNABLE), reason="needs Triton and CUDA (or TRITON_INTERPRET=1)"
-)
+from tests.kernels.runnable import DEVICE, needs_kernel
 
 
 def _case(device, dtype, tiles, per_tile, heads, d, window, k, gen):
@@ -64,12 +56,11 @@ def _case(device, dtype, tiles, per_tile, heads, d, window, k, gen):
     ],
 )
 def test_kernel_matches_the_torch_expression(dtype, tiles, per_tile, heads, window, k):
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    if dtype == torch.bfloat16 and device == "cpu":
+    if dtype == torch.bfloat16 and DEVICE == "cpu":
         pytest.skip("Triton's interpreter computes bfloat16 dots wrongly (a 16x16 dot alone)")
     gen = torch.Generator().manual_seed(tiles * 100 + k)
     q, win_k, mask, plane, offsets, valid, sink = _case(
-        device, dtype, tiles, per_tile, heads, 64, window, k, gen
+        DEVICE, dtype, tiles, per_tile, heads, 64, window, k, gen
     )
     assert sink_attention_usable(q)
     got = sink_attention(q, win_k, mask, plane, offsets, valid, sink, 0.125)
@@ -86,10 +77,9 @@ def test_kernel_matches_the_torch_expression(dtype, tiles, per_tile, heads, wind
 def test_masked_keys_never_reach_the_output():
     """NaN bytes in masked window rows and in invalid compressed rows (a block nobody wrote)
     change nothing: the kernel does not load them."""
-    device = "cuda" if torch.cuda.is_available() else "cpu"
     gen = torch.Generator().manual_seed(7)
     q, win_k, mask, plane, offsets, valid, sink = _case(
-        device, torch.float32, 4, 1, 16, 64, 9, 12, gen
+        DEVICE, torch.float32, 4, 1, 16, 64, 9, 12, gen
     )
     last = plane.shape[0] - 1  # invalid picks point into the last block, valid ones never
     valid &= offsets // plane.stride(0) != last

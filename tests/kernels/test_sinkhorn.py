@@ -2,19 +2,13 @@
 interpreter (``TRITON_INTERPRET=1 pytest tests/kernels``: the mode must be set before Triton is
 first imported). CI has neither: skipped there."""
 
-import importlib.util
-import os
-
 import pytest
 import torch
 
 from atom.kernels.sinkhorn import sinkhorn, sinkhorn_torch
+from tests.kernels.runnable import needs_kernel
 
-HAVE_TRITON = importlib.util.find_spec("triton") is not None
-RUNNABLE = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
-pytestmark = pytest.mark.skipif(
-    not (HAVE_TRITON and RUNNABLE), reason="needs Triton and CUDA (or TRITON_INTERPRET=1)"
-)
+pytestmark = needs_kernel
 
 
 @pytest.fixture
