@@ -125,11 +125,11 @@ class CSA2Attention(nn.Module):
         """u [N, d] -> (q [N, H, hd] rotated at the token positions, q latent [N, q_lora])."""
         qlat = self.q_a_layernorm(self.q_a_proj(u))
         q = self.q_b_proj(qlat).view(-1, self.heads, self.head_dim)
-        return self.rope.apply(q, cs), qlat
+        return self.rope.apply_(q, cs), qlat
 
     def window_kv(self, u: torch.Tensor, cs) -> torch.Tensor:
         """Window KV [N, hd], normalized, rotated and rounded to the storage dtype."""
-        kv = self.rope.apply(self.kv_norm(self.kv_proj(u)), cs)
+        kv = self.rope.apply_(self.kv_norm(self.kv_proj(u)), cs)
         return kv_roundtrip(kv, self.kv_dtype)
 
     def compressed_rows(self, latents: torch.Tensor, cs) -> tuple[torch.Tensor, torch.Tensor]:
@@ -139,14 +139,14 @@ class CSA2Attention(nn.Module):
         dtype = self.q_b_proj.weight.dtype
         main = kv_roundtrip(self.rope.apply(latents.to(dtype), cs), self.kv_dtype)
         k = self.indexer.k_norm(self.indexer.wk(latents.to(dtype))).float()
-        return main, self.index_rope.apply(k, cs)
+        return main, self.index_rope.apply_(k, cs)
 
     def index_query(self, qlat: torch.Tensor, u: torch.Tensor, cs):
         """(qi [N, Hi, D] float32 rotated, head weights [N, Hi] float32)."""
         ix = self.indexer
         qi = ix.wq_b(qlat).view(-1, ix.heads, ix.dim).float()
         w = ix.weights_proj(u).float() * (ix.heads**-0.5 * ix.dim**-0.5)
-        return self.index_rope.apply(qi, cs), w
+        return self.index_rope.apply_(qi, cs), w
 
     # ---- attention ------------------------------------------------------------------------
 
@@ -206,9 +206,10 @@ class CSA2Attention(nn.Module):
         return out
 
     def output(self, o: torch.Tensor, cs) -> torch.Tensor:
-        """Inverse RoPE at the query position, then the grouped output projection (under
+        """Inverse RoPE at the query position (in place: ``o`` [N, H, hd] is the caller's
+        attention output, read by nothing after), then the grouped output projection (under
         tensor parallelism: of this rank's groups, summed over the ranks)."""
-        o = self.rope.apply(o, cs, inverse=True)
+        o = self.rope.apply_(o, cs, inverse=True)
         n = o.shape[0]
         grouped = o.reshape(n, self.groups, -1)
         w = self.o_a_proj.weight.view(self.groups, self.o_lora_rank, -1)

@@ -57,14 +57,26 @@ class Rope:
     def apply(
         self, x: torch.Tensor, cs: tuple[torch.Tensor, torch.Tensor], inverse: bool = False
     ) -> torch.Tensor:
-        """Rotate the last ``dim`` features of x [N, ..., D] by the per-row angles in cs."""
+        """Rotate the last ``dim`` features of x [N, ..., D] by the per-row angles in cs (a new
+        tensor; ``apply_`` rotates in place)."""
+        return self.apply_(x.clone(), cs, inverse)
+
+    def apply_(
+        self, x: torch.Tensor, cs: tuple[torch.Tensor, torch.Tensor], inverse: bool = False
+    ) -> torch.Tensor:
+        """``apply`` written into x's last ``dim`` features, the others untouched; returns x.
+        For tensors the caller owns (a projection's output): only the rotated features are
+        read and written, where ``apply`` copies all of them (a prefill chunk's queries are
+        [tokens, 64, 512], of which 64 features rotate). The same bits as ``apply``."""
         cos, sin = cs
         shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[-1],)
         cos, sin = cos.view(shape), sin.view(shape)
         if inverse:
             sin = -sin
-        d = self.dim
-        keep, rot = x[..., :-d], x[..., -d:].float()
-        x1, x2 = rot[..., : d // 2], rot[..., d // 2 :]
-        out = torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).to(x.dtype)
-        return torch.cat([keep, out], dim=-1)
+        d, h = self.dim, self.dim // 2
+        rot = x[..., -d:].to(torch.float32, copy=True)  # not a view of x: x is written below
+        x1, x2 = rot[..., :h], rot[..., h:]
+        first, second = x1 * cos - x2 * sin, x1 * sin + x2 * cos
+        x[..., -d:-h] = first
+        x[..., -h:] = second
+        return x
