@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from atom.kernels.attention import sink_attention, sink_attention_usable
+from atom.kernels.index_scores import index_scores_usable, tiled_index_scores
 from atom.model_api import Span
 from atom.models.deepseek_v41.attention import (
     CSA2Attention,
@@ -62,16 +63,21 @@ def _groups(num_tiles: int, per_tile: int):
 
 
 class TiledKeys:
-    """Index keys of each sequence ([S, R, D] float32) scored by the queries of its tiles."""
+    """Index keys of each sequence ([S, R, D] float32) scored by the queries of its tiles;
+    ``visible`` [N]: the rows each prefill token sees."""
 
-    def __init__(self, keys: torch.Tensor, batch: PrefillBatch):
-        self.keys, self.batch = keys, batch
+    def __init__(self, keys: torch.Tensor, batch: PrefillBatch, visible: torch.Tensor):
+        self.keys, self.batch, self.visible = keys, batch, visible
 
     def index_scores(self, qi: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """qi [N, Hi, D], w [N, Hi] of the prefill tokens -> s [N, R] (``Indexer.scores``)."""
+        """qi [N, Hi, D], w [N, Hi] of the prefill tokens -> s [N, R] (``Indexer.scores``;
+        the kernel's rows at or past ``visible`` are -inf, as ``layer_selection`` masks them)."""
         b, q = self.batch, self.batch.q
         hi, d, r = qi.shape[1], qi.shape[2], self.keys.shape[1]
         qi_p, w_p = qi[b.pad_src], w[b.pad_src]
+        if index_scores_usable(qi):
+            vis = self.visible[b.pad_src]
+            return tiled_index_scores(qi_p, w_p, self.keys, b.tile_span, vis)[b.unpad]
         out = []
         for t0, t1 in _groups(b.num_tiles, q * hi * r):
             keys = self.keys[b.tile_span[t0:t1]]  # [tiles, R, D]
@@ -130,13 +136,14 @@ def prefill_attention(
         if attn.mode in (LayerMode.FULL, LayerMode.REINDEX):
             count = b.rows[attn.ratio]
             keys = unpack_index(*kv.read_index_rows(attn.kv_owner, b.tables, count))
+            visible = visible_rows(b.positions, attn.ratio)
             sel, cand = layer_selection(
                 attn,
                 b.take(qlat),
                 u_l,
                 (b.take(cs[0]), b.take(cs[1])),
-                TiledKeys(keys, b),
-                visible_rows(b.positions, attn.ratio),
+                TiledKeys(keys, b, visible),
+                visible,
                 b.candidates,
                 fixed_k=True,
             )
