@@ -8,8 +8,9 @@ import triton.language as tl
 
 
 @triton.jit
-def _online(q, k, ok, m, lsum, acc, scale, IEEE: tl.constexpr):
-    """One tile of keys (= values, MQA) into the running max, denominator and sum."""
+def _online(q, k, v, ok, m, lsum, acc, scale, IEEE: tl.constexpr):
+    """One tile of keys into the running max, denominator and sum; ``v``: the tile's values
+    (the keys, MQA, or the slice of their features this program sums)."""
     if IEEE:
         s = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
@@ -23,9 +24,9 @@ def _online(q, k, ok, m, lsum, acc, scale, IEEE: tl.constexpr):
     p = tl.exp(s - m_new[:, None])
     lsum = lsum * alpha + tl.sum(p, 1)
     if IEEE:
-        pv = tl.dot(p.to(k.dtype), k, input_precision="ieee")
+        pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
     else:
-        pv = tl.dot(p.to(k.dtype), k)
+        pv = tl.dot(p.to(v.dtype), v)
     return m_new, lsum, acc * alpha[:, None] + pv
 
 
@@ -55,6 +56,7 @@ def _sink_attention_kernel(
     Q,
     scale,
     D: tl.constexpr,
+    DV: tl.constexpr,
     BH: tl.constexpr,
     BN: tl.constexpr,
     HAS_COMP: tl.constexpr,
@@ -63,12 +65,15 @@ def _sink_attention_kernel(
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BH + tl.arange(0, BH)
     d = tl.arange(0, D)
+    # output features [dv, dv + DV) of the heads: every program scores all D features, DV < D
+    # trades scoring again for a smaller accumulator
+    dv = tl.program_id(2) * DV + tl.arange(0, DV)
     hmask = h < H
     q = tl.load(q_ptr + t * sq_t + h[:, None] * sq_h + d[None, :], mask=hmask[:, None], other=0.0)
     # the sink starts the running max and adds exp(sink - max) to the denominator
     m = tl.load(sink_ptr + h, mask=hmask, other=0.0).to(tl.float32)
     lsum = tl.full([BH], 1.0, tl.float32)
-    acc = tl.zeros([BH, D], tl.float32)
+    acc = tl.zeros([BH, DV], tl.float32)
     tile = t // Q
     # tiles without a visible key are skipped: a prefill tile's window keys span the whole
     # tile (each query sees ~window of them), and early positions select few rows
@@ -76,26 +81,48 @@ def _sink_attention_kernel(
         n = n0 + tl.arange(0, BN)
         ok = (tl.load(wm_ptr + t * swm_t + n, mask=n < L, other=0) != 0) & (n < L)
         if tl.max(ok.to(tl.int32), 0) > 0:
-            kp = w_ptr + tile * sw_tile + n[:, None] * sw_l + d[None, :]
-            k = tl.load(kp, mask=ok[:, None], other=0.0)
-            m, lsum, acc = _online(q, k.to(q.dtype), ok, m, lsum, acc, scale, IEEE)
+            kp = w_ptr + tile * sw_tile + n[:, None] * sw_l
+            k = tl.load(kp + d[None, :], mask=ok[:, None], other=0.0).to(q.dtype)
+            v = k
+            if DV < D:
+                v = tl.load(kp + dv[None, :], mask=ok[:, None], other=0.0).to(q.dtype)
+            m, lsum, acc = _online(q, k, v, ok, m, lsum, acc, scale, IEEE)
     if HAS_COMP:
         for n0 in range(0, K, BN):
             n = n0 + tl.arange(0, BN)
             ok = (tl.load(cv_ptr + t * scv_t + n, mask=n < K, other=0) != 0) & (n < K)
             if tl.max(ok.to(tl.int32), 0) > 0:
                 off = tl.load(co_ptr + t * sco_t + n, mask=ok, other=0)
-                k = tl.load(c_ptr + off[:, None] + d[None, :], mask=ok[:, None], other=0.0)
-                m, lsum, acc = _online(q, k.to(q.dtype), ok, m, lsum, acc, scale, IEEE)
+                kp = c_ptr + off[:, None]
+                k = tl.load(kp + d[None, :], mask=ok[:, None], other=0.0).to(q.dtype)
+                v = k
+                if DV < D:
+                    v = tl.load(kp + dv[None, :], mask=ok[:, None], other=0.0).to(q.dtype)
+                m, lsum, acc = _online(q, k, v, ok, m, lsum, acc, scale, IEEE)
     out = acc / lsum[:, None]
     tl.store(
-        o_ptr + t * so_t + h[:, None] * so_h + d[None, :],
+        o_ptr + t * so_t + h[:, None] * so_h + dv[None, :],
         out.to(o_ptr.dtype.element_ty),
         mask=hmask[:, None],
     )
 
 
-def sink_attention_triton(q, win_k, win_mask, plane, offsets, valid, sink, scale):
+def sink_attention_config(t: int, h: int, wide: bool) -> dict:
+    """Launch parameters for t query rows of h heads (``wide``: float32)."""
+    # heads per program: all 64 where there are enough rows to fill the GPU (a prefill: each
+    # query's selected rows are read once, not once per 16 heads), 16 for a decode batch;
+    # float32 tiles: half the keys per tile, one stage (shared memory)
+    bh = 64 if t >= 256 and h >= 64 and not wide else 16
+    return dict(
+        BH=bh,
+        BN=16 if wide else 32,
+        num_warps=8 if bh == 64 else 4,
+        num_stages=1 if wide else 2,
+    )
+
+
+def sink_attention_triton(q, win_k, win_mask, plane, offsets, valid, sink, scale, config=None):
+    """``config``: launch parameters over ``sink_attention_config``'s (benchmarks sweep them)."""
     t, h, d = q.shape
     out = torch.empty_like(q)
     if t == 0:
@@ -108,11 +135,8 @@ def sink_attention_triton(q, win_k, win_mask, plane, offsets, valid, sink, scale
         offsets, valid = offsets.contiguous(), valid.contiguous()
     else:
         plane = offsets = valid = win_mask  # unused
-    wide = q.element_size() > 2  # float32 tiles: half the keys per tile, one stage (shared memory)
-    # heads per program: all 64 where there are enough rows to fill the GPU (a prefill: each
-    # query's selected rows are read once, not once per 16 heads), 16 for a decode batch
-    bh = 64 if t >= 256 and h >= 64 and not wide else 16
-    _sink_attention_kernel[(t, triton.cdiv(h, bh))](
+    cfg = sink_attention_config(t, h, q.element_size() > 2) | {"DV": d} | (config or {})
+    _sink_attention_kernel[(t, triton.cdiv(h, cfg["BH"]), d // cfg["DV"])](
         q,
         q.stride(0),
         q.stride(1),
@@ -136,11 +160,8 @@ def sink_attention_triton(q, win_k, win_mask, plane, offsets, valid, sink, scale
         t // win_k.shape[0],
         scale,
         D=d,
-        BH=bh,
-        BN=16 if wide else 32,
         HAS_COMP=has_comp,
         IEEE=q.dtype == torch.float32,
-        num_warps=8 if bh == 64 else 4,
-        num_stages=1 if wide else 2,
+        **cfg,
     )
     return out

@@ -32,15 +32,19 @@ def _sinkhorn_kernel(
     tl.store(out_ptr + rows[:, None, None] * (HC * HC) + cell, c, mask=mask)
 
 
-def sinkhorn_triton(logits: torch.Tensor, hc: int, iters: int, eps: float) -> torch.Tensor:
+def sinkhorn_triton(
+    logits: torch.Tensor, hc: int, iters: int, eps: float, config: dict | None = None
+) -> torch.Tensor:
+    """``config``: launch parameters (BLOCK rows per program, num_warps) over the defaults
+    (benchmarks sweep them)."""
     n = logits.shape[0]
     if logits.stride(1) != 1:
         logits = logits.contiguous()
     out = torch.empty(n, hc, hc, dtype=torch.float32, device=logits.device)
     if n == 0:
         return out
-    block = 64
-    _sinkhorn_kernel[(triton.cdiv(n, block),)](
-        logits, out, n, logits.stride(0), ITERS=iters, EPS=eps, HC=hc, BLOCK=block
+    cfg = dict(BLOCK=64, num_warps=4) | (config or {})
+    _sinkhorn_kernel[(triton.cdiv(n, cfg["BLOCK"]),)](
+        logits, out, n, logits.stride(0), ITERS=iters, EPS=eps, HC=hc, **cfg
     )
     return out

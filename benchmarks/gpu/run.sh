@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On the GPU machine: install carried wheels, run GPU tests and benchmarks, keep results.
 # Usage: bash benchmarks/gpu/run.sh STEP...
-#   steps: tests tier forward profile components roofline profile_prefill transfer cuda_ops transfer_native transfer_modes serving
+#   steps: tests tier forward profile components roofline sweep profile_prefill transfer cuda_ops transfer_native transfer_modes serving
 #          speculative serving_spec tp tp_tests (tp, tp_tests: two GPUs)
 #          tier_only idle
 #          train forward_v4 serving_v4
@@ -44,6 +44,8 @@ for s in "$@"; do
     components) step "${COMPONENTS_LIMIT:-200}" python3 -m benchmarks.profile_components \
       --model v41-bench --device cuda --dtype bfloat16 --position 4096 --batch 16 \
       --prefill-tokens 4096 --late-prefill --name "profile_components_h200${COMPONENTS_TAG:-}" ;;
+    sweep) step "${SWEEP_LIMIT:-300}" python3 -m benchmarks.kernel_sweep --tokens 4096 \
+      --rows 4096 --name kernel_sweep_h200 ;;
     profile_prefill) step 200 python3 -m benchmarks.profile_forward --model v41-bench \
       --device cuda --dtype bfloat16 --position 4096 --batch 16 --prefill-tokens 4096 \
       --top 30 --graphs --name profile_forward_prefill_h200 ;;

@@ -74,6 +74,20 @@ def test_kernel_matches_the_torch_expression(dtype, tiles, per_tile, heads, wind
 
 
 @needs_kernel
+@pytest.mark.parametrize("config", [{"DV": 32}, {"DV": 16, "BH": 32, "BN": 16}])
+def test_split_output_features_compute_the_same(config):
+    """Programs that each sum a slice of the output features (``DV`` < D, a launch parameter
+    the sweep benchmark tries) compute what one program over all of them computes."""
+    from atom.kernels._attention_triton import sink_attention_triton
+
+    gen = torch.Generator().manual_seed(3)
+    args = _case(DEVICE, torch.float32, 3, 4, 40, 64, 19, 21, gen)
+    whole = sink_attention_triton(*args, 0.125)
+    split = sink_attention_triton(*args, 0.125, config=config)
+    assert torch.allclose(split, whole, atol=1e-6, rtol=1e-6), (split - whole).abs().max()
+
+
+@needs_kernel
 def test_masked_keys_never_reach_the_output():
     """NaN bytes in masked window rows and in invalid compressed rows (a block nobody wrote)
     change nothing: the kernel does not load them."""
