@@ -8,9 +8,24 @@ import triton.language as tl
 
 
 @triton.jit
+def _visible_span(ok_ptr, n, BN: tl.constexpr):
+    """[first, last + 1) of the true flags among ``n`` bytes at ``ok_ptr``, the first rounded
+    down to a multiple of BN; (0, 0) where none is."""
+    lo = n
+    hi = 0
+    for n0 in range(0, n, BN):
+        i = n0 + tl.arange(0, BN)
+        ok = (tl.load(ok_ptr + i, mask=i < n, other=0) != 0) & (i < n)
+        lo = tl.minimum(lo, tl.min(tl.where(ok, i, n), 0))
+        hi = tl.maximum(hi, tl.max(tl.where(ok, i + 1, 0), 0))
+    lo = tl.minimum(lo, hi)
+    return lo - lo % BN, hi
+
+
+@triton.jit
 def _online(q, k, v, ok, m, lsum, acc, scale, IEEE: tl.constexpr):
-    """One tile of keys into the running max, denominator and sum; ``v``: the tile's values
-    (the keys, MQA, or the slice of their features this program sums)."""
+    """One tile of keys into the running max, denominator and sum (``v``: the values, here
+    the keys: MQA)."""
     if IEEE:
         s = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
@@ -56,7 +71,6 @@ def _sink_attention_kernel(
     Q,
     scale,
     D: tl.constexpr,
-    DV: tl.constexpr,
     BH: tl.constexpr,
     BN: tl.constexpr,
     HAS_COMP: tl.constexpr,
@@ -65,43 +79,36 @@ def _sink_attention_kernel(
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BH + tl.arange(0, BH)
     d = tl.arange(0, D)
-    # output features [dv, dv + DV) of the heads: every program scores all D features, DV < D
-    # trades scoring again for a smaller accumulator
-    dv = tl.program_id(2) * DV + tl.arange(0, DV)
     hmask = h < H
     q = tl.load(q_ptr + t * sq_t + h[:, None] * sq_h + d[None, :], mask=hmask[:, None], other=0.0)
     # the sink starts the running max and adds exp(sink - max) to the denominator
     m = tl.load(sink_ptr + h, mask=hmask, other=0.0).to(tl.float32)
     lsum = tl.full([BH], 1.0, tl.float32)
-    acc = tl.zeros([BH, DV], tl.float32)
+    acc = tl.zeros([BH, D], tl.float32)
     tile = t // Q
-    # tiles without a visible key are skipped: a prefill tile's window keys span the whole
-    # tile (each query sees ~window of them), and early positions select few rows
-    for n0 in range(0, L, BN):
+    # keys outside [first, last] of a row's visible ones are not visited (a prefill tile's
+    # window keys span the whole tile, each query sees ~window of them; early positions select
+    # few rows); inside, tiles are masked, not skipped: a branch per tile would stop Triton from
+    # loading the next tile while this one computes
+    lo, hi = _visible_span(wm_ptr + t * swm_t, L, BN)
+    for n0 in tl.range(lo, hi, BN):
         n = n0 + tl.arange(0, BN)
         ok = (tl.load(wm_ptr + t * swm_t + n, mask=n < L, other=0) != 0) & (n < L)
-        if tl.max(ok.to(tl.int32), 0) > 0:
-            kp = w_ptr + tile * sw_tile + n[:, None] * sw_l
-            k = tl.load(kp + d[None, :], mask=ok[:, None], other=0.0).to(q.dtype)
-            v = k
-            if DV < D:
-                v = tl.load(kp + dv[None, :], mask=ok[:, None], other=0.0).to(q.dtype)
-            m, lsum, acc = _online(q, k, v, ok, m, lsum, acc, scale, IEEE)
+        kp = w_ptr + tile * sw_tile + n[:, None] * sw_l
+        k = tl.load(kp + d[None, :], mask=ok[:, None], other=0.0).to(q.dtype)
+        m, lsum, acc = _online(q, k, k, ok, m, lsum, acc, scale, IEEE)
     if HAS_COMP:
-        for n0 in range(0, K, BN):
+        lo, hi = _visible_span(cv_ptr + t * scv_t, K, BN)
+        for n0 in tl.range(lo, hi, BN):
             n = n0 + tl.arange(0, BN)
             ok = (tl.load(cv_ptr + t * scv_t + n, mask=n < K, other=0) != 0) & (n < K)
-            if tl.max(ok.to(tl.int32), 0) > 0:
-                off = tl.load(co_ptr + t * sco_t + n, mask=ok, other=0)
-                kp = c_ptr + off[:, None]
-                k = tl.load(kp + d[None, :], mask=ok[:, None], other=0.0).to(q.dtype)
-                v = k
-                if DV < D:
-                    v = tl.load(kp + dv[None, :], mask=ok[:, None], other=0.0).to(q.dtype)
-                m, lsum, acc = _online(q, k, v, ok, m, lsum, acc, scale, IEEE)
+            off = tl.load(co_ptr + t * sco_t + n, mask=ok, other=0)
+            k = tl.load(c_ptr + off[:, None] + d[None, :], mask=ok[:, None], other=0.0)
+            k = k.to(q.dtype)
+            m, lsum, acc = _online(q, k, k, ok, m, lsum, acc, scale, IEEE)
     out = acc / lsum[:, None]
     tl.store(
-        o_ptr + t * so_t + h[:, None] * so_h + dv[None, :],
+        o_ptr + t * so_t + h[:, None] * so_h + d[None, :],
         out.to(o_ptr.dtype.element_ty),
         mask=hmask[:, None],
     )
@@ -135,8 +142,8 @@ def sink_attention_triton(q, win_k, win_mask, plane, offsets, valid, sink, scale
         offsets, valid = offsets.contiguous(), valid.contiguous()
     else:
         plane = offsets = valid = win_mask  # unused
-    cfg = sink_attention_config(t, h, q.element_size() > 2) | {"DV": d} | (config or {})
-    _sink_attention_kernel[(t, triton.cdiv(h, cfg["BH"]), d // cfg["DV"])](
+    cfg = sink_attention_config(t, h, q.element_size() > 2) | (config or {})
+    _sink_attention_kernel[(t, triton.cdiv(h, cfg["BH"]))](
         q,
         q.stride(0),
         q.stride(1),
