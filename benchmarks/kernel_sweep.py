@@ -23,13 +23,18 @@ import torch
 from benchmarks.common import command_line, md_table, write_results
 
 SINK_CONFIGS = [
+    dict(BH=64, BN=64, num_warps=8, num_stages=2),
     dict(BH=64, BN=32, num_warps=8, num_stages=2),
     dict(BH=64, BN=16, num_warps=8, num_stages=2),
-    dict(BH=64, BN=64, num_warps=8, num_stages=2),
     dict(BH=64, BN=32, num_warps=8, num_stages=3),
     dict(BH=64, BN=16, num_warps=8, num_stages=3),
     dict(BH=64, BN=32, num_warps=8, num_stages=4),
     dict(BH=64, BN=32, num_warps=4, num_stages=2),
+    dict(BH=64, BN=32, num_warps=16, num_stages=2),
+    dict(BH=64, BN=64, num_warps=16, num_stages=2),
+    dict(BH=64, BN=64, num_warps=8, num_stages=3),
+    dict(BH=64, BN=128, num_warps=8, num_stages=2),
+    dict(BH=32, BN=64, num_warps=8, num_stages=2),
     dict(BH=32, BN=32, num_warps=4, num_stages=2),
     dict(BH=32, BN=32, num_warps=4, num_stages=3),
     dict(BH=32, BN=64, num_warps=4, num_stages=3),
@@ -48,11 +53,11 @@ INDEX_CONFIGS = [
 ]
 
 SINKHORN_CONFIGS = [
+    dict(BLOCK=4, num_warps=1),
     dict(BLOCK=64, num_warps=4),
     dict(BLOCK=32, num_warps=2),
     dict(BLOCK=16, num_warps=1),
     dict(BLOCK=8, num_warps=1),
-    dict(BLOCK=4, num_warps=1),
     dict(BLOCK=2, num_warps=1),
 ]
 
