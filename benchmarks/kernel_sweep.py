@@ -62,11 +62,15 @@ SINKHORN_CONFIGS = [
 ]
 
 
-def _time(fn, repeats: int, calls: int = 10) -> float:
+def _time(fn, repeats: int, calls: int = 10) -> float | str:
     """Median device ms of one call: ``calls`` calls captured in a CUDA graph (no launch
     time between them: a small kernel timed alone measures its launch), replayed ``repeats``
-    times after a warm-up call (the compile)."""
-    fn()
+    times after a warm-up call (the compile). A configuration that does not compile or launch
+    (too much shared memory, say) gives the error's first line instead."""
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - reported in the table, the sweep goes on
+        return f"{type(e).__name__}: {str(e).splitlines()[0][:80]}"
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -82,6 +86,14 @@ def _time(fn, repeats: int, calls: int = 10) -> float:
         b.synchronize()
         out.append(a.elapsed_time(b) / calls)
     return statistics.median(out)
+
+
+def _round(ms: float | str, digits: int) -> float | str:
+    return round(ms, digits) if isinstance(ms, float) else ms
+
+
+def _rate(flops: float, ms: float | str) -> float | str:
+    return round(flops / ms / 1e9, 1) if isinstance(ms, float) else "-"
 
 
 def _sink_inputs(tokens: int, rows: int, topk: int, seqs: int, gen):
@@ -130,7 +142,7 @@ def main() -> None:
     flops = 4 * 64 * 512 * (128 + args.topk) * args.tokens
     for cfg in SINK_CONFIGS:
         ms = _time(lambda c=cfg: sink_attention_triton(*sink_in, config=c), args.repeats)
-        row = {"config": cfg, "ms": round(ms, 3), "tflops": round(flops / ms / 1e9, 1)}
+        row = {"config": cfg, "ms": _round(ms, 3), "tflops": _rate(flops, ms)}
         data["sink_attention"].append(row)
         mark = " (default)" if cfg == default else ""
         rows_md.append(["sink_attention", f"{cfg}{mark}", row["ms"], row["tflops"]])
@@ -141,8 +153,8 @@ def main() -> None:
     for prec in ("tf32x3", "tf32", "ieee"):
         for cfg in INDEX_CONFIGS if prec == "tf32x3" else INDEX_CONFIGS[:1]:
             ms = _time(lambda c=cfg, p=prec: index_scores_triton(*idx_in, p, c), args.repeats)
-            row = {"precision": prec, "config": cfg, "ms": round(ms, 3)}
-            row["tflops"] = round(flops / ms / 1e9, 1)
+            row = {"precision": prec, "config": cfg, "ms": _round(ms, 3)}
+            row["tflops"] = _rate(flops, ms)
             data["index_scores"].append(row)
             mark = " (default)" if cfg == default and prec == "tf32x3" else ""
             rows_md.append([f"index_scores {prec}", f"{cfg}{mark}", row["ms"], row["tflops"]])
@@ -153,9 +165,9 @@ def main() -> None:
         logits = torch.randn(n, 16, generator=gen).to("cuda")
         for cfg in SINKHORN_CONFIGS:
             ms = _time(lambda c=cfg, x=logits: sinkhorn_triton(x, 4, 20, 1e-6, c), args.repeats)
-            data["sinkhorn"].append({"tokens": n, "config": cfg, "ms": round(ms, 4)})
+            data["sinkhorn"].append({"tokens": n, "config": cfg, "ms": _round(ms, 4)})
             mark = " (default)" if cfg == SINKHORN_CONFIGS[0] else ""
-            rows_md.append([f"sinkhorn, {n} tokens", f"{cfg}{mark}", round(ms, 4), "-"])
+            rows_md.append([f"sinkhorn, {n} tokens", f"{cfg}{mark}", _round(ms, 4), "-"])
             print(rows_md[-1], flush=True)
     table = md_table(["kernel", "launch parameters", "ms (median)", "TFLOP/s"], rows_md)
     path = write_results(args.name, data, table, command_line("kernel_sweep", args))

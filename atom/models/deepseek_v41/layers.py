@@ -186,7 +186,11 @@ class MoE(nn.Module):
     ) -> torch.Tensor:
         """The routed experts as three grouped GEMMs over the token rows sorted by expert
         (``torch._grouped_mm``): the group offsets stay on the device, so no host sync. Adds
-        into ``out`` (float32 [N, d]) and returns it."""
+        into ``out`` (float32 [N, d]) and returns it.
+
+        Each token's top_k weighted outputs are put back at (token, slot) and summed in slot
+        order: an ``index_add_`` of the sorted rows would add them with atomics, in an order
+        that changes from run to run (and with it, in bfloat16, an output now and then)."""
         gate, up, down = self.stacked_weights()
         flat = idx.flatten()
         order = torch.argsort(flat, stable=True)  # token rows grouped by expert, rows ascending
@@ -198,7 +202,9 @@ class MoE(nn.Module):
         g = torch._grouped_mm(xs, gate.transpose(1, 2), offs=offs).clamp(max=self.limit)
         u = torch._grouped_mm(xs, up.transpose(1, 2), offs=offs).clamp(-self.limit, self.limit)
         y = torch._grouped_mm(F.silu(g) * u, down.transpose(1, 2), offs=offs).float()
-        return out.index_add_(0, rows, y * w.flatten()[order, None])
+        per_slot = torch.empty_like(y)
+        per_slot[order] = y * w.flatten()[order, None]  # row token * top_k + slot
+        return out.add_(per_slot.view(x.shape[0], self.top_k, -1).sum(1))
 
     def _dense(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         gate, up, down = self.stacked_weights()
