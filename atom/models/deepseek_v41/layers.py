@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from atom.kernels.engram import engram_kernel_usable, engram_rows, engram_rows_torch
+from atom.kernels.moe_combine import moe_combine
 from atom.kernels.norm import hc_post, hc_pre, rms_norm
 from atom.kernels.sinkhorn import sinkhorn
 from atom.models.deepseek_v41.config import V41Config
@@ -159,15 +160,16 @@ class MoE(nn.Module):
         return out.to(x.dtype)
 
     def _mix_float(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        out = self.shared_experts(x).float()
+        shared = self.shared_experts(x)
         path = self.path(x.shape[0], x)
-        if path == "dense":
-            return out + self._dense(x, idx, w)
         if path == "grouped":
             try:
-                return self._grouped(x, idx, w, out)
+                return self._grouped(x, idx, w, shared)
             except RuntimeError as e:  # an unsupported shape or build: the loop, from now on
                 _GROUPED_MM["failed"] = f"{type(e).__name__}: {e}"
+        out = shared.float()
+        if path == "dense":
+            return out + self._dense(x, idx, w)
         flat = idx.flatten()
         order = torch.argsort(flat, stable=True)  # token rows grouped by expert, rows ascending
         counts = torch.bincount(flat, minlength=len(self.experts)).tolist()  # the one sync
@@ -182,15 +184,16 @@ class MoE(nn.Module):
         return out
 
     def _grouped(
-        self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, out: torch.Tensor
+        self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, shared: torch.Tensor
     ) -> torch.Tensor:
         """The routed experts as three grouped GEMMs over the token rows sorted by expert
-        (``torch._grouped_mm``): the group offsets stay on the device, so no host sync. Adds
-        into ``out`` (float32 [N, d]) and returns it.
+        (``torch._grouped_mm``): the group offsets stay on the device, so no host sync.
+        Returns them added to ``shared`` (the shared expert's output [N, d]), float32.
 
-        Each token's top_k weighted outputs are put back at (token, slot) and summed in slot
-        order: an ``index_add_`` of the sorted rows would add them with atomics, in an order
-        that changes from run to run (and with it, in bfloat16, an output now and then)."""
+        Each token's top_k weighted outputs are summed in slot order (``moe_combine``: one
+        kernel on CUDA): an ``index_add_`` of the sorted rows would add them with atomics, in an
+        order that changes from run to run (and with it, in bfloat16, an output now and
+        then)."""
         gate, up, down = self.stacked_weights()
         flat = idx.flatten()
         order = torch.argsort(flat, stable=True)  # token rows grouped by expert, rows ascending
@@ -201,10 +204,8 @@ class MoE(nn.Module):
         xs = x.index_select(0, rows)
         g = torch._grouped_mm(xs, gate.transpose(1, 2), offs=offs).clamp(max=self.limit)
         u = torch._grouped_mm(xs, up.transpose(1, 2), offs=offs).clamp(-self.limit, self.limit)
-        y = torch._grouped_mm(F.silu(g) * u, down.transpose(1, 2), offs=offs).float()
-        per_slot = torch.empty_like(y)
-        per_slot[order] = y * w.flatten()[order, None]  # row token * top_k + slot
-        return out.add_(per_slot.view(x.shape[0], self.top_k, -1).sum(1))
+        y = torch._grouped_mm(F.silu(g) * u, down.transpose(1, 2), offs=offs)
+        return moe_combine(shared, y, order, w)
 
     def _dense(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         gate, up, down = self.stacked_weights()

@@ -1,0 +1,48 @@
+"""The MoE's output: the shared expert's plus each token's routed experts' outputs weighted by
+their routing weights, in one kernel.
+
+The routed experts' grouped GEMMs leave their rows sorted by expert ([tokens x top_k, d]). The
+torch expression casts them to float32, weights them, puts each back at (token, slot) and sums
+the slots, then adds the shared expert's output: five float32 passes over [tokens x top_k, d]
+(a 4096-token chunk of v41-bench: ~170 MB each, per layer). The kernel reads each row once in
+its stored dtype and writes the float32 sum once, with the same operations in the same order
+(the slots one by one, then the shared output): the same bits wherever torch sums the slots one
+by one (two slots on CUDA, tested); a longer sum may group them otherwise (float32 roundings).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from atom.kernels import use_triton
+
+
+def moe_combine_torch(
+    shared: torch.Tensor, y: torch.Tensor, order: torch.Tensor, w: torch.Tensor
+) -> torch.Tensor:
+    """shared [N, d]; y [N * k, d] the routed outputs, row i belonging to (token, slot) =
+    divmod(order[i], k); w [N, k] float32 -> float32 [N, d]: shared + sum over slots (in slot
+    order) of w * y."""
+    n, k = w.shape
+    per_slot = torch.empty(y.shape, dtype=torch.float32, device=y.device)
+    per_slot[order] = y.float() * w.flatten()[order, None]
+    return shared.float() + per_slot.view(n, k, -1).sum(1)
+
+
+def moe_combine_usable(y: torch.Tensor) -> bool:
+    """The kernel runs on CUDA (``use_triton``), without gradients."""
+    if torch.is_grad_enabled() and y.requires_grad:
+        return False
+    return use_triton(y, "moe_combine")
+
+
+def moe_combine(
+    shared: torch.Tensor, y: torch.Tensor, order: torch.Tensor, w: torch.Tensor
+) -> torch.Tensor:
+    """``moe_combine_torch`` in one kernel where ``moe_combine_usable(y)``, else the torch
+    expression."""
+    if not moe_combine_usable(y):
+        return moe_combine_torch(shared, y, order, w)
+    from atom.kernels._moe_combine_triton import moe_combine_triton
+
+    return moe_combine_triton(shared, y, order, w)
