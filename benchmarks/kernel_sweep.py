@@ -6,11 +6,13 @@ Prefill inputs have the shapes of a 16 x 256-token chunk of v41-bench late in a 
 of 64 queries): sink attention over 192 window keys per tile (each query sees 128) and
 ``--topk`` compressed rows per query read from a PAGE-like plane of ``--rows`` rows per
 sequence at random offsets; index scores of 32 heads x 128 over ``--rows`` float32 keys per
-sequence, every row visible. mHC's sinkhorn (hc 4, 20 rounds) runs on a decode batch's 16
-tokens and on a chunk's. Each configuration: median over ``--repeats`` replays of a CUDA graph
-of 10 calls, after one warm-up call (the compile); the default configuration is marked.
-Attention FLOPs count QK and PV (4 x heads x head_dim x keys per query); index FLOPs 2 x heads
-x dim x rows per query.
+sequence, every row visible. Decode attention: ``--decode-batch`` rows, each over its own 128
+window keys and ``--topk`` rows, split across programs (``sink_attention_decode``; the torch
+expression's time is in the components profile). mHC's sinkhorn (hc 4, 20 rounds) runs on a
+decode batch's 16 tokens and on a chunk's. Each configuration: median over ``--repeats``
+replays of a CUDA graph of 10 calls, after one warm-up call (the compile); the default
+configuration is marked. Attention FLOPs count QK and PV (4 x heads x head_dim x keys per
+query); index FLOPs 2 x heads x dim x rows per query.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import statistics
 
 import torch
 
+from atom.kernels.attention import DECODE_SPLITS
 from benchmarks.common import command_line, md_table, write_results
 
 SINK_CONFIGS = [
@@ -51,6 +54,8 @@ INDEX_CONFIGS = [
     dict(BT=32, BR=128, num_warps=4, num_stages=2),
     dict(BT=64, BR=128, num_warps=8, num_stages=3),
 ]
+
+SPLITS = [1, 2, 4, 8, 16]
 
 SINKHORN_CONFIGS = [
     dict(BLOCK=4, num_warps=1),
@@ -113,6 +118,21 @@ def _sink_inputs(tokens: int, rows: int, topk: int, seqs: int, gen):
     return q, win_k, mask, plane, offsets, valid, sink, d**-0.5
 
 
+def _decode_inputs(batch: int, rows: int, topk: int, gen):
+    """A decode batch: each row its own 128 window keys (all visible) and ``topk`` rows."""
+    heads, d, dev, bf = 64, 512, "cuda", torch.bfloat16
+    q = torch.randn(batch, heads, d, generator=gen).to(dev, bf)
+    win_k = torch.randn(batch, 128, d, generator=gen).to(dev, bf)
+    mask = torch.ones(batch, 128, dtype=torch.bool, device=dev)
+    plane = torch.randn(batch * rows, d, generator=gen).to(dev, bf)
+    picks = torch.arange(batch)[:, None] * rows + torch.randint(
+        0, rows, (batch, topk), generator=gen
+    )
+    valid = torch.ones(batch, topk, dtype=torch.bool, device=dev)
+    sink = torch.randn(heads, generator=gen).to(dev)
+    return q, win_k, mask, plane, (picks * d).to(dev), valid, sink, d**-0.5
+
+
 def _index_inputs(tokens: int, rows: int, seqs: int, gen):
     dev = "cuda"
     qi = torch.randn(tokens, 32, 128, generator=gen).to(dev)
@@ -129,6 +149,7 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=4096)
     ap.add_argument("--topk", type=int, default=512)
     ap.add_argument("--seqs", type=int, default=16)
+    ap.add_argument("--decode-batch", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--name", default="kernel_sweep_h200")
     args = ap.parse_args()
@@ -159,6 +180,17 @@ def main() -> None:
             mark = " (default)" if cfg == default and prec == "tf32x3" else ""
             rows_md.append([f"index_scores {prec}", f"{cfg}{mark}", row["ms"], row["tflops"]])
             print(rows_md[-1], flush=True)
+    from atom.kernels._attention_triton import sink_attention_split_triton
+
+    data["decode_attention"] = []
+    dec = _decode_inputs(args.decode_batch, args.rows, args.topk, gen)
+    for splits in SPLITS:
+        ms = _time(lambda s=splits: sink_attention_split_triton(*dec, s), args.repeats)
+        data["decode_attention"].append({"splits": splits, "ms": _round(ms, 4)})
+        mark = " (default)" if splits == DECODE_SPLITS else ""
+        label = f"decode attention, {args.decode_batch} rows"
+        rows_md.append([label, f"splits {splits}{mark}", _round(ms, 4), "-"])
+        print(rows_md[-1], flush=True)
     from atom.kernels._sinkhorn_triton import sinkhorn_triton
 
     for n in (16, args.tokens):  # a decode batch's tokens and a chunk's

@@ -174,3 +174,148 @@ def sink_attention_triton(q, win_k, win_mask, plane, offsets, valid, sink, scale
         **cfg,
     )
     return out
+
+
+@triton.jit(do_not_specialize=["L", "K", "CHUNK"])
+def _sink_attention_split_kernel(
+    q_ptr,
+    sq_t,
+    sq_h,
+    w_ptr,
+    sw_t,
+    sw_l,
+    wm_ptr,
+    swm_t,
+    c_ptr,
+    co_ptr,
+    sco_t,
+    cv_ptr,
+    scv_t,
+    pm_ptr,
+    pl_ptr,
+    pa_ptr,
+    L,
+    K,
+    H,
+    CHUNK,
+    scale,
+    D: tl.constexpr,
+    S: tl.constexpr,
+    BH: tl.constexpr,
+    BN: tl.constexpr,
+    HAS_COMP: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    """Keys [j * CHUNK, (j + 1) * CHUNK) of the row's window keys followed by its compressed
+    rows, for split j: the running max, denominator and unnormalized sum, without the sink
+    (``_combine_kernel`` adds it once)."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1) * BH + tl.arange(0, BH)
+    j = tl.program_id(2)
+    d = tl.arange(0, D)
+    hmask = h < H
+    q = tl.load(q_ptr + t * sq_t + h[:, None] * sq_h + d[None, :], mask=hmask[:, None], other=0.0)
+    m = tl.full([BH], -1.0e30, tl.float32)  # finite: a split without a visible key adds 0
+    lsum = tl.zeros([BH], tl.float32)
+    acc = tl.zeros([BH, D], tl.float32)
+    a = j * CHUNK
+    for n0 in tl.range(tl.minimum(a, L), tl.minimum(a + CHUNK, L), BN):
+        n = n0 + tl.arange(0, BN)
+        inside = (n < L) & (n < a + CHUNK)
+        ok = (tl.load(wm_ptr + t * swm_t + n, mask=inside, other=0) != 0) & inside
+        k = tl.load(w_ptr + t * sw_t + n[:, None] * sw_l + d[None, :], mask=ok[:, None], other=0.0)
+        k = k.to(q.dtype)
+        m, lsum, acc = _online(q, k, k, ok, m, lsum, acc, scale, IEEE)
+    if HAS_COMP:
+        b0 = tl.maximum(a - L, 0)
+        for n0 in tl.range(tl.minimum(b0, K), tl.minimum(a + CHUNK - L, K), BN):
+            n = n0 + tl.arange(0, BN)
+            inside = (n < K) & (n < a + CHUNK - L)
+            ok = (tl.load(cv_ptr + t * scv_t + n, mask=inside, other=0) != 0) & inside
+            off = tl.load(co_ptr + t * sco_t + n, mask=ok, other=0)
+            k = tl.load(c_ptr + off[:, None] + d[None, :], mask=ok[:, None], other=0.0)
+            k = k.to(q.dtype)
+            m, lsum, acc = _online(q, k, k, ok, m, lsum, acc, scale, IEEE)
+    part = (t * S + j) * H + h
+    tl.store(pm_ptr + part, m, mask=hmask)
+    tl.store(pl_ptr + part, lsum, mask=hmask)
+    tl.store(pa_ptr + part[:, None] * D + d[None, :], acc, mask=hmask[:, None])
+
+
+@triton.jit
+def _combine_kernel(
+    pm_ptr, pl_ptr, pa_ptr, sink_ptr, o_ptr, so_t, so_h, H, D: tl.constexpr, S: tl.constexpr
+):
+    """Row t, head h: the splits' sums rescaled to their common max, the sink in the
+    denominator once."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    js = tl.arange(0, S)
+    part = (t * S + js) * H + h
+    m = tl.load(pm_ptr + part)
+    sink = tl.load(sink_ptr + h).to(tl.float32)
+    top = tl.maximum(tl.max(m, 0), sink)
+    f = tl.exp(m - top)
+    den = tl.sum(tl.load(pl_ptr + part) * f, 0) + tl.exp(sink - top)
+    d = tl.arange(0, D)
+    acc = tl.load(pa_ptr + part[:, None] * D + d[None, :])
+    out = tl.sum(acc * f[:, None], 0) / den
+    tl.store(o_ptr + t * so_t + h * so_h + d, out.to(o_ptr.dtype.element_ty))
+
+
+def sink_attention_split_triton(q, win_k, win_mask, plane, offsets, valid, sink, scale, splits):
+    """``sink_attention`` with each row's keys cut into ``splits`` chunks run by separate
+    programs (a decode batch: few rows, each walking every key, leave the GPU idle otherwise),
+    then one combine. Here every row has its own window keys (tiles = rows)."""
+    t, h, d = q.shape
+    out = torch.empty_like(q)
+    if t == 0:
+        return out
+    q = q if q.stride(2) == 1 else q.contiguous()
+    win_k = win_k if win_k.stride(2) == 1 else win_k.contiguous()
+    win_mask = win_mask.reshape(t, -1).contiguous()
+    has_comp = plane is not None
+    if has_comp:
+        offsets, valid = offsets.contiguous(), valid.contiguous()
+    else:
+        plane = offsets = valid = win_mask  # unused
+    n_l, n_k = win_k.shape[1], offsets.shape[1] if has_comp else 0
+    wide = q.element_size() > 2
+    bh, bn = 16, 16 if wide else 32
+    chunk = triton.cdiv(triton.cdiv(n_l + n_k, splits), bn) * bn
+    pm = torch.empty(t, splits, h, dtype=torch.float32, device=q.device)
+    pl = torch.empty_like(pm)
+    pa = torch.empty(t, splits, h, d, dtype=torch.float32, device=q.device)
+    _sink_attention_split_kernel[(t, triton.cdiv(h, bh), splits)](
+        q,
+        q.stride(0),
+        q.stride(1),
+        win_k,
+        win_k.stride(0),
+        win_k.stride(1),
+        win_mask.view(torch.uint8) if win_mask.dtype == torch.bool else win_mask,
+        win_mask.stride(0),
+        plane,
+        offsets,
+        offsets.stride(0),
+        valid.view(torch.uint8) if valid.dtype == torch.bool else valid,
+        valid.stride(0),
+        pm,
+        pl,
+        pa,
+        n_l,
+        n_k,
+        h,
+        chunk,
+        scale,
+        D=d,
+        S=splits,
+        BH=bh,
+        BN=bn,
+        HAS_COMP=has_comp,
+        IEEE=q.dtype == torch.float32,
+        num_warps=4,
+        num_stages=1 if wide else 2,
+    )
+    _combine_kernel[(t, h)](pm, pl, pa, sink, out, out.stride(0), out.stride(1), h, D=d, S=splits)
+    return out

@@ -8,9 +8,10 @@ GB of scores per layer, and a third of the forward's device time. The kernel rea
 selected row where it lies in PAGE (by element offset), keeps a running max and denominator
 (the sink starts them) and accumulates the output in float32: one pass, nothing materialized.
 
-The paged prefill runs it (``paged_attention``); decode keeps the torch expression: with a
-decode batch's few rows each program walks every key in turn (116 us a layer at batch 16 on the
-H200, against 54 us for torch).
+The paged prefill runs it (``paged_attention``). A decode batch runs ``sink_attention_decode``
+(``paged_decode``): with its few rows, programs that each walk all of a row's keys left the GPU
+idle (116 us a layer at batch 16 on the H200, against 54 us for torch), so there each row's
+keys are split across programs whose partial sums one more kernel combines.
 
 Arithmetic: scores are rounded to the compute dtype before scaling, as torch's product is;
 probabilities are cast to the compute dtype for the second product, but unnormalized (relative
@@ -80,3 +81,18 @@ def sink_attention(q, win_k, win_mask, plane, offsets, valid, sink, scale: float
     from atom.kernels._attention_triton import sink_attention_triton
 
     return sink_attention_triton(q, win_k, win_mask, plane, offsets, valid, sink, scale)
+
+
+DECODE_SPLITS = 8
+
+
+def sink_attention_decode(q, win_k, win_mask, plane, offsets, valid, sink, scale: float):
+    """``sink_attention`` for rows that each have their own window keys (win_k [T, L, D], a
+    decode batch): every row's keys are cut into ``DECODE_SPLITS`` chunks run by separate
+    programs and combined after, so a batch of a few rows still fills the GPU. Only where
+    ``sink_attention_usable(q)``."""
+    from atom.kernels._attention_triton import sink_attention_split_triton
+
+    return sink_attention_split_triton(
+        q, win_k, win_mask, plane, offsets, valid, sink, scale, DECODE_SPLITS
+    )

@@ -33,11 +33,17 @@ def _mini_on_cpu_and_cuda():
     return cpu, gpu, ids
 
 
-def test_paged_forward_on_cuda_matches_reference_and_cpu():
-    """CUDA fp32 paged forward (chunks 256/45/211/88) against the CPU reference, up to choices
-    that rounding decides (tests/model/ties.py). Compared raw at 2e-3 it failed on the H200 at
-    0.0513 (positions 466, 468, 546): layer 6's top-k for position 466 has a margin of 4.8e-7
-    on CUDA and went the other way on CPU; with that one choice forced, 2.7e-5 (TF32 off)."""
+@pytest.mark.parametrize(
+    "ends",
+    [(256, 301, 512, 600), (256, 512, *range(513, 601))],
+    ids=["chunks", "decode-steps"],
+)
+def test_paged_forward_on_cuda_matches_reference_and_cpu(ends):
+    """CUDA fp32 paged forward (chunks 256/45/211/88; or 256/256 then 88 one-token steps, the
+    decode path and its kernel) against the CPU reference, up to choices that rounding decides
+    (tests/model/ties.py). Compared raw at 2e-3 it failed on the H200 at 0.0513 (positions 466,
+    468, 546): layer 6's top-k for position 466 has a margin of 4.8e-7 on CUDA and went the
+    other way on CPU; with that one choice forced, 2.7e-5 (TF32 off)."""
     cpu, gpu, ids = _mini_on_cpu_and_cuda()
     rt = V41Runtime(gpu, block_size=256)
     pool = torch.zeros(rt.spec.pool_shape(8), dtype=rt.spec.pool_dtype, device="cuda")
@@ -47,7 +53,7 @@ def test_paged_forward_on_cuda_matches_reference_and_cpu():
     trace = DecisionTrace()
     outs, start = [], 0
     with trace.recording():
-        for end in (256, 301, 512, 600):
+        for end in ends:
             outs.append(
                 gpu.forward_paged(
                     ids[start:end], [Span(start, end, 1, table)], rt.kv, rt.slots, all_logits=True

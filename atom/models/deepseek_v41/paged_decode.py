@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
+from atom.kernels.attention import sink_attention_decode, sink_attention_usable
 from atom.models.deepseek_v41.attention import (
     CSA2Attention,
     layer_selection,
@@ -154,6 +155,7 @@ def decode_attention(
 ) -> None:
     """Fill ``out`` [N, H, hd] at the batch's tokens; write their window ring rows."""
     p, i = batch.pos, batch.idx
+    kernel = sink_attention_usable(q)
     ring_rows, win_valid, own_row = batch.window_index(attn.window, kv.geometry.window_rows)
     ring = slots.window[batch.slots[:, None], attn.layer, ring_rows].to(win.dtype)
     own = win[i]
@@ -180,9 +182,16 @@ def decode_attention(
             if cand is not None:
                 batch.candidates = cand
         sel = batch.selections[attn.sel_owner]
-        comp = kv.gather_rows(attn.kv_owner, batch.tables, picked_ids(sel)).to(q.dtype)
         valid = sel[1]
-    # torch, not ``sink_attention``: with a decode batch's few rows the kernel's programs each
-    # walk all 640 keys (116 us a layer at batch 16 on the H200, against 54 us here)
-    out[i] = attn.attend(q[i], win_k, win_valid, comp, valid)
+        if kernel:  # the kernel reads the picked rows where they lie in PAGE
+            comp = kv.row_offsets(attn.kv_owner, batch.tables, picked_ids(sel))
+        else:
+            comp = kv.gather_rows(attn.kv_owner, batch.tables, picked_ids(sel)).to(q.dtype)
+    if kernel:
+        plane = kv.main[attn.kv_owner] if comp is not None else None
+        out[i] = sink_attention_decode(
+            q[i], win_k, win_valid, plane, comp, valid, attn.attn_sink, attn.scale
+        )
+    else:
+        out[i] = attn.attend(q[i], win_k, win_valid, comp, valid)
     slots.window[batch.slots, attn.layer, own_row] = own.to(slots.window.dtype)
