@@ -2,9 +2,10 @@
 
 A kernel runs only where it can: a CUDA tensor and an importable Triton (``use_triton``);
 everywhere else the torch expression runs. ``ATOM_TRITON=0`` turns every kernel off (A/B runs,
-and a way out if a kernel misbehaves on some GPU); ``ATOM_TRITON_OFF=sink_attention,engram``
-turns off the named ones. Kernels are checked against their torch expressions by tests/kernels
-(on CUDA, and on CPU under Triton's interpreter when Triton is installed).
+and a way out if a kernel misbehaves on some GPU); ``ATOM_TRITON_OFF=name[,name]`` turns off the
+named ones: engram, sink_attention (prefill), decode_attention, index_scores, moe_combine.
+Kernels are checked against their torch expressions by tests/kernels (on CUDA, and on CPU under
+Triton's interpreter when Triton is installed).
 """
 
 from __future__ import annotations

@@ -31,13 +31,14 @@ import torch
 from atom.kernels import use_triton
 
 
-def sink_attention_usable(q: torch.Tensor) -> bool:
+def sink_attention_usable(q: torch.Tensor, name: str = "sink_attention") -> bool:
     """Whether ``sink_attention`` runs the kernel for queries like ``q`` (CUDA, Triton, no
-    gradient, a head dim the kernel tiles)."""
+    gradient, a head dim the kernel tiles); ``name``: the switch (``ATOM_TRITON_OFF``) of the
+    caller's use, "sink_attention" (prefill) or "decode_attention" (``sink_attention_decode``)."""
     if torch.is_grad_enabled() and q.requires_grad:
         return False
     d = q.shape[-1]
-    return use_triton(q, "sink_attention") and d >= 16 and d & (d - 1) == 0
+    return use_triton(q, name) and d >= 16 and d & (d - 1) == 0
 
 
 def gather_offsets(offsets: torch.Tensor, plane: torch.Tensor) -> torch.Tensor:
@@ -90,7 +91,7 @@ def sink_attention_decode(q, win_k, win_mask, plane, offsets, valid, sink, scale
     """``sink_attention`` for rows that each have their own window keys (win_k [T, L, D], a
     decode batch): every row's keys are cut into ``DECODE_SPLITS`` chunks run by separate
     programs and combined after, so a batch of a few rows still fills the GPU. Only where
-    ``sink_attention_usable(q)``."""
+    ``sink_attention_usable(q, "decode_attention")``."""
     from atom.kernels._attention_triton import sink_attention_split_triton
 
     return sink_attention_split_triton(

@@ -138,6 +138,8 @@ def test_atom_triton_off_names_kernels(kernels_on, monkeypatch):
     assert not sink_attention_usable(q) and not engram_kernel_usable(cid, table)
     monkeypatch.setenv("ATOM_TRITON_OFF", "engram")
     assert sink_attention_usable(q) and not engram_kernel_usable(cid, table)
+    monkeypatch.setenv("ATOM_TRITON_OFF", "decode_attention")  # decode's use alone
+    assert sink_attention_usable(q) and not sink_attention_usable(q, "decode_attention")
     monkeypatch.setenv("ATOM_TRITON", "0")
     assert not sink_attention_usable(q)
 

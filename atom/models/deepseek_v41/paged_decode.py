@@ -155,7 +155,7 @@ def decode_attention(
 ) -> None:
     """Fill ``out`` [N, H, hd] at the batch's tokens; write their window ring rows."""
     p, i = batch.pos, batch.idx
-    kernel = sink_attention_usable(q)
+    kernel = sink_attention_usable(q, "decode_attention")
     ring_rows, win_valid, own_row = batch.window_index(attn.window, kv.geometry.window_rows)
     ring = slots.window[batch.slots[:, None], attn.layer, ring_rows].to(win.dtype)
     own = win[i]
