@@ -30,10 +30,10 @@ def test_kernel_matches_the_torch_expression(dtype, n, k, d):
         got = moe_combine(*args)
         want = moe_combine_torch(*args)
     assert got.dtype == torch.float32 and got.shape == (n, d)
-    # the same operations in the same order: the same bits where torch sums the slots one by
-    # one (two slots on CUDA); CPU torch, or longer sums, may group them otherwise
-    tol = 0 if DEVICE == "cuda" and k <= 2 else 1e-6
-    assert torch.allclose(got, want, atol=tol, rtol=tol), (got - want).abs().max()
+    # the same operations in the same order, but the kernel may fuse a product into the sum
+    # (one rounding fewer: 6e-8 apart on the H200) and torch may group longer sums otherwise
+    assert torch.allclose(got, want, atol=1e-6, rtol=1e-6), (got - want).abs().max()
+    assert torch.equal(moe_combine(*args), got)  # no atomics: the same bits every run
 
 
 def test_torch_expression_sums_each_tokens_experts():
