@@ -8,10 +8,12 @@ GB of scores per layer, and a third of the forward's device time. The kernel rea
 selected row where it lies in PAGE (by element offset), keeps a running max and denominator
 (the sink starts them) and accumulates the output in float32: one pass, nothing materialized.
 
-The paged prefill runs it (``paged_attention``). A decode batch runs ``sink_attention_decode``
-(``paged_decode``): with its few rows, programs that each walk all of a row's keys left the GPU
-idle (116 us a layer at batch 16 on the H200, against 54 us for torch), so there each row's
-keys are split across programs whose partial sums one more kernel combines.
+The paged prefill runs it (``paged_attention``). For a decode batch there is
+``sink_attention_decode``: with its few rows, programs that each walk all of a row's keys left
+the GPU idle (116 us a layer at batch 16 on the H200, against 54 us for torch), so each row's
+keys are split across programs whose partial sums one more kernel combines (38-45 us for 16
+rows at 4 or 8 splits, benchmarks/kernel_sweep.py). The paged decode runs it only with
+``ATOM_TRITON_ON=decode_attention`` (``atom.kernels.OPT_IN`` says why).
 
 Arithmetic: scores are rounded to the compute dtype before scaling, as torch's product is;
 probabilities are cast to the compute dtype for the second product, but unnormalized (relative

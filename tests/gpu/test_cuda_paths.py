@@ -34,16 +34,22 @@ def _mini_on_cpu_and_cuda():
 
 
 @pytest.mark.parametrize(
-    "ends",
-    [(256, 301, 512, 600), (256, 512, *range(513, 601))],
-    ids=["chunks", "decode-steps"],
+    "ends,opt_in",
+    [
+        ((256, 301, 512, 600), ""),
+        ((256, 512, *range(513, 601)), ""),
+        ((256, 512, *range(513, 601)), "decode_attention"),
+    ],
+    ids=["chunks", "decode-steps", "decode-steps-kernel"],
 )
-def test_paged_forward_on_cuda_matches_reference_and_cpu(ends):
+def test_paged_forward_on_cuda_matches_reference_and_cpu(monkeypatch, ends, opt_in):
     """CUDA fp32 paged forward (chunks 256/45/211/88; or 256/256 then 88 one-token steps, the
-    decode path and its kernel) against the CPU reference, up to choices that rounding decides
+    decode path, with torch's attention or the opt-in kernel) against the CPU reference, up to
+    choices that rounding decides
     (tests/model/ties.py). Compared raw at 2e-3 it failed on the H200 at 0.0513 (positions 466,
     468, 546): layer 6's top-k for position 466 has a margin of 4.8e-7 on CUDA and went the
     other way on CPU; with that one choice forced, 2.7e-5 (TF32 off)."""
+    monkeypatch.setenv("ATOM_TRITON_ON", opt_in)
     cpu, gpu, ids = _mini_on_cpu_and_cuda()
     rt = V41Runtime(gpu, block_size=256)
     pool = torch.zeros(rt.spec.pool_shape(8), dtype=rt.spec.pool_dtype, device="cuda")

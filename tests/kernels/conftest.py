@@ -12,4 +12,5 @@ def kernels_on(monkeypatch):
     monkeypatch.setattr(atom.kernels, "triton_importable", lambda: True)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.delenv("ATOM_TRITON_OFF", raising=False)
+    monkeypatch.delenv("ATOM_TRITON_ON", raising=False)
     monkeypatch.delenv("ATOM_TRITON", raising=False)

@@ -138,7 +138,11 @@ def test_atom_triton_off_names_kernels(kernels_on, monkeypatch):
     assert not sink_attention_usable(q) and not engram_kernel_usable(cid, table)
     monkeypatch.setenv("ATOM_TRITON_OFF", "engram")
     assert sink_attention_usable(q) and not engram_kernel_usable(cid, table)
-    monkeypatch.setenv("ATOM_TRITON_OFF", "decode_attention")  # decode's use alone
+    assert not sink_attention_usable(q, "decode_attention")  # opt-in (atom.kernels.OPT_IN)
+    monkeypatch.setenv("ATOM_TRITON_ON", "decode_attention")
+    monkeypatch.setenv("ATOM_TRITON_OFF", "")
+    assert sink_attention_usable(q, "decode_attention")
+    monkeypatch.setenv("ATOM_TRITON_OFF", "decode_attention")  # off wins
     assert sink_attention_usable(q) and not sink_attention_usable(q, "decode_attention")
     monkeypatch.setenv("ATOM_TRITON", "0")
     assert not sink_attention_usable(q)
