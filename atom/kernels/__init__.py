@@ -3,8 +3,8 @@
 A kernel runs only where it can: a CUDA tensor and an importable Triton (``use_triton``);
 everywhere else the torch expression runs. ``ATOM_TRITON=0`` turns every kernel off (A/B runs,
 and a way out if a kernel misbehaves on some GPU); ``ATOM_TRITON_OFF=name[,name]`` turns off the
-named ones: engram, sink_attention (prefill), index_scores, moe_combine; decode_attention runs
-only with ``ATOM_TRITON_ON=decode_attention`` (``OPT_IN``).
+named ones: engram, sink_attention (prefill), index_scores; decode_attention and moe_combine
+run only when named in ``ATOM_TRITON_ON`` (``OPT_IN`` says why).
 Kernels are checked against their torch expressions by tests/kernels (on CUDA, and on CPU under
 Triton's interpreter when Triton is installed).
 """
@@ -31,10 +31,13 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-# kernels that run only when named in ATOM_TRITON_ON: decode_attention is tested equal to its
-# torch expression, and to the reference forward in float32, but with it on the bf16 tier
-# two-pass test on the H200 parted at a top-2 gap of 0.39 (its bound is 0.25), cause not found
-OPT_IN = frozenset({"decode_attention"})
+# kernels that run only when named in ATOM_TRITON_ON. Each is tested equal to its torch
+# expression (decode_attention also to the reference forward, float32), but on the H200 the
+# bf16 tier two-pass test (tests/gpu/test_cuda_paths.py: a tier-resumed run against a full one,
+# near-ties within 0.25 allowed) parted with either on: at top-2 gaps of 0.39 (both on) and 0.41
+# (moe_combine alone), and passed with both off. Cause not found; with both off the forward's
+# arithmetic is that of the last commit that passed every GPU test (fd5723e)
+OPT_IN = frozenset({"decode_attention", "moe_combine"})
 
 
 def _names(var: str) -> set[str]:

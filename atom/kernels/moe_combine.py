@@ -31,7 +31,8 @@ def moe_combine_torch(
 
 
 def moe_combine_usable(y: torch.Tensor) -> bool:
-    """The kernel runs on CUDA (``use_triton``), without gradients."""
+    """The kernel runs on CUDA (``use_triton``), without gradients, when named in
+    ``ATOM_TRITON_ON`` (opt-in: ``atom.kernels.OPT_IN`` says why)."""
     if torch.is_grad_enabled() and y.requires_grad:
         return False
     return use_triton(y, "moe_combine")

@@ -22,7 +22,8 @@ def _case(device, n, k, d, experts, dtype, gen):
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n,k,d", [(1, 2, 64), (37, 2, 1500), (300, 6, 256), (5, 1, 2048)])
-def test_kernel_matches_the_torch_expression(dtype, n, k, d):
+def test_kernel_matches_the_torch_expression(monkeypatch, dtype, n, k, d):
+    monkeypatch.setenv("ATOM_TRITON_ON", "moe_combine")  # opt-in (atom.kernels.OPT_IN)
     gen = torch.Generator().manual_seed(n * 10 + k)
     args = _case(DEVICE, n, k, d, 8, dtype, gen)
     with torch.no_grad():
@@ -52,6 +53,8 @@ def test_torch_expression_sums_each_tokens_experts():
 
 def test_moe_combine_switches(kernels_on, monkeypatch):
     y = torch.zeros(4, 8)
+    assert not moe_combine_usable(y)  # opt-in (atom.kernels.OPT_IN)
+    monkeypatch.setenv("ATOM_TRITON_ON", "moe_combine")
     assert moe_combine_usable(y)
     monkeypatch.setenv("ATOM_TRITON_OFF", "moe_combine")
     assert not moe_combine_usable(y)

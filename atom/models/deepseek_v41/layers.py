@@ -190,10 +190,10 @@ class MoE(nn.Module):
         (``torch._grouped_mm``): the group offsets stay on the device, so no host sync.
         Returns them added to ``shared`` (the shared expert's output [N, d]), float32.
 
-        Each token's top_k weighted outputs are summed in slot order (``moe_combine``: one
-        kernel on CUDA): an ``index_add_`` of the sorted rows would add them with atomics, in an
-        order that changes from run to run (and with it, in bfloat16, an output now and
-        then)."""
+        Each token's top_k weighted outputs are summed in slot order (``moe_combine``; one
+        kernel on CUDA with ``ATOM_TRITON_ON=moe_combine``): an ``index_add_`` of the sorted
+        rows would add them with atomics, in an order that changes from run to run (and with
+        it, in bfloat16, an output now and then)."""
         gate, up, down = self.stacked_weights()
         flat = idx.flatten()
         order = torch.argsort(flat, stable=True)  # token rows grouped by expert, rows ascending
