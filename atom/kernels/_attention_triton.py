@@ -120,7 +120,7 @@ def sink_attention_config(t: int, h: int, wide: bool) -> dict:
     # query's selected rows are read once, not once per 16 heads), 16 for a decode batch;
     # float32 tiles: half the keys per tile, one stage (shared memory)
     bh = 64 if t >= 256 and h >= 64 and not wide else 16
-    # benchmarks/kernel_sweep.py: 64 keys a tile with 64 heads (3.97 ms against 4.30 at 32 on
+    # benchmarks/kernel_sweep.py: 64 keys a tile with 64 heads (3.91 ms against 4.26 at 32 on
     # a 4096-token chunk's shapes on the H200)
     return dict(
         BH=bh,
