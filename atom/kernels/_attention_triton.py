@@ -130,20 +130,29 @@ def sink_attention_config(t: int, h: int, wide: bool) -> dict:
     )
 
 
+def _operands(q, win_k, win_mask, plane, offsets, valid):
+    """The launchers' tensors as the kernels read them: unit stride on features, the mask
+    [T, L] contiguous, bool flags as bytes; without compressed rows, the mask stands in for the
+    unused plane, offsets and flags."""
+    q = q if q.stride(2) == 1 else q.contiguous()
+    win_k = win_k if win_k.stride(2) == 1 else win_k.contiguous()
+    win_mask = win_mask.reshape(q.shape[0], -1).contiguous()
+    if plane is None:
+        plane = offsets = valid = win_mask
+    else:
+        offsets, valid = offsets.contiguous(), valid.contiguous()
+    as_bytes = lambda x: x.view(torch.uint8) if x.dtype == torch.bool else x  # noqa: E731
+    return q, win_k, as_bytes(win_mask), plane, offsets, as_bytes(valid)
+
+
 def sink_attention_triton(q, win_k, win_mask, plane, offsets, valid, sink, scale, config=None):
     """``config``: launch parameters over ``sink_attention_config``'s (benchmarks sweep them)."""
     t, h, d = q.shape
     out = torch.empty_like(q)
     if t == 0:
         return out
-    q = q if q.stride(2) == 1 else q.contiguous()
-    win_k = win_k if win_k.stride(2) == 1 else win_k.contiguous()
-    win_mask = win_mask.reshape(t, -1).contiguous()
     has_comp = plane is not None
-    if has_comp:
-        offsets, valid = offsets.contiguous(), valid.contiguous()
-    else:
-        plane = offsets = valid = win_mask  # unused
+    q, win_k, win_mask, plane, offsets, valid = _operands(q, win_k, win_mask, plane, offsets, valid)
     cfg = sink_attention_config(t, h, q.element_size() > 2) | (config or {})
     _sink_attention_kernel[(t, triton.cdiv(h, cfg["BH"]))](
         q,
@@ -152,12 +161,12 @@ def sink_attention_triton(q, win_k, win_mask, plane, offsets, valid, sink, scale
         win_k,
         win_k.stride(0),
         win_k.stride(1),
-        win_mask.view(torch.uint8) if win_mask.dtype == torch.bool else win_mask,
+        win_mask,
         win_mask.stride(0),
         plane,
         offsets,
         offsets.stride(0),
-        valid.view(torch.uint8) if valid.dtype == torch.bool else valid,
+        valid,
         valid.stride(0),
         sink,
         out,
@@ -271,14 +280,8 @@ def sink_attention_split_triton(q, win_k, win_mask, plane, offsets, valid, sink,
     out = torch.empty_like(q)
     if t == 0:
         return out
-    q = q if q.stride(2) == 1 else q.contiguous()
-    win_k = win_k if win_k.stride(2) == 1 else win_k.contiguous()
-    win_mask = win_mask.reshape(t, -1).contiguous()
     has_comp = plane is not None
-    if has_comp:
-        offsets, valid = offsets.contiguous(), valid.contiguous()
-    else:
-        plane = offsets = valid = win_mask  # unused
+    q, win_k, win_mask, plane, offsets, valid = _operands(q, win_k, win_mask, plane, offsets, valid)
     n_l, n_k = win_k.shape[1], offsets.shape[1] if has_comp else 0
     wide = q.element_size() > 2
     bh, bn = 16, 16 if wide else 32
@@ -293,12 +296,12 @@ def sink_attention_split_triton(q, win_k, win_mask, plane, offsets, valid, sink,
         win_k,
         win_k.stride(0),
         win_k.stride(1),
-        win_mask.view(torch.uint8) if win_mask.dtype == torch.bool else win_mask,
+        win_mask,
         win_mask.stride(0),
         plane,
         offsets,
         offsets.stride(0),
-        valid.view(torch.uint8) if valid.dtype == torch.bool else valid,
+        valid,
         valid.stride(0),
         pm,
         pl,
