@@ -34,9 +34,10 @@ def interpreting() -> bool:
 # kernels that run only when named in ATOM_TRITON_ON. Each is tested equal to its torch
 # expression (decode_attention also to the reference forward, float32), but on the H200 the
 # bf16 tier two-pass test (tests/gpu/test_cuda_paths.py: a tier-resumed run against a full one,
-# near-ties within 0.25 allowed) parted with either on: at top-2 gaps of 0.39 (both on) and 0.41
-# (moe_combine alone), and passed with both off. Cause not found; with both off the forward's
-# arithmetic is that of the last commit that passed every GPU test (fd5723e)
+# near-ties within 0.25 allowed) parted with both on (a top-2 gap of 0.39) and with moe_combine
+# alone (0.41), and passed with both off; decode_attention alone was not run. Cause not found;
+# with both off the forward's arithmetic is that of the last commit that passed every GPU test
+# (fd5723e)
 OPT_IN = frozenset({"decode_attention", "moe_combine"})
 
 

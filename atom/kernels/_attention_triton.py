@@ -148,7 +148,7 @@ def _operands(q, win_k, win_mask, plane, offsets, valid):
 def sink_attention_triton(q, win_k, win_mask, plane, offsets, valid, sink, scale, config=None):
     """``config``: launch parameters over ``sink_attention_config``'s (benchmarks sweep them)."""
     t, h, d = q.shape
-    out = torch.empty_like(q)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # features at unit stride
     if t == 0:
         return out
     has_comp = plane is not None
@@ -277,7 +277,7 @@ def sink_attention_split_triton(q, win_k, win_mask, plane, offsets, valid, sink,
     programs (a decode batch: few rows, each walking every key, leave the GPU idle otherwise),
     then one combine. Here every row has its own window keys (tiles = rows)."""
     t, h, d = q.shape
-    out = torch.empty_like(q)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # features at unit stride
     if t == 0:
         return out
     has_comp = plane is not None

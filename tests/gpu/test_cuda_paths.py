@@ -7,6 +7,7 @@ import torch
 
 from atom import LLM, SamplingParams
 from atom.model_api import Span
+from atom.models.deepseek_v41 import paged_decode
 from atom.models.deepseek_v41.model import DeepseekV41ForCausalLM
 from atom.models.deepseek_v41.presets import preset_config
 from atom.models.deepseek_v41.reference import reference_forward
@@ -50,6 +51,11 @@ def test_paged_forward_on_cuda_matches_reference_and_cpu(monkeypatch, ends, opt_
     468, 546): layer 6's top-k for position 466 has a margin of 4.8e-7 on CUDA and went the
     other way on CPU; with that one choice forced, 2.7e-5 (TF32 off)."""
     monkeypatch.setenv("ATOM_TRITON_ON", opt_in)
+    calls = []
+    kernel = paged_decode.sink_attention_decode
+    monkeypatch.setattr(
+        paged_decode, "sink_attention_decode", lambda *a: calls.append(1) or kernel(*a)
+    )
     cpu, gpu, ids = _mini_on_cpu_and_cuda()
     rt = V41Runtime(gpu, block_size=256)
     pool = torch.zeros(rt.spec.pool_shape(8), dtype=rt.spec.pool_dtype, device="cuda")
@@ -73,6 +79,7 @@ def test_paged_forward_on_cuda_matches_reference_and_cpu(monkeypatch, ends, opt_
     assert diff < ATOL, f"max |paged - reference| = {diff}, near-ties forced: {trace.forced}"
     assert torch.equal(paged.argmax(-1), ref.argmax(-1))
     assert len(trace.forced) <= 10, trace.forced  # rare: ~1e-3 of the 9000 choices
+    assert bool(calls) == (opt_in == "decode_attention")  # the kernel ran where asked
 
 
 @pytest.mark.parametrize("triton", ["1", "0"])

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from atom.models.deepseek_v41.layers import MoE, _grouped_mm_usable
+from atom.models.deepseek_v41.layers import _GROUPED_MM, MoE, _grouped_mm_usable
 from atom.models.deepseek_v41.presets import preset_config
 
 pytestmark = [
@@ -36,7 +36,9 @@ def test_grouped_path_matches_the_loop_and_repeats_bit_for_bit(monkeypatch, opt_
         pytest.skip("torch._grouped_mm needs sm90+ here")
     assert moe.path(x.shape[0], x) == "grouped"
     idx, w = moe.route(x)
+    monkeypatch.setitem(_GROUPED_MM, "failed", None)
     runs = [moe.mix(x, idx, w) for _ in range(5)]
+    assert _GROUPED_MM["failed"] is None  # the grouped path ran (a failure falls back silently)
     assert all(torch.equal(r, runs[0]) for r in runs[1:])  # no atomics: the same bits
     monkeypatch.setenv("ATOM_GROUPED_MM", "0")
     assert moe.path(x.shape[0], x) == "loop"

@@ -164,9 +164,14 @@ class MoE(nn.Module):
         path = self.path(x.shape[0], x)
         if path == "grouped":
             try:
-                return self._grouped(x, idx, w, shared)
+                y, order = self._grouped(x, idx)
             except RuntimeError as e:  # an unsupported shape or build: the loop, from now on
                 _GROUPED_MM["failed"] = f"{type(e).__name__}: {e}"
+            else:
+                # each token's top_k weighted outputs summed in slot order: an ``index_add_``
+                # of the sorted rows would add them with atomics, in an order that changes from
+                # run to run (and with it, in bfloat16, an output now and then)
+                return moe_combine(shared, y, order, w)
         out = shared.float()
         if path == "dense":
             return out + self._dense(x, idx, w)
@@ -183,17 +188,12 @@ class MoE(nn.Module):
                 start += count
         return out
 
-    def _grouped(
-        self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, shared: torch.Tensor
-    ) -> torch.Tensor:
+    def _grouped(self, x: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The routed experts as three grouped GEMMs over the token rows sorted by expert
         (``torch._grouped_mm``): the group offsets stay on the device, so no host sync.
-        Returns them added to ``shared`` (the shared expert's output [N, d]), float32.
-
-        Each token's top_k weighted outputs are summed in slot order (``moe_combine``; one
-        kernel on CUDA with ``ATOM_TRITON_ON=moe_combine``): an ``index_add_`` of the sorted
-        rows would add them with atomics, in an order that changes from run to run (and with
-        it, in bfloat16, an output now and then)."""
+        Returns (outputs [N * top_k, d] in expert order, order: row i is token order[i] //
+        top_k's slot order[i] % top_k), for ``moe_combine`` (one kernel on CUDA with
+        ``ATOM_TRITON_ON=moe_combine``)."""
         gate, up, down = self.stacked_weights()
         flat = idx.flatten()
         order = torch.argsort(flat, stable=True)  # token rows grouped by expert, rows ascending
@@ -204,8 +204,7 @@ class MoE(nn.Module):
         xs = x.index_select(0, rows)
         g = torch._grouped_mm(xs, gate.transpose(1, 2), offs=offs).clamp(max=self.limit)
         u = torch._grouped_mm(xs, up.transpose(1, 2), offs=offs).clamp(-self.limit, self.limit)
-        y = torch._grouped_mm(F.silu(g) * u, down.transpose(1, 2), offs=offs)
-        return moe_combine(shared, y, order, w)
+        return torch._grouped_mm(F.silu(g) * u, down.transpose(1, 2), offs=offs), order
 
     def _dense(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         gate, up, down = self.stacked_weights()
