@@ -130,10 +130,11 @@ def sink_attention_config(t: int, h: int, wide: bool) -> dict:
     )
 
 
-def _operands(q, win_k, win_mask, plane, offsets, valid):
-    """The launchers' tensors as the kernels read them: unit stride on features, the mask
-    [T, L] contiguous, bool flags as bytes; without compressed rows, the mask stands in for the
-    unused plane, offsets and flags."""
+def _operand_args(q, win_k, win_mask, plane, offsets, valid) -> list:
+    """The attention kernels' first arguments, the same for both: each tensor as the kernels
+    read it (unit stride on features, the mask [T, L] contiguous, bool flags as bytes) and
+    its strides; without compressed rows the mask stands in for the unused plane, offsets and
+    flags."""
     q = q if q.stride(2) == 1 else q.contiguous()
     win_k = win_k if win_k.stride(2) == 1 else win_k.contiguous()
     win_mask = win_mask.reshape(q.shape[0], -1).contiguous()
@@ -142,7 +143,14 @@ def _operands(q, win_k, win_mask, plane, offsets, valid):
     else:
         offsets, valid = offsets.contiguous(), valid.contiguous()
     as_bytes = lambda x: x.view(torch.uint8) if x.dtype == torch.bool else x  # noqa: E731
-    return q, win_k, as_bytes(win_mask), plane, offsets, as_bytes(valid)
+    win_mask, valid = as_bytes(win_mask), as_bytes(valid)
+    return [
+        *(q, q.stride(0), q.stride(1)),
+        *(win_k, win_k.stride(0), win_k.stride(1)),
+        *(win_mask, win_mask.stride(0)),
+        *(plane, offsets, offsets.stride(0)),
+        *(valid, valid.stride(0)),
+    ]
 
 
 def sink_attention_triton(q, win_k, win_mask, plane, offsets, valid, sink, scale, config=None):
@@ -152,22 +160,9 @@ def sink_attention_triton(q, win_k, win_mask, plane, offsets, valid, sink, scale
     if t == 0:
         return out
     has_comp = plane is not None
-    q, win_k, win_mask, plane, offsets, valid = _operands(q, win_k, win_mask, plane, offsets, valid)
     cfg = sink_attention_config(t, h, q.element_size() > 2) | (config or {})
     _sink_attention_kernel[(t, triton.cdiv(h, cfg["BH"]))](
-        q,
-        q.stride(0),
-        q.stride(1),
-        win_k,
-        win_k.stride(0),
-        win_k.stride(1),
-        win_mask,
-        win_mask.stride(0),
-        plane,
-        offsets,
-        offsets.stride(0),
-        valid,
-        valid.stride(0),
+        *_operand_args(q, win_k, win_mask, plane, offsets, valid),
         sink,
         out,
         out.stride(0),
@@ -281,7 +276,6 @@ def sink_attention_split_triton(q, win_k, win_mask, plane, offsets, valid, sink,
     if t == 0:
         return out
     has_comp = plane is not None
-    q, win_k, win_mask, plane, offsets, valid = _operands(q, win_k, win_mask, plane, offsets, valid)
     n_l, n_k = win_k.shape[1], offsets.shape[1] if has_comp else 0
     wide = q.element_size() > 2
     bh, bn = 16, 16 if wide else 32
@@ -290,19 +284,7 @@ def sink_attention_split_triton(q, win_k, win_mask, plane, offsets, valid, sink,
     pl = torch.empty_like(pm)
     pa = torch.empty(t, splits, h, d, dtype=torch.float32, device=q.device)
     _sink_attention_split_kernel[(t, triton.cdiv(h, bh), splits)](
-        q,
-        q.stride(0),
-        q.stride(1),
-        win_k,
-        win_k.stride(0),
-        win_k.stride(1),
-        win_mask,
-        win_mask.stride(0),
-        plane,
-        offsets,
-        offsets.stride(0),
-        valid,
-        valid.stride(0),
+        *_operand_args(q, win_k, win_mask, plane, offsets, valid),
         pm,
         pl,
         pa,
