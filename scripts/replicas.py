@@ -21,7 +21,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -30,12 +29,9 @@ import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from atom.kv_transfer.offload.lmcache_server import free_port  # noqa: E402  (below ephemeral)
 
 
 def wait_for(cond, timeout_s: float, what: str) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import random
 import shutil
 import signal
 import socket
@@ -100,10 +101,51 @@ class LMCacheServerError(RuntimeError):
     pass
 
 
-def free_port(host: str = "127.0.0.1") -> int:
+_handed_out: set[int] = set()  # ports free_port returned in this process
+
+
+def ephemeral_ports() -> tuple[int, int]:
+    """The kernel's range of source ports for outgoing connections (Linux's default if the
+    range cannot be read)."""
+    try:
+        lo, hi = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+        return lo, hi
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def free_port(host: str = "127.0.0.1", tries: int = 200) -> int:
+    """A TCP port nothing on ``host`` is bound to now, for a server this process starts later.
+
+    It is chosen below the kernel's ephemeral range: a port from that range (what binding port
+    0 returns) can be taken between this call and the server's bind by the source port of any
+    outgoing connection, a client's reconnects to this very port included, and a CI run lost a
+    server start that way ("Address already in use"). A port is not handed out twice by one
+    process. Falls back to a kernel-chosen port when no candidate binds.
+    """
+    lo, _ = ephemeral_ports()
+    first = max(1024, lo - 12288)
+    rng = random.Random()
+    if lo - first >= 1024:
+        for _ in range(tries):
+            port = rng.randrange(first, lo)
+            if port not in _handed_out and _bindable(host, port):
+                _handed_out.add(port)
+                return port
     with socket.socket() as s:
         s.bind((host, 0))
-        return s.getsockname()[1]
+        port = s.getsockname()[1]
+    _handed_out.add(port)
+    return port
+
+
+def _bindable(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
 
 
 def probe(url: str, timeout_s: float) -> bool:
@@ -141,6 +183,7 @@ class LMCacheServer:
         shared_l1: bool = False,
     ):
         self.host, self.port = host, port or free_port(host)
+        self._port_chosen = port is None  # ours to change while no client knows it
         # engine-driven loads: L1 in /dev/shm (a fresh name per start: a killed server leaves
         # its segment, and lmcache refuses to create an existing one) and the locate module
         self.shared_l1 = shared_l1
@@ -189,6 +232,22 @@ class LMCacheServer:
         return f"http://{self.host}:{self.metrics_port}/metrics"
 
     def start(self, wait: bool = True, timeout_s: float = 120.0) -> LMCacheServer:
+        """Start the server (and wait until it answers). A first start on ports this object
+        chose moves to fresh ports if another process bound one first; a restart keeps its
+        port, since clients reconnect to it."""
+        for _ in range(3):
+            try:
+                return self._start(wait, timeout_s)
+            except LMCacheServerError as e:
+                if not (self._port_chosen and self.starts == 1 and "already in use" in str(e)):
+                    raise
+                old = self.url
+                self.port, self.metrics_port = free_port(self.host), free_port(self.host)
+                self.starts = 0
+                log.warning("LMCache server port taken at %s; retrying at %s", old, self.url)
+        return self._start(wait, timeout_s)
+
+    def _start(self, wait: bool, timeout_s: float) -> LMCacheServer:
         if self.running:
             return self
         env = dict(os.environ, LMCACHE_TRACK_USAGE="false", PYTHONUNBUFFERED="1")
