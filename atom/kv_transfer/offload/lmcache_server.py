@@ -235,17 +235,16 @@ class LMCacheServer:
         """Start the server (and wait until it answers). A first start on ports this object
         chose moves to fresh ports if another process bound one first; a restart keeps its
         port, since clients reconnect to it."""
-        for _ in range(3):
+        tries = 3 if self._port_chosen and self.starts == 0 else 1
+        for tries_left in reversed(range(tries)):
             try:
                 return self._start(wait, timeout_s)
             except LMCacheServerError as e:
-                if not (self._port_chosen and self.starts == 1 and "already in use" in str(e)):
+                if not tries_left or "already in use" not in str(e):
                     raise
                 old = self.url
                 self.port, self.metrics_port = free_port(self.host), free_port(self.host)
-                self.starts = 0
                 log.warning("LMCache server port taken at %s; retrying at %s", old, self.url)
-        return self._start(wait, timeout_s)
 
     def _start(self, wait: bool, timeout_s: float) -> LMCacheServer:
         if self.running:
