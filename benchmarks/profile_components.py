@@ -28,6 +28,8 @@ from benchmarks.profile_forward import _shape_runs, profiled_runtime, shape_pars
 
 def _components():
     """(owner, attribute, label): the functions wrapped in a profiler range."""
+    from atom.models.common import layers as common_layers
+    from atom.models.common import moe
     from atom.models.deepseek_v41 import attention, layers, model, paged_decode
 
     return [
@@ -36,7 +38,7 @@ def _components():
         (layers.Engram, "forward", "engram"),
         (layers.HyperConnection, "pre", "mhc pre (mix, sinkhorn, combine)"),
         (layers.HyperConnection, "post", "mhc post"),
-        (layers.RMSNorm, "forward", "rms norm (module)"),
+        (common_layers.RMSNorm, "forward", "rms norm (module)"),
         (model.DecoderLayer, "block", "layer"),
         (attention.CSA2Attention, "queries", "attn: q projections + rope"),
         (attention.CSA2Attention, "window_kv", "attn: window kv"),
@@ -49,9 +51,9 @@ def _components():
         (attention, "candidate_row_mask", "attn: candidate blocks"),
         (paged_decode, "_complete_groups", "attn: compressor + PAGE write"),
         (paged_decode, "decode_attention", "attention (decode, all)"),
-        (layers.MoE, "route", "moe: routing"),
-        (layers.MoE, "_mix_float", "moe: experts (shared + routed)"),
-        (layers.Expert, "forward", "moe: Expert.forward (shared; routed on the loop path)"),
+        (moe.MoE, "route", "moe: routing"),
+        (moe.MoE, "_mix_float", "moe: experts (shared + routed)"),
+        (moe.Expert, "forward", "moe: Expert.forward (shared; routed on the loop path)"),
     ]
 
 

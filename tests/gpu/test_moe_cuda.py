@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from atom.models.deepseek_v41.layers import _GROUPED_MM, MoE, _grouped_mm_usable
+from atom.models.common.moe import _GROUPED_MM, MoE, _grouped_mm_usable
 from atom.models.deepseek_v41.presets import preset_config
 
 pytestmark = [

@@ -4,7 +4,7 @@ longer spans, and the MoE's dense and routed paths against each other."""
 import pytest
 import torch
 
-from atom.models.deepseek_v41.layers import MoE
+from atom.models.common.moe import MoE
 from atom.models.deepseek_v41.model import DeepseekV41ForCausalLM
 from atom.models.deepseek_v41.reference import reference_forward
 from atom.models.deepseek_v41.weights import load_weights, save_weights

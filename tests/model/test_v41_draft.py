@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from atom.model_api import DraftRuntime, Span, draft_layers
+from atom.models.common.rope import Rope
 from atom.models.deepseek_v41.config import LayerMode
 from atom.models.deepseek_v41.draft import DraftLayer, reference_draft_forward
 from atom.models.deepseek_v41.model import DeepseekV41ForCausalLM
@@ -13,7 +14,6 @@ from atom.models.deepseek_v41.paged import StateMismatchError
 from atom.models.deepseek_v41.pool_geometry import GeometryError, build_v41_pool_geometry
 from atom.models.deepseek_v41.presets import preset_config
 from atom.models.deepseek_v41.reference import reference_forward
-from atom.models.deepseek_v41.rope import Rope
 from atom.models.deepseek_v41.runtime import V41Runtime
 from atom.models.deepseek_v41.weights import checkpoint_tensors
 

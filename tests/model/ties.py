@@ -24,9 +24,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from atom.models.common.moe import MoE
 from atom.models.deepseek_v41 import attention, model, paged_attention, paged_decode, reference
 from atom.models.deepseek_v41.config import LayerMode
-from atom.models.deepseek_v41.layers import MoE
 
 NEG_INF = float("-inf")
 

@@ -23,6 +23,9 @@ KV_DTYPES: dict[str, torch.dtype] = {
 }
 INDEX_DTYPES = ("fp8", "bf16", "fp32")
 FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0
+# the dtypes a model may compute in
+COMPUTE_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 FIELD_ALIGN = 64
 STATE_ALIGN = 1024
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}

@@ -20,11 +20,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from atom.models.common.layers import RMSNorm, linear, rms_norm
+from atom.models.common.storage import kv_roundtrip
 from atom.models.deepseek_v4.config import CSA_RATIO, FP4_SIM_BLOCK, FP8_SIM_BLOCK, V4Config
 from atom.models.deepseek_v4.layers import InterleavedRope
 from atom.models.deepseek_v4.quant import fp4_sim, fp8_sim, hadamard
-from atom.models.deepseek_v41.layers import RMSNorm, linear, rms_norm
-from atom.models.deepseek_v41.quant import kv_roundtrip
 
 NEG_INF = float("-inf")
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from atom.models.common.layers import RMSNorm
 from atom.models.deepseek_v4.attention import V4Attention
 from atom.models.deepseek_v4.config import V4Config
 from atom.models.deepseek_v4.layers import V4HyperConnection, V4MoE
-from atom.models.deepseek_v41.layers import RMSNorm
 
 
 class V4Block(nn.Module):

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from atom.models.common.weights import WeightLoadError
 from atom.models.deepseek_v4.checkpoint_formats import (
     dequant_fp4,
     dequant_fp8,
@@ -27,7 +28,6 @@ from atom.models.deepseek_v4.checkpoint_formats import (
     fp8_scale_shape,
 )
 from atom.models.deepseek_v4.model import DeepseekV4ForCausalLM
-from atom.models.deepseek_v41.weights import WeightLoadError
 
 BF16, F32, FP8, FP4, I64 = "bf16", "f32", "fp8", "fp4", "i64"
 

@@ -21,28 +21,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from atom.models.common.layers import hc_post, rms_norm
+from atom.models.common.moe import MoE
+from atom.models.common.rope import InterleavedRope  # noqa: F401  (re-exported)
 from atom.models.deepseek_v4.config import V4Config
-from atom.models.deepseek_v41.layers import HyperConnection as V41HyperConnection
-from atom.models.deepseek_v41.layers import MoE, rms_norm
-from atom.models.deepseek_v41.rope import Rope
-
-
-class InterleavedRope(Rope):
-    """RoPE on the last ``dim`` features with pairs (2i, 2i+1), as DeepSeek-V4 rotates."""
-
-    def apply(
-        self, x: torch.Tensor, cs: tuple[torch.Tensor, torch.Tensor], inverse: bool = False
-    ) -> torch.Tensor:
-        cos, sin = cs
-        shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[-1],)
-        cos, sin = cos.view(shape), sin.view(shape)
-        if inverse:
-            sin = -sin
-        d = self.dim
-        keep, rot = x[..., :-d], x[..., -d:].float()
-        x1, x2 = rot[..., 0::2], rot[..., 1::2]
-        out = torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).flatten(-2)
-        return torch.cat([keep, out.to(x.dtype)], dim=-1)
 
 
 def sinkhorn_v4(logits: torch.Tensor, hc: int, iters: int, eps: float) -> torch.Tensor:
@@ -88,7 +70,7 @@ class V4HyperConnection(nn.Module):
         comb = mix[:, 2 * hc :] * self.scale[2] + self.base[2 * hc :]
         return h, post, sinkhorn_v4(comb, hc, self.iters, self.eps)
 
-    post = staticmethod(V41HyperConnection.post)
+    post = staticmethod(hc_post)
 
 
 class V4Gate(nn.Module):

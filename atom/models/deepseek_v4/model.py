@@ -16,16 +16,14 @@ import torch
 from torch import nn
 
 from atom.model_api import Span
+from atom.models.common.geometry import COMPUTE_DTYPES, INDEX_DTYPES, KV_DTYPES, GeometryError
+from atom.models.common.layers import RMSNorm
 from atom.models.deepseek_v4.block import V4Block
 from atom.models.deepseek_v4.config import V4Config
 from atom.models.deepseek_v4.layers import V4HyperConnection
 from atom.models.deepseek_v4.mtp import V4MTPBlock
 from atom.models.deepseek_v4.paged import StateMismatchError, V4PagedKV, V4StateSlots
-from atom.models.deepseek_v4.paged_attention import paged_attention
-from atom.models.deepseek_v41.layers import RMSNorm
-from atom.models.deepseek_v41.model import COMPUTE_DTYPES
-from atom.models.deepseek_v41.paged_attention import SeqCarry
-from atom.models.deepseek_v41.pool_geometry import INDEX_DTYPES, KV_DTYPES, GeometryError
+from atom.models.deepseek_v4.paged_attention import SeqCarry, paged_attention
 
 
 class DeepseekV4ForCausalLM(nn.Module):
@@ -178,7 +176,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         seqs, lo, positions = [], 0, []
         for sp in spans:
             pos = torch.arange(sp.start, sp.end, device=self.device)
-            seqs.append(SeqCarry(sp, lo, pos))
+            seqs.append(SeqCarry(sp, lo, pos, sp.block_table.to(self.device)))
             positions.append(pos)
             lo += sp.num_tokens
         return seqs, torch.cat(positions)

@@ -27,10 +27,10 @@ from __future__ import annotations
 
 import torch
 
+from atom.models.common.layers import RMSNorm, linear
 from atom.models.deepseek_v4.block import V4Block
 from atom.models.deepseek_v4.config import V4Config
 from atom.models.deepseek_v4.layers import V4HyperConnection
-from atom.models.deepseek_v41.layers import RMSNorm, linear
 
 
 class V4MTPBlock(V4Block):

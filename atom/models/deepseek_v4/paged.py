@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import torch
 
+from atom.models.common.geometry import KV_DTYPES
+from atom.models.common.paged import PagedKV, StateMismatchError
 from atom.models.deepseek_v4.geometry import V4PoolGeometry
-from atom.models.deepseek_v41.paged import PagedKV, StateMismatchError
-from atom.models.deepseek_v41.pool_geometry import KV_DTYPES
 
 __all__ = ["V4PagedKV", "V4StateSlots", "StateMismatchError"]
 

@@ -16,19 +16,39 @@ on CPU first; a batched decode path like V4.1's ``paged_decode`` is future work.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from atom.models.deepseek_v4.attention import V4Attention, V4Compressor, V4Indexer, overlap_prev
-from atom.models.deepseek_v4.paged import V4PagedKV, V4StateSlots
-from atom.models.deepseek_v41.attention import (
+from atom.model_api import Span
+from atom.models.common.selection import (
     mask_invisible,
     picked_ids,
     select_topk,
     visible_rows,
     window_mask,
 )
-from atom.models.deepseek_v41.paged_attention import SeqCarry
-from atom.models.deepseek_v41.quant import pack_index, unpack_index
+from atom.models.common.storage import pack_index, unpack_index
+from atom.models.deepseek_v4.attention import V4Attention, V4Compressor, V4Indexer, overlap_prev
+from atom.models.deepseek_v4.paged import V4PagedKV, V4StateSlots
+
+
+@dataclass
+class SeqCarry:
+    """One sequence's context in a paged forward (the forward loops over these).
+
+    ``table`` is the span's block table on the model's device: PAGE rows are located on the
+    device with device group ids, and ``Span.block_table`` may be a host tensor (the engine
+    builds tables on the host)."""
+
+    span: Span
+    lo: int  # offset of the span's first token in the flat batch
+    positions: torch.Tensor
+    table: torch.Tensor
+
+    @property
+    def hi(self) -> int:
+        return self.lo + self.span.num_tokens
 
 
 def compress_span(
@@ -70,7 +90,7 @@ def compress_span(
 def _compressed(attn: V4Attention, u, qr, cs, seq: SeqCarry, kv: V4PagedKV, slots: V4StateSlots):
     """Update the layer's rows for the span, then (rows to attend, their mask) per query."""
     span, pos, r = seq.span, seq.positions, attn.ratio
-    s, e, table, layer = span.start, span.end, span.block_table, attn.layer
+    s, e, table, layer = span.start, span.end, seq.table, attn.layer
     overlap, partial = slots.compressor_state(span.slot, layer, r, index=False)
     groups, pooled = compress_span(attn.compressor, u, pos, s, e, overlap, partial)
     rows_cs = attn.rope.cos_sin(groups * r)

@@ -11,16 +11,16 @@ from __future__ import annotations
 
 import torch
 
-from atom.models.deepseek_v4.attention import V4Attention, V4Compressor, V4Indexer, overlap_prev
-from atom.models.deepseek_v4.model import DeepseekV4ForCausalLM
-from atom.models.deepseek_v41.attention import (
+from atom.models.common.selection import (
     mask_invisible,
     picked_ids,
     select_topk,
     visible_rows,
     window_mask,
 )
-from atom.models.deepseek_v41.quant import index_roundtrip
+from atom.models.common.storage import index_roundtrip
+from atom.models.deepseek_v4.attention import V4Attention, V4Compressor, V4Indexer, overlap_prev
+from atom.models.deepseek_v4.model import DeepseekV4ForCausalLM
 
 QUERY_TILE = 128
 

@@ -17,12 +17,20 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from atom.models.common.layers import RMSNorm, linear, rms_norm
+from atom.models.common.rope import Rope
+from atom.models.common.selection import (  # noqa: F401  (the rest: re-exported)
+    NEG_INF,
+    candidate_row_mask,
+    gather_selected,
+    mask_invisible,
+    picked_ids,
+    select_topk,
+    visible_rows,
+    window_mask,
+)
+from atom.models.common.storage import kv_roundtrip
 from atom.models.deepseek_v41.config import LayerMode, V41Config
-from atom.models.deepseek_v41.layers import RMSNorm, linear, rms_norm
-from atom.models.deepseek_v41.quant import kv_roundtrip
-from atom.models.deepseek_v41.rope import Rope
-
-NEG_INF = float("-inf")
 
 
 class Compressor(nn.Module):
@@ -225,55 +233,6 @@ class CSA2Attention(nn.Module):
 # ---- selection ------------------------------------------------------------------------------
 
 
-def visible_rows(positions: torch.Tensor, ratio: int) -> torch.Tensor:
-    return torch.div(positions + 1, ratio, rounding_mode="floor")
-
-
-def candidate_row_mask(
-    scores: torch.Tensor, visible: torch.Tensor, block_rows: int, keep_blocks: int
-) -> torch.Tensor:
-    """Rows inside each query's candidate blocks: blocks of ``block_rows`` rows scored by their
-    best visible row, the newest block always kept, the top ``keep_blocks`` kept (ties to the
-    smaller block). scores [T, R] with invisible rows at -inf; returns bool [T, R]."""
-    t, r = scores.shape
-    nb = -(-r // block_rows)
-    padded = torch.full((t, nb * block_rows), NEG_INF, dtype=scores.dtype, device=scores.device)
-    padded[:, :r] = scores
-    block = padded.view(t, nb, block_rows).amax(-1)
-    newest = torch.div(visible - 1, block_rows, rounding_mode="floor").clamp(min=0)
-    has_rows = (visible > 0)[:, None]
-    is_newest = torch.arange(nb, device=scores.device)[None, :] == newest[:, None]
-    block = torch.where(is_newest & has_rows, torch.full_like(block, float("inf")), block)
-    order = torch.sort(block, dim=-1, descending=True, stable=True).indices[:, :keep_blocks]
-    chosen = torch.zeros(t, nb, dtype=torch.bool, device=scores.device)
-    chosen.scatter_(1, order, block.gather(1, order) > NEG_INF)
-    # repeat each block's flag over its rows (an expand: repeat_interleave may sync on CUDA)
-    return chosen[:, :, None].expand(t, nb, block_rows).reshape(t, nb * block_rows)[:, :r]
-
-
-def select_topk(
-    scores: torch.Tensor, k: int, fixed: bool = False
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top min(k, R) rows per query (exactly k with ``fixed``: short rows padded invalid), ties
-    to the smaller row; ineligible rows are -inf. Returns (row ids [T, K], valid [T, K])."""
-    if fixed and scores.shape[1] < k:
-        scores = torch.nn.functional.pad(scores, (0, k - scores.shape[1]), value=NEG_INF)
-    k = min(k, scores.shape[1])
-    ranked = torch.sort(scores, dim=-1, descending=True, stable=True)
-    return ranked.indices[:, :k], ranked.values[:, :k] > NEG_INF
-
-
-def mask_invisible(scores: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
-    rows = torch.arange(scores.shape[1], device=scores.device)
-    return scores.masked_fill(rows[None, :] >= visible[:, None], NEG_INF)
-
-
-def window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int) -> torch.Tensor:
-    """Query at p sees keys at positions p - window + 1 .. p."""
-    diff = q_pos[:, None] - k_pos[None, :]
-    return (diff >= 0) & (diff < window)
-
-
 def layer_selection(
     attn: CSA2Attention,
     qlat: torch.Tensor,
@@ -299,14 +258,3 @@ def layer_selection(
     if attn.mode is LayerMode.REINDEX:
         scores = scores.masked_fill(~candidates, NEG_INF)
     return select_topk(scores, attn.topk, fixed_k), new_candidates
-
-
-def picked_ids(sel: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """Selection ids [T, K] safe to gather with: invalid picks point at row 0."""
-    ids, valid = sel
-    return torch.where(valid, ids, torch.zeros_like(ids))
-
-
-def gather_selected(rows: torch.Tensor, sel: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """rows [R, hd], selection ids [T, K] -> [T, K, hd] (invalid picks read row 0)."""
-    return rows[picked_ids(sel)]

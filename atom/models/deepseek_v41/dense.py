@@ -14,10 +14,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from atom.models.common.storage import index_roundtrip
 from atom.models.deepseek_v41.attention import NEG_INF, CSA2Attention
 from atom.models.deepseek_v41.config import LayerMode
 from atom.models.deepseek_v41.model import DeepseekV41ForCausalLM
-from atom.models.deepseek_v41.quant import index_roundtrip
 
 
 def _rows(attn: CSA2Attention, u: torch.Tensor, index_dtype: str):

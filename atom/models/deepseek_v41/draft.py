@@ -29,9 +29,10 @@ from __future__ import annotations
 import torch
 
 from atom.model_api import Span
+from atom.models.common.layers import RMSNorm, linear
 from atom.models.deepseek_v41.attention import CSA2Attention, window_mask
 from atom.models.deepseek_v41.config import V41Config
-from atom.models.deepseek_v41.layers import HyperConnection, RMSNorm, linear
+from atom.models.deepseek_v41.layers import HyperConnection
 from atom.models.deepseek_v41.model import DecoderLayer
 from atom.models.deepseek_v41.paged import StateMismatchError, StateSlots
 from atom.models.deepseek_v41.pool_geometry import GeometryError

@@ -1,4 +1,5 @@
-"""Per-token building blocks of V4.1: RMSNorm, mHC residual streams, MoE, Engram.
+"""Per-token building blocks of V4.1 of its own: mHC residual streams and Engram (RMSNorm,
+linears and the MoE are shared with V4: ``atom.models.common``).
 
 Each is position-local (Engram reads the n-gram ids it is given), so the paged forward and the
 reference forward share them unchanged.
@@ -7,34 +8,17 @@ reference forward share them unchanged.
 from __future__ import annotations
 
 import math
-import os
-from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from atom.kernels.engram import engram_kernel_usable, engram_rows, engram_rows_torch
-from atom.kernels.moe_combine import moe_combine
-from atom.kernels.norm import hc_post, hc_pre, rms_norm
+from atom.kernels.norm import hc_post, hc_pre
 from atom.kernels.sinkhorn import sinkhorn
+from atom.models.common.layers import RMSNorm, linear, rms_norm
 from atom.models.deepseek_v41.config import V41Config
 
-__all__ = ["rms_norm", "RMSNorm", "HyperConnection", "MoE", "Engram", "linear"]
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, dtype: torch.dtype):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
-
-
-def linear(in_f: int, out_f: int, dtype: torch.dtype) -> nn.Linear:
-    return nn.Linear(in_f, out_f, bias=False, dtype=dtype)
+__all__ = ["HyperConnection", "Engram"]
 
 
 class HyperConnection(nn.Module):
@@ -74,191 +58,6 @@ class HyperConnection(nn.Module):
     def post(x: torch.Tensor, out: torch.Tensor, post: torch.Tensor, c: torch.Tensor):
         """X_j = post_j * out + sum_i C_ij X_i."""
         return hc_post(x, out, post, c)
-
-
-class Expert(nn.Module):
-    """Clamped SwiGLU: down(silu(min(gate, L)) * clamp(up, -L, L))."""
-
-    def __init__(self, d: int, inter: int, limit: float, dtype: torch.dtype):
-        super().__init__()
-        self.limit = limit
-        self.gate_proj = linear(d, inter, dtype)
-        self.up_proj = linear(d, inter, dtype)
-        self.down_proj = linear(inter, d, dtype)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        g = self.gate_proj(x).clamp(max=self.limit)
-        u = self.up_proj(x).clamp(-self.limit, self.limit)
-        return self.down_proj(F.silu(g) * u)
-
-
-class MoEGate(nn.Module):
-    def __init__(self, config: V41Config, dtype: torch.dtype):
-        super().__init__()
-        self.weight = nn.Parameter(
-            torch.empty(config.n_routed_experts, config.hidden_size, dtype=dtype)
-        )
-        self.e_score_correction_bias = nn.Parameter(
-            torch.zeros(config.n_routed_experts, dtype=torch.float32)
-        )
-
-
-class MoE(nn.Module):
-    """Routed experts (top-k on sqrt(softplus) scores + bias) plus shared experts.
-
-    Two ways to run the routed experts, same math: *routed* sends each expert its tokens (one
-    host sync per layer, for the counts); *dense* runs every expert on every token as three
-    batched matmuls and weights the outputs by the (mostly zero) routing matrix. Dense is used
-    for small batches that would touch most experts anyway (``n * top_k >= experts`` and
-    ``n <= DENSE_MAX_TOKENS``: decode), where it reads the same weights with no sync and a
-    handful of launches instead of ten per expert. On CUDA bf16 the routed experts run as
-    grouped GEMMs with no sync instead (``_grouped``, same math).
-    """
-
-    DENSE_MAX_TOKENS = 64
-
-    def __init__(self, config: V41Config, dtype: torch.dtype):
-        super().__init__()
-        d, inter = config.hidden_size, config.moe_intermediate_size
-        self.top_k, self.scale = config.num_experts_per_tok, config.routed_scaling_factor
-        self.limit = config.swiglu_limit
-        self.gate = MoEGate(config, dtype)
-        self.experts = nn.ModuleList(
-            Expert(d, inter, config.swiglu_limit, dtype) for _ in range(config.n_routed_experts)
-        )
-        self.shared_experts = Expert(d, inter * config.n_shared_experts, config.swiglu_limit, dtype)
-        self._stack: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-        # tensor parallelism (``atom.distributed``): this rank holds a slice of every expert's
-        # intermediate dimension, and this sums the ranks' float32 partial outputs
-        self.reduce_output: Callable[[torch.Tensor], torch.Tensor] | None = None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.mix(x, *self.route(x))
-
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(expert ids [N, top_k], weights [N, top_k] float32) of each token."""
-        scores = torch.sqrt(F.softplus(F.linear(x, self.gate.weight).float()))
-        biased = scores + self.gate.e_score_correction_bias
-        # ties go to the smaller expert id, identically in every path
-        idx = torch.sort(biased, dim=-1, descending=True, stable=True).indices[:, : self.top_k]
-        w = scores.gather(1, idx)
-        return idx, w / w.sum(-1, keepdim=True) * self.scale
-
-    def path(self, n: int, x: torch.Tensor) -> str:
-        """How ``mix`` runs the routed experts of ``n`` tokens like ``x`` (dtype, device):
-        "dense", "grouped" (both without host sync) or "loop" (one host sync per layer)."""
-        if n * self.top_k >= len(self.experts) and n <= self.DENSE_MAX_TOKENS:
-            return "dense"
-        return "grouped" if _grouped_mm_usable(x) else "loop"
-
-    def mix(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """The shared expert plus the routed experts ``idx`` weighted by ``w`` (under tensor
-        parallelism: this rank's slice of each, summed over the ranks in float32)."""
-        out = self._mix_float(x, idx, w)
-        if self.reduce_output is not None:
-            out = self.reduce_output(out)
-        return out.to(x.dtype)
-
-    def _mix_float(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        shared = self.shared_experts(x)
-        path = self.path(x.shape[0], x)
-        if path == "grouped":
-            try:
-                y, order = self._grouped(x, idx)
-            except RuntimeError as e:  # an unsupported shape or build: the loop, from now on
-                _GROUPED_MM["failed"] = f"{type(e).__name__}: {e}"
-            else:
-                # each token's top_k weighted outputs summed in slot order: an ``index_add_``
-                # of the sorted rows would add them with atomics, in an order that changes from
-                # run to run (and with it, in bfloat16, an output now and then)
-                return moe_combine(shared, y, order, w)
-        out = shared.float()
-        if path == "dense":
-            return out + self._dense(x, idx, w)
-        flat = idx.flatten()
-        order = torch.argsort(flat, stable=True)  # token rows grouped by expert, rows ascending
-        counts = torch.bincount(flat, minlength=len(self.experts)).tolist()  # the one sync
-        rows, slot = order // self.top_k, order % self.top_k
-        start = 0
-        for expert, count in zip(self.experts, counts):
-            if count:
-                r = rows[start : start + count]
-                y = expert(x.index_select(0, r)).float() * w[r, slot[start : start + count], None]
-                out.index_add_(0, r, y)
-                start += count
-        return out
-
-    def _grouped(self, x: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The routed experts as three grouped GEMMs over the token rows sorted by expert
-        (``torch._grouped_mm``): the group offsets stay on the device, so no host sync.
-        Returns (outputs [N * top_k, d] in expert order, order: row i is token order[i] //
-        top_k's slot order[i] % top_k), for ``moe_combine`` (one kernel on CUDA with
-        ``ATOM_TRITON_ON=moe_combine``)."""
-        gate, up, down = self.stacked_weights()
-        flat = idx.flatten()
-        order = torch.argsort(flat, stable=True)  # token rows grouped by expert, rows ascending
-        counts = torch.zeros(gate.shape[0], dtype=torch.int32, device=x.device)
-        counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
-        offs = torch.cumsum(counts, 0, dtype=torch.int32)
-        rows = order // self.top_k
-        xs = x.index_select(0, rows)
-        g = torch._grouped_mm(xs, gate.transpose(1, 2), offs=offs).clamp(max=self.limit)
-        u = torch._grouped_mm(xs, up.transpose(1, 2), offs=offs).clamp(-self.limit, self.limit)
-        return torch._grouped_mm(F.silu(g) * u, down.transpose(1, 2), offs=offs), order
-
-    def _dense(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        gate, up, down = self.stacked_weights()
-        xb = x.unsqueeze(0).expand(gate.shape[0], -1, -1)
-        g = torch.bmm(xb, gate.transpose(1, 2)).clamp(max=self.limit)
-        u = torch.bmm(xb, up.transpose(1, 2)).clamp(-self.limit, self.limit)
-        y = torch.bmm(F.silu(g) * u, down.transpose(1, 2)).float()  # [E, n, d]
-        route = torch.zeros(x.shape[0], gate.shape[0], dtype=torch.float32, device=x.device)
-        route.scatter_(1, idx, w)
-        return (y * route.t()[:, :, None]).sum(0)
-
-    def stacked_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Expert weights as [E, ...] tensors. Without autograd, the experts' parameters are
-        made views of one stacked tensor each (no second copy; loads and in-place updates show
-        through); restacked if the parameters were replaced (``.to()``, a new ``.data``)."""
-        per = [(e.gate_proj.weight, e.up_proj.weight, e.down_proj.weight) for e in self.experts]
-        if torch.is_grad_enabled() and per[0][0].requires_grad:
-            return tuple(torch.stack(ws) for ws in zip(*per))  # differentiable (training)
-        stack = self._stack
-        if stack is None or any(
-            p.data_ptr() != s[i].data_ptr() or p.device != s.device
-            for i, ps in enumerate(per)
-            for p, s in zip(ps, stack)
-        ):
-            stack = tuple(torch.stack([p.detach() for p in ws]) for ws in zip(*per))
-            for i, ps in enumerate(per):
-                for p, s in zip(ps, stack):
-                    p.data = s[i]
-            self._stack = stack
-        return stack
-
-
-_GROUPED_MM: dict[object, object] = {"failed": None}
-
-
-def _grouped_mm_usable(x: torch.Tensor) -> bool:
-    """The routed experts run as grouped GEMMs (no host sync) on CUDA bf16 where torch has
-    ``_grouped_mm`` (sm90+); ``ATOM_GROUPED_MM=0`` turns it off, and a failed call turns it off
-    for the process (``_GROUPED_MM["failed"]`` says why). Elsewhere the per-expert loop runs,
-    with its one host sync per layer (the expert counts)."""
-    if x.device.type not in ("cuda", "meta") or x.dtype != torch.bfloat16:
-        return False
-    if torch.is_grad_enabled():
-        return False
-    if _GROUPED_MM["failed"] or os.environ.get("ATOM_GROUPED_MM", "1") == "0":
-        return False
-    if x.device.type == "meta":  # shape tracing (tests/model/test_host_syncs.py)
-        return hasattr(torch, "_grouped_mm")
-    key = ("cap", x.device.index)
-    if key not in _GROUPED_MM:
-        _GROUPED_MM[key] = hasattr(torch, "_grouped_mm") and (
-            torch.cuda.get_device_capability(x.device) >= (9, 0)
-        )
-    return bool(_GROUPED_MM[key])
 
 
 def _primes_below(n: int, count: int) -> list[int]:

@@ -16,15 +16,15 @@ import torch
 from torch import nn
 
 from atom.model_api import Span
+from atom.models.common.geometry import COMPUTE_DTYPES, INDEX_DTYPES, KV_DTYPES, GeometryError
+from atom.models.common.layers import RMSNorm
+from atom.models.common.moe import MoE
 from atom.models.deepseek_v41.attention import CSA2Attention
 from atom.models.deepseek_v41.config import V41Config
 from atom.models.deepseek_v41.forward_plan import ForwardPlan
-from atom.models.deepseek_v41.layers import Engram, HyperConnection, MoE, RMSNorm
+from atom.models.deepseek_v41.layers import Engram, HyperConnection
 from atom.models.deepseek_v41.paged import PagedKV, StateMismatchError, StateSlots
 from atom.models.deepseek_v41.paged_attention import paged_attention
-from atom.models.deepseek_v41.pool_geometry import INDEX_DTYPES, KV_DTYPES, GeometryError
-
-COMPUTE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 class DecoderLayer(nn.Module):

@@ -18,13 +18,11 @@ of ``paged_decode``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 
 from atom.kernels.attention import sink_attention, sink_attention_usable
 from atom.kernels.index_scores import index_scores_usable, tiled_index_scores
-from atom.model_api import Span
+from atom.models.common.storage import pack_index, unpack_index
 from atom.models.deepseek_v41.attention import (
     CSA2Attention,
     layer_selection,
@@ -35,26 +33,10 @@ from atom.models.deepseek_v41.config import LayerMode
 from atom.models.deepseek_v41.paged import PagedKV, StateSlots
 from atom.models.deepseek_v41.paged_decode import DecodeBatch, decode_attention
 from atom.models.deepseek_v41.prefill_plan import PrefillBatch
-from atom.models.deepseek_v41.quant import pack_index, unpack_index
 
 # elements of the largest float32 intermediate (index dots, attention scores) one group of tiles
 # makes: larger batches run in groups of tiles
 GROUP_ELEMENTS = 1 << 28
-
-
-@dataclass
-class SeqCarry:
-    """One sequence's per-forward context (the V4 model's paged forward loops over these)."""
-
-    span: Span
-    lo: int  # offset of the span's first token in the flat batch
-    positions: torch.Tensor
-    selections: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
-    candidates: torch.Tensor | None = None
-
-    @property
-    def hi(self) -> int:
-        return self.lo + self.span.num_tokens
 
 
 def _groups(num_tiles: int, per_tile: int):

@@ -26,6 +26,7 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 
 from atom.kernels.attention import sink_attention_decode, sink_attention_usable
+from atom.models.common.storage import pack_index, unpack_index
 from atom.models.deepseek_v41.attention import (
     CSA2Attention,
     layer_selection,
@@ -34,13 +35,12 @@ from atom.models.deepseek_v41.attention import (
 )
 from atom.models.deepseek_v41.config import LayerMode
 from atom.models.deepseek_v41.paged import PagedKV, StateSlots
-from atom.models.deepseek_v41.quant import pack_index, unpack_index
 
 
 @dataclass
 class DecodeBatch:
     """The single-token spans of one forward; selections flow from index layers to REUSE
-    layers through it, as ``SeqCarry`` does for longer spans."""
+    layers through it."""
 
     idx: torch.Tensor  # [B] each token's index in the flat batch
     slots: torch.Tensor  # [B] state slots

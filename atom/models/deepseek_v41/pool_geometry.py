@@ -21,6 +21,7 @@ import torch
 
 from atom.models.common.geometry import (  # noqa: F401  (FP8_DTYPE, INDEX_DTYPES: re-exported)
     FP8_DTYPE,
+    FP8_MAX,
     INDEX_DTYPES,
     KV_DTYPES,
     GeometryError,
@@ -35,8 +36,6 @@ from atom.models.common.geometry import (  # noqa: F401  (FP8_DTYPE, INDEX_DTYPE
     window_rings,
 )
 from atom.models.deepseek_v41.config import V41Config
-
-FP8_MAX = 448.0
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from atom.models.common.storage import index_roundtrip
 from atom.models.deepseek_v41.attention import (
     CSA2Attention,
     gather_selected,
@@ -20,7 +21,6 @@ from atom.models.deepseek_v41.attention import (
 )
 from atom.models.deepseek_v41.config import LayerMode
 from atom.models.deepseek_v41.model import DeepseekV41ForCausalLM
-from atom.models.deepseek_v41.quant import index_roundtrip
 
 QUERY_TILE = 128
 

@@ -25,11 +25,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from atom.models.common.weights import WeightLoadError
 from atom.models.deepseek_v41.model import DeepseekV41ForCausalLM
 
-
-class WeightLoadError(ValueError):
-    """A checkpoint that does not fit the model; the message names each offending tensor."""
+__all__ = ["WeightLoadError", "load_weights", "save_weights", "deepseek_names"]
 
 
 _P = "model.layers.{L}."

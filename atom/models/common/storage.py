@@ -1,4 +1,4 @@
-"""Storage rounding for PAGE rows and window rings.
+"""Storage rounding for PAGE rows and window rings (both families).
 
 Whatever is stored is read back through the same rounding, and the reference forward applies
 ``roundtrip`` at the same points, so the paged and reference paths see identical values.
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from atom.models.deepseek_v41.pool_geometry import FP8_DTYPE, FP8_MAX, KV_DTYPES
+from atom.models.common.geometry import FP8_DTYPE, FP8_MAX, KV_DTYPES
 
 
 def pack_index(x: torch.Tensor, index_dtype: str) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -1,4 +1,6 @@
-"""Rotary position embedding on the last ``dim`` features, with DeepSeek-style YaRN.
+"""Rotary position embedding on the last ``dim`` features, with DeepSeek-style YaRN: ``Rope``
+pairs features by halves (i, i + dim/2), ``InterleavedRope`` adjacent (2i, 2i + 1), as
+DeepSeek's published V4 and V4.1 code rotate.
 
 Angles are computed in float32 from integer positions, elementwise, so every path that rotates
 position p computes the same bits for it.
@@ -80,3 +82,21 @@ class Rope:
         x[..., -d:-h] = first
         x[..., -h:] = second
         return x
+
+
+class InterleavedRope(Rope):
+    """RoPE on the last ``dim`` features with pairs (2i, 2i+1), as DeepSeek-V4 rotates."""
+
+    def apply(
+        self, x: torch.Tensor, cs: tuple[torch.Tensor, torch.Tensor], inverse: bool = False
+    ) -> torch.Tensor:
+        cos, sin = cs
+        shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[-1],)
+        cos, sin = cos.view(shape), sin.view(shape)
+        if inverse:
+            sin = -sin
+        d = self.dim
+        keep, rot = x[..., :-d], x[..., -d:].float()
+        x1, x2 = rot[..., 0::2], rot[..., 1::2]
+        out = torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).flatten(-2)
+        return torch.cat([keep, out.to(x.dtype)], dim=-1)
