@@ -29,15 +29,16 @@ from benchmarks.profile_forward import _shape_runs, profiled_runtime, shape_pars
 def _components():
     """(owner, attribute, label): the functions wrapped in a profiler range."""
     from atom.models.common import layers as common_layers
-    from atom.models.common import moe
+    from atom.models.common import mhc, moe
     from atom.models.deepseek_v41 import attention, layers, model, paged_decode
 
     return [
         (model.DeepseekV41ForCausalLM, "_embed", "embed"),
         (model.DeepseekV41ForCausalLM, "_head", "lm head (mHC + norm + head)"),
         (layers.Engram, "forward", "engram"),
-        (layers.HyperConnection, "pre", "mhc pre (mix, sinkhorn, combine)"),
-        (layers.HyperConnection, "post", "mhc post"),
+        (mhc.HcMixer, "mixes", "mhc mixes (mix, sinkhorn)"),
+        (model, "collapse", "mhc collapse"),
+        (model, "hc_post", "mhc post"),
         (common_layers.RMSNorm, "forward", "rms norm (module)"),
         (model.DecoderLayer, "block", "layer"),
         (attention.CSA2Attention, "queries", "attn: q projections + rope"),

@@ -62,9 +62,9 @@ from the checkpoint's draft layer instead of the layer-9 copy; the previous reco
 under "previous" in draft_training.json. ``--measure N`` runs ``measure`` after writing.
 
 Initialisation: the draft layer is window-only like the target's last layers (8 and 9), so it
-starts as a copy of layer 9 (mHC, norms, attention, MoE), with the model's head reader and final
-norm as its ``head_hc`` / ``shared_head.norm``; ``enorm`` / ``hnorm`` are set to the measured RMS
-of the embeddings / the streams so both keep their scale, and ``eh_proj`` starts as [I, I] (the
+starts as a copy of layer 9 (mHC, norms, attention, MoE), with the model's final norm as
+``shared_head.norm`` and its ``head_hc`` from the ``pre`` part of layer 9's FFN mixer;
+``enorm`` / ``hnorm`` are set to the measured RMS of the embeddings / the streams so both keep their scale, and ``eh_proj`` starts as [I, I] (the
 residual passed through, the next token's embedding added, as the model's own input is).
 
 Evaluation (held-out sequences, seeds from the eval split's range, disjoint from training):
@@ -91,6 +91,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from atom.models.common.mhc import identity_pre
 from atom.models.deepseek_v41 import reference
 from atom.models.deepseek_v41.config import V41Config
 from atom.models.deepseek_v41.dense import _attention as dense_attention
@@ -136,6 +137,7 @@ def target_forward(model, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     hist = torch.full((b, 3), -1, dtype=torch.int64, device=ids.device)
     grams = torch.cat([hist, ids], dim=1).unfold(1, 4, 1).reshape(b * s, 4)
     x = model._embed(ids.reshape(-1))
+    pre = identity_pre(x)
     rows: dict = {}
     for layer in model.model.layers:
 
@@ -144,8 +146,8 @@ def target_forward(model, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
                 b * s, -1
             )
 
-        x = layer.block(x, grams, attend)
-    return model._head(x).view(b, s, -1), x.view(b, s, *x.shape[1:])
+        x, pre = layer.block(x, pre, grams, attend)
+    return model._head(x, pre).view(b, s, -1), x.view(b, s, *x.shape[1:])
 
 
 @torch.no_grad()
@@ -159,15 +161,17 @@ def reference_target_forward(model, ids) -> tuple[torch.Tensor, torch.Tensor]:
     rows: dict = {}
     selections: dict = {}
     x = model._embed(ids)
+    pre = identity_pre(x)
     for layer in model.model.layers:
-        x = layer.block(
+        x, pre = layer.block(
             x,
+            pre,
             grams,
             lambda u, a=layer.self_attn: reference._attention(
                 a, u, pos, rows, selections, model.index_dtype
             ),
         )
-    return model._head(x), x
+    return model._head(x, pre), x
 
 
 def draft_forward(model, next_ids: torch.Tensor, residual: torch.Tensor, layer: int = 0):
@@ -203,7 +207,12 @@ def init_draft(model, embed_rms: float, stream_rms: float) -> None:
     for name in ("attn_hc", "input_layernorm", "self_attn", "ffn_hc", "post_attention_layernorm"):
         getattr(block, name).load_state_dict(getattr(last, name).state_dict())
     block.mlp.load_state_dict(last.mlp.state_dict())
-    block.head_hc.load_state_dict(model.model.head_hc.state_dict())
+    # the head reader starts as the pre part of the last FFN's mixer (whose pre the main head
+    # collapses the streams with)
+    hc, mixer = model.config.hc_mult, last.ffn_hc
+    block.head_hc.fn.copy_(mixer.fn[:hc])
+    block.head_hc.base.copy_(mixer.base[:hc])
+    block.head_hc.scale.copy_(mixer.scale[:1])
     block.shared_head.norm.load_state_dict(model.model.norm.state_dict())
     block.enorm.weight.fill_(embed_rms)
     block.hnorm.weight.fill_(stream_rms)

@@ -26,9 +26,10 @@ def _sinkhorn_kernel(
     x = tl.load(x_ptr + rows[:, None, None] * stride + cell, mask=mask, other=0.0)
     e = tl.exp(x - tl.max(x, axis=2, keep_dims=True))
     c = tl.math.div_rn(e, tl.sum(e, axis=2, keep_dims=True)) + EPS
-    for _ in range(ITERS):
-        c = tl.math.div_rn(c, tl.sum(c, axis=1, keep_dims=True))
-        c = tl.math.div_rn(c, tl.sum(c, axis=2, keep_dims=True))
+    c = tl.math.div_rn(c, tl.sum(c, axis=1, keep_dims=True) + EPS)
+    for _ in range(ITERS - 1):
+        c = tl.math.div_rn(c, tl.sum(c, axis=2, keep_dims=True) + EPS)
+        c = tl.math.div_rn(c, tl.sum(c, axis=1, keep_dims=True) + EPS)
     tl.store(out_ptr + rows[:, None, None] * (HC * HC) + cell, c, mask=mask)
 
 

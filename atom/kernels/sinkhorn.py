@@ -1,5 +1,6 @@
-"""mHC's doubly stochastic mixing matrix: row softmax + eps, then ``iters`` rounds of column and
-row normalization, per token, in one kernel.
+"""mHC's doubly stochastic mixing matrix, as DeepSeek's published V4 and V4.1 code computes it:
+row softmax + eps, a column normalization, then ``iters - 1`` rounds of row and column
+normalization, every denominator + eps (so it ends on columns), per token, in one kernel.
 
 The torch expression launches 4 kernels per round (20 rounds, two hyper-connections per layer:
 160 launches per layer per forward); on a GPU that is launch time, not math.
@@ -15,9 +16,10 @@ from atom.kernels import use_triton
 def sinkhorn_torch(logits: torch.Tensor, hc: int, iters: int, eps: float) -> torch.Tensor:
     """logits [N, hc * hc] float32 -> C [N, hc, hc] float32 (the reference expression)."""
     c = torch.softmax(logits.reshape(-1, hc, hc), dim=-1) + eps
-    for _ in range(iters):
-        c = c / c.sum(1, keepdim=True)
-        c = c / c.sum(2, keepdim=True)
+    c = c / (c.sum(1, keepdim=True) + eps)
+    for _ in range(iters - 1):
+        c = c / (c.sum(2, keepdim=True) + eps)
+        c = c / (c.sum(1, keepdim=True) + eps)
     return c
 
 

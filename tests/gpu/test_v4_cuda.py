@@ -67,8 +67,14 @@ PLANS = {
 
 @pytest.mark.parametrize("plan", list(PLANS), ids=list(PLANS))
 def test_v4_fp32_paged_forward_on_cuda_equals_the_reference(plan):
+    """fp32 with the FP8/FP4 simulations off: only reduction order differs between the two
+    paths. With them on, a last-bit difference moves a value across a rounding boundary of the
+    simulated format and the logits part by far more (v4-mini, these 600 tokens, on CPU: 0.155
+    with the simulations on, 7.9e-6 off; on the H200: 0.56 on), so the simulations are checked
+    against the float32 truth in bf16 below, and their exact roundings by tests/model."""
     n, ends = PLANS[plan]
-    model = DeepseekV4ForCausalLM(preset_config("v4-mini"), device="cuda").init_weights(0)
+    cfg = preset_config("v4-mini", kv_fp8_sim=False, index_fp4_sim=False)
+    model = DeepseekV4ForCausalLM(cfg, device="cuda").init_weights(0)
     ids = torch.randint(0, 320, (n,), generator=torch.Generator().manual_seed(0))
     paged = _paged(model, ids.cuda(), ends, 256)
     ref = reference_forward(model, ids.tolist()).cpu()

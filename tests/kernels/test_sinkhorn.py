@@ -25,7 +25,7 @@ def test_kernel_matches_torch_on_a_strided_slice(device, n):
     want = sinkhorn_torch(logits, hc, 20, 1e-6)
     assert got.shape == (n, hc, hc)
     assert torch.allclose(got, want, atol=2e-6, rtol=1e-5), (got - want).abs().max()
-    assert torch.allclose(got.sum(2), torch.ones(n, hc, device=device), atol=1e-5)  # rows last
+    assert torch.allclose(got.sum(1), torch.ones(n, hc, device=device), atol=1e-5)  # columns last
 
 
 def test_gradients_take_the_torch_path(device):

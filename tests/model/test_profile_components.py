@@ -36,7 +36,8 @@ def test_ranges_are_counted_once_per_call_and_instrumenting_is_undone():
     assert rows["layer"][2] == layers_n
     assert rows["attention (decode, all)"][2] == layers_n
     assert rows["engram"][2] == len(cfg.engram_layer_ids)
-    assert rows["mhc pre (mix, sinkhorn, combine)"][2] == 2 * layers_n + 1  # + the head's
+    assert rows["mhc mixes (mix, sinkhorn)"][2] == 2 * layers_n  # no head mixer (published)
+    assert rows["mhc collapse"][2] == 2 * layers_n + 1  # + the head's
     assert 0 < rows["layer"][0] <= total_us  # CPU: host time of the ranges
     now = (layers.Engram.forward, paged_attention.decode_attention, paged_decode._complete_groups)
     assert now == originals

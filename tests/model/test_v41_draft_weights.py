@@ -61,7 +61,7 @@ def test_draft_tensors_roundtrip_in_both_namings(draft_model, tmp_path):
     names = deepseek_names(checkpoint_tensors(draft_model))
     assert set(names) == set(checkpoint_tensors(draft_model))  # the table covers every tensor
     assert names["model.layers.10.eh_proj.weight"] == "layers.10.eh_proj.weight"
-    assert names["model.layers.11.head_hc.fn.weight"] == "layers.11.hc_head_fn"
+    assert names["model.layers.11.head_hc.fn"] == "layers.11.hc_head_fn"
     assert names["model.layers.10.shared_head.norm.weight"] == "layers.10.shared_head.norm.weight"
     assert names["model.layers.11.self_attn.q_a_proj.weight"] == "layers.11.attn.wq_a.weight"
     save_weights(draft_model, tmp_path / "ds")

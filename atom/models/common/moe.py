@@ -66,10 +66,11 @@ class MoE(nn.Module):
 
     DENSE_MAX_TOKENS = 64
 
-    def __init__(self, config: Any, dtype: torch.dtype):
+    def __init__(self, config: Any, dtype: torch.dtype, gate_temp: float = 1.0):
         super().__init__()
         d, inter = config.hidden_size, config.moe_intermediate_size
         self.top_k, self.scale = config.num_experts_per_tok, config.routed_scaling_factor
+        self.gate_temp = gate_temp  # the router divides its logits by it (``route``)
         self.limit = config.swiglu_limit
         self.gate = MoEGate(config, dtype)
         self.experts = nn.ModuleList(
@@ -86,12 +87,15 @@ class MoE(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(expert ids [N, top_k], weights [N, top_k] float32) of each token."""
-        scores = torch.sqrt(F.softplus(F.linear(x, self.gate.weight).float()))
+        logits = F.linear(x.float(), self.gate.weight.float()) / self.gate_temp
+        scores = torch.sqrt(F.softplus(logits))
         biased = scores + self.gate.e_score_correction_bias
         # ties go to the smaller expert id, identically in every path
         idx = torch.sort(biased, dim=-1, descending=True, stable=True).indices[:, : self.top_k]
         w = scores.gather(1, idx)
-        return idx, w / w.sum(-1, keepdim=True) * self.scale
+        if self.top_k > 1:  # the published router's 1e-20 (not rms_norm_eps)
+            w = w / (w.sum(-1, keepdim=True) + 1e-20)
+        return idx, w * self.scale
 
     def path(self, n: int, x: torch.Tensor) -> str:
         """How ``mix`` runs the routed experts of ``n`` tokens like ``x`` (dtype, device):

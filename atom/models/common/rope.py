@@ -85,18 +85,20 @@ class Rope:
 
 
 class InterleavedRope(Rope):
-    """RoPE on the last ``dim`` features with pairs (2i, 2i+1), as DeepSeek-V4 rotates."""
+    """RoPE on the last ``dim`` features with pairs (2i, 2i+1), as DeepSeek's published V4 and
+    V4.1 code rotates (feature pairs taken as complex numbers)."""
 
-    def apply(
+    def apply_(
         self, x: torch.Tensor, cs: tuple[torch.Tensor, torch.Tensor], inverse: bool = False
     ) -> torch.Tensor:
+        """Rotate x's last ``dim`` features in place (the others untouched); returns x."""
         cos, sin = cs
         shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[-1],)
         cos, sin = cos.view(shape), sin.view(shape)
         if inverse:
             sin = -sin
-        d = self.dim
-        keep, rot = x[..., :-d], x[..., -d:].float()
+        rot = x[..., -self.dim :].float()
         x1, x2 = rot[..., 0::2], rot[..., 1::2]
         out = torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).flatten(-2)
-        return torch.cat([keep, out.to(x.dtype)], dim=-1)
+        x[..., -self.dim :] = out.to(x.dtype)
+        return x

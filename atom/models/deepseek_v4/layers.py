@@ -1,18 +1,13 @@
-"""Per-token building blocks of V4 that differ from V4.1's, and the ones reused from it.
+"""Per-token building blocks of V4 of its own: its mHC wiring (each sublayer collapses the
+streams with its own mix, a head mixer reads them for the LM head) and its router.
 
-Reused by import where the math is the same: ``rms_norm`` / ``RMSNorm``, the mHC stream update
-``HyperConnection.post`` (X_j = post_j * out + sum_i C_ij X_i), the YaRN frequencies and angle
-table of ``Rope``, and the MoE's experts and dispatch (``MoE.mix``, clamped SwiGLU experts and
-the shared expert).
+Shared with V4.1 (``atom.models.common``): RMSNorm, the mHC mixing values and Sinkhorn
+(``mhc``), the RoPE pairings and YaRN (``rope``), the MoE's experts and dispatch (``moe``).
 
-V4's own:
-* RoPE pairs features *interleaved* (2i, 2i+1), V4.1 rotates halves;
-* mHC's mixing values are scaled per group (``hc_*_scale``) before the bias, and its Sinkhorn
-  puts eps in every denominator and ends on a column normalization (V4.1: no eps, ends on rows);
-* the MoE's first ``num_hash_layers`` layers route by a fixed table ``tid2eid[token id]``
-  (weights still from the router's scores), the others by top-k of score + bias (noaux_tc).
-  V4 applies the routing weight before the expert's down projection, V4.1 after it: the same
-  function, rounded in another order.
+The router: the MoE's first ``num_hash_layers`` layers route by a fixed table
+``tid2eid[token id]`` (weights still from the router's scores), the others by top-k of score +
+bias (noaux_tc). The published code applies the routing weight before the expert's down
+projection, the shared MoE after it: the same function, rounded in another order.
 """
 
 from __future__ import annotations
@@ -21,54 +16,26 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from atom.models.common.layers import hc_post, rms_norm
+from atom.models.common.mhc import HcMixer, collapse, hc_post
 from atom.models.common.moe import MoE
 from atom.models.common.rope import InterleavedRope  # noqa: F401  (re-exported)
 from atom.models.deepseek_v4.config import V4Config
 
 
-def sinkhorn_v4(logits: torch.Tensor, hc: int, iters: int, eps: float) -> torch.Tensor:
-    """[N, hc*hc] float32 -> C [N, hc, hc]: row softmax + eps, a column normalization, then
-    ``iters - 1`` rounds of row and column normalization, each denominator + eps."""
-    c = torch.softmax(logits.reshape(-1, hc, hc), dim=-1) + eps
-    c = c / (c.sum(1, keepdim=True) + eps)
-    for _ in range(iters - 1):
-        c = c / (c.sum(2, keepdim=True) + eps)
-        c = c / (c.sum(1, keepdim=True) + eps)
-    return c
-
-
-class V4HyperConnection(nn.Module):
-    """mHC around one sublayer (``head=False``) or before the LM head (``head=True``).
-
-    mix = fn(RMSNorm(flat X)) (no weight); pre = sigmoid(mix * scale_0 + base) + hc_eps;
-    post = 2 sigmoid(mix * scale_1 + base); C = sinkhorn_v4(mix * scale_2 + base). Parameters
-    are float32, as published (``hc_*_fn`` [mix, hc*d], ``hc_*_base`` [mix], ``hc_*_scale``
-    [3], or [1] for the head).
-    """
+class V4HyperConnection(HcMixer):
+    """mHC around one sublayer (``head=False``) or before the LM head (``head=True``), each
+    collapsing the streams with its own ``pre`` (``atom.models.common.mhc``)."""
 
     def __init__(self, config: V4Config, head: bool = False):
-        super().__init__()
-        hc, d = config.hc_mult, config.hidden_size
-        self.hc, self.head = hc, head
-        self.iters, self.eps = config.hc_sinkhorn_iters, config.hc_eps
-        self.norm_eps = config.rms_norm_eps
-        n_mix = hc if head else (2 + hc) * hc
-        self.fn = nn.Parameter(torch.empty(n_mix, hc * d, dtype=torch.float32))
-        self.base = nn.Parameter(torch.zeros(n_mix, dtype=torch.float32))
-        self.scale = nn.Parameter(torch.ones(1 if head else 3, dtype=torch.float32))
+        c = config
+        super().__init__(
+            c.hc_mult, c.hidden_size, c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps, head
+        )
 
     def pre(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """x [N, hc, d] -> (sublayer input [N, d], post [N, hc], C [N, hc, hc])."""
-        hc = self.hc
-        mix = F.linear(rms_norm(x.flatten(1).float(), None, self.norm_eps), self.fn)
-        pre = torch.sigmoid(mix[:, :hc] * self.scale[0] + self.base[:hc]) + self.eps
-        h = (pre[:, :, None] * x.float()).sum(1).to(x.dtype)
-        if self.head:
-            return h, None, None
-        post = 2 * torch.sigmoid(mix[:, hc : 2 * hc] * self.scale[1] + self.base[hc : 2 * hc])
-        comb = mix[:, 2 * hc :] * self.scale[2] + self.base[2 * hc :]
-        return h, post, sinkhorn_v4(comb, hc, self.iters, self.eps)
+        pre, post, comb = self.mixes(x)
+        return collapse(x, pre), post, comb
 
     post = staticmethod(hc_post)
 

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from atom.models.common.layers import RMSNorm, linear, rms_norm
-from atom.models.common.rope import Rope
+from atom.models.common.rope import InterleavedRope
 from atom.models.common.selection import (  # noqa: F401  (the rest: re-exported)
     NEG_INF,
     candidate_row_mask,
@@ -97,7 +97,7 @@ class CSA2Attention(nn.Module):
         self.cand_blocks, self.cand_block_size = c.candidate_topk_blocks, c.candidate_block_size
         self.groups, self.kv_dtype = c.o_groups, kv_dtype
         self.build_ropes(c)
-        self.scale = self.head_dim**-0.5 * self.rope.mscale**2
+        self.scale = self.head_dim**-0.5  # on every layer, as published: no YaRN mscale
         d = c.hidden_size
         self.q_a_proj = linear(d, c.q_lora_rank, dtype)
         self.q_a_layernorm = RMSNorm(c.q_lora_rank, c.rms_norm_eps, dtype)
@@ -124,8 +124,8 @@ class CSA2Attention(nn.Module):
         it again after materializing a model built on ``meta``)."""
         main = self.layer < c.num_hidden_layers
         theta, scaling = c.layer_rope(self.layer) if main else (c.rope_theta, None)
-        self.rope = Rope(c.qk_rope_head_dim, theta, scaling)
-        self.index_rope = Rope(c.qk_rope_head_dim, theta, scaling)
+        self.rope = InterleavedRope(c.qk_rope_head_dim, theta, scaling)
+        self.index_rope = InterleavedRope(c.qk_rope_head_dim, theta, scaling)
 
     # ---- per-token projections ------------------------------------------------------------
 

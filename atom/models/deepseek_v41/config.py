@@ -69,6 +69,7 @@ class V41Config(ModelConfig):
     moe_intermediate_size: int
     scoring_func: str = "sqrt_softplus"
     routed_scaling_factor: float = 1.5
+    gate_temp: float = 1.0  # the router divides its logits by it (published ModelArgs.gate_temp)
     swiglu_limit: float = 10.0
     compress_ratios: list[int]
     kv_source_layer_ids: list[int]

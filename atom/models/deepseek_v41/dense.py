@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from atom.models.common.mhc import identity_pre
 from atom.models.common.storage import index_roundtrip
 from atom.models.deepseek_v41.attention import NEG_INF, CSA2Attention
 from atom.models.deepseek_v41.config import LayerMode
@@ -88,6 +89,7 @@ def dense_forward(
     hist = torch.full((b, 3), -1, dtype=torch.int64, device=dev)
     grams = torch.cat([hist, ids], dim=1).unfold(1, 4, 1).reshape(b * s, 4)
     x = model._embed(ids.reshape(-1))
+    pre = identity_pre(x)
     rows: dict = {}
     aux: list[torch.Tensor] = []
     for layer in model.model.layers:
@@ -96,7 +98,7 @@ def dense_forward(
         def attend(u, a=attn):
             return _attention(a, u.view(b, s, -1), rows, model.index_dtype, aux).reshape(b * s, -1)
 
-        x = layer.block(x, grams, attend)
-    logits = model._head(x).view(b, s, -1)
+        x, pre = layer.block(x, pre, grams, attend)
+    logits = model._head(x, pre).view(b, s, -1)
     kl = torch.stack(aux).mean() if aux else logits.new_zeros(())
     return logits, kl

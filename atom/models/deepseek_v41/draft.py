@@ -12,6 +12,10 @@ no Engram; around it (DeepSeek-V3's MTP module, on mHC streams):
     x'  = layer(x)                                            # the streams out
     out = lm_head(shared_head.norm(head_hc(x')))              # float32 logits
 
+The layer's attention collapses its input streams with the one-hot ``identity_pre`` (as the
+main model's first layer and the published DSpark stages do); its FFN with its attention
+mixer's ``pre``; ``head_hc`` (an mHC head mixer, ``atom.models.common.mhc``) reads x'.
+
 ``enorm``, ``hnorm``, ``eh_proj`` (one projection [d, 2d] of the concatenation, embedding half
 first), ``head_hc`` (the layer's own mHC head reader, named like the main ``model.head_hc``) and
 ``shared_head.norm`` are the layer's own; the embedding and ``shared_head.head`` are the main
@@ -30,10 +34,10 @@ import torch
 
 from atom.model_api import Span
 from atom.models.common.layers import RMSNorm, linear
+from atom.models.common.mhc import collapse, identity_pre
 from atom.models.deepseek_v41.attention import CSA2Attention, window_mask
 from atom.models.deepseek_v41.config import V41Config
-from atom.models.deepseek_v41.layers import HyperConnection
-from atom.models.deepseek_v41.model import DecoderLayer
+from atom.models.deepseek_v41.model import DecoderLayer, hc_mixer
 from atom.models.deepseek_v41.paged import StateMismatchError, StateSlots
 from atom.models.deepseek_v41.pool_geometry import GeometryError
 
@@ -56,7 +60,7 @@ class DraftLayer(DecoderLayer):
         self.enorm = RMSNorm(d, eps, dtype)
         self.hnorm = RMSNorm(d, eps, dtype)
         self.eh_proj = linear(2 * d, d, dtype)
-        self.head_hc = HyperConnection(config, dtype, head=True)
+        self.head_hc = hc_mixer(config, head=True)
         self.shared_head = SharedHead(d, eps, dtype)
 
     def draft_input(self, embedded: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
@@ -68,12 +72,13 @@ class DraftLayer(DecoderLayer):
 
     def draft(self, embedded: torch.Tensor, residual: torch.Tensor, attend) -> torch.Tensor:
         """The layer's output streams [N, hc, d]; ``attend(normed input) -> output``."""
-        return self.block(self.draft_input(embedded, residual), None, attend)
+        x = self.draft_input(embedded, residual)
+        return self.block(x, identity_pre(x), None, attend)[0]
 
     def logits(self, x: torch.Tensor, lm_head: torch.nn.Linear) -> torch.Tensor:
         """Streams [N, hc, d] -> float32 logits [N, V] through the shared head."""
-        h, _, _ = self.head_hc.pre(x)
-        return lm_head(self.shared_head.norm(h)).float()
+        pre, _, _ = self.head_hc.mixes(x)
+        return lm_head(self.shared_head.norm(collapse(x, pre))).float()
 
 
 def _check_inputs(model, token_ids: torch.Tensor, residual: torch.Tensor, n: int) -> None:

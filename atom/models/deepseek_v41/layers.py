@@ -1,5 +1,4 @@
-"""Per-token building blocks of V4.1 of its own: mHC residual streams and Engram (RMSNorm,
-linears and the MoE are shared with V4: ``atom.models.common``).
+"""V4.1's Engram (RMSNorm, linears, mHC and the MoE are shared with V4: ``atom.models.common``).
 
 Each is position-local (Engram reads the n-gram ids it is given), so the paged forward and the
 reference forward share them unchanged.
@@ -13,51 +12,10 @@ import torch
 from torch import nn
 
 from atom.kernels.engram import engram_kernel_usable, engram_rows, engram_rows_torch
-from atom.kernels.norm import hc_post, hc_pre
-from atom.kernels.sinkhorn import sinkhorn
 from atom.models.common.layers import RMSNorm, linear, rms_norm
 from atom.models.deepseek_v41.config import V41Config
 
-__all__ = ["HyperConnection", "Engram"]
-
-
-class HyperConnection(nn.Module):
-    """mHC: mixes ``hc`` residual streams around one sublayer (or, with ``head=True``, reads
-    them for the LM head).
-
-    From RMS-normalized flat(X), a linear map gives pre (hc), post (hc) and a hc x hc matrix C,
-    made doubly stochastic by row softmax + eps and ``iters`` rounds of column/row
-    normalization. The sublayer sees sum_b pre_b X_b; X_j <- post_j * out + sum_i C_ij X_i.
-    """
-
-    def __init__(self, config: V41Config, dtype: torch.dtype, head: bool = False):
-        super().__init__()
-        hc, d = config.hc_mult, config.hidden_size
-        self.hc, self.head = hc, head
-        self.iters, self.eps, self.norm_eps = config.hc_sinkhorn_iters, config.hc_eps, 1e-6
-        n_out = hc if head else 2 * hc + hc * hc
-        self.fn = linear(hc * d, n_out, dtype)
-        self.bias = nn.Parameter(torch.zeros(n_out, dtype=torch.float32))
-
-    def _mix(self, x: torch.Tensor) -> torch.Tensor:
-        flat = rms_norm(x.flatten(1), None, self.norm_eps)
-        return self.fn(flat).float() + self.bias
-
-    def pre(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """x [N, hc, d] -> (sublayer input [N, d], post [N, hc], C [N, hc, hc])."""
-        hc = self.hc
-        mix = self._mix(x)
-        pre = torch.sigmoid(mix[:, :hc]) + 1e-6
-        h = hc_pre(x, pre)
-        if self.head:
-            return h, None, None
-        post = 2 * torch.sigmoid(mix[:, hc : 2 * hc])
-        return h, post, sinkhorn(mix[:, 2 * hc :], hc, self.iters, self.eps)
-
-    @staticmethod
-    def post(x: torch.Tensor, out: torch.Tensor, post: torch.Tensor, c: torch.Tensor):
-        """X_j = post_j * out + sum_i C_ij X_i."""
-        return hc_post(x, out, post, c)
+__all__ = ["Engram"]
 
 
 def _primes_below(n: int, count: int) -> list[int]:

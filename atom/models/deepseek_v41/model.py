@@ -18,13 +18,19 @@ from torch import nn
 from atom.model_api import Span
 from atom.models.common.geometry import COMPUTE_DTYPES, INDEX_DTYPES, KV_DTYPES, GeometryError
 from atom.models.common.layers import RMSNorm
+from atom.models.common.mhc import HcMixer, collapse, hc_post, identity_pre
 from atom.models.common.moe import MoE
 from atom.models.deepseek_v41.attention import CSA2Attention
 from atom.models.deepseek_v41.config import V41Config
 from atom.models.deepseek_v41.forward_plan import ForwardPlan
-from atom.models.deepseek_v41.layers import Engram, HyperConnection
+from atom.models.deepseek_v41.layers import Engram
 from atom.models.deepseek_v41.paged import PagedKV, StateMismatchError, StateSlots
 from atom.models.deepseek_v41.paged_attention import paged_attention
+
+
+def hc_mixer(config: V41Config, head: bool = False) -> HcMixer:
+    c = config
+    return HcMixer(c.hc_mult, c.hidden_size, c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps, head)
 
 
 class DecoderLayer(nn.Module):
@@ -32,21 +38,30 @@ class DecoderLayer(nn.Module):
         super().__init__()
         eps = config.rms_norm_eps
         self.engram = Engram(config, layer, dtype) if layer in config.engram_layer_ids else None
-        self.attn_hc = HyperConnection(config, dtype)
+        self.attn_hc = hc_mixer(config)
         self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype)
         self.self_attn = CSA2Attention(config, layer, dtype, kv_dtype)
-        self.ffn_hc = HyperConnection(config, dtype)
+        self.ffn_hc = hc_mixer(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype)
-        self.mlp = MoE(config, dtype)
+        self.mlp = MoE(config, dtype, gate_temp=config.gate_temp)
 
-    def block(self, x: torch.Tensor, grams: torch.Tensor, attend) -> torch.Tensor:
-        """One layer around an attention callable ``attend(normed input) -> output``."""
+    def block(
+        self, x: torch.Tensor, pre: torch.Tensor, grams: torch.Tensor | None, attend
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer around an attention callable ``attend(normed input) -> output``.
+
+        x [N, hc, d] streams; ``pre`` [N, hc] the mix its attention collapses them with (the
+        previous layer's, ``identity_pre`` for the first). As published, each sublayer's
+        mixes serve the *next* sublayer's collapse: the FFN collapses with the ``pre`` this
+        attention's mixer computed, and the ``pre`` of this FFN's mixer is returned for the
+        next layer (or the LM head). Returns (streams out, that ``pre``)."""
         if self.engram is not None:
             x = self.engram(x, grams)
-        h, post, c = self.attn_hc.pre(x)
-        x = self.attn_hc.post(x, attend(self.input_layernorm(h)), post, c)
-        h, post, c = self.ffn_hc.pre(x)
-        return self.ffn_hc.post(x, self.mlp(self.post_attention_layernorm(h)), post, c)
+        attn_pre, post, comb = self.attn_hc.mixes(x)
+        x = hc_post(x, attend(self.input_layernorm(collapse(x, pre))), post, comb)
+        ffn_pre, post, comb = self.ffn_hc.mixes(x)
+        out = self.mlp(self.post_attention_layernorm(collapse(x, attn_pre)))
+        return hc_post(x, out, post, comb), ffn_pre
 
 
 class V41Model(nn.Module):
@@ -56,7 +71,6 @@ class V41Model(nn.Module):
         self.layers = nn.ModuleList(
             DecoderLayer(config, i, dtype, kv_dtype) for i in range(config.num_hidden_layers)
         )
-        self.head_hc = HyperConnection(config, dtype, head=True)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
 
@@ -117,7 +131,10 @@ class DeepseekV41ForCausalLM(nn.Module):
                 p.fill_(1.0)
                 continue
             noise = torch.randn(p.shape, generator=gen, device=self.device, dtype=torch.float32)
-            scale = 0.5 if name.endswith(("attn_sink", "bias")) else std
+            if name.endswith("_hc.scale"):  # the mixers' per-group scales, around 1
+                p.copy_(1.0 + 0.1 * noise)
+                continue
+            scale = 0.5 if name.endswith(("attn_sink", "bias", "_hc.base")) else std
             p.copy_(noise * scale)
 
     # ---- the paged forward ---------------------------------------------------------------
@@ -210,10 +227,12 @@ class DeepseekV41ForCausalLM(nn.Module):
         src = torch.cat([plan.token_ids, history.flatten()])
         grams_t = src[plan.gram_src]
         x = self._embed(plan.token_ids)
+        pre = identity_pre(x)
         for layer in self.model.layers:
             attn = layer.self_attn
-            x = layer.block(
+            x, pre = layer.block(
                 x,
+                pre,
                 grams_t,
                 lambda u, a=attn: paged_attention(
                     a, u, plan.positions, plan.longer, plan.decode, kv, slots
@@ -225,7 +244,7 @@ class DeepseekV41ForCausalLM(nn.Module):
         if slots.history is not None:
             slots.history[:, 0].index_copy_(0, plan.span_slots, plan.frontiers)
             slots.history[:, 1:].index_copy_(0, plan.span_slots, src[plan.hist_src])
-        logits = self._head(x if all_logits else x[plan.last])
+        logits = self._head(x, pre) if all_logits else self._head(x[plan.last], pre[plan.last])
         return (logits, x) if return_residual else logits
 
     def check_draft_spans(self, spans: list[Span], slots: StateSlots, layer: int) -> None:
@@ -256,9 +275,9 @@ class DeepseekV41ForCausalLM(nn.Module):
         e = self.model.embed_tokens(token_ids)
         return e[:, None, :].expand(-1, self.config.hc_mult, -1).contiguous()
 
-    def _head(self, x: torch.Tensor) -> torch.Tensor:
-        h, _, _ = self.model.head_hc.pre(x)
-        return self.lm_head(self.model.norm(h)).float()
+    def _head(self, x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+        """float32 logits of streams x [N, hc, d] collapsed with the last FFN's ``pre``."""
+        return self.lm_head(self.model.norm(collapse(x, pre))).float()
 
 
 def _verify_mirror(spans: list[Span], slots: StateSlots) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from atom.models.common.mhc import identity_pre
 from atom.models.common.storage import index_roundtrip
 from atom.models.deepseek_v41.attention import (
     CSA2Attention,
@@ -85,12 +86,16 @@ def reference_forward(model: DeepseekV41ForCausalLM, token_ids) -> torch.Tensor:
     rows: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     selections: dict = {}
     x = model._embed(ids)
+    pre = identity_pre(x)
     for layer in model.model.layers:
         attn = layer.self_attn
-        x = layer.block(
-            x, grams, lambda u, a=attn: _attention(a, u, pos, rows, selections, model.index_dtype)
+        x, pre = layer.block(
+            x,
+            pre,
+            grams,
+            lambda u, a=attn: _attention(a, u, pos, rows, selections, model.index_dtype),
         )
-    return model._head(x)
+    return model._head(x, pre)
 
 
 @torch.no_grad()

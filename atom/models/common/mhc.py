@@ -1,0 +1,66 @@
+"""mHC (manifold-constrained hyper-connections) as DeepSeek's published V4 and V4.1 code
+computes it: the residual stream is ``hc`` copies X [N, hc, d], and each sublayer reads a
+weighted sum of them and writes back through a doubly stochastic mixing matrix.
+
+``HcMixer.mixes(X)`` (float32): mix = fn(RMSNorm(flat X)) with no norm weight; then
+  pre  = sigmoid(mix[:hc] * scale_0 + base[:hc]) + hc_eps           [N, hc]
+  post = 2 sigmoid(mix[hc:2hc] * scale_1 + base[hc:2hc])            [N, hc]
+  C    = sinkhorn(mix[2hc:] * scale_2 + base[2hc:])                 [N, hc, hc]
+(a head mixer has only ``pre``: fn [hc, hc*d], scale [1]). ``collapse(X, pre)`` =
+sum_b pre_b X_b is a sublayer's input, ``hc_post`` the update X_j = post_j * out + sum_i C_ij
+X_i. How the families wire them differs: V4 collapses each sublayer with its own ``pre`` and has a
+head mixer; V4.1 collapses a sublayer with the ``pre`` its *predecessor* computed (the first
+attention with the one-hot ``identity_pre``) and the LM head with the last FFN's.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from atom.kernels.norm import hc_post, hc_pre, rms_norm
+from atom.kernels.sinkhorn import sinkhorn
+
+__all__ = ["HcMixer", "collapse", "hc_post", "identity_pre"]
+
+collapse = hc_pre  # x [N, hc, d], pre [N, hc] float32 -> sum_b pre_b x_b [N, d], x's dtype
+
+
+def identity_pre(x: torch.Tensor) -> torch.Tensor:
+    """The one-hot pre mix [N, hc] (float32) V4.1's first layer collapses its input with (all
+    copies are the embedding there, so it reads copy 0)."""
+    pre = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
+    pre[:, 0] = 1.0
+    return pre
+
+
+class HcMixer(nn.Module):
+    """The mixing values of one sublayer (``head=False``) or of an LM head reader
+    (``head=True``). Parameters float32, named as published: ``fn`` [n_mix, hc*d] (``hc_*_fn``),
+    ``base`` [n_mix] (``hc_*_base``), ``scale`` [3] or [1] (``hc_*_scale``)."""
+
+    def __init__(
+        self, hc: int, dim: int, iters: int, eps: float, norm_eps: float, head: bool = False
+    ):
+        super().__init__()
+        self.hc, self.head = hc, head
+        self.iters, self.eps, self.norm_eps = iters, eps, norm_eps
+        n_mix = hc if head else (2 + hc) * hc
+        self.fn = nn.Parameter(torch.empty(n_mix, hc * dim, dtype=torch.float32))
+        self.base = nn.Parameter(torch.zeros(n_mix, dtype=torch.float32))
+        self.scale = nn.Parameter(torch.ones(1 if head else 3, dtype=torch.float32))
+
+    def mixes(
+        self, x: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """x [N, hc, d] -> (pre [N, hc], post [N, hc], C [N, hc, hc]), float32; (pre, None,
+        None) for a head mixer."""
+        hc = self.hc
+        mix = F.linear(rms_norm(x.flatten(1).float(), None, self.norm_eps), self.fn)
+        pre = torch.sigmoid(mix[:, :hc] * self.scale[0] + self.base[:hc]) + self.eps
+        if self.head:
+            return pre, None, None
+        post = 2 * torch.sigmoid(mix[:, hc : 2 * hc] * self.scale[1] + self.base[hc : 2 * hc])
+        comb = mix[:, 2 * hc :] * self.scale[2] + self.base[2 * hc :]
+        return pre, post, sinkhorn(comb, hc, self.iters, self.eps)
