@@ -30,12 +30,12 @@ def _components():
     """(owner, attribute, label): the functions wrapped in a profiler range."""
     from atom.models.common import layers as common_layers
     from atom.models.common import mhc, moe
-    from atom.models.deepseek_v41 import attention, layers, model, paged_decode
+    from atom.models.deepseek_v41 import attention, engram, model, paged_decode
 
     return [
         (model.DeepseekV41ForCausalLM, "_embed", "embed"),
         (model.DeepseekV41ForCausalLM, "_head", "lm head (mHC + norm + head)"),
-        (layers.Engram, "forward", "engram"),
+        (engram.Engram, "forward", "engram"),
         (mhc.HcMixer, "mixes", "mhc mixes (mix, sinkhorn)"),
         (model, "collapse", "mhc collapse"),
         (model, "hc_post", "mhc post"),

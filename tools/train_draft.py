@@ -64,8 +64,9 @@ under "previous" in draft_training.json. ``--measure N`` runs ``measure`` after 
 Initialisation: the draft layer is window-only like the target's last layers (8 and 9), so it
 starts as a copy of layer 9 (mHC, norms, attention, MoE), with the model's final norm as
 ``shared_head.norm`` and its ``head_hc`` from the ``pre`` part of layer 9's FFN mixer;
-``enorm`` / ``hnorm`` are set to the measured RMS of the embeddings / the streams so both keep their scale, and ``eh_proj`` starts as [I, I] (the
-residual passed through, the next token's embedding added, as the model's own input is).
+``enorm`` / ``hnorm`` are set to the measured RMS of the embeddings / the streams so both keep
+their scale, and ``eh_proj`` starts as [I, I] (the residual passed through, the next token's
+embedding added, as the model's own input is).
 
 Evaluation (held-out sequences, seeds from the eval split's range, disjoint from training):
 teacher-forced agreement, the fraction of draft positions p whose argmax equals the target's
@@ -146,7 +147,7 @@ def target_forward(model, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
                 b * s, -1
             )
 
-        x, pre = layer.block(x, pre, grams, attend)
+        x, pre = layer.block(x, pre, model.engram_rows(grams), attend)
     return model._head(x, pre).view(b, s, -1), x.view(b, s, *x.shape[1:])
 
 
@@ -158,6 +159,7 @@ def reference_target_forward(model, ids) -> tuple[torch.Tensor, torch.Tensor]:
     ids = torch.as_tensor(ids, dtype=torch.int64, device=dev)
     pos = torch.arange(ids.numel(), device=dev)
     grams = torch.cat([torch.full((3,), -1, dtype=torch.int64, device=dev), ids]).unfold(0, 4, 1)
+    engram_rows = model.engram_rows(grams)
     rows: dict = {}
     selections: dict = {}
     x = model._embed(ids)
@@ -166,7 +168,7 @@ def reference_target_forward(model, ids) -> tuple[torch.Tensor, torch.Tensor]:
         x, pre = layer.block(
             x,
             pre,
-            grams,
+            engram_rows,
             lambda u, a=layer.self_attn: reference._attention(
                 a, u, pos, rows, selections, model.index_dtype
             ),

@@ -45,6 +45,7 @@ from atom.distributed.parallel_state import ParallelState
 from atom.models.common.config import ConfigError
 from atom.models.deepseek_v41.attention import CSA2Attention
 from atom.models.deepseek_v41.config import V41Config
+from atom.models.deepseek_v41.engram import EngramHash
 from atom.models.deepseek_v41.model import DeepseekV41ForCausalLM
 from atom.models.deepseek_v41.weights import load_weights
 
@@ -200,6 +201,8 @@ def materialize(model: DeepseekV41ForCausalLM, device: torch.device | str) -> No
         for m in model.modules():
             if isinstance(m, CSA2Attention):
                 m.build_ropes(model.config)
+            if isinstance(m, EngramHash):
+                m.build(device)
             if hasattr(m, "_stack"):
                 m._stack = None
     left = []

@@ -3,7 +3,7 @@
 A kernel runs only where it can: a CUDA tensor and an importable Triton (``use_triton``);
 everywhere else the torch expression runs. ``ATOM_TRITON=0`` turns every kernel off (A/B runs,
 and a way out if a kernel misbehaves on some GPU); ``ATOM_TRITON_OFF=name[,name]`` turns off the
-named ones: engram, sink_attention (prefill), index_scores; decode_attention and moe_combine
+named ones: sink_attention (prefill), index_scores; decode_attention and moe_combine
 run only when named in ``ATOM_TRITON_ON`` (``OPT_IN`` says why).
 Kernels are checked against their torch expressions by tests/kernels (on CUDA, and on CPU under
 Triton's interpreter when Triton is installed).

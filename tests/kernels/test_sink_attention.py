@@ -12,7 +12,7 @@ from atom.kernels.attention import (
     sink_attention_torch,
     sink_attention_usable,
 )
-from atom.kernels.engram import engram_kernel_usable
+from atom.kernels.index_scores import index_scores_usable
 from atom.models.deepseek_v41.attention import CSA2Attention
 from atom.models.deepseek_v41.presets import preset_config
 from tests.kernels.runnable import DEVICE, needs_kernel
@@ -133,12 +133,12 @@ def test_masked_keys_never_reach_the_output():
 
 
 def test_atom_triton_off_names_kernels(kernels_on, monkeypatch):
-    q, cid, table = torch.zeros(1, 1, 64), torch.zeros(1, 4, dtype=torch.int64), torch.zeros(8, 4)
-    assert sink_attention_usable(q) and engram_kernel_usable(cid, table)
-    monkeypatch.setenv("ATOM_TRITON_OFF", "engram, sink_attention")
-    assert not sink_attention_usable(q) and not engram_kernel_usable(cid, table)
-    monkeypatch.setenv("ATOM_TRITON_OFF", "engram")
-    assert sink_attention_usable(q) and not engram_kernel_usable(cid, table)
+    q, qi = torch.zeros(1, 1, 64), torch.zeros(1, 2, 32)
+    assert sink_attention_usable(q) and index_scores_usable(qi)
+    monkeypatch.setenv("ATOM_TRITON_OFF", "index_scores, sink_attention")
+    assert not sink_attention_usable(q) and not index_scores_usable(qi)
+    monkeypatch.setenv("ATOM_TRITON_OFF", "index_scores")
+    assert sink_attention_usable(q) and not index_scores_usable(qi)
     assert not sink_attention_usable(q, "decode_attention")  # opt-in (atom.kernels.OPT_IN)
     monkeypatch.setenv("ATOM_TRITON_ON", "decode_attention")
     monkeypatch.setenv("ATOM_TRITON_OFF", "")
@@ -151,13 +151,12 @@ def test_atom_triton_off_names_kernels(kernels_on, monkeypatch):
 
 def test_gradients_take_the_torch_expressions(kernels_on):
     """The kernels have no backward: under autograd, tensors that want gradients never reach
-    them (training runs Engram and attention through torch)."""
+    them (training runs attention and index scores through torch)."""
     q = torch.zeros(1, 1, 64, requires_grad=True)
-    table = torch.zeros(8, 4, requires_grad=True)
-    cid = torch.zeros(1, 4, dtype=torch.int64)
-    assert not sink_attention_usable(q) and not engram_kernel_usable(cid, table)
+    qi = torch.zeros(1, 2, 32, requires_grad=True)
+    assert not sink_attention_usable(q) and not index_scores_usable(qi)
     with torch.no_grad():
-        assert sink_attention_usable(q) and engram_kernel_usable(cid, table)
+        assert sink_attention_usable(q) and index_scores_usable(qi)
 
 
 @pytest.mark.parametrize("per_tile", [1, 4])

@@ -25,8 +25,7 @@ SMALL = dict(
     moe_intermediate_size=32,
     engram_vocab_size=64,
     engram_n_heads=2,
-    engram_embed_dim=8,
-    engram_table_size=31,
+    engram_head_dim=32,
 )
 
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from atom.models.deepseek_v41.engram import PublishedEngram, dequantise_rows, e8m0_to_float
+from atom.models.deepseek_v41.engram import Engram, dequantise_rows, e8m0_to_float
 from atom.models.deepseek_v41.ngram_hash import (
     BEFORE_START,
     DEAD,
@@ -246,15 +246,15 @@ def test_e8m0_and_dequantise_rows():
     assert torch.equal(got.float(), want)
 
 
-def _gate_module() -> PublishedEngram:
+def _gate_module() -> Engram:
     # hc=2, dim=4, one hash column of 32 values. Table row 0 = one-hot at 0, row 1 = one-hot
     # at 1 (scale 2^0), so wkv's column j is the kv of a token whose row id is j.
-    mod = PublishedEngram(
+    mod = Engram(
         dim=4, hc=2, rows=2, head_dim=32, n_hash_cols=1, eps=1e-20, dtype=torch.float32
     )
     table = torch.zeros(2, 32)
     table[0, 0] = table[1, 1] = 1.0
-    mod.embed.weight.data.copy_(table.to(torch.float8_e4m3fn))
+    mod.embed.weight.data.copy_(table)
     wkv = torch.zeros(12, 32)
     # kv = key copy 0 (4) | key copy 1 (4) | value (4).
     wkv[:, 0] = torch.tensor([2.0] * 4 + [4.0] * 4 + [1.0, 2.0, 3.0, 4.0])
@@ -309,12 +309,11 @@ def test_gate_keeps_input_dtype_and_names():
     names = {n: tuple(p.shape) for n, p in mod.state_dict().items()}
     assert names == {
         "embed.weight": (2, 32),
-        "embed.scale": (2, 1),
         "wkv.weight": (12, 32),
         "q_weight": (2, 4),
         "k_weight": (2, 4),
     }
-    assert mod.embed.weight.dtype == torch.float8_e4m3fn
+    assert mod.embed.weight.dtype == torch.float32  # the compute dtype (FP8 decoded on load)
     assert mod.q_weight.dtype == torch.float32
     x = torch.ones(3, 2, 4, dtype=torch.bfloat16)
     assert mod(x, torch.zeros(3, 1, dtype=torch.int64)).dtype == torch.bfloat16

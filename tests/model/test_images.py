@@ -71,7 +71,7 @@ def test_restore_refuses_an_image_of_another_layout(tiny_model, tiny_config):
     units = h.blocks(h.rt.spec.units_per_image)
     h.rt.store_image(0, units)
     # same byte offsets, another model config: the layout id differs
-    other_cfg = preset_config("v41-tiny", engram_table_size=37)
+    other_cfg = preset_config("v41-tiny", engram_vocab_size=80)
     other = V41Runtime(DeepseekV41ForCausalLM(other_cfg).init_weights(0), block_size=16)
     assert other.spec.header_offset == h.rt.spec.header_offset
     assert other.spec.layout_id != h.rt.spec.layout_id

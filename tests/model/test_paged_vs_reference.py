@@ -140,12 +140,17 @@ def test_engram_history_starts_at_minus_one(tiny_model):
     assert h.rt.slots.cursor[0].tolist() == [2, -1, seq[0], seq[1]]
     h.run_chunks(seq[:5], [2, 5], slot=1, table=h.blocks(1))
     assert h.rt.slots.cursor[1].tolist() == [5, seq[2], seq[3], seq[4]]
-    engram = tiny_model.model.layers[1].engram
-    x = torch.randn(3, tiny_model.config.hc_mult, tiny_model.config.hidden_size)
-    none_valid = torch.tensor([[-1, -1, -1, seq[0]]] * 3)
-    assert torch.equal(engram(x, none_valid), x)  # every n-gram reaches before the start
-    some_valid = torch.tensor([[-1, -1, seq[0], seq[1]]] * 3)
-    assert not torch.equal(engram(x, some_valid), x)
+    # positions before the sequence hash as the pad token (published), cumulatively: once the
+    # look-back crosses the start, every longer n-gram is padded too
+    pad, a, b, t = tiny_model.config.engram_pad_token_id, seq[0], seq[1], seq[2]
+    rows = tiny_model.engram_rows(
+        torch.tensor([[-1, -1, -1, t], [-1, a, b, t], [a, -1, b, t], [a, a, b, t]])
+    )
+    padded = tiny_model.engram_rows(
+        torch.tensor([[pad, pad, pad, t], [pad, a, b, t], [pad, pad, b, t], [a, a, b, t]])
+    )
+    assert torch.equal(rows, padded)
+    assert not torch.equal(rows[1], rows[3])  # the oldest id matters when it is in the sequence
 
 
 def test_mini_block_256_matches_reference():

@@ -6,14 +6,14 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from atom.model_api import Span
-from atom.models.deepseek_v41 import layers, paged_attention, paged_decode
+from atom.models.deepseek_v41 import engram, paged_attention, paged_decode
 from benchmarks import profile_components as pc
 from benchmarks.common import bound_runtime
 
 
 def test_ranges_are_counted_once_per_call_and_instrumenting_is_undone():
     originals = (
-        layers.Engram.forward,
+        engram.Engram.forward,
         paged_attention.decode_attention,
         paged_decode._complete_groups,
     )
@@ -39,5 +39,5 @@ def test_ranges_are_counted_once_per_call_and_instrumenting_is_undone():
     assert rows["mhc mixes (mix, sinkhorn)"][2] == 2 * layers_n  # no head mixer (published)
     assert rows["mhc collapse"][2] == 2 * layers_n + 1  # + the head's
     assert 0 < rows["layer"][0] <= total_us  # CPU: host time of the ranges
-    now = (layers.Engram.forward, paged_attention.decode_attention, paged_decode._complete_groups)
+    now = (engram.Engram.forward, paged_attention.decode_attention, paged_decode._complete_groups)
     assert now == originals

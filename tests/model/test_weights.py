@@ -43,7 +43,9 @@ def test_hf_tensor_names(tiny_model):
         "model.layers.8.self_attn.indexer.wq_b.weight",
         "model.layers.0.mlp.experts.3.down_proj.weight",
         "model.layers.0.mlp.gate.e_score_correction_bias",
-        "model.layers.4.engram.vocab_map",
+        "model.layers.4.engram.embed.weight",
+            "model.layers.4.engram.q_weight",
+            "model.layers.0.attn_hc.scale",
         "model.norm.weight",
         "lm_head.weight",
     ]:

@@ -11,6 +11,7 @@ and ``mix`` runs them.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable
 from typing import Any
@@ -20,25 +21,34 @@ import torch.nn.functional as F
 from torch import nn
 
 from atom.kernels.moe_combine import moe_combine
+from atom.models.common.formats import fp8_act_sim
 from atom.models.common.layers import linear
 
 __all__ = ["Expert", "MoEGate", "MoE"]
 
 
+def _act_identity(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
 class Expert(nn.Module):
-    """Clamped SwiGLU: down(silu(min(gate, L)) * clamp(up, -L, L))."""
+    """Clamped SwiGLU: down(silu(min(gate, L)) * clamp(up, -L, L)). ``act`` rounds the inputs
+    of the three projections (the published FP8/FP4 linears quantize their input activations;
+    ``MoE`` sets it; identity by default)."""
 
     def __init__(self, d: int, inter: int, limit: float, dtype: torch.dtype):
         super().__init__()
         self.limit = limit
+        self.act = _act_identity
         self.gate_proj = linear(d, inter, dtype)
         self.up_proj = linear(d, inter, dtype)
         self.down_proj = linear(inter, d, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.act(x)
         g = self.gate_proj(x).clamp(max=self.limit)
         u = self.up_proj(x).clamp(-self.limit, self.limit)
-        return self.down_proj(F.silu(g) * u)
+        return self.down_proj(self.act(F.silu(g) * u))
 
 
 class MoEGate(nn.Module):
@@ -66,7 +76,9 @@ class MoE(nn.Module):
 
     DENSE_MAX_TOKENS = 64
 
-    def __init__(self, config: Any, dtype: torch.dtype, gate_temp: float = 1.0):
+    def __init__(
+        self, config: Any, dtype: torch.dtype, gate_temp: float = 1.0, act_fp8: bool = False
+    ):
         super().__init__()
         d, inter = config.hidden_size, config.moe_intermediate_size
         self.top_k, self.scale = config.num_experts_per_tok, config.routed_scaling_factor
@@ -77,6 +89,10 @@ class MoE(nn.Module):
             Expert(d, inter, config.swiglu_limit, dtype) for _ in range(config.n_routed_experts)
         )
         self.shared_experts = Expert(d, inter * config.n_shared_experts, config.swiglu_limit, dtype)
+        # the published FP8/FP4 experts quantize their inputs to E4M3 per 32 (``act_fp8``)
+        self.act = functools.partial(fp8_act_sim, block=32) if act_fp8 else _act_identity
+        for expert in [*self.experts, self.shared_experts]:
+            expert.act = self.act
         self._stack: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         # tensor parallelism (``atom.distributed``): this rank holds a slice of every expert's
         # intermediate dimension, and this sums the ranks' float32 partial outputs
@@ -154,17 +170,18 @@ class MoE(nn.Module):
         counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
         offs = torch.cumsum(counts, 0, dtype=torch.int32)
         rows = order // self.top_k
-        xs = x.index_select(0, rows)
+        xs = self.act(x).index_select(0, rows)
         g = torch._grouped_mm(xs, gate.transpose(1, 2), offs=offs).clamp(max=self.limit)
         u = torch._grouped_mm(xs, up.transpose(1, 2), offs=offs).clamp(-self.limit, self.limit)
-        return torch._grouped_mm(F.silu(g) * u, down.transpose(1, 2), offs=offs), order
+        h = self.act(F.silu(g) * u)
+        return torch._grouped_mm(h, down.transpose(1, 2), offs=offs), order
 
     def _dense(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         gate, up, down = self.stacked_weights()
-        xb = x.unsqueeze(0).expand(gate.shape[0], -1, -1)
+        xb = self.act(x).unsqueeze(0).expand(gate.shape[0], -1, -1)
         g = torch.bmm(xb, gate.transpose(1, 2)).clamp(max=self.limit)
         u = torch.bmm(xb, up.transpose(1, 2)).clamp(-self.limit, self.limit)
-        y = torch.bmm(F.silu(g) * u, down.transpose(1, 2)).float()  # [E, n, d]
+        y = torch.bmm(self.act(F.silu(g) * u), down.transpose(1, 2)).float()  # [E, n, d]
         route = torch.zeros(x.shape[0], gate.shape[0], dtype=torch.float32, device=x.device)
         route.scatter_(1, idx, w)
         return (y * route.t()[:, :, None]).sum(0)

@@ -17,6 +17,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from atom.models.common.formats import fp4_act_sim, fp8_act_sim
 from atom.models.common.layers import RMSNorm, linear, rms_norm
 from atom.models.common.rope import InterleavedRope
 from atom.models.common.selection import (  # noqa: F401  (the rest: re-exported)
@@ -46,9 +47,12 @@ class Compressor(nn.Module):
 
     def raw(self, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Per-token projections (float32), the values a compressor ring keeps."""
-        values = self.wkv(u).float()
-        scores = self.wgate(u).float() if self.wgate is not None else None
-        return values, scores
+        if self.wgate is None:  # ratio 1: a plain projection in the compute dtype
+            return self.wkv(u).float(), None
+        # the pooling compressors project in float32, as published (weights promoted)
+        x = u.float()
+        values = torch.nn.functional.linear(x, self.wkv.weight.float())
+        return values, torch.nn.functional.linear(x, self.wgate.weight.float())
 
     def pool(self, values: torch.Tensor, scores: torch.Tensor | None) -> torch.Tensor:
         """values/scores [G, ratio, hd] float32 -> normalized latents [G, hd] float32."""
@@ -96,6 +100,8 @@ class CSA2Attention(nn.Module):
         self.window, self.topk = c.sliding_window, c.index_topk
         self.cand_blocks, self.cand_block_size = c.candidate_topk_blocks, c.candidate_block_size
         self.groups, self.kv_dtype = c.o_groups, kv_dtype
+        self.kv_fp8_sim, self.compressed_fp4_sim = c.kv_fp8_sim, c.compressed_fp4_sim
+        self.index_fp4_sim, self.act_fp8_sim = c.index_fp4_sim, c.act_fp8_sim
         self.build_ropes(c)
         self.scale = self.head_dim**-0.5  # on every layer, as published: no YaRN mscale
         d = c.hidden_size
@@ -131,13 +137,15 @@ class CSA2Attention(nn.Module):
 
     def queries(self, u: torch.Tensor, cs) -> tuple[torch.Tensor, torch.Tensor]:
         """u [N, d] -> (q [N, H, hd] rotated at the token positions, q latent [N, q_lora])."""
-        qlat = self.q_a_layernorm(self.q_a_proj(u))
-        q = self.q_b_proj(qlat).view(-1, self.heads, self.head_dim)
+        qlat = self.q_a_layernorm(self.q_a_proj(self.act(u)))
+        q = self.q_b_proj(self.act(qlat)).view(-1, self.heads, self.head_dim)
         return self.rope.apply_(q, cs), qlat
 
     def window_kv(self, u: torch.Tensor, cs) -> torch.Tensor:
         """Window KV [N, hd], normalized, rotated and rounded to the storage dtype."""
-        kv = self.rope.apply_(self.kv_norm(self.kv_proj(u)), cs)
+        kv = self.rope.apply_(self.kv_norm(self.kv_proj(self.act(u))), cs)
+        if self.kv_fp8_sim:
+            kv = fp8_act_sim(kv, 32)
         return kv_roundtrip(kv, self.kv_dtype)
 
     def compressed_rows(self, latents: torch.Tensor, cs) -> tuple[torch.Tensor, torch.Tensor]:
@@ -145,16 +153,28 @@ class CSA2Attention(nn.Module):
         rounded as stored, index keys [G, D] float32 *before* index quantization: the paged
         path packs them into PAGE, the reference applies ``index_roundtrip``)."""
         dtype = self.q_b_proj.weight.dtype
-        main = kv_roundtrip(self.rope.apply(latents.to(dtype), cs), self.kv_dtype)
+        main = self.rope.apply(latents.to(dtype), cs)
+        if self.compressed_fp4_sim:
+            main = fp4_act_sim(main, 16, "e4m3")
+        main = kv_roundtrip(main, self.kv_dtype)
         k = self.indexer.k_norm(self.indexer.wk(latents.to(dtype))).float()
-        return main, self.index_rope.apply_(k, cs)
+        return main, self.index_round(self.index_rope.apply_(k, cs))
 
     def index_query(self, qlat: torch.Tensor, u: torch.Tensor, cs):
         """(qi [N, Hi, D] float32 rotated, head weights [N, Hi] float32)."""
         ix = self.indexer
-        qi = ix.wq_b(qlat).view(-1, ix.heads, ix.dim).float()
+        qi = ix.wq_b(self.act(qlat)).view(-1, ix.heads, ix.dim).float()
         w = ix.weights_proj(u).float() * (ix.heads**-0.5 * ix.dim**-0.5)
-        return self.index_rope.apply_(qi, cs), w
+        return self.index_round(self.index_rope.apply_(qi, cs)), w
+
+    def act(self, x: torch.Tensor) -> torch.Tensor:
+        """The input of an FP8 linear as the published code feeds it (``act_fp8_sim``)."""
+        return fp8_act_sim(x, 32) if self.act_fp8_sim else x
+
+    def index_round(self, x: torch.Tensor) -> torch.Tensor:
+        """Index queries and keys through FP4, E8M0 scales per 32 (``index_fp4_sim``), no
+        Hadamard rotation (V4's indexer has one; V4.1's published one does not)."""
+        return fp4_act_sim(x, 32, "e8m0") if self.index_fp4_sim else x
 
     # ---- attention ------------------------------------------------------------------------
 
@@ -222,7 +242,7 @@ class CSA2Attention(nn.Module):
         grouped = o.reshape(n, self.groups, -1)
         w = self.o_a_proj.weight.view(self.groups, self.o_lora_rank, -1)
         mid = torch.einsum("ngi,goi->ngo", grouped, w).reshape(n, -1)
-        y = self.o_b_proj(mid)
+        y = self.o_b_proj(self.act(mid))
         if self.reduce_output is None:
             return y
         # the ranks' partial outputs are summed in float32 (as the MoE's are): a bf16 sum would

@@ -7,6 +7,7 @@ geometry and the reference forward agree by construction.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from functools import cached_property
 from typing import Any
@@ -25,6 +26,7 @@ from atom.models.common.config import (
 __all__ = ["ConfigError", "LayerMode", "V41Config"]
 
 V41_MODEL_TYPE = "deepseek_v41"
+_PREPUBLISHED_ENGRAM_KEYS = ("engram_max_ngram", "engram_embed_dim", "engram_table_size")
 
 
 class LayerMode(str, enum.Enum):
@@ -77,13 +79,44 @@ class V41Config(ModelConfig):
     candidate_source_layer_id: int | None = None
     candidate_topk_blocks: int = 2048
     candidate_block_size: int = 8
+    # Engram, with the published keys' meanings (atom.models.deepseek_v41.ngram_hash):
+    # engram_vocab_size is where each (n-gram size, head) bucket's prime search starts;
+    # engram_num_embeddings the table rows of each engram layer (None: exactly the primes'
+    # sum, atom's shorthand for presets); engram_compressed_vocab_size the size of the
+    # tokenizer-derived compressed vocabulary (None: the identity map over vocab_size, for
+    # presets without a tokenizer); engram_pad_token_id the token hashed where the look-back
+    # reaches before the sequence.
     engram_layer_ids: list[int] = []
-    engram_vocab_size: int = 32768
-    engram_max_ngram: int = 4
+    engram_num_embeddings: list[int] | None = None
+    engram_max_ngram_size: int = 4
+    engram_vocab_size: int = 64
     engram_n_heads: int = 2
-    engram_embed_dim: int = 64
-    engram_table_size: int = 65521
+    engram_head_dim: int = 32
+    engram_pad_token_id: int = 2
+    engram_compressed_vocab_size: int | None = None
     num_nextn_predict_layers: int = 0
+    # The roundings DeepSeek's published inference code applies (atom's keys: a published
+    # config has none; they are on for the published model, off in the small presets, where
+    # paged and reference forwards are compared at float tolerance). kv_fp8_sim: window KV
+    # through E4M3 per 32 over the whole rotated vector; compressed_fp4_sim: compressed rows
+    # through FP4 per 16 with E4M3 scales after RoPE; index_fp4_sim: index queries and keys
+    # through FP4 per 32 with E8M0 scales; act_fp8_sim: the inputs of the FP8/FP4 linears
+    # through E4M3 per 32 (atom.models.common.formats).
+    kv_fp8_sim: bool = False
+    compressed_fp4_sim: bool = False
+    index_fp4_sim: bool = False
+    act_fp8_sim: bool = False
+    # read from the published form and kept (``published_config``); DSpark is not run yet
+    dspark_stages: int = 0
+    dspark_block_size: int = 0
+    dspark_noise_token_id: int | None = None
+    dspark_target_layer_ids: list[int] = []
+    dspark_markov_rank: int | None = None
+    dspark_n_routed_experts: int | None = None
+    dspark_num_experts_per_tok: int | None = None
+    quantization_config: dict[str, Any] | None = None
+    vision_config: dict[str, Any] | None = None
+    image_token_id: int | None = None
     tie_word_embeddings: bool = False
     initializer_range: float = 0.02
 
@@ -99,12 +132,61 @@ class V41Config(ModelConfig):
             )
         return data
 
+    @model_validator(mode="before")
+    @classmethod
+    def _published_form(cls, data: Any) -> Any:
+        # runs before the others (pydantic runs "before" validators last-defined first)
+        from atom.models.deepseek_v41.published_config import flatten, is_published_form
+
+        return flatten(data) if is_published_form(data) else data
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_prepublished_engram(cls, data: Any) -> Any:
+        old = [k for k in _PREPUBLISHED_ENGRAM_KEYS if isinstance(data, dict) and k in data]
+        if old:
+            raise ValueError(
+                f"{old} are keys of atom's Engram before it followed the published model "
+                "(engram_vocab_size now means the prime search start, not a vocabulary "
+                "modulus); this config (and its checkpoint) predates that change: retrain or "
+                "re-export it with the published keys (engram_max_ngram_size, engram_head_dim, "
+                "engram_num_embeddings)"
+            )
+        return data
+
     @model_validator(mode="after")
     def _validate(self) -> V41Config:
         _check_config(self)
         return self
 
     # ---- derived ------------------------------------------------------------------------
+
+    @cached_property
+    def engram_spec(self):
+        """The Engram's layout keys as ``ngram_hash.EngramSpec`` (None without engram layers),
+        ``engram_num_embeddings`` filled in as the primes' sums where it is None."""
+        if not self.engram_layer_ids:
+            return None
+        from atom.models.deepseek_v41.ngram_hash import EngramSpec, layer_primes
+
+        comp = self.engram_compressed_vocab_size
+        spec = EngramSpec(
+            layer_ids=tuple(self.engram_layer_ids),
+            num_embeddings=tuple(self.engram_num_embeddings or [1] * len(self.engram_layer_ids)),
+            max_ngram_size=self.engram_max_ngram_size,
+            vocab_size=self.engram_vocab_size,
+            n_heads=self.engram_n_heads,
+            head_dim=self.engram_head_dim,
+            pad_token_id=self.engram_pad_token_id,
+            compressed_vocab_size=self.vocab_size if comp is None else comp,
+        )
+        if self.engram_num_embeddings is None:
+            sums = tuple(sum(sum(h) for h in layer) for layer in layer_primes(spec))
+            spec = dataclasses.replace(spec, num_embeddings=sums)
+        from atom.models.deepseek_v41.ngram_hash import build_layout
+
+        build_layout(spec)  # refuses tables too small for their buckets
+        return spec
 
     @cached_property
     def layer_modes(self) -> tuple[LayerMode, ...]:
@@ -185,6 +267,24 @@ _POSITIVE = (
 )
 
 
+def _check_rounding_blocks(c: V41Config) -> None:
+    """Each simulated rounding works on whole blocks of the dims it rounds."""
+    need = []
+    if c.kv_fp8_sim:
+        need.append(("kv_fp8_sim", "head_dim", c.head_dim, 32))
+    if c.compressed_fp4_sim:
+        need.append(("compressed_fp4_sim", "head_dim", c.head_dim, 16))
+    if c.index_fp4_sim:
+        need.append(("index_fp4_sim", "index_head_dim", c.index_head_dim, 32))
+    if c.act_fp8_sim:
+        for name in ("hidden_size", "q_lora_rank", "moe_intermediate_size"):
+            need.append(("act_fp8_sim", name, getattr(c, name), 32))
+        need.append(("act_fp8_sim", "o_groups * o_lora_rank", c.o_groups * c.o_lora_rank, 32))
+    for flag, name, value, block in need:
+        if value % block:
+            fail(name, value, f"must be a multiple of {block} with {flag} on (rounded per {block})")
+
+
 def _check_config(c: V41Config) -> None:
     check_positive(c, _POSITIVE)
     check_attention_dims(c)
@@ -201,6 +301,7 @@ def _check_config(c: V41Config) -> None:
     if c.hc_sinkhorn_iters < 0:
         fail("hc_sinkhorn_iters", c.hc_sinkhorn_iters, "must be >= 0")
     check_rope_scaling(c.rope_scaling)
+    _check_rounding_blocks(c)
     n_all = c.num_hidden_layers + c.num_nextn_predict_layers
     if len(c.compress_ratios) not in (c.num_hidden_layers, n_all):
         fail(
@@ -286,10 +387,20 @@ def _check_config(c: V41Config) -> None:
                 f"be >= index_topk ({c.index_topk})",
             )
     if c.engram_layer_ids:
-        if not 2 <= c.engram_max_ngram <= 4:
-            fail("engram_max_ngram", c.engram_max_ngram, "must be in [2, 4] (history holds 3)")
-        for name in ("engram_vocab_size", "engram_n_heads", "engram_embed_dim"):
+        if not 2 <= c.engram_max_ngram_size <= 4:
+            fail(
+                "engram_max_ngram_size",
+                c.engram_max_ngram_size,
+                "must be in [2, 4] (the state keeps the last 3 token ids)",
+            )
+        for name in ("engram_vocab_size", "engram_n_heads", "engram_head_dim"):
             if getattr(c, name) <= 0:
                 fail(name, getattr(c, name), "must be a positive integer")
-        if c.engram_table_size < 2:
-            fail("engram_table_size", c.engram_table_size, "must be >= 2")
+        if c.engram_head_dim % 32:
+            fail("engram_head_dim", c.engram_head_dim, "must be a multiple of 32")
+        if not 0 <= c.engram_pad_token_id < c.vocab_size:
+            fail("engram_pad_token_id", c.engram_pad_token_id, f"must be in [0, {c.vocab_size})")
+        try:
+            _ = c.engram_spec  # builds the layout: refuses tables too small for it
+        except ValueError as e:
+            fail("engram_num_embeddings", c.engram_num_embeddings, str(e))

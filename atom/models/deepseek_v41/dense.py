@@ -88,6 +88,7 @@ def dense_forward(
     dev = ids.device
     hist = torch.full((b, 3), -1, dtype=torch.int64, device=dev)
     grams = torch.cat([hist, ids], dim=1).unfold(1, 4, 1).reshape(b * s, 4)
+    engram_rows = model.engram_rows(grams)
     x = model._embed(ids.reshape(-1))
     pre = identity_pre(x)
     rows: dict = {}
@@ -98,7 +99,7 @@ def dense_forward(
         def attend(u, a=attn):
             return _attention(a, u.view(b, s, -1), rows, model.index_dtype, aux).reshape(b * s, -1)
 
-        x, pre = layer.block(x, pre, grams, attend)
+        x, pre = layer.block(x, pre, engram_rows, attend)
     logits = model._head(x, pre).view(b, s, -1)
     kl = torch.stack(aux).mean() if aux else logits.new_zeros(())
     return logits, kl

@@ -1,15 +1,18 @@
-"""DeepSeek-V4.1 Engram module (one per engram layer), as the published inference code defines it.
+"""DeepSeek-V4.1's Engram, as the published inference code defines it: one module per engram
+layer, and ``EngramHash``, the model's n-gram hashing of every engram layer at once.
 
 Parameters carry the checkpoint's names under ``layers.{L}.engram.``:
 
-* ``embed.weight`` [rows, head_dim] float8_e4m3fn and ``embed.scale`` [rows, head_dim / 32]
-  E8M0 (one exponent byte per 32 values: 2^(byte - 127));
-* ``wkv.weight`` [(hc + 1) * dim, n_hash_cols * head_dim] in the compute dtype (the checkpoint
-  stores it FP8 with [32, 32] block scales; dequantising it on load is the loader's job);
+* ``embed.weight`` [rows, head_dim]: the hashed n-gram table, in the compute dtype (the
+  published checkpoint stores it as FP8 E4M3 with ``embed.scale`` [rows, head_dim / 32] E8M0
+  exponents; ``dequantise_rows`` decodes that form, exactly, since an e4m3 value times a
+  power of two is representable in bf16);
+* ``wkv.weight`` [(hc + 1) * dim, n_hash_cols * head_dim] (FP8 with [32, 32] block scales in
+  the checkpoint);
 * ``q_weight``, ``k_weight`` [hc, dim] float32.
 
-The row ids come from :class:`atom.models.deepseek_v41.ngram_hash.NgramHasher` (one engram
-layer's slice ``rows[:, layer_index, :]``).
+The row ids come from ``EngramHash`` (``atom.models.deepseek_v41.ngram_hash`` holds the layout,
+the token map and the hashing).
 """
 
 from __future__ import annotations
@@ -20,7 +23,13 @@ import torch
 from torch import nn
 
 from atom.models.common.formats import fp8_act_sim
-from atom.models.deepseek_v41.ngram_hash import SCALE_BLOCK
+from atom.models.deepseek_v41.ngram_hash import (
+    BEFORE_START,
+    SCALE_BLOCK,
+    EngramSpec,
+    NgramHasher,
+    identity_token_map,
+)
 
 # E8M0 has no dedicated dtype on older torch: fall back to raw bytes (same storage).
 E8M0_DTYPE: torch.dtype = getattr(torch, "float8_e8m0fnu", torch.uint8)
@@ -59,37 +68,12 @@ def dequantise_rows(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return (values * e8m0_to_float(scale)[..., None]).flatten(-2).to(torch.bfloat16)
 
 
-class EngramTable(nn.Module):
-    """One engram layer's FP8 row table: ``weight`` [rows, head_dim], ``scale`` [rows, hd/32]."""
-
-    def __init__(self, rows: int, head_dim: int, device: torch.device | str | None = None):
-        super().__init__()
-        if head_dim % SCALE_BLOCK:
-            raise ValueError(f"head_dim {head_dim} is not a multiple of {SCALE_BLOCK}")
-        self.rows, self.head_dim = rows, head_dim
-        weight = torch.zeros(rows, head_dim, dtype=torch.float8_e4m3fn, device=device)
-        # Byte 127 is a scale of 1.
-        scale = torch.full((rows, head_dim // SCALE_BLOCK), 127, dtype=torch.uint8, device=device)
-        self.weight = nn.Parameter(weight, requires_grad=False)
-        self.scale = nn.Parameter(scale.view(E8M0_DTYPE), requires_grad=False)
-
-    def lookup(self, row_ids: torch.Tensor) -> torch.Tensor:
-        """bf16 [*row_ids.shape, head_dim] dequantised rows; ``row_ids`` int64 in [0, rows)."""
-        flat = row_ids.reshape(-1)
-        # Gather raw bytes: indexing float8 dtypes is not implemented on every backend.
-        weight = self.weight.view(torch.uint8)[flat]
-        scale = self.scale.view(torch.uint8)[flat]
-        return dequantise_rows(weight, scale).reshape(*row_ids.shape, self.head_dim)
-
-
-class PublishedEngram(nn.Module):
+class Engram(nn.Module):
     """The published V4.1 Engram: hashed n-gram rows gated into every hyper-connection stream.
 
-    ``rows`` is the checkpoint table's row count (``engram_num_embeddings[l]``), ``n_hash_cols``
-    = (max_ngram_size - 1) * n_heads, ``eps`` the model's ``rms_norm_eps``. ``act_fp8`` makes
-    wkv's input go through the FP8 activation simulation (per 32 values, UE8M0 scales) that the
-    reference's FP8 GEMM applies (``atom.models.common.formats.fp8_act_sim``); the default
-    False feeds wkv the bf16 rows unrounded.
+    ``rows`` is the table's row count (``engram_num_embeddings[l]``), ``n_hash_cols`` =
+    (max_ngram_size - 1) * n_heads, ``eps`` the model's ``rms_norm_eps``. ``act_fp8`` rounds
+    wkv's input as the published FP8 GEMM does (``atom.models.common.formats.fp8_act_sim``).
     """
 
     def __init__(
@@ -108,29 +92,24 @@ class PublishedEngram(nn.Module):
         super().__init__()
         self.dim, self.hc, self.head_dim, self.n_hash_cols = dim, hc, head_dim, n_hash_cols
         self.eps, self.act_fp8 = eps, act_fp8
-        self.embed = EngramTable(rows, head_dim, device=device)
+        self.embed = nn.Embedding(rows, head_dim, dtype=dtype, device=device)
         self.wkv = nn.Linear(
             n_hash_cols * head_dim, (hc + 1) * dim, bias=False, dtype=dtype, device=device
         )
-        self.q_weight = nn.Parameter(
-            torch.ones(hc, dim, dtype=torch.float32, device=device), requires_grad=False
-        )
-        self.k_weight = nn.Parameter(
-            torch.ones(hc, dim, dtype=torch.float32, device=device), requires_grad=False
-        )
+        self.q_weight = nn.Parameter(torch.ones(hc, dim, dtype=torch.float32, device=device))
+        self.k_weight = nn.Parameter(torch.ones(hc, dim, dtype=torch.float32, device=device))
 
     def wkv_input(self, e: torch.Tensor) -> torch.Tensor:
-        """Hook for wkv's activations [N, n_hash_cols * head_dim] (compute dtype).
-
-        With ``act_fp8`` they are rounded (per 32 values, UE8M0 scales) as the reference's FP8
-        GEMM rounds them; a new tensor is returned, ``e`` is not mutated.
-        """
+        """wkv's activations [N, n_hash_cols * head_dim], rounded with ``act_fp8`` (per 32
+        values, UE8M0 scales) as the reference's FP8 GEMM rounds them; ``e`` is not mutated."""
         return fp8_act_sim(e, block=SCALE_BLOCK) if self.act_fp8 else e
 
     def forward(
         self, x: torch.Tensor, row_ids: torch.Tensor, token_mask: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """x [N, hc, dim] streams, row_ids [N, n_hash_cols] int64 -> [N, hc, dim], x's dtype.
+        """x [N, hc, dim] streams, row_ids [N, n_hash_cols] int64 -> [N, hc, dim], x's dtype:
+        X_c + gate_c * value, gate_c = sigmoid(signed sqrt(<X_c, q_weight_c k_weight_c, key_c>
+        / (rms(X_c) rms(key_c) sqrt(dim)))), each stream copy normalised on its own.
 
         ``token_mask`` [N] bool (optional): False forces the gate to 0 there (image positions),
         so those streams come back unchanged. Nothing is mutated.
@@ -138,13 +117,12 @@ class PublishedEngram(nn.Module):
         n = x.shape[0]
         if x.shape[1:] != (self.hc, self.dim) or row_ids.shape != (n, self.n_hash_cols):
             raise ValueError(f"x {tuple(x.shape)} / row_ids {tuple(row_ids.shape)} mismatch")
-        e = self.embed.lookup(row_ids).flatten(1).to(self.wkv.weight.dtype)
+        e = self.embed(row_ids).flatten(1).to(self.wkv.weight.dtype)
         kv = self.wkv(self.wkv_input(e))
         key, value = kv.split([self.hc * self.dim, self.dim], dim=-1)
         key = key.float().view(n, self.hc, self.dim)
         h = x.float()
         weight = self.q_weight.float() * self.k_weight.float()
-        # Each stream copy is normalised on its own (mean over dim only), as is its key.
         rstd = torch.rsqrt(h.square().mean(-1) + self.eps) * torch.rsqrt(
             key.square().mean(-1) + self.eps
         )
@@ -153,3 +131,55 @@ class PublishedEngram(nn.Module):
         if token_mask is not None:
             gate = gate.masked_fill(~token_mask.bool()[:, None], 0.0)
         return (h + gate[..., None] * value.float()[:, None, :]).to(x.dtype)
+
+
+class EngramHash(nn.Module):
+    """The n-gram row ids of every engram layer, from the model's n-gram windows.
+
+    ``rows(grams)``: grams [N, 4] int64, the token ids at t-3 .. t (-1 before the sequence, as
+    the paged forward's plan and the reference build them) -> [N, layers, n_hash_cols]. Token
+    ids are mapped through the compressed token map (``set_token_map``; the identity over the
+    vocabulary until a checkpoint's tokenizer gives another), and -1 becomes ``BEFORE_START``.
+    The tables live in non-persistent buffers, so they follow ``.to()``; ``build`` recreates
+    them (after a model built on ``meta`` is materialized).
+    """
+
+    def __init__(self, spec: EngramSpec, vocab_size: int, device=None) -> None:
+        super().__init__()
+        self.spec, self.vocab_size = spec, vocab_size
+        self._token_map = identity_token_map(vocab_size)
+        self.build(device)
+
+    def set_token_map(self, token_map: tuple[list[int], int]) -> None:
+        """Use a compressed token map (lookup over the whole vocabulary, size); its size must
+        be ``engram_compressed_vocab_size``."""
+        if len(token_map[0]) != self.vocab_size:
+            raise ValueError(
+                f"the compressed token map covers {len(token_map[0])} token ids, the model's "
+                f"vocabulary has {self.vocab_size}"
+            )
+        self._token_map = token_map
+        self.build(self.lookup.device)
+
+    def build(self, device=None) -> None:
+        """(Re)build the tables on ``device`` (on the host for ``meta``: a model built there
+        calls ``build`` again once materialized)."""
+        hasher = NgramHasher(self.spec, self._token_map, device="cpu")
+        if device is not None and torch.device(device).type != "meta":
+            for name in ("lookup", "primes", "offsets", "multipliers"):
+                setattr(hasher, name, getattr(hasher, name).to(device))
+        self.hasher = hasher
+        for name in ("lookup", "primes", "offsets", "multipliers"):
+            self.register_buffer(name, getattr(hasher, name), persistent=False)
+
+    def _apply(self, fn, recurse=True):
+        out = super()._apply(fn, recurse)
+        for name in ("lookup", "primes", "offsets", "multipliers"):
+            setattr(self.hasher, name, getattr(self, name))
+        return out
+
+    def rows(self, grams: torch.Tensor) -> torch.Tensor:
+        m1 = self.spec.max_ngram_size - 1
+        window = grams[:, grams.shape[1] - 1 - m1 :]
+        cids = torch.where(window >= 0, self.lookup[window.clamp(min=0)], BEFORE_START)
+        return self.hasher.rows(cids[:, -1], cids[:, :-1])

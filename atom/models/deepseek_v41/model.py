@@ -22,8 +22,8 @@ from atom.models.common.mhc import HcMixer, collapse, hc_post, identity_pre
 from atom.models.common.moe import MoE
 from atom.models.deepseek_v41.attention import CSA2Attention
 from atom.models.deepseek_v41.config import V41Config
+from atom.models.deepseek_v41.engram import Engram, EngramHash
 from atom.models.deepseek_v41.forward_plan import ForwardPlan
-from atom.models.deepseek_v41.layers import Engram
 from atom.models.deepseek_v41.paged import PagedKV, StateMismatchError, StateSlots
 from atom.models.deepseek_v41.paged_attention import paged_attention
 
@@ -37,16 +37,29 @@ class DecoderLayer(nn.Module):
     def __init__(self, config: V41Config, layer: int, dtype: torch.dtype, kv_dtype: str):
         super().__init__()
         eps = config.rms_norm_eps
-        self.engram = Engram(config, layer, dtype) if layer in config.engram_layer_ids else None
+        self.engram = self.engram_index = None
+        if layer in config.engram_layer_ids:
+            spec = config.engram_spec
+            self.engram_index = config.engram_layer_ids.index(layer)
+            self.engram = Engram(
+                dim=config.hidden_size,
+                hc=config.hc_mult,
+                rows=spec.num_embeddings[self.engram_index],
+                head_dim=spec.head_dim,
+                n_hash_cols=spec.n_hash_cols,
+                eps=config.rms_norm_eps,
+                dtype=dtype,
+                act_fp8=config.act_fp8_sim,
+            )
         self.attn_hc = hc_mixer(config)
         self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype)
         self.self_attn = CSA2Attention(config, layer, dtype, kv_dtype)
         self.ffn_hc = hc_mixer(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype)
-        self.mlp = MoE(config, dtype, gate_temp=config.gate_temp)
+        self.mlp = MoE(config, dtype, gate_temp=config.gate_temp, act_fp8=config.act_fp8_sim)
 
     def block(
-        self, x: torch.Tensor, pre: torch.Tensor, grams: torch.Tensor | None, attend
+        self, x: torch.Tensor, pre: torch.Tensor, engram_rows: torch.Tensor | None, attend
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One layer around an attention callable ``attend(normed input) -> output``.
 
@@ -54,9 +67,11 @@ class DecoderLayer(nn.Module):
         previous layer's, ``identity_pre`` for the first). As published, each sublayer's
         mixes serve the *next* sublayer's collapse: the FFN collapses with the ``pre`` this
         attention's mixer computed, and the ``pre`` of this FFN's mixer is returned for the
-        next layer (or the LM head). Returns (streams out, that ``pre``)."""
+        next layer (or the LM head). ``engram_rows`` [N, engram layers, n_hash_cols]: the
+        n-gram row ids (``EngramHash.rows``), read on an engram layer. Returns (streams out,
+        that ``pre``)."""
         if self.engram is not None:
-            x = self.engram(x, grams)
+            x = self.engram(x, engram_rows[:, self.engram_index])
         attn_pre, post, comb = self.attn_hc.mixes(x)
         x = hc_post(x, attend(self.input_layernorm(collapse(x, pre))), post, comb)
         ffn_pre, post, comb = self.ffn_hc.mixes(x)
@@ -98,6 +113,11 @@ class DeepseekV41ForCausalLM(nn.Module):
         self.kv_dtype, self.index_dtype = kv_dtype, index_dtype
         with torch.device(device or "cpu"):
             self.model = V41Model(config, dtype, kv_dtype)
+            # the n-gram hashing of the engram layers (None without them)
+            spec = config.engram_spec
+            self.engram_hash = (
+                None if spec is None else EngramHash(spec, config.vocab_size, device or "cpu")
+            )
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
             from atom.models.deepseek_v41.draft import DraftLayer  # draft.py builds on this module
 
@@ -131,7 +151,7 @@ class DeepseekV41ForCausalLM(nn.Module):
                 p.fill_(1.0)
                 continue
             noise = torch.randn(p.shape, generator=gen, device=self.device, dtype=torch.float32)
-            if name.endswith("_hc.scale"):  # the mixers' per-group scales, around 1
+            if name.endswith(("_hc.scale", "q_weight", "k_weight")):  # multipliers, around 1
                 p.copy_(1.0 + 0.1 * noise)
                 continue
             scale = 0.5 if name.endswith(("attn_sink", "bias", "_hc.base")) else std
@@ -233,7 +253,7 @@ class DeepseekV41ForCausalLM(nn.Module):
             x, pre = layer.block(
                 x,
                 pre,
-                grams_t,
+                self.engram_rows(grams_t),
                 lambda u, a=attn: paged_attention(
                     a, u, plan.positions, plan.longer, plan.decode, kv, slots
                 ),
@@ -270,6 +290,11 @@ class DeepseekV41ForCausalLM(nn.Module):
         return forward_draft_paged(
             self, token_ids, residual, spans, slots, layer=layer, all_logits=all_logits
         )
+
+    def engram_rows(self, grams: torch.Tensor) -> torch.Tensor | None:
+        """grams [N, 4] (token ids at t-3 .. t, -1 before the sequence) -> the engram layers'
+        row ids [N, engram layers, n_hash_cols], or None without engram layers."""
+        return None if self.engram_hash is None else self.engram_hash.rows(grams)
 
     def _embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         e = self.model.embed_tokens(token_ids)

@@ -50,10 +50,13 @@ _FLASH: dict[str, Any] = dict(
     candidate_topk_blocks=2048,
     candidate_block_size=8,
     engram_layer_ids=[1, 14],
-    engram_vocab_size=65536,
-    engram_n_heads=4,
-    engram_embed_dim=128,
-    engram_table_size=1048573,
+    engram_num_embeddings=[384006168, 384016682],
+    engram_max_ngram_size=4,
+    engram_vocab_size=16000000,
+    engram_n_heads=8,
+    engram_head_dim=256,
+    engram_pad_token_id=2,
+    engram_compressed_vocab_size=99092,
     num_nextn_predict_layers=3,
 )
 
@@ -93,8 +96,7 @@ _TINY: dict[str, Any] = dict(
     moe_intermediate_size=32,
     engram_vocab_size=64,
     engram_n_heads=2,
-    engram_embed_dim=8,
-    engram_table_size=31,
+    engram_head_dim=32,
     initializer_range=0.1,
 )
 
@@ -122,8 +124,7 @@ _MINI: dict[str, Any] = dict(
     moe_intermediate_size=256,
     engram_vocab_size=4096,
     engram_n_heads=2,
-    engram_embed_dim=32,
-    engram_table_size=4093,
+    engram_head_dim=32,
     initializer_range=0.05,
 )
 
@@ -133,8 +134,11 @@ _BENCH: dict[str, Any] = dict(
     n_routed_experts=8,
     num_experts_per_tok=2,
     num_nextn_predict_layers=0,
+    engram_num_embeddings=None,  # the primes' sums (the published 384M rows would not fit)
     engram_vocab_size=16384,
-    engram_table_size=65521,
+    engram_n_heads=4,
+    engram_head_dim=128,
+    engram_compressed_vocab_size=None,  # no tokenizer: the identity map
     max_position_embeddings=1048576,
 )
 
@@ -173,8 +177,7 @@ _RECALL: dict[str, Any] = dict(
     moe_intermediate_size=128,
     engram_vocab_size=512,
     engram_n_heads=2,
-    engram_embed_dim=16,
-    engram_table_size=509,
+    engram_head_dim=32,
     initializer_range=0.02,
 )
 

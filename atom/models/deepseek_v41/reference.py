@@ -83,6 +83,7 @@ def reference_forward(model: DeepseekV41ForCausalLM, token_ids) -> torch.Tensor:
     ids = torch.as_tensor(token_ids, dtype=torch.int64, device=dev)
     pos = torch.arange(ids.numel(), device=dev)
     grams = torch.cat([torch.full((3,), -1, dtype=torch.int64, device=dev), ids]).unfold(0, 4, 1)
+    engram_rows = model.engram_rows(grams)
     rows: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     selections: dict = {}
     x = model._embed(ids)
@@ -92,7 +93,7 @@ def reference_forward(model: DeepseekV41ForCausalLM, token_ids) -> torch.Tensor:
         x, pre = layer.block(
             x,
             pre,
-            grams,
+            engram_rows,
             lambda u, a=attn: _attention(a, u, pos, rows, selections, model.index_dtype),
         )
     return model._head(x, pre)

@@ -3,7 +3,7 @@
 Tensors are named as atom's parameters (HF-transformers style, ``model.layers.N.self_attn.
 q_a_proj.weight``), or in DeepSeek's own style (``layers.N.attn.wq_a.weight``), which DeepSeek's
 checkpoints use. ``NAMING`` maps one to the other, as data: a row per tensor kind, ``{L}`` a
-layer, ``{E}`` a routed expert, ``{T}`` an Engram table. A checkpoint may use either style, not
+layer, ``{E}`` a routed expert. A checkpoint may use either style, not
 both for one tensor; errors name tensors in the style the checkpoint uses.
 
 Draft layers (``draft``): the model's ``mtp.{i}.*`` are stored as DeepSeek-V3 stores its MTP
@@ -68,11 +68,10 @@ NAMING: tuple[tuple[str, str], ...] = (
     (_P + "mlp.shared_experts.gate_proj.weight", "layers.{L}.ffn.shared_experts.w1.weight"),
     (_P + "mlp.shared_experts.up_proj.weight", "layers.{L}.ffn.shared_experts.w3.weight"),
     (_P + "mlp.shared_experts.down_proj.weight", "layers.{L}.ffn.shared_experts.w2.weight"),
-    (_P + "engram.key_proj.weight", "layers.{L}.engram.key_proj.weight"),
-    (_P + "engram.key_norm.weight", "layers.{L}.engram.key_norm.weight"),
-    (_P + "engram.value_proj.weight", "layers.{L}.engram.value_proj.weight"),
-    (_P + "engram.tables.{T}.weight", "layers.{L}.engram.tables.{T}.weight"),
-    (_P + "engram.vocab_map", "layers.{L}.engram.vocab_map"),
+    (_P + "engram.embed.weight", "layers.{L}.engram.embed.weight"),
+    (_P + "engram.wkv.weight", "layers.{L}.engram.wkv.weight"),
+    (_P + "engram.q_weight", "layers.{L}.engram.q_weight"),
+    (_P + "engram.k_weight", "layers.{L}.engram.k_weight"),
     (_P + "enorm.weight", "layers.{L}.enorm.weight"),
     (_P + "hnorm.weight", "layers.{L}.hnorm.weight"),
     (_P + "eh_proj.weight", "layers.{L}.eh_proj.weight"),
