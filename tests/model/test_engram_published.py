@@ -249,9 +249,7 @@ def test_e8m0_and_dequantise_rows():
 def _gate_module() -> Engram:
     # hc=2, dim=4, one hash column of 32 values. Table row 0 = one-hot at 0, row 1 = one-hot
     # at 1 (scale 2^0), so wkv's column j is the kv of a token whose row id is j.
-    mod = Engram(
-        dim=4, hc=2, rows=2, head_dim=32, n_hash_cols=1, eps=1e-20, dtype=torch.float32
-    )
+    mod = Engram(dim=4, hc=2, rows=2, head_dim=32, n_hash_cols=1, eps=1e-20, dtype=torch.float32)
     table = torch.zeros(2, 32)
     table[0, 0] = table[1, 1] = 1.0
     mod.embed.weight.data.copy_(table)

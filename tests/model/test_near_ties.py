@@ -56,11 +56,10 @@ def test_the_gpu_scenario_holds_choices_decided_by_rounding(gpu_scenario):
     choices with a smaller margin can go either way. On the H200 host the CUDA paged forward
     and the CPU reference differed at (select, 6, 466); the CUDA and CPU references, and (no
     GPU) the paged forward and the reference on its 16 CPU cores, at (select, 6, 590); margins
-    there 5e-7 to 1.3e-5. The first such choice, (select, 2, 376), is ~1e-7 from flipping
-    everywhere; which later ones are depends on it (a flip there moves everything after)."""
+    there 5e-7 to 1.3e-5 (positions of atom's earlier V4.1 forward; since it follows the
+    published code the near-ties sit elsewhere, and the scenario still has them)."""
     _, _, _, trace = gpu_scenario
     assert len(trace.choices) == 9000  # 2400 selections, 600 candidate sets, 6000 routings
-    assert trace.margins[("select", 2, 376)] < 5e-5
     assert sum(m < 5e-5 for m in trace.margins.values()) >= 3, sorted(trace.margins.values())[:5]
 
 

@@ -47,14 +47,16 @@ from tools.train_draft import (
 
 MODEL_DIR = Path(__file__).resolve().parents[2] / "models" / "v41-recall"
 SEQUENCES, LENGTH = 24, 256  # held-out: eval-split seeds, as train_draft's held-out set
-# (overall, answer positions), measured on these sequences less 0.1 (chance: sparse 0.388 / 0.148,
-# dense 0.380 / 0.148)
-SPARSE_FLOORS = (0.79, 0.38)
-DENSE_FLOORS = (0.80, 0.51)
-# the target's own greedy continuations of 8 held-out prompts: measured 0.637 on the continuation
-# (chance 0.227; 0.19-0.24 before the self-generated fine-tune), 0.959 on the prompt; less 0.1
+# (overall, answer positions), measured on these sequences less 0.1, with the model retrained
+# for the published V4.1 forward (sparse 0.768 / 0.602, chance 0.242 / 0.231; dense 0.904 / 0.870,
+# chance 0.142 / 0.167)
+SPARSE_FLOORS = (0.66, 0.50)
+DENSE_FLOORS = (0.80, 0.77)
+# the target's own greedy continuations of 8 held-out prompts: measured 0.475 on the continuation
+# (chance 0.236; this draft had no fine-tune on self-generated continuations), 0.827 on the
+# prompt; less 0.1
 GEN_PROMPTS, GEN_LEN = 8, 64
-CONTINUATION_FLOOR, PROMPT_FLOOR = 0.53, 0.85
+CONTINUATION_FLOOR, PROMPT_FLOOR = 0.37, 0.72
 
 
 @pytest.fixture(scope="module")

@@ -44,8 +44,8 @@ def test_hf_tensor_names(tiny_model):
         "model.layers.0.mlp.experts.3.down_proj.weight",
         "model.layers.0.mlp.gate.e_score_correction_bias",
         "model.layers.4.engram.embed.weight",
-            "model.layers.4.engram.q_weight",
-            "model.layers.0.attn_hc.scale",
+        "model.layers.4.engram.q_weight",
+        "model.layers.0.attn_hc.scale",
         "model.norm.weight",
         "lm_head.weight",
     ]:

@@ -30,9 +30,9 @@ collapse = hc_pre  # x [N, hc, d], pre [N, hc] float32 -> sum_b pre_b x_b [N, d]
 def identity_pre(x: torch.Tensor) -> torch.Tensor:
     """The one-hot pre mix [N, hc] (float32) V4.1's first layer collapses its input with (all
     copies are the embedding there, so it reads copy 0)."""
-    pre = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
-    pre[:, 0] = 1.0
-    return pre
+    # built on the device (a scalar store into a device tensor would copy from the host)
+    one_hot = torch.arange(x.shape[1], device=x.device) == 0
+    return one_hot.to(torch.float32).expand(x.shape[0], -1).contiguous()
 
 
 class HcMixer(nn.Module):

@@ -162,10 +162,10 @@ class EngramHash(nn.Module):
         self.build(self.lookup.device)
 
     def build(self, device=None) -> None:
-        """(Re)build the tables on ``device`` (on the host for ``meta``: a model built there
-        calls ``build`` again once materialized)."""
+        """(Re)build the tables on ``device`` (computed on the host; on ``meta`` they keep only
+        their shapes, and a model built there calls ``build`` again once materialized)."""
         hasher = NgramHasher(self.spec, self._token_map, device="cpu")
-        if device is not None and torch.device(device).type != "meta":
+        if device is not None:  # on meta: shapes only (tracing), rebuilt once materialized
             for name in ("lookup", "primes", "offsets", "multipliers"):
                 setattr(hasher, name, getattr(hasher, name).to(device))
         self.hasher = hasher
