@@ -14,13 +14,15 @@ from atom.models.deepseek_v41.ngram_hash import (
     EngramSpec,
     HashLayout,
     NgramHasher,
-    build_compressed_token_map,
     build_layout,
-    check_token_map_size,
-    identity_token_map,
     initial_state,
     is_prime,
     layer_multipliers,
+)
+from atom.models.deepseek_v41.token_map import (
+    build_compressed_token_map,
+    check_token_map_size,
+    identity_token_map,
 )
 
 TINY = EngramSpec(

@@ -7,7 +7,6 @@ geometry and the reference forward agree by construction.
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 from functools import cached_property
 from typing import Any
@@ -163,30 +162,10 @@ class V41Config(ModelConfig):
 
     @cached_property
     def engram_spec(self):
-        """The Engram's layout keys as ``ngram_hash.EngramSpec`` (None without engram layers),
-        ``engram_num_embeddings`` filled in as the primes' sums where it is None."""
-        if not self.engram_layer_ids:
-            return None
-        from atom.models.deepseek_v41.ngram_hash import EngramSpec, layer_primes
+        """The Engram's layout keys (``ngram_hash.spec_of``; None without engram layers)."""
+        from atom.models.deepseek_v41.ngram_hash import spec_of
 
-        comp = self.engram_compressed_vocab_size
-        spec = EngramSpec(
-            layer_ids=tuple(self.engram_layer_ids),
-            num_embeddings=tuple(self.engram_num_embeddings or [1] * len(self.engram_layer_ids)),
-            max_ngram_size=self.engram_max_ngram_size,
-            vocab_size=self.engram_vocab_size,
-            n_heads=self.engram_n_heads,
-            head_dim=self.engram_head_dim,
-            pad_token_id=self.engram_pad_token_id,
-            compressed_vocab_size=self.vocab_size if comp is None else comp,
-        )
-        if self.engram_num_embeddings is None:
-            sums = tuple(sum(sum(h) for h in layer) for layer in layer_primes(spec))
-            spec = dataclasses.replace(spec, num_embeddings=sums)
-        from atom.models.deepseek_v41.ngram_hash import build_layout
-
-        build_layout(spec)  # refuses tables too small for their buckets
-        return spec
+        return spec_of(self)
 
     @cached_property
     def layer_modes(self) -> tuple[LayerMode, ...]:

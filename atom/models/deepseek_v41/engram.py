@@ -28,8 +28,8 @@ from atom.models.deepseek_v41.ngram_hash import (
     SCALE_BLOCK,
     EngramSpec,
     NgramHasher,
-    identity_token_map,
 )
+from atom.models.deepseek_v41.token_map import identity_token_map
 
 # E8M0 has no dedicated dtype on older torch: fall back to raw bytes (same storage).
 E8M0_DTYPE: torch.dtype = getattr(torch, "float8_e8m0fnu", torch.uint8)

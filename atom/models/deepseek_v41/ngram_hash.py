@@ -4,7 +4,8 @@ Three pieces, all independent of atom's ``V41Config`` (they take an :class:`Engr
 
 * the **layout**: one prime bucket count per (engram layer, n-gram size, head), the offset of
   each bucket range inside its layer's table, and the per-layer odd hash multipliers;
-* the **compressed token map**: token ids whose text normalises alike share one compressed id;
+* the **compressed token map** (``token_map``): token ids whose text normalises alike share one
+  compressed id;
 * the **hash** itself, with a resumable per-request state so that a request can be hashed in
   any chunking (prefill chunks, then one token per decode step) and give the same row ids.
 
@@ -23,12 +24,19 @@ product is therefore nonnegative, and so are the XORs, which makes ``%`` an ordi
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
+
+from atom.models.deepseek_v41.primes import (
+    is_prime,
+    next_prime,
+)  # noqa: F401 (is_prime: re-exported)
+from atom.models.deepseek_v41.token_map import check_token_map_size
 
 DEAD: int = -1
 """Compressed-id sentinel: a position that breaks the look-back (image tokens)."""
@@ -104,47 +112,29 @@ class EngramSpec:
         )
 
 
-# ---------------------------------------------------------------------------------------------
-# Primes
-
-
-_MR_BASES = (2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37)
-
-
-def is_prime(n: int) -> bool:
-    """Deterministic primality test (exact for every n < 3.3e24, so for all int64 values).
-
-    Miller-Rabin with the first twelve primes as bases has no strong pseudoprime below
-    3.18e23; smaller n are settled by trial division by those same bases first.
-    """
-    if n < 2:
-        return False
-    for p in _MR_BASES:
-        if n % p == 0:
-            return n == p
-    d, r = n - 1, 0
-    while d % 2 == 0:
-        d //= 2
-        r += 1
-    for a in _MR_BASES:
-        x = pow(a, d, n)
-        if x in (1, n - 1):
-            continue
-        for _ in range(r - 1):
-            x = x * x % n
-            if x == n - 1:
-                break
-        else:
-            return False
-    return True
-
-
-def next_prime(n: int) -> int:
-    """The smallest prime strictly greater than ``n``."""
-    candidate = max(n + 1, 2)
-    while not is_prime(candidate):
-        candidate += 1
-    return candidate
+def spec_of(config: Any) -> EngramSpec | None:
+    """The ``EngramSpec`` of a ``V41Config`` (None without engram layers), its
+    ``engram_num_embeddings`` filled in as the primes' sums where the config leaves it out, and
+    checked against the layout (refuses tables too small for their buckets)."""
+    if not config.engram_layer_ids:
+        return None
+    comp = config.engram_compressed_vocab_size
+    rows = config.engram_num_embeddings
+    spec = EngramSpec(
+        layer_ids=tuple(config.engram_layer_ids),
+        num_embeddings=tuple(rows or [1] * len(config.engram_layer_ids)),
+        max_ngram_size=config.engram_max_ngram_size,
+        vocab_size=config.engram_vocab_size,
+        n_heads=config.engram_n_heads,
+        head_dim=config.engram_head_dim,
+        pad_token_id=config.engram_pad_token_id,
+        compressed_vocab_size=config.vocab_size if comp is None else comp,
+    )
+    if rows is None:
+        sums = tuple(sum(sum(h) for h in layer) for layer in layer_primes(spec))
+        spec = dataclasses.replace(spec, num_embeddings=sums)
+    build_layout(spec)
+    return spec
 
 
 # ---------------------------------------------------------------------------------------------
@@ -246,78 +236,6 @@ def build_layout(spec: EngramSpec) -> HashLayout:
             for layer in spec.layer_ids
         ),
     )
-
-
-# ---------------------------------------------------------------------------------------------
-# Compressed token map
-
-_SENTINEL = "\ue000"
-
-
-def _engram_normalizer() -> Any:
-    from tokenizers import Regex, normalizers
-
-    # A token that is exactly one space would be stripped to "" and merged with the genuinely
-    # empty ones; the private-use sentinel carries it through Strip and is then put back.
-    return normalizers.Sequence(
-        [
-            normalizers.NFKC(),
-            normalizers.NFD(),
-            normalizers.StripAccents(),
-            normalizers.Lowercase(),
-            normalizers.Replace(Regex(r"[ \t\r\n]+"), " "),
-            normalizers.Replace(Regex(r"^ $"), _SENTINEL),
-            normalizers.Strip(),
-            normalizers.Replace(_SENTINEL, " "),
-        ]
-    )
-
-
-def build_compressed_token_map(tokenizer: Any) -> tuple[list[int], int]:
-    """(lookup, size): ``lookup[token_id]`` is the compressed id, ``size`` the distinct count.
-
-    ``tokenizer`` is a ``tokenizers.Tokenizer`` (a transformers fast tokenizer is unwrapped via
-    its ``backend_tokenizer``). Every id in ``range(get_vocab_size(with_added_tokens=True))`` is
-    decoded alone with special tokens kept. A decode containing U+FFFD is a partial UTF-8 byte
-    token: it is keyed by its raw token string, since normalising the replacement character
-    would merge all of them. Otherwise the key is the normalised text, or the decoded text when
-    normalisation leaves nothing. Compressed ids are handed out in order of first appearance.
-    """
-    backend = getattr(tokenizer, "backend_tokenizer", tokenizer)
-    normalizer = _engram_normalizer()
-    keys: dict[str, int] = {}
-    lookup: list[int] = []
-    for token_id in range(backend.get_vocab_size(with_added_tokens=True)):
-        text = backend.decode([token_id], skip_special_tokens=False)
-        if "\ufffd" in text:
-            key = backend.id_to_token(token_id)
-        else:
-            key = normalizer.normalize_str(text) or text
-        lookup.append(keys.setdefault(key, len(keys)))
-    return lookup, len(keys)
-
-
-def identity_token_map(vocab_size: int) -> tuple[list[int], int]:
-    """(lookup, size) mapping every token id to itself, for random-weight presets.
-
-    Only for models with no tokenizer (random weights): a real checkpoint's tables were trained
-    with :func:`build_compressed_token_map`, and an identity map would index them wrongly. The
-    spec's ``compressed_vocab_size`` must then equal ``vocab_size``.
-    """
-    return list(range(vocab_size)), vocab_size
-
-
-def check_token_map_size(size: int, spec: EngramSpec) -> None:
-    """Refuse a map whose size is not the config's ``engram_compressed_vocab_size``.
-
-    Every multiplier's bound derives from that number, so a different map would silently hash
-    every n-gram into the wrong rows instead of failing.
-    """
-    if size != spec.compressed_vocab_size:
-        raise ValueError(
-            f"compressed token map has {size} ids but engram_compressed_vocab_size is "
-            f"{spec.compressed_vocab_size}"
-        )
 
 
 # ---------------------------------------------------------------------------------------------
