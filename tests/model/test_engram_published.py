@@ -16,9 +16,9 @@ from atom.models.deepseek_v41.ngram_hash import (
     NgramHasher,
     build_layout,
     initial_state,
-    is_prime,
     layer_multipliers,
 )
+from atom.models.deepseek_v41.primes import is_prime
 from atom.models.deepseek_v41.token_map import (
     build_compressed_token_map,
     check_token_map_size,

@@ -32,10 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from atom.models.deepseek_v41.primes import (
-    is_prime,
-    next_prime,
-)  # noqa: F401 (is_prime: re-exported)
+from atom.models.deepseek_v41.primes import next_prime
 from atom.models.deepseek_v41.token_map import check_token_map_size
 
 DEAD: int = -1
