@@ -12,8 +12,8 @@ import pytest
 from atom.models.common.config import ConfigError
 from atom.models.deepseek_v41.config import V41Config
 from atom.models.deepseek_v41.pool_geometry import build_v41_pool_geometry
-from atom.models.deepseek_v41.presets import preset_config
-from atom.models.deepseek_v41.published_config import IGNORED_TEXT_KEYS, TOP_KEYS
+from atom.models.deepseek_v41.presets import PRESETS, preset_config
+from atom.models.deepseek_v41.published_config import IGNORED_TEXT_KEYS, TOP_KEYS, to_published
 from atom.models.registry import config_from_dict
 
 PUBLISHED = Path(__file__).resolve().parent.parent / "data" / "deepseek_v41_flash_config.json"
@@ -63,3 +63,15 @@ def test_a_bad_value_inside_text_config_names_the_field():
     data["text_config"]["index_topk"] = 0
     with pytest.raises(ConfigError, match="index_topk"):
         V41Config.from_dict(data)
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_every_preset_is_written_in_the_published_form_exactly(name):
+    """A preset rendered as a published config.json (text_config nested) reads back as itself,
+    and so does the published file."""
+    flat = preset_config(name).to_dict()
+    nested = to_published(flat)
+    assert set(nested) <= set(TOP_KEYS) and nested["text_config"]["model_type"].endswith("_text")
+    assert V41Config.from_dict(nested).to_dict() == flat
+    shipped = V41Config.from_json(PUBLISHED).to_dict()
+    assert V41Config.from_dict(to_published(shipped)).to_dict() == shipped

@@ -13,41 +13,12 @@ from atom.models.deepseek_v4.checkpoint import FP4, FP8, expected_names, load_ch
 from atom.models.deepseek_v4.checkpoint_formats import unpack_fp4
 from atom.models.deepseek_v4.model import DeepseekV4ForCausalLM
 from atom.models.deepseek_v4.presets import PRESETS, preset_config
-from atom.models.deepseek_v4.quant import FP4_VALUES, round_fp4
 from atom.models.deepseek_v4.reference import reference_forward
 from atom.models.deepseek_v41.weights import WeightLoadError
 from atom.models.registry import load_runtime
 
+from .published_quant import quant_fp4, quant_fp8
 from .test_v4_paged import Harness, assert_matches, one_thread_fixture, tokens  # noqa: F401
-
-
-def e8m0(exponent: torch.Tensor) -> torch.Tensor:
-    return (exponent + 127).to(torch.uint8).view(torch.float8_e8m0fnu)
-
-
-def quant_fp8(w: torch.Tensor):
-    """(e4m3 [out, in], E8M0 scale [ceil(out/128), ceil(in/128)], exact dequantized value)."""
-    out, inp = w.shape
-    tiles = torch.zeros(-(-out // 128), -(-inp // 128))
-    for i in range(tiles.shape[0]):
-        for j in range(tiles.shape[1]):
-            tile = w[i * 128 : (i + 1) * 128, j * 128 : (j + 1) * 128]
-            tiles[i, j] = torch.ceil(torch.log2(tile.abs().max().clamp(min=1e-8) / 448))
-    full = torch.exp2(tiles.repeat_interleave(128, 0).repeat_interleave(128, 1)[:out, :inp])
-    q = (w / full).to(torch.float8_e4m3fn)
-    return q, e8m0(tiles), q.float() * full
-
-
-def quant_fp4(w: torch.Tensor):
-    """(packed int8 [out, in/2] low nibble first, E8M0 scale [out, in/32], exact value)."""
-    groups = w.unflatten(1, (-1, 32))
-    exp = torch.ceil(torch.log2(groups.abs().amax(-1).clamp(min=1e-8) / 6))
-    values = round_fp4(groups / torch.exp2(exp)[..., None])
-    table = torch.tensor(FP4_VALUES)
-    codes = (values.abs()[..., None] == table).float().argmax(-1) | ((values < 0).long() << 3)
-    codes = codes.flatten(1)
-    packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8).view(torch.int8)
-    return packed, e8m0(exp), (values * torch.exp2(exp)[..., None]).flatten(1)
 
 
 def write_checkpoint(directory, seed=0, extra=None, drop=(), config=None):

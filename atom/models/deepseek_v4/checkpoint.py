@@ -18,18 +18,11 @@ import re
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
-from atom.models.common.weights import WeightLoadError
-from atom.models.deepseek_v4.checkpoint_formats import (
-    dequant_fp4,
-    dequant_fp8,
-    fp4_shapes,
-    fp8_scale_shape,
-)
+from atom.models.common.checkpoint import BF16, F32, FP4, FP8, I64, Layout, load_published
+from atom.models.common.checkpoint import expected_names as common_expected
+from atom.models.common.formats import FP8_TILE
 from atom.models.deepseek_v4.model import DeepseekV4ForCausalLM
-
-BF16, F32, FP8, FP4, I64 = "bf16", "f32", "fp8", "fp4", "i64"
 
 # Tensors outside the layers: (published name, parameter name, published format).
 _GLOBAL: tuple[tuple[str, str, str], ...] = (
@@ -97,73 +90,27 @@ NAMES: tuple[tuple[str, str, str], ...] = (
     + tuple((f"layers.{{L}}.{a}", f"layers.{{L}}.{b}", fmt) for a, b, fmt in _BLOCK)
     + tuple((f"mtp.{{M}}.{a}", f"mtp.{{M}}.{b}", fmt) for a, b, fmt in _BLOCK + _MTP_EXTRA)
 )
-_ALLOWED = {  # stored formats each published format may arrive in (re-exports dequantize)
-    BF16: {BF16, F32},
-    F32: {F32, BF16},
-    FP8: {FP8, BF16, F32},
-    FP4: {FP4, FP8, BF16, F32},
-    I64: {I64},
-}
+LAYOUT = Layout(rows=NAMES, fp8_block=(FP8_TILE, FP8_TILE), unread=lambda name: None)
 
 
 def expected_names(model: DeepseekV4ForCausalLM) -> dict[str, tuple[str, str]]:
     """published name -> (parameter name, published format), for this model's shape."""
     c = model.config
-    params = model.state_dict()
-    out: dict[str, tuple[str, str]] = {}
-    for ckpt, param, fmt in NAMES:
-        if "{L}" in ckpt:
-            key, blocks = "{L}", range(c.num_hidden_layers)
-        else:
-            key, blocks = "{M}", range(len(model.mtp)) if "{M}" in ckpt else [None]
-        experts = range(c.n_routed_experts) if "{E}" in ckpt else [None]
-        for i in blocks:
-            for e in experts:
-                name = param.replace(key, str(i)).replace("{E}", str(e))
-                if name in params:
-                    out[ckpt.replace(key, str(i)).replace("{E}", str(e))] = (name, fmt)
-    unmapped = set(params) - {p for p, _ in out.values()}
-    if unmapped:  # a parameter with no row: the table is out of date with the model
-        raise WeightLoadError(f"no published name for parameters {sorted(unmapped)[:5]}")
-    return out
+    counts = {"L": c.num_hidden_layers, "M": len(model.mtp), "E": c.n_routed_experts}
+    return common_expected(LAYOUT, model.state_dict(), counts)
 
 
-def _skipped(name: str, num_mtp: int) -> bool:
-    """An MTP block the model does not build (``num_nextn_predict_layers`` below the
-    checkpoint's), with its scales: left unread."""
-    m = re.match(r"mtp\.(\d+)\.", name)
-    return m is not None and int(m.group(1)) >= num_mtp
+def _layout(model: DeepseekV4ForCausalLM) -> Layout:
+    """The layout with the MTP blocks this model does not build left unread."""
+    num_mtp = len(model.mtp)
 
+    def unread(name: str) -> str | None:
+        m = re.match(r"mtp\.(\d+)\.", name)
+        if m is not None and int(m.group(1)) >= num_mtp:
+            return f"MTP block {m.group(1)}: the config builds {num_mtp}"
+        return None
 
-def _stored_format(dtype: str) -> str:
-    return {"F8_E4M3": FP8, "I8": FP4, "U8": FP4, "I64": I64, "I32": I64, "F32": F32}.get(
-        dtype, BF16
-    )
-
-
-def _check(name, fmt, stored, shape, want, scale) -> str | None:
-    """A problem with one tensor (None when it fits)."""
-    if stored not in _ALLOWED[fmt]:
-        return f"tensor {name} is stored as {stored}; the published format is {fmt}"
-    if stored in (FP8, FP4) and scale is None:
-        return f"tensor {name} is {stored} but {name.removesuffix('.weight')}.scale is missing"
-    if stored == FP8:
-        want_scale = fp8_scale_shape(want)
-        if shape != want or scale != want_scale:
-            return (
-                f"tensor {name} has shape {list(shape)} (scale {list(scale)}), the model "
-                f"expects {list(want)} (scale {list(want_scale)})"
-            )
-    elif stored == FP4:
-        packed, want_scale = fp4_shapes(want)
-        if shape != packed or scale != want_scale:
-            return (
-                f"tensor {name} has packed shape {list(shape)} (scale {list(scale)}), the "
-                f"model expects {list(packed)} (scale {list(want_scale)}) for {list(want)}"
-            )
-    elif shape != want:
-        return f"tensor {name} has shape {list(shape)}, the model expects {list(want)}"
-    return None
+    return Layout(rows=NAMES, fp8_block=LAYOUT.fp8_block, unread=unread)
 
 
 @torch.no_grad()
@@ -175,62 +122,4 @@ def load_checkpoint(model: DeepseekV4ForCausalLM, path: str | Path) -> None:
     a quantized tensor without its scale, and a tensor (or scale) of the wrong shape, naming
     each. Values are dequantized and cast to the model's dtypes.
     """
-    path = Path(path)
-    files = [path] if path.is_file() else sorted(path.glob("*.safetensors"))
-    if not files:
-        raise WeightLoadError(f"no *.safetensors files in {path}")
-    found: dict[str, tuple[Path, str, tuple[int, ...]]] = {}
-    for f in files:
-        with safe_open(str(f), framework="pt") as sf:
-            for name in sf.keys():
-                sl = sf.get_slice(name)
-                found[name] = (f, sl.get_dtype(), tuple(sl.get_shape()))
-    expected = expected_names(model)
-    params = model.state_dict()
-    problems, scales = [], set()
-    for name, (param, fmt) in sorted(expected.items()):
-        if name not in found:
-            problems.append(f"missing tensor {name} ({fmt}, {list(params[param].shape)})")
-            continue
-        stored = _stored_format(found[name][1])
-        sname = re.sub(r"\.weight$", ".scale", name)
-        scale = found[sname][2] if sname in found and sname != name else None
-        if stored in (FP8, FP4) and scale is not None:
-            scales.add(sname)
-        shape = tuple(params[param].shape)
-        problem = _check(name, fmt, stored, found[name][2], shape, scale)
-        if problem:
-            problems.append(problem)
-    for name in sorted(set(found) - set(expected) - scales):
-        if not _skipped(name, len(model.mtp)):
-            f, dtype, shape = found[name]
-            problems.append(f"unexpected tensor {name} ({dtype} {list(shape)}) in {f.name}")
-    if problems:
-        shown = "; ".join(problems[:20])
-        more = f" (and {len(problems) - 20} more)" if len(problems) > 20 else ""
-        raise WeightLoadError(f"checkpoint {path} does not fit the model: {shown}{more}")
-    by_file: dict[Path, list[str]] = {}
-    for name in expected:
-        by_file.setdefault(found[name][0], []).append(name)
-    for f, names in by_file.items():
-        with safe_open(str(f), framework="pt") as sf:
-            for name in names:
-                target = params[expected[name][0]]
-                target.copy_(
-                    _decode(sf, f, name, found).to(device=target.device, dtype=target.dtype)
-                )
-
-
-def _decode(sf, file: Path, name: str, found: dict) -> torch.Tensor:
-    """One published tensor as float (or int64), its scale read from whichever shard holds it."""
-    raw = sf.get_tensor(name)
-    stored = _stored_format(found[name][1])
-    if stored not in (FP8, FP4):
-        return raw
-    sname = re.sub(r"\.weight$", ".scale", name)
-    if found[sname][0] == file:
-        scale = sf.get_tensor(sname)
-    else:
-        with safe_open(str(found[sname][0]), framework="pt") as other:
-            scale = other.get_tensor(sname)
-    return dequant_fp8(raw, scale) if stored == FP8 else dequant_fp4(raw, scale)
+    load_published(model.state_dict(), path, _layout(model), expected_names(model))

@@ -75,7 +75,7 @@ def flatten(data: dict[str, Any]) -> dict[str, Any]:
     rs = flat.get("rope_scaling")
     if isinstance(rs, dict) and "rope_type" in rs and "type" not in rs:
         flat["rope_scaling"] = {("type" if k == "rope_type" else k): v for k, v in rs.items()}
-    if flat.get("dspark_block_size"):
+    if flat.get("dspark_block_size") and "dspark_stages" not in text:  # as DeepSeek writes it
         stages = int(flat.get("num_nextn_predict_layers", 0))
         n = int(flat["num_hidden_layers"])
         flat["dspark_stages"] = stages
@@ -92,3 +92,28 @@ def flatten(data: dict[str, Any]) -> dict[str, Any]:
     if "image_token_id" in data:
         flat["image_token_id"] = data["image_token_id"]
     return flat
+
+
+ARCHITECTURES = ["DeepseekV41ForCausalLM"]
+_TOP_LEVEL_FIELDS = ("quantization_config", "vision_config", "image_token_id")
+
+
+def to_published(flat: dict[str, Any]) -> dict[str, Any]:
+    """V41Config's flat dict -> the published nested form (``flatten`` reads it back).
+
+    The text model's fields go under ``text_config`` (``model_type deepseek_v41_text``);
+    ``quantization_config``, ``vision_config`` and ``image_token_id`` stay at the top. A
+    config with DSpark stages keeps them as ``dspark_stages`` (atom's own field) rather than
+    re-encoding them into ``num_nextn_predict_layers``, so the round trip is exact.
+    """
+    text = {k: v for k, v in flat.items() if k not in _TOP_LEVEL_FIELDS and k != "model_type"}
+    text["model_type"] = "deepseek_v41_text"
+    out: dict[str, Any] = {
+        "architectures": list(ARCHITECTURES),
+        "model_type": flat.get("model_type", "deepseek_v41"),
+        "text_config": text,
+    }
+    for key in _TOP_LEVEL_FIELDS:
+        if flat.get(key) is not None:
+            out[key] = flat[key]
+    return out

@@ -27,6 +27,11 @@ from safetensors.torch import save_file
 
 from atom.models.common.weights import WeightLoadError
 from atom.models.deepseek_v41.model import DeepseekV41ForCausalLM
+from atom.models.deepseek_v41.published_config import to_published
+from atom.models.deepseek_v41.published_weights import (
+    is_published_layout,
+    load_published_weights,
+)
 
 __all__ = ["WeightLoadError", "load_weights", "save_weights", "deepseek_names"]
 
@@ -146,6 +151,9 @@ def load_weights(
     """Load every parameter and buffer from safetensors at ``path`` (a file or a directory),
     named as ``checkpoint_tensors`` names them (or in DeepSeek's style).
 
+    A checkpoint in DeepSeek's published layout (FP8 / FP4 tensors with scales, DSpark stages,
+    a vision tower) goes to ``published_weights.load_published_weights``.
+
     Refuses (before copying anything) a missing tensor, an unexpected tensor, or a tensor whose
     shape differs, naming the tensor and both shapes. Values are cast to the model's dtypes.
 
@@ -166,10 +174,16 @@ def load_weights(
         return tuple(shape)
 
     stored: dict[str, tuple[Path, tuple[int, ...]]] = {}
+    dtypes: dict[str, str] = {}
     for f in _files(path):
         with safe_open(str(f), framework="pt") as sf:
             for name in sf.keys():
-                stored[name] = (f, tuple(sf.get_slice(name).get_shape()))
+                sl = sf.get_slice(name)
+                stored[name] = (f, tuple(sl.get_shape()))
+                dtypes[name] = sl.get_dtype()
+    if is_published_layout(dtypes):
+        load_published_weights(model, path, shards=shards)
+        return
     unbuilt = _unbuilt_draft_layers(stored, model.config.num_hidden_layers + len(model.mtp))
     stored = {k: v for k, v in stored.items() if _layer_of(k) not in unbuilt}
     to_ds = deepseek_names(expected)
@@ -217,11 +231,13 @@ def load_weights(
 
 
 def save_weights(model: DeepseekV41ForCausalLM, directory: str | Path) -> Path:
-    """Write config.json and model.safetensors into ``directory``; returns the directory."""
+    """Write config.json (in the published nested form) and model.safetensors into
+    ``directory``; returns the directory."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     # clone: expert weights may be views of one stacked tensor (safetensors refuses shared storage)
     tensors = {k: v.detach().cpu().clone() for k, v in checkpoint_tensors(model).items()}
     save_file(tensors, str(directory / "model.safetensors"))
-    (directory / "config.json").write_text(json.dumps(model.config.to_dict(), indent=2))
+    config = to_published(model.config.to_dict())
+    (directory / "config.json").write_text(json.dumps(config, indent=2))
     return directory

@@ -1,0 +1,267 @@
+"""Load a checkpoint in DeepSeek's published layout: DeepSeek's tensor names, FP8 / FP4 weights
+with E8M0 scales, several shards. Both families' published loaders are this one, given their
+``Layout`` (which rows a model has, and the block sizes its FP8 and FP4 weights use).
+
+A ``Layout`` row is ``(published name, parameter name, published format)``, with ``{L}`` a
+layer, ``{M}`` a draft block and ``{E}`` a routed expert. The loader decides each tensor's
+decoding from its stored dtype (so a bf16 re-export loads too), but refuses a stored format the
+row does not allow. A quantized tensor ``X.weight`` has its scale in ``X.scale`` (for a tensor
+named ``X`` without ``.weight``, in ``X.scale`` too), possibly in another shard.
+
+Formats:
+
+* ``fp8``: ``float8_e4m3fn`` [out, in] with one scale per ``fp8_block`` block (V4 128 x 128,
+  V4.1 32 x 32), scale ``[ceil(out/bo), ceil(in/bi)]``;
+* ``fp8_rows``: the same with blocks of one row (a table whose rows are read one at a time, such
+  as V4.1's Engram embedding), scale ``[rows, ceil(dim/bi)]``;
+* ``fp4``: two E2M1 codes per byte, element 2j in the low nibble, [out, in/2] (stored as
+  ``float4_e2m1fn_x2``, int8 or uint8), one scale per ``fp4_group`` inputs ``[out, in/group]``;
+* ``bf16``, ``f32``, ``i64``: taken as stored (cast to the parameter's dtype).
+
+Scales are E8M0 exponent bytes (``float8_e8m0fnu`` or uint8) or float multipliers.
+
+The whole check runs before anything is copied: a refused checkpoint leaves the model as it was.
+Values are dequantized at load to the parameter's dtype (no FP8 / FP4 kernel reads them yet).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from atom.models.common.formats import (
+    FP4_GROUP,
+    dequant_fp4,
+    dequant_fp8,
+    fp4_shapes,
+    fp8_scale_shape,
+)
+from atom.models.common.weights import WeightLoadError
+
+BF16, F32, FP8, FP8_ROWS, FP4, I64 = "bf16", "f32", "fp8", "fp8_rows", "fp4", "i64"
+
+_ALLOWED = {  # stored formats each published format may arrive in (re-exports dequantize)
+    BF16: {BF16, F32},
+    F32: {F32, BF16},
+    FP8: {FP8, BF16, F32},
+    FP8_ROWS: {FP8, BF16, F32},
+    FP4: {FP4, FP8, BF16, F32},
+    I64: {I64},
+}
+_STORED = {
+    "F8_E4M3": FP8,
+    "F4": FP4,
+    "I8": FP4,
+    "U8": FP4,
+    "I64": I64,
+    "I32": I64,
+    "F32": F32,
+}
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One family's published checkpoint layout.
+
+    ``rows``: (published name, parameter name, published format). ``unread``: for a stored
+    tensor no row expects, the reason it is left unread (a draft stage the model does not
+    build, a vision tower), or None when it is unexpected (refused).
+    """
+
+    rows: tuple[tuple[str, str, str], ...]
+    fp8_block: tuple[int, int]
+    fp4_group: int = FP4_GROUP
+    unread: Callable[[str], str | None] = lambda name: None
+
+
+def expected_names(
+    layout: Layout, params: Mapping[str, torch.Tensor], counts: Mapping[str, int]
+) -> dict[str, tuple[str, str]]:
+    """published name -> (parameter name, published format) for every row the model has.
+
+    ``counts``: how many of each placeholder the model builds (``{"L": layers, "M": draft
+    blocks, "E": routed experts}``). A row whose parameter the model lacks (a window layer's
+    compressor) is not expected; a parameter no row names is an error in the table.
+    """
+    out: dict[str, tuple[str, str]] = {}
+    for ckpt, param, fmt in layout.rows:
+        keys = [k for k in "LME" if "{" + k + "}" in ckpt]
+        combos: list[dict[str, int]] = [{}]
+        for k in keys:
+            combos = [dict(c, **{k: i}) for c in combos for i in range(counts.get(k, 0))]
+        for c in combos:
+            name = param.format(**{k: c[k] for k in keys}) if keys else param
+            if name in params:
+                out[ckpt.format(**{k: c[k] for k in keys}) if keys else ckpt] = (name, fmt)
+    unmapped = set(params) - {p for p, _ in out.values()}
+    if unmapped:
+        raise WeightLoadError(f"no published name for parameters {sorted(unmapped)[:5]}")
+    return out
+
+
+def scale_name(name: str) -> str:
+    """Where a quantized tensor's scale is stored: ``X.weight`` -> ``X.scale``."""
+    return name.removesuffix(".weight") + ".scale"
+
+
+def _shapes(layout: Layout, fmt: str, stored: str, dtype: str, want: tuple[int, ...]):
+    """(stored shape, scale shape or None) a tensor of logical shape ``want`` has. safetensors
+    counts ``F4`` in 4-bit elements (the logical shape), int8 / uint8 bytes in bytes."""
+    if stored == FP4 and dtype == "F4":
+        return want, fp4_shapes(want, layout.fp4_group)[1]
+    if stored == FP8:
+        block = (1, layout.fp8_block[1]) if fmt == FP8_ROWS else layout.fp8_block
+        return want, fp8_scale_shape(want, block)
+    if stored == FP4:
+        return fp4_shapes(want, layout.fp4_group)
+    return want, None
+
+
+def _check(layout, name, fmt, stored, dtype, shape, want, scale) -> str | None:
+    """A problem with one tensor (None when it fits)."""
+    if stored not in _ALLOWED[fmt]:
+        return f"tensor {name} is stored as {stored}; the published format is {fmt}"
+    if stored in (FP8, FP4) and scale is None:
+        return f"tensor {name} is {stored} but its scale {scale_name(name)} is missing"
+    want_shape, want_scale = _shapes(layout, fmt, stored, dtype, want)
+    if shape != want_shape or (want_scale is not None and scale != want_scale):
+        kind = "packed shape" if stored == FP4 and dtype != "F4" else "shape"
+        got = f"{kind} {list(shape)}" + (f" (scale {list(scale)})" if scale else "")
+        need = f"{list(want_shape)}" + (f" (scale {list(want_scale)})" if want_scale else "")
+        logical = f" for {list(want)}" if want_shape != want else ""
+        return f"tensor {name} has {got}, the model expects {need}{logical}"
+    return None
+
+
+def _files(path: Path) -> list[Path]:
+    files = [path] if path.is_file() else sorted(path.glob("*.safetensors"))
+    if not files:
+        raise WeightLoadError(f"no *.safetensors files in {path}")
+    return files
+
+
+@torch.no_grad()
+def load_published(
+    params: Mapping[str, torch.Tensor],
+    path: str | Path,
+    layout: Layout,
+    expected: Mapping[str, tuple[str, str]],
+    *,
+    shards: Mapping[str, tuple[int, int, int]] | None = None,
+) -> None:
+    """Copy every expected tensor from the safetensors at ``path`` (a file or a directory)
+    into ``params``, decoded.
+
+    Refuses, before copying anything, a missing tensor, an unexpected one (``layout.unread``
+    aside), a quantized tensor without its scale, and a tensor or scale of the wrong shape,
+    naming each. ``shards`` (tensor parallelism): parameter name -> (dim, index, parts) for a
+    parameter that holds slice ``index`` of ``parts`` of the stored tensor along ``dim``.
+    """
+    path, shards = Path(path), shards or {}
+    found: dict[str, tuple[Path, str, tuple[int, ...]]] = {}
+    twice: list[str] = []
+    for f in _files(path):
+        with safe_open(str(f), framework="pt") as sf:
+            for name in sf.keys():
+                sl = sf.get_slice(name)
+                if name in found:
+                    twice.append(
+                        f"tensor {name} is stored twice, in {found[name][0].name} and {f.name}"
+                    )
+                found[name] = (f, sl.get_dtype(), tuple(sl.get_shape()))
+
+    def whole(param: str) -> tuple[int, ...]:
+        shape = list(params[param].shape)
+        if param in shards:
+            dim, _, parts = shards[param]
+            shape[dim] *= parts
+        return tuple(shape)
+
+    problems, scales = list(twice), set()
+    for name, (param, fmt) in sorted(expected.items()):
+        if name not in found:
+            problems.append(f"missing tensor {name} ({fmt}, {list(whole(param))})")
+            continue
+        stored = _STORED.get(found[name][1], BF16)
+        sname = scale_name(name)
+        scale = found[sname][2] if sname in found and sname != name else None
+        if stored in (FP8, FP4) and scale is not None:
+            scales.add(sname)
+        dtype, shape = found[name][1], found[name][2]
+        problem = _check(layout, name, fmt, stored, dtype, shape, whole(param), scale)
+        if problem:
+            problems.append(problem)
+    for name in sorted(set(found) - set(expected) - scales):
+        if layout.unread(name) is None:
+            f, dtype, shape = found[name]
+            problems.append(f"unexpected tensor {name} ({dtype} {list(shape)}) in {f.name}")
+    if problems:
+        shown = "; ".join(problems[:20])
+        more = f" (and {len(problems) - 20} more)" if len(problems) > 20 else ""
+        raise WeightLoadError(f"checkpoint {path} does not fit the model: {shown}{more}")
+    by_file: dict[Path, list[str]] = {}
+    for name in expected:
+        by_file.setdefault(found[name][0], []).append(name)
+    for f, names in by_file.items():
+        with safe_open(str(f), framework="pt") as sf:
+            for name in names:
+                param, fmt = expected[name]
+                value = _decode(layout, sf, f, name, fmt, found)
+                if param in shards:
+                    dim, index, parts = shards[param]
+                    value = value.chunk(parts, dim)[index]
+                target = params[param]
+                target.copy_(value.to(device=target.device, dtype=target.dtype))
+
+
+def unread_reasons(layout: Layout, path: str | Path) -> dict[str, str]:
+    """Stored tensors the layout leaves unread, with the reason (for logs)."""
+    out = {}
+    for f in _files(Path(path)):
+        with safe_open(str(f), framework="pt") as sf:
+            for name in sf.keys():
+                reason = layout.unread(name)
+                if reason is not None:
+                    out[name] = reason
+    return out
+
+
+def _decode(layout, sf, file: Path, name: str, fmt: str, found: dict) -> torch.Tensor:
+    """One published tensor as float (or int64), its scale read from whichever shard holds it."""
+    raw = _read_f4(file, name) if found[name][1] == "F4" else sf.get_tensor(name)
+    stored = _STORED.get(found[name][1], BF16)
+    if stored not in (FP8, FP4):
+        return raw
+    sname = scale_name(name)
+    if found[sname][0] == file:
+        scale = sf.get_tensor(sname)
+    else:
+        with safe_open(str(found[sname][0]), framework="pt") as other:
+            scale = other.get_tensor(sname)
+    if stored == FP4:
+        return dequant_fp4(raw, scale, layout.fp4_group)
+    block = (1, layout.fp8_block[1]) if fmt == FP8_ROWS else layout.fp8_block
+    return dequant_fp8(raw, scale, block)
+
+
+def _read_f4(file: Path, name: str) -> torch.Tensor:
+    """An ``F4`` tensor's bytes as uint8 [..., n/2], read from the file's header offsets.
+
+    safetensors 0.8 cannot hand an ``F4`` tensor to torch (it sizes ``float4_e2m1fn_x2``, two
+    values per element, as one value per element), so the bytes are read directly: an 8-byte
+    little-endian header length, the JSON header, then the data the offsets index.
+    """
+    with open(file, "rb") as fh:
+        header_len = int.from_bytes(fh.read(8), "little")
+        entry = json.loads(fh.read(header_len))[name]
+        begin, end = entry["data_offsets"]
+        fh.seek(8 + header_len + begin)
+        data = bytearray(fh.read(end - begin))
+    shape = list(entry["shape"])
+    shape[-1] //= 2
+    return torch.frombuffer(data, dtype=torch.uint8).reshape(shape)
