@@ -28,15 +28,17 @@ from tests.serve.conftest import ServeProcess
 
 from .harness import Harness
 from .published_quant import quant_fp4, quant_fp8
+from .test_v41_dspark import DSPARK
 
 PUBLISHED = Path(__file__).resolve().parent.parent / "data" / "deepseek_v41_flash_config.json"
 
 
-def published_tiny() -> dict:
+def published_tiny(dspark: bool = False) -> dict:
     """v41-tiny in the published config.json form, with the published quantization_config
-    (so the published roundings are on) and vision_config."""
+    (so the published roundings are on) and vision_config; with ``dspark``, two DSpark
+    stages."""
     shipped = json.loads(PUBLISHED.read_text())
-    flat = preset_config("v41-tiny").to_dict()
+    flat = preset_config("v41-tiny", **(DSPARK if dspark else {})).to_dict()
     for key in ("kv_fp8_sim", "compressed_fp4_sim", "index_fp4_sim", "act_fp8_sim"):
         flat.pop(key)  # as in the published file: the quantization_config turns them on
     out = to_published(flat)
@@ -45,9 +47,11 @@ def published_tiny() -> dict:
     return out
 
 
-def write_checkpoint(directory: Path, seed: int = 0, extra=None, drop=()) -> dict:
+def write_checkpoint(
+    directory: Path, seed: int = 0, extra=None, drop=(), dspark: bool = False
+) -> dict:
     """Writes the reduced checkpoint; returns the exact values it holds, by parameter."""
-    config = V41Config.from_dict(published_tiny())
+    config = V41Config.from_dict(published_tiny(dspark))
     model = DeepseekV41ForCausalLM(config).init_weights(seed)
     params = model.state_dict()
     shards: tuple[dict, dict] = ({}, {})
@@ -69,9 +73,10 @@ def write_checkpoint(directory: Path, seed: int = 0, extra=None, drop=()) -> dic
         shards[0][name] = q.contiguous()
         if scale is not None:
             shards[1][name.removesuffix(".weight") + ".scale"] = scale
-    # what a published checkpoint holds that atom leaves unread
-    shards[1]["mtp.0.main_proj.weight"] = torch.zeros(64, 192, dtype=torch.float8_e4m3fn)
-    shards[1]["mtp.0.main_proj.scale"] = torch.zeros(2, 6, dtype=torch.float8_e8m0fnu)
+    # what a published checkpoint holds that atom leaves unread (stages past dspark_stages)
+    if not dspark:
+        shards[1]["mtp.0.main_proj.weight"] = torch.zeros(64, 192, dtype=torch.float8_e4m3fn)
+        shards[1]["mtp.0.main_proj.scale"] = torch.zeros(2, 6, dtype=torch.float8_e8m0fnu)
     shards[1]["mtp.2.markov_head.embed.weight"] = torch.zeros(320, 16, dtype=torch.bfloat16)
     shards[0]["vision.blocks.0.attn.qkv.weight"] = torch.zeros(24, 8, dtype=torch.bfloat16)
     shards[0]["image_newline"] = torch.zeros(64, dtype=torch.bfloat16)
@@ -84,7 +89,7 @@ def write_checkpoint(directory: Path, seed: int = 0, extra=None, drop=()) -> dic
     directory.mkdir(parents=True, exist_ok=True)
     for i, shard in enumerate(shards):
         save_file(shard, str(directory / f"model-{i + 1:05d}-of-00002.safetensors"))
-    (directory / "config.json").write_text(json.dumps(published_tiny(), indent=2))
+    (directory / "config.json").write_text(json.dumps(published_tiny(dspark), indent=2))
     return exact
 
 
@@ -113,6 +118,18 @@ def test_published_names_and_formats_load_exactly(tmp_path):
     assert fp4.unique().numel() > 8  # FP4 codes times per-32 scales
     table = got["model.layers.1.engram.embed.weight"]  # FP8 rows, a scale per row here
     assert torch.log2(table.abs().amax(1)).floor().unique().numel() > 1  # rows' scales differ
+
+
+def test_dspark_stages_load_exactly_from_the_mtp_tensors(tmp_path):
+    exact = write_checkpoint(tmp_path / "ckpt", seed=6, dspark=True)
+    model = runtime_of(tmp_path / "ckpt").model
+    got = model.state_dict()
+    assert set(got) == set(exact) and len(model.dspark) == 2
+    for name, value in exact.items():
+        assert torch.equal(got[name], value.to(got[name].dtype)), name
+    stage0 = got["dspark.0.main_proj.weight"]  # FP8 in 32 x 32 blocks
+    assert stage0.shape == (64, 192) and stage0.unique().numel() > 16
+    assert "dspark.1.markov_embed.weight" in got and "dspark.0.markov_embed.weight" not in got
 
 
 def test_loaded_checkpoint_paged_forward_equals_oracle(tmp_path):

@@ -21,6 +21,7 @@ from atom.models.common.config import (
     check_rope_scaling,
     fail,
 )
+from atom.models.deepseek_v41.dspark_config import check_dspark
 
 __all__ = ["ConfigError", "LayerMode", "V41Config"]
 
@@ -105,7 +106,7 @@ class V41Config(ModelConfig):
     compressed_fp4_sim: bool = False
     index_fp4_sim: bool = False
     act_fp8_sim: bool = False
-    # read from the published form and kept (``published_config``); DSpark is not run yet
+    # DSpark's block drafter (``dspark``): stages built when dspark_stages > 0
     dspark_stages: int = 0
     dspark_block_size: int = 0
     dspark_noise_token_id: int | None = None
@@ -383,3 +384,4 @@ def _check_config(c: V41Config) -> None:
             _ = c.engram_spec  # builds the layout: refuses tables too small for it
         except ValueError as e:
             fail("engram_num_embeddings", c.engram_num_embeddings, str(e))
+    check_dspark(c)

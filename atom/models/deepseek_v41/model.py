@@ -59,7 +59,12 @@ class DecoderLayer(nn.Module):
         self.mlp = MoE(config, dtype, gate_temp=config.gate_temp, act_fp8=config.act_fp8_sim)
 
     def block(
-        self, x: torch.Tensor, pre: torch.Tensor, engram_rows: torch.Tensor | None, attend
+        self,
+        x: torch.Tensor,
+        pre: torch.Tensor,
+        engram_rows: torch.Tensor | None,
+        attend,
+        tap=None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One layer around an attention callable ``attend(normed input) -> output``.
 
@@ -68,10 +73,13 @@ class DecoderLayer(nn.Module):
         mixes serve the *next* sublayer's collapse: the FFN collapses with the ``pre`` this
         attention's mixer computed, and the ``pre`` of this FFN's mixer is returned for the
         next layer (or the LM head). ``engram_rows`` [N, engram layers, n_hash_cols]: the
-        n-gram row ids (``EngramHash.rows``), read on an engram layer. Returns (streams out,
-        that ``pre``)."""
+        n-gram row ids (``EngramHash.rows``), read on an engram layer. ``tap``, when given, is
+        called with the layer's input streams after its Engram (what DSpark reads). Returns
+        (streams out, that ``pre``)."""
         if self.engram is not None:
             x = self.engram(x, engram_rows[:, self.engram_index])
+        if tap is not None:
+            tap(x)
         attn_pre, post, comb = self.attn_hc.mixes(x)
         x = hc_post(x, attend(self.input_layernorm(collapse(x, pre))), post, comb)
         ffn_pre, post, comb = self.ffn_hc.mixes(x)
@@ -125,6 +133,11 @@ class DeepseekV41ForCausalLM(nn.Module):
                 DraftLayer(config, config.num_hidden_layers + i, dtype, kv_dtype)
                 for i in range(config.num_nextn_predict_layers)
             )
+            from atom.models.deepseek_v41.dspark import DSparkStage
+
+            self.dspark = nn.ModuleList(
+                DSparkStage(config, i, dtype, kv_dtype) for i in range(config.dspark_stages)
+            )
 
     @property
     def device(self) -> torch.device:
@@ -139,9 +152,11 @@ class DeepseekV41ForCausalLM(nn.Module):
         """Random weights from a seed (presets without a checkpoint). The draft layers draw
         last, so the main weights do not depend on whether they exist."""
         gen = torch.Generator(device=self.device).manual_seed(seed)
-        main = [(n, p) for n, p in self.named_parameters() if not n.startswith("mtp.")]
+        drafts = ("mtp.", "dspark.")
+        main = [(n, p) for n, p in self.named_parameters() if not n.startswith(drafts)]
         self._init_params(main, gen)
         self._init_params(self.mtp.named_parameters(prefix="mtp"), gen)
+        self._init_params(self.dspark.named_parameters(prefix="dspark"), gen)
         return self
 
     def _init_params(self, params, gen: torch.Generator) -> None:

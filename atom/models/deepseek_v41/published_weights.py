@@ -7,8 +7,9 @@ checkpoint stores it in. What the published code keeps in bf16 (``wo_a``, which 
 conversion dequantizes; the compressors; the indexer's ``wk`` and ``weights_proj``; the router;
 norms, embedding and head) is bf16 here too; a re-export in bf16 or float32 loads as well.
 
-Left unread, with the reason logged (``UNREAD``): the DSpark draft stages (``mtp.*``; drafting
-with them is not built yet), the vision tower and its image-span tensors (image inputs are
+The DSpark stages (``mtp.{i}.*``) load into ``dspark.{i}`` (``STAGE_NAMES``) when the config
+builds them (``dspark_stages``). Left unread, with the reason logged (``UNREAD``): stages past
+``dspark_stages``, the vision tower and its image-span tensors (image inputs are
 refused until it exists). A config that builds atom's own MTP-style draft layers cannot load a
 published checkpoint: the published draft stages are DSpark's, a different network.
 """
@@ -83,9 +84,28 @@ NAMES: tuple[tuple[str, str, str], ...] = (
     ("layers.{L}.engram.k_weight", _P + "engram.k_weight", BF16),
 )
 
+# The DSpark stages (``mtp.{M}.*``): a block's tensors (those a window-only layer has) plus
+# stage 0's main projection and the last stage's norm, Markov and confidence heads.
+_S = "dspark.{M}."
+STAGE_NAMES: tuple[tuple[str, str, str], ...] = tuple(
+    (ckpt.replace("layers.{L}.", "mtp.{M}."), param.replace(_P, _S), fmt)
+    for ckpt, param, fmt in NAMES
+    if ckpt.startswith("layers.{L}.")
+) + (
+    ("mtp.{M}.main_proj.weight", _S + "main_proj.weight", FP8),
+    ("mtp.{M}.main_norm.weight", _S + "main_norm.weight", BF16),
+    ("mtp.{M}.norm.weight", _S + "norm.weight", BF16),
+    ("mtp.{M}.markov_head.embed.weight", _S + "markov_embed.weight", BF16),
+    ("mtp.{M}.markov_head.head.weight", _S + "markov_head.weight", BF16),
+    ("mtp.{M}.confidence_head.proj.weight", _S + "confidence.weight", BF16),
+)
+
 # Published tensors atom does not read, and why (the first pattern that matches).
 UNREAD: tuple[tuple[re.Pattern, str], ...] = (
-    (re.compile(r"mtp\.\d+\."), "a DSpark draft stage: drafting with DSpark is not built yet"),
+    (
+        re.compile(r"mtp\.\d+\."),
+        "a DSpark stage the config does not build (dspark_stages, from num_nextn_predict_layers)",
+    ),
     (
         re.compile(r"(vision|aligner)\.|image_(start|end|newline)$"),
         "the vision tower: not built, image inputs are refused",
@@ -97,14 +117,17 @@ UNREAD: tuple[tuple[re.Pattern, str], ...] = (
 )
 
 
-def _unread(name: str) -> str | None:
+def _unread(name: str, stages: int = 0) -> str | None:
+    m = re.match(r"mtp\.(\d+)\.", name)
+    if m and int(m[1]) < stages:
+        return None  # a stage the model builds: expected, not left unread
     for pattern, reason in UNREAD:
         if pattern.match(name):
             return reason
     return None
 
 
-LAYOUT = Layout(rows=NAMES, fp8_block=(32, 32), unread=_unread)
+LAYOUT = Layout(rows=NAMES + STAGE_NAMES, fp8_block=(32, 32), unread=_unread)
 
 
 def layout_of(model: DeepseekV41ForCausalLM) -> Layout:
@@ -117,7 +140,12 @@ def layout_of(model: DeepseekV41ForCausalLM) -> Layout:
             f"quantization_config.weight_block_size is {block}; expected two positive "
             "integers [rows, columns], as published: [32, 32]"
         )
-    return Layout(rows=NAMES, fp8_block=(int(block[0]), int(block[1])), unread=_unread)
+    stages = model.config.dspark_stages
+    return Layout(
+        rows=LAYOUT.rows,
+        fp8_block=(int(block[0]), int(block[1])),
+        unread=lambda name: _unread(name, stages),
+    )
 
 
 def published_names(model: DeepseekV41ForCausalLM) -> dict[str, tuple[str, str]]:
@@ -130,7 +158,8 @@ def published_names(model: DeepseekV41ForCausalLM) -> dict[str, tuple[str, str]]
             "published config.json does: its stages become dspark_stages)"
         )
     c = model.config
-    counts = {"L": c.num_hidden_layers, "E": c.n_routed_experts}
+    experts = max(c.n_routed_experts, c.dspark_n_routed_experts or 0)
+    counts = {"L": c.num_hidden_layers, "M": c.dspark_stages, "E": experts}
     return expected_names(LAYOUT, model.state_dict(), counts)
 
 

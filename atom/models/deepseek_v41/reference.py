@@ -79,6 +79,18 @@ def _attention(
 @torch.no_grad()
 def reference_forward(model: DeepseekV41ForCausalLM, token_ids) -> torch.Tensor:
     """Logits (float32) [S, V] of every position of one sequence computed from scratch."""
+    return reference_with_hidden(model, token_ids)[0]
+
+
+@torch.no_grad()
+def reference_with_hidden(
+    model: DeepseekV41ForCausalLM, token_ids
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(logits [S, V] float32, DSpark's target hidden [S, targets * d] or None without DSpark
+    stages): the mean over the streams of each ``dspark_target_layer_ids`` layer's input
+    (after its Engram), concatenated in layer order (``dspark`` module doc)."""
+    targets = model.config.dspark_target_layer_ids if len(model.dspark) else []
+    hidden: list[torch.Tensor] = []
     dev = model.device
     ids = torch.as_tensor(token_ids, dtype=torch.int64, device=dev)
     pos = torch.arange(ids.numel(), device=dev)
@@ -88,15 +100,16 @@ def reference_forward(model: DeepseekV41ForCausalLM, token_ids) -> torch.Tensor:
     selections: dict = {}
     x = model._embed(ids)
     pre = identity_pre(x)
-    for layer in model.model.layers:
+    for i, layer in enumerate(model.model.layers):
         attn = layer.self_attn
         x, pre = layer.block(
             x,
             pre,
             engram_rows,
             lambda u, a=attn: _attention(a, u, pos, rows, selections, model.index_dtype),
+            (lambda h: hidden.append(h.mean(dim=1))) if i in targets else None,
         )
-    return model._head(x, pre)
+    return model._head(x, pre), (torch.cat(hidden, dim=-1) if hidden else None)
 
 
 @torch.no_grad()
