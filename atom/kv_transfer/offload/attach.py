@@ -19,6 +19,7 @@ from atom.kv_transfer.offload.lmcache_server import LMCacheServer, LMCacheServer
 from atom.kv_transfer.offload.local_load import LocalLoads
 from atom.kv_transfer.offload.locator import Locator
 from atom.kv_transfer.offload.lookup_thread import LookupThread
+from atom.kv_transfer.offload.policy import TierPolicy
 from atom.kv_transfer.offload.scheduler import OffloadConnector
 from atom.kv_transfer.offload.transfer_thread import TransferThread
 from atom.kv_transfer.offload.worker import SpecShape, share_pool, unlink_segment
@@ -85,6 +86,7 @@ class LMCacheTier:
             self.server.metrics_url if self.server is not None else config.metrics_url
         )
         self.tp_size = ranks.world_size if ranks is not None else 1
+        self.policy = TierPolicy.of(config, self.tp_size)
         replicated = ranks.rank_replicated if ranks is not None else True
         self.rank_collapse = config.rank_collapse(self.tp_size, replicated)
         self.world_size = 1 if self.rank_collapse else self.tp_size  # in the keys
@@ -103,9 +105,7 @@ class LMCacheTier:
         self.ctx.linger = 0
         shape = SpecShape(block_size, self.chunk, spec.units_per_image)
         self.mappings = self.locator = local = None
-        # engine-driven loads are built for one rank; across ranks every rank's part is a
-        # retrieve through the server
-        if config.load_mode == "engine_driven" and config.load and ranks is None:
+        if self.policy.engine_copies:
             self.mappings = Mappings(pool_tensor.device)
             self.locator = Locator(
                 url=url,
@@ -173,6 +173,7 @@ class LMCacheTier:
             notify_progress=notify_progress,
             local=local,
             mappings=self.mappings,
+            policy=self.policy,
         )
         self._l2_metrics(metrics)
         self.lookups.start()
@@ -261,9 +262,7 @@ class LMCacheTier:
             if self.tp_size > 1 and self.cfg.load_mode == "engine_driven":
                 return "lmcache_driven (engine-driven loads run on one rank only)"
             return "lmcache_driven"
-        if self.locator.unsupported:
-            return f"lmcache_driven ({self.locator.unsupported})"
-        return "engine_driven"
+        return self.locator.mode
 
     def release(self) -> None:
         """What must not outlive the process, when ``shutdown`` cannot finish in time: stop

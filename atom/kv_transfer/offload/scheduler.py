@@ -35,6 +35,7 @@ from atom.engine.sequence import Sequence
 from atom.kv_transfer.offload.config import OffloadConfig
 from atom.kv_transfer.offload.events import EventPool
 from atom.kv_transfer.offload.operations import LookupOp, OpState, TransferOp
+from atom.kv_transfer.offload.policy import TierPolicy
 from atom.kv_transfer.offload.tier_metrics import TierMetrics
 from atom.kv_transfer.offload.tier_request import Phase, TierRequest
 from atom.kv_transfer.offload.transfer_outcomes import TransferOutcomes
@@ -63,8 +64,10 @@ class OffloadConnector(TransferOutcomes, Connector):
         clock=time.monotonic,
         local=None,  # local_load.LocalLoads: engine-driven loads (None: every load via server)
         mappings=None,  # l1_map.Mappings the locator maps into (closed here when idle)
+        policy: TierPolicy | None = None,  # what it may do (None: the config's, one rank)
     ):
         self.cfg, self.spec, self.chunk_size = config, spec, chunk_size
+        self.policy = policy or TierPolicy.of(config)
         self.pool, self.store, self.pool_tensor = pool, store, pool_tensor
         self.events, self.transfers, self.lookups = events, transfers, lookups
         self.notify, self.clock = notify_progress, clock
@@ -165,7 +168,7 @@ class OffloadConnector(TransferOutcomes, Connector):
         return TierAnswer(st.answer if st.phase is Phase.ANSWERED else 0)
 
     def _first_lookup(self, st: TierRequest, local_hit: int) -> None:
-        if not self.cfg.load or not self.transfers.healthy:
+        if not self.policy.may_load or not self.transfers.healthy:
             # save-only: store everything, load nothing; tier down: no answer, neither
             st.tier_has = 0 if self.transfers.healthy else None
             st.to(Phase.RUNNING)
@@ -211,8 +214,6 @@ class OffloadConnector(TransferOutcomes, Connector):
 
     def after_step(self, seqs: list[Sequence]) -> None:
         self.lookups.flush()  # the frees this step's loads queued
-        if not self.cfg.save:
-            return
         for seq in seqs:
             st = self._requests.get(seq.seq_id)
             if st is not None:

@@ -159,7 +159,9 @@ class TransferOutcomes:
     # ---- saves --------------------------------------------------------------------------
 
     def _plan_saves(self, st: TierRequest) -> None:
-        if not self.transfers.healthy or st.tier_has is None:
+        """The only maker of saves (every path that stores calls it): the policy's
+        ``may_store`` is asked here and nowhere else."""
+        if not self.policy.may_store or not self.transfers.healthy or st.tier_has is None:
             return
         seq, bs, chunk = st.seq, self.spec.block_size, self.chunk_size
         b = st.saved_upto + chunk

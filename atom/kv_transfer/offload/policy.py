@@ -1,0 +1,37 @@
+"""What this engine may do with the tier: the config's restricting switches, decided once.
+
+One object answers each question, and each question is asked at the one place that acts on it:
+
+  may_store      ``lmcache.save``: the connector's save planner (``_plan_saves``) is the only
+                 code that makes a save, and it asks first. Every store of every path goes
+                 through it: the step's committed forwards (drafts included), a lookup's
+                 answer that arrives after admission (CONFIRMING), a finished or preempted
+                 request's tail, a load's recomputed span; across ranks every rank's part is
+                 a part of an op rank 0's connector made. So ``save: false`` stores nothing.
+  may_load       ``lmcache.load``: no lookup is sent (so nothing is ever loaded).
+  engine_copies  ``load_mode: engine_driven`` (and loads on, one rank): loads are local copies
+                 located by the server module; otherwise the server copies every load.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from atom.kv_transfer.offload.config import OffloadConfig
+
+
+@dataclass(frozen=True)
+class TierPolicy:
+    may_store: bool
+    may_load: bool
+    engine_copies: bool
+
+    @classmethod
+    def of(cls, config: OffloadConfig, tp_size: int = 1) -> TierPolicy:
+        """The policy of ``config`` for an engine of ``tp_size`` ranks (engine-driven loads
+        are built for one rank: across ranks every rank's part is a retrieve)."""
+        return cls(
+            may_store=config.save,
+            may_load=config.load,
+            engine_copies=config.load_mode == "engine_driven" and config.load and tp_size == 1,
+        )
