@@ -648,7 +648,8 @@ def test_a_server_without_shared_l1_reports_lmcache_driven_and_still_loads(make_
         cfg = tier(server, load_mode="engine_driven")
         first = make_llm(**cfg)
         mode = lambda: first.engine.tier_health()["load_mode"]  # noqa: E731
-        pump(first, lambda: mode() != "engine_driven", "the locate probe to find no module")
+        assert mode() != "engine_driven", mode()  # probing, never a wrong mode
+        pump(first, lambda: mode().startswith("lmcache_driven"), "the probe to find no module")
         assert mode().startswith("lmcache_driven (") and "--server-module" in mode(), mode()
         out1 = first.generate(prompts, GREEDY, on_step=check)
         first.shutdown()
@@ -663,7 +664,9 @@ def test_a_server_without_shared_l1_reports_lmcache_driven_and_still_loads(make_
         assert conn.m.loads.get(outcome="done") == len(prompts)
         assert conn.m.local_loads.get(outcome="copied") == 0 and w.located_answers == 0
         assert second.engine.tier.mappings.current is None and l1_mapped() == []
-        assert "--server-module" in second.engine.tier_health()["load_mode"]
+        mode = lambda: second.engine.tier_health()["load_mode"]  # noqa: E731
+        pump(second, lambda: not mode().startswith("probing"), "the probe to end")
+        assert "--server-module" in mode(), mode()
         second.shutdown()
     finally:
         server.stop()

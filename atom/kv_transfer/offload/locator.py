@@ -6,14 +6,19 @@ follows is a local copy with no RPC on its path. One ``atom.locate`` call to the
 image object at ``hit``; the lookup's read locks keep those objects in place until the engine
 frees them, after its copy completed.
 
-A server without the module (or without its L1 in shared memory, or on another host) is
-found out at the first call; loads then go through the server (lmcache_driven), with one
-warning that says how to enable engine-driven loads.
+Whether the server has the module is found out by a probe (``start_probe``) on a thread of
+its own, with its own zmq context and client, so no lookup ever waits for it: lmcache 0.5.6
+never replies to a call of a method no module serves, and the probe only learns that from its
+deadline. Until the probe has its answer (``mode`` says "probing") every hit loads through the
+server. A server without the module (or without its L1 in shared memory, or on another host)
+then has every load go through the server (lmcache_driven), with one warning that says how to
+enable engine-driven loads.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass
 
@@ -46,27 +51,43 @@ class Locator:
         self.url, self.ctx, self.namespace = url, zmq_context, namespace
         self.world_size, self.chunk = world_size, chunk
         self.mappings: Mappings = mappings
-        self._client = None
+        self._client = None  # the lookup thread's (the probe has its own)
         self.unsupported = ""  # why this server cannot serve engine-driven loads
         self.calls = 0
+        self._known = threading.Event()  # a probe found out (module or not)
+        self._closing = threading.Event()
+        self._probe_thread: threading.Thread | None = None
+        self._probe_timeout_s = 0.0
 
-    def _send(self, payload: dict):
-        """Send one locate call; its future."""
+    @property
+    def mode(self) -> str:
+        """'probing' until a probe found out, then 'engine_driven' or 'lmcache_driven (why)'."""
+        if self.unsupported:
+            return f"lmcache_driven ({self.unsupported})"
+        if not self._known.is_set():
+            return "probing (hits load through the server until the server's module answers)"
+        return "engine_driven"
+
+    def _send(self, payload: dict, client=None):
+        """Send one locate call (on the lookup thread's client, or ``client``); its future."""
         from lmcache.v1.multiprocess.protocols.server_module import ServerModuleCallRequest
 
-        if self._client is None:
-            from lmcache.v1.multiprocess.transport.factory import RequestClientFactory
+        if client is None:
+            if self._client is None:
+                from lmcache.v1.multiprocess.transport.factory import RequestClientFactory
 
-            self._client = RequestClientFactory.create(self.url, context=self.ctx)
+                self._client = RequestClientFactory.create(self.url, context=self.ctx)
+            client = self._client
         self.calls += 1
         req = ServerModuleCallRequest(LOCATE_METHOD, msgspec.msgpack.encode(payload))
-        return self._client.server_module_call(req)
+        return client.server_module_call(req)
 
-    def _answer(self, fut, deadline: float) -> dict:
+    def _answer(self, fut, deadline: float, reset=None) -> dict:
         """A sent call's decoded answer; raises when there is none (and turns engine-driven
-        loads off when the server cannot give one: no module, no shared-memory L1)."""
-        if not fut.wait(max(deadline - time.monotonic(), 0.001)):
-            self._reset_client()  # a reply that comes later must not answer a later call
+        loads off when the server cannot give one: no module, no shared-memory L1).
+        ``reset`` drops the client the call went on (default: the lookup thread's)."""
+        if not self._wait(fut, deadline):
+            (reset or self._reset_client)()  # a reply that comes later must not answer another
             if self._server_answers():  # lmcache 0.5.6 never replies to an unserved method
                 self._unsupported(
                     "the server answers but not atom.locate (start it with --server-module "
@@ -86,6 +107,13 @@ class Locator:
             self._unsupported(answer.get("error") or "the server's L1 is not in shared memory")
             raise RuntimeError(self.unsupported)
         return answer
+
+    def _wait(self, fut, deadline: float) -> bool:
+        """Wait for ``fut`` until ``deadline``, in slices, so ``close`` ends a probe's wait."""
+        while not fut.wait(min(max(deadline - time.monotonic(), 0.001), 0.1)):
+            if time.monotonic() >= deadline or self._closing.is_set():
+                return False
+        return True
 
     def _server_answers(self, timeout_s: float = 0.5) -> bool:
         from atom.kv_transfer.offload.lmcache_server import probe
@@ -118,22 +146,52 @@ class Locator:
             "groups": groups,
         }
 
-    def prepare(self, timeout_s: float) -> None:
-        """Start mapping the server's segment before the first hit needs it. Failures are
-        left to the first ``locate``."""
+    def start_probe(self, timeout_s: float) -> None:
+        """Ask the server, on a thread of its own, whether it serves ``atom.locate`` (and
+        start mapping its segment before the first hit needs it); returns at once."""
+        self._probe_timeout_s = timeout_s
+        self._probe_thread = threading.Thread(
+            target=self._probe, args=(timeout_s,), name="atom-locate-probe", daemon=True
+        )
+        self._probe_thread.start()
+
+    def _probe(self, timeout_s: float) -> None:
+        """The probe, on its own zmq context (closing the tier's never waits for it). A probe
+        that learns nothing (a server that answers nothing) is sent again by the next hit."""
+        import zmq
+        from lmcache.v1.multiprocess.transport.factory import RequestClientFactory
+
+        ctx = zmq.Context()
+        ctx.linger = 0
+        client = None
         try:
-            fut = self._send(self._request("atom-locate-probe", [], 0, 0, []))
-            answer = self._answer(fut, time.monotonic() + timeout_s)
+            client = RequestClientFactory.create(self.url, context=ctx)
+            fut = self._send(self._request("atom-locate-probe", [], 0, 0, []), client)
+            answer = self._answer(fut, time.monotonic() + timeout_s, reset=lambda: None)
+            self._known.set()
             self.mappings.for_answer(SegmentId.of_answer(answer))
         except SegmentError as exc:
             self._unsupported(str(exc))
         except Exception as exc:
             log.debug("locate probe of %s: %s", self.url, exc)
+        finally:
+            if client is not None:
+                client.close()
+            ctx.destroy(linger=0)
+            if self.unsupported:
+                self._known.set()
 
     def locate_many(self, hits: list[tuple[str, list[int], int]], timeout_s: float) -> list:
         """Where each (lmc_id, tokens, hit)'s objects sit: a ``Located`` or None (then that
-        load goes through the server). The calls are sent together, then collected."""
+        load goes through the server). The calls are sent together, then collected. Until a
+        probe found out, none is sent (a server without the module would hold each one to its
+        deadline, and the lookup's answer with it); a probe that learnt nothing is sent again."""
         if self.unsupported:
+            return [None] * len(hits)
+        if not self._known.is_set():
+            thread = self._probe_thread
+            if thread is not None and not thread.is_alive() and not self._closing.is_set():
+                self.start_probe(self._probe_timeout_s)
             return [None] * len(hits)
         groups = [[PAGES_GROUP, -1], [IMAGE_GROUP, 1]]
         sent = []
@@ -179,4 +237,7 @@ class Locator:
         return self.locate_many([(lmc_id, tokens, hit)], timeout_s)[0]
 
     def close(self) -> None:
+        self._closing.set()
+        if self._probe_thread is not None:
+            self._probe_thread.join(2.0)  # its waits are sliced: it sees _closing at once
         self._reset_client()

@@ -3,6 +3,7 @@ block on the server) so the step thread never waits on a lookup.
 
 A hit is located before it is answered when a ``Locator`` is given (engine-driven loads): the
 answer then carries where its objects sit in the server's L1, so the load is a local copy.
+The locator's capability probe runs on a thread of its own: the first lookup is sent at once.
 
 Commands run in the order given: lookups, frees of lookup read locks, session ends (the last
 two are fire-and-forget on the server's normal pool, which is FIFO with one worker, so a free
@@ -82,6 +83,8 @@ class LookupThread:
     # ---- step thread ------------------------------------------------------------------------
 
     def start(self) -> None:
+        if self.locator is not None:  # beside the lookups, never before them
+            self.locator.start_probe(self.cfg.rpc_timeout_s)
         self.thread.start()
 
     def lookup(self, op: LookupOp) -> None:
@@ -117,8 +120,6 @@ class LookupThread:
     # ---- lookup thread ----------------------------------------------------------------------
 
     def _run(self) -> None:
-        if self.locator is not None:
-            self.locator.prepare(self.cfg.rpc_timeout_s)  # map the server's L1 up front
         try:
             while True:
                 with self._cond:
