@@ -44,6 +44,9 @@ class EngineConfig(BaseModel):
     speculative_tokens: int = 0
     # tensor parallelism: ranks (one process each; this one is rank 0) the model is split over
     tensor_parallel_size: int = 1
+    # seconds every rank has to join the group at start (and to connect for the first
+    # collective); a rank that exits before fails the start at once, naming the cause
+    tensor_parallel_start_timeout_s: float = 30.0
     offload: Literal["none", "lmcache_mp"] = "none"
     lmcache: OffloadConfig = OffloadConfig()  # the tier's settings (with offload=lmcache_mp)
 
@@ -68,6 +71,13 @@ class EngineConfig(BaseModel):
     def _positive_or_none(cls, v: int | None) -> int | None:
         if v is not None and v < 1:
             raise ValueError(f"must be >= 1 (or omitted), got {v}")
+        return v
+
+    @field_validator("tensor_parallel_start_timeout_s")
+    @classmethod
+    def _seconds(cls, v: float) -> float:
+        if not (v > 0 and v < float("inf")):
+            raise ValueError(f"must be a positive number of seconds, got {v}")
         return v
 
     @field_validator("pool_memory_gb")

@@ -59,7 +59,8 @@ class ParallelState:
         rank: int,
         world_size: int,
         *,
-        init_method: str,
+        init_method: str | None = None,
+        store=None,
         device: torch.device | str = "cpu",
         backend: str | None = None,
         timeout_s: float = DEFAULT_TIMEOUT_S,
@@ -70,7 +71,8 @@ class ParallelState:
         for a CUDA ``device`` (made this process's current device), gloo otherwise.
         ``control_timeout_s``: how long a control op (a rank waiting for rank 0's next op)
         may wait (default ``init_timeout_s``); an idle rank 0 keeps its ranks within it by
-        sending pings (``broadcast_runtime``)."""
+        sending pings (``broadcast_runtime``). ``store``: a joined rendezvous store
+        (``rendezvous``) instead of ``init_method``."""
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"rank={rank} world_size={world_size}: need 0 <= rank < world_size")
         device = torch.device(device)
@@ -79,9 +81,12 @@ class ParallelState:
             torch.cuda.set_device(device)
         if dist.is_initialized():
             raise RuntimeError("torch.distributed is already initialized in this process")
+        if (init_method is None) == (store is None):
+            raise ValueError("give ParallelState.init one of init_method and store")
         dist.init_process_group(
             backend,
             init_method=init_method,
+            store=store,
             rank=rank,
             world_size=world_size,
             timeout=timedelta(seconds=init_timeout_s),

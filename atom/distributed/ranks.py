@@ -5,6 +5,12 @@
 other rank builds its own split runtime and then makes the ops rank 0 sends
 (``broadcast_runtime.serve_ops``) until ``stop``.
 
+Start: every rank joins rank 0's rendezvous store within ``tensor_parallel_start_timeout_s``
+(default 30 s), or the start fails at once naming the rank and the likely cause: a rank that
+exited (a spawned rank re-importing an entry script that starts an engine at import: the
+missing ``if __name__ == "__main__":`` guard), one that never joined, no port to open
+(``rendezvous``).
+
 Lifetimes: a rank whose parent (rank 0's process) dies exits at once (a watchdog thread on the
 parent's sentinel), so no rank outlives the engine; a rank that dies makes rank 0's next
 collective fail within ``tp_timeout_s`` (an error, never a hang); ``BroadcastRuntime.close``
@@ -22,7 +28,8 @@ import threading
 import torch
 
 from atom.distributed.broadcast_runtime import BroadcastRuntime, serve_ops
-from atom.distributed.parallel_state import ParallelState, local_init_method
+from atom.distributed.parallel_state import ParallelState
+from atom.distributed.rendezvous import Rendezvous, join, refuse_reimport
 
 log = logging.getLogger("atom.distributed")
 
@@ -66,7 +73,7 @@ def build_rank_runtime(cfg, state: ParallelState):
 def _rank_main(
     rank: int,
     world: int,
-    init_method: str,
+    address: tuple[str, int],
     values: dict,
     tier_conn=None,
     control_timeout_s: float = CONTROL_TIMEOUT_S,
@@ -81,12 +88,14 @@ def _rank_main(
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{rank} %(message)s")
     cfg = EngineConfig(**values)
     torch.set_num_threads(max(1, torch.get_num_threads() // world))
+    start_s = cfg.tensor_parallel_start_timeout_s
     state = ParallelState.init(
         rank,
         world,
-        init_method=init_method,
+        store=join(address, rank, world, start_s),
         device=rank_device(cfg.device, rank),
         timeout_s=TP_TIMEOUT_S,
+        init_timeout_s=start_s,
         control_timeout_s=control_timeout_s,
     )
     runtime = build_rank_runtime(cfg, state)
@@ -95,15 +104,19 @@ def _rank_main(
 
 
 def start_ranks(cfg) -> BroadcastRuntime:
-    """Spawn ranks 1..N-1 of the resolved config ``cfg``, join as rank 0, return its runtime."""
+    """Spawn ranks 1..N-1 of the resolved config ``cfg``, join as rank 0, return its runtime.
+    Every rank joins within ``cfg.tensor_parallel_start_timeout_s``, or this raises
+    ``TensorParallelStartError`` saying which rank and why (``rendezvous``)."""
     from atom.distributed.v41 import TIER_BYTES_REPLICATED, check_v41_tp
     from atom.models.registry import resolve_config
 
+    refuse_reimport()  # a spawned rank importing an entry script that starts an engine
     world = cfg.tensor_parallel_size
     model_cfg, _ = resolve_config(cfg.model)
     if getattr(model_cfg, "model_type", None) == "deepseek_v41":
         check_v41_tp(model_cfg, world)  # before any process or group exists
-    init_method = local_init_method()
+    start_s = cfg.tensor_parallel_start_timeout_s
+    rendezvous = Rendezvous(world, start_s)
     control_s = CONTROL_TIMEOUT_S
     ctx = mp.get_context("spawn")
     # one pipe per rank for its tier's outcomes (rank 0 reads them on a thread of its own)
@@ -111,7 +124,7 @@ def start_ranks(cfg) -> BroadcastRuntime:
     procs = [
         ctx.Process(
             target=_rank_main,
-            args=(rank, world, init_method, cfg.model_dump(), pipes[rank - 1][1], control_s),
+            args=(rank, world, rendezvous.address, cfg.model_dump(), pipes[rank - 1][1], control_s),
             name=f"atom-tp-rank{rank}",
             daemon=True,
         )
@@ -122,9 +135,10 @@ def start_ranks(cfg) -> BroadcastRuntime:
     for _, send_end in pipes:
         send_end.close()  # the ranks hold them: a rank that exits closes its pipe (EOF here)
     try:
+        rendezvous.wait_joined(procs)
         state = ParallelState.init(
-            0, world, init_method=init_method, device=rank_device(cfg.device, 0),
-            timeout_s=TP_TIMEOUT_S, control_timeout_s=control_s,
+            0, world, store=rendezvous.store, device=rank_device(cfg.device, 0),
+            timeout_s=TP_TIMEOUT_S, init_timeout_s=start_s, control_timeout_s=control_s,
         )  # fmt: skip
         runtime = build_rank_runtime(cfg, state)
     except BaseException:
