@@ -23,11 +23,11 @@ from atom.models.deepseek_v41.published_config import to_published
 from atom.models.deepseek_v41.published_weights import UNREAD, published_names
 from atom.models.deepseek_v41.reference import reference_forward, reference_generate
 from atom.models.deepseek_v41.weights import load_weights
-from atom.models.registry import load_runtime
 from tests.serve.conftest import ServeProcess
 
 from .harness import Harness
 from .published_quant import quant_fp4, quant_fp8
+from .test_v4_checkpoint import runtime_of  # the registry's loader, any family
 from .test_v41_dspark import DSPARK
 
 PUBLISHED = Path(__file__).resolve().parent.parent / "data" / "deepseek_v41_flash_config.json"
@@ -91,18 +91,6 @@ def write_checkpoint(
         save_file(shard, str(directory / f"model-{i + 1:05d}-of-00002.safetensors"))
     (directory / "config.json").write_text(json.dumps(published_tiny(dspark), indent=2))
     return exact
-
-
-def runtime_of(directory: Path):
-    return load_runtime(
-        str(directory),
-        dtype=torch.float32,
-        kv_dtype="fp32",
-        index_dtype="fp32",
-        block_size=16,
-        device="cpu",
-        seed=0,
-    )
 
 
 def test_published_names_and_formats_load_exactly(tmp_path):
