@@ -6,7 +6,10 @@ exact value the stored bytes mean, so a test compares what was loaded with what 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
+from safetensors.torch import save_file
 
 from atom.models.common.formats import FP4_VALUES, round_fp4
 
@@ -43,3 +46,14 @@ def quant_fp4(w: torch.Tensor, group: int = 32, dtype: torch.dtype = torch.int8)
     codes = codes.flatten(1)
     packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8).view(dtype)
     return packed, e8m0(exp), (values * torch.exp2(exp)[..., None]).flatten(1)
+
+
+def save_shards(directory: Path, shards: tuple[dict, ...], drop=()) -> None:
+    """Write ``shards`` as ``model-0000i-of-0000n.safetensors``, without the tensors ``drop``
+    names (wherever they are)."""
+    for name in drop:
+        for shard in shards:
+            shard.pop(name, None)
+    directory.mkdir(parents=True, exist_ok=True)
+    for i, shard in enumerate(shards):
+        save_file(shard, str(directory / f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"))

@@ -26,7 +26,7 @@ from atom.models.deepseek_v41.weights import load_weights
 from tests.serve.conftest import ServeProcess
 
 from .harness import Harness
-from .published_quant import quant_fp4, quant_fp8
+from .published_quant import quant_fp4, quant_fp8, save_shards
 from .test_v4_checkpoint import runtime_of  # the registry's loader, any family
 from .test_v41_dspark import DSPARK
 
@@ -83,12 +83,7 @@ def write_checkpoint(
     shards[0]["layers.3.ffn.gate.bias_vl"] = torch.zeros(4)
     for name, value in (extra or {}).items():  # replaces a tensor where it is stored
         (shards[1] if name in shards[1] else shards[0])[name] = value
-    for name in drop:
-        for shard in shards:
-            shard.pop(name, None)
-    directory.mkdir(parents=True, exist_ok=True)
-    for i, shard in enumerate(shards):
-        save_file(shard, str(directory / f"model-{i + 1:05d}-of-00002.safetensors"))
+    save_shards(directory, shards, drop)
     (directory / "config.json").write_text(json.dumps(published_tiny(dspark), indent=2))
     return exact
 

@@ -7,7 +7,6 @@ import shutil
 
 import pytest
 import torch
-from safetensors.torch import save_file
 
 from atom.models.deepseek_v4.checkpoint import FP4, FP8, expected_names, load_checkpoint
 from atom.models.deepseek_v4.checkpoint_formats import unpack_fp4
@@ -17,7 +16,7 @@ from atom.models.deepseek_v4.reference import reference_forward
 from atom.models.deepseek_v41.weights import WeightLoadError
 from atom.models.registry import load_runtime
 
-from .published_quant import quant_fp4, quant_fp8
+from .published_quant import quant_fp4, quant_fp8, save_shards
 from .test_v4_paged import Harness, assert_matches, one_thread_fixture, tokens  # noqa: F401
 
 
@@ -42,12 +41,7 @@ def write_checkpoint(directory, seed=0, extra=None, drop=(), config=None):
     # an MTP block beyond the config's num_nextn_predict_layers (1) is left unread
     shards[1]["mtp.1.e_proj.weight"] = torch.zeros(8, 8, dtype=torch.float8_e4m3fn)
     shards[0].update(extra or {})
-    for name in drop:
-        for shard in shards:
-            shard.pop(name, None)
-    directory.mkdir(parents=True, exist_ok=True)
-    for i, shard in enumerate(shards):
-        save_file(shard, str(directory / f"model-{i + 1:05d}-of-00002.safetensors"))
+    save_shards(directory, shards, drop)
     published = PRESETS["v4-flash"]["quantization_config"]
     cfg = dict(PRESETS["v4-tiny"], expert_dtype="fp4", quantization_config=published)
     (directory / "config.json").write_text(json.dumps(config or cfg))

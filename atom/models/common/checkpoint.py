@@ -153,9 +153,10 @@ def load_published(
     expected: Mapping[str, tuple[str, str]],
     *,
     shards: Mapping[str, tuple[int, int, int]] | None = None,
-) -> None:
+) -> dict[str, str]:
     """Copy every expected tensor from the safetensors at ``path`` (a file or a directory)
-    into ``params``, decoded.
+    into ``params``, decoded; returns the stored tensors left unread, with the reason
+    (``layout.unread``), for the caller to log.
 
     Refuses, before copying anything, a missing tensor, an unexpected one (``layout.unread``
     aside), a quantized tensor without its scale, and a tensor or scale of the wrong shape,
@@ -196,10 +197,14 @@ def load_published(
         problem = _check(layout, name, fmt, stored, dtype, shape, whole(param), scale)
         if problem:
             problems.append(problem)
+    unread: dict[str, str] = {}
     for name in sorted(set(found) - set(expected) - scales):
-        if layout.unread(name) is None:
-            f, dtype, shape = found[name]
-            problems.append(f"unexpected tensor {name} ({dtype} {list(shape)}) in {f.name}")
+        reason = layout.unread(name)
+        if reason is not None:
+            unread[name] = reason
+            continue
+        f, dtype, shape = found[name]
+        problems.append(f"unexpected tensor {name} ({dtype} {list(shape)}) in {f.name}")
     if problems:
         shown = "; ".join(problems[:20])
         more = f" (and {len(problems) - 20} more)" if len(problems) > 20 else ""
@@ -217,18 +222,7 @@ def load_published(
                     value = value.chunk(parts, dim)[index]
                 target = params[param]
                 target.copy_(value.to(device=target.device, dtype=target.dtype))
-
-
-def unread_reasons(layout: Layout, path: str | Path) -> dict[str, str]:
-    """Stored tensors the layout leaves unread, with the reason (for logs)."""
-    out = {}
-    for f in _files(Path(path)):
-        with safe_open(str(f), framework="pt") as sf:
-            for name in sf.keys():
-                reason = layout.unread(name)
-                if reason is not None:
-                    out[name] = reason
-    return out
+    return unread
 
 
 def _decode(layout, sf, file: Path, name: str, fmt: str, found: dict) -> torch.Tensor:

@@ -30,7 +30,6 @@ from atom.models.common.checkpoint import (
     Layout,
     expected_names,
     load_published,
-    unread_reasons,
 )
 from atom.models.common.weights import WeightLoadError
 from atom.models.deepseek_v41.model import DeepseekV41ForCausalLM
@@ -175,9 +174,9 @@ def load_published_weights(
     left unread, counted in one log line per reason.
     """
     layout = layout_of(model)
-    load_published(model.state_dict(), path, layout, published_names(model), shards=shards)
+    unread = load_published(model.state_dict(), path, layout, published_names(model), shards=shards)
     counts: dict[str, int] = {}
-    for reason in unread_reasons(layout, path).values():
+    for reason in unread.values():
         counts[reason] = counts.get(reason, 0) + 1
     for reason, n in counts.items():
         log.info("checkpoint %s: %d tensors left unread (%s)", path, n, reason)
