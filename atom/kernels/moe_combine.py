@@ -1,14 +1,14 @@
-"""The MoE's output: the shared expert's plus each token's routed experts' outputs weighted by
-their routing weights, in one kernel.
+"""The MoE's output: the shared expert's plus each token's routed experts' outputs (already
+weighted by their routing weights, which scale the expert's input to its down projection),
+in one kernel.
 
 The routed experts' grouped GEMMs leave their rows sorted by expert ([tokens x top_k, d]). The
-torch expression casts them to float32, weights them, puts each back at (token, slot) and sums
-the slots, then adds the shared expert's output: five float32 passes over [tokens x top_k, d]
+torch expression casts them to float32, puts each back at (token, slot) and sums the slots,
+then adds the shared expert's output: four float32 passes over [tokens x top_k, d]
 (a 4096-token chunk of v41-bench: ~170 MB each, per layer). The kernel reads each row once in
 its stored dtype and writes the float32 sum once, with the same operations in the same order
-(the slots one by one, then the shared output); the compiler may fuse a product into the sum
-(one rounding fewer), so the result is the torch expression's to float32 rounding (6e-8 apart
-on the H200), and the same bits on every run (no atomics).
+(the slots one by one, then the shared output), so the result is the torch expression's, and
+the same bits on every run (no atomics).
 """
 
 from __future__ import annotations
@@ -18,15 +18,23 @@ import torch
 from atom.kernels import use_triton
 
 
-def moe_combine_torch(
-    shared: torch.Tensor, y: torch.Tensor, order: torch.Tensor, w: torch.Tensor
-) -> torch.Tensor:
-    """shared [N, d]; y [N * k, d] the routed outputs, row i belonging to (token, slot) =
-    divmod(order[i], k); w [N, k] float32 -> float32 [N, d]: shared + sum over slots (in slot
-    order) of w * y."""
-    n, k = w.shape
+def slots(shared: torch.Tensor, y: torch.Tensor) -> int:
+    """k, the routed slots per token: y holds N * k rows for shared's N."""
+    n = shared.shape[0]
+    if n == 0 or y.shape[0] % n:
+        raise ValueError(f"y has {y.shape[0]} rows, not a multiple of the {n} tokens")
+    return y.shape[0] // n
+
+
+def moe_combine_torch(shared: torch.Tensor, y: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """shared [N, d]; y [N * k, d] the (weighted) routed outputs, row i belonging to (token,
+    slot) = divmod(order[i], k) -> float32 [N, d]: shared + sum over slots (in slot order) of
+    y."""
+    if shared.shape[0] == 0:
+        return torch.empty(shared.shape, dtype=torch.float32, device=shared.device)
+    n, k = shared.shape[0], slots(shared, y)
     per_slot = torch.empty(y.shape, dtype=torch.float32, device=y.device)
-    per_slot[order] = y.float() * w.flatten()[order, None]
+    per_slot[order] = y.float()
     return shared.float() + per_slot.view(n, k, -1).sum(1)
 
 
@@ -38,13 +46,11 @@ def moe_combine_usable(y: torch.Tensor) -> bool:
     return use_triton(y, "moe_combine")
 
 
-def moe_combine(
-    shared: torch.Tensor, y: torch.Tensor, order: torch.Tensor, w: torch.Tensor
-) -> torch.Tensor:
+def moe_combine(shared: torch.Tensor, y: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
     """``moe_combine_torch`` in one kernel where ``moe_combine_usable(y)``, else the torch
     expression."""
-    if not moe_combine_usable(y):
-        return moe_combine_torch(shared, y, order, w)
+    if not moe_combine_usable(y) or shared.shape[0] == 0:
+        return moe_combine_torch(shared, y, order)
     from atom.kernels._moe_combine_triton import moe_combine_triton
 
-    return moe_combine_triton(shared, y, order, w)
+    return moe_combine_triton(shared, y, order, slots(shared, y))

@@ -2,7 +2,8 @@
 on hand-worked cases (the numbers in the comments were worked out from the formulas, not read
 off the code under test). Items as the published-V4.1 issue lists them: mHC wiring (1), the
 mixing values (2), Sinkhorn (3), RoPE pairs (4), the softmax scale (5), the roundings (6, 11,
-as switches) and the router (9); the Engram (8) in test_engram_published.py."""
+as switches), the router (9) and the experts' routing weight applied before their down
+projection; the Engram (8) in test_engram_published.py."""
 
 from __future__ import annotations
 
@@ -94,6 +95,60 @@ def test_router_normalises_with_1e20_and_divides_logits_by_the_temperature():
         assert idx.tolist() == [[2, 0]]
         want = torch.tensor([[s2, 0.8325546]]) / (s2 + 0.8325546) * cfg.routed_scaling_factor
         torch.testing.assert_close(w, want)
+
+
+def test_routing_weight_scales_the_down_projections_input_before_its_e4m3_rounding():
+    """Both published references weight an expert's SwiGLU output before its down projection
+    (whose FP8 linear rounds its input to E4M3 per 32). Hand-worked: h = [3, 1.1, 0, ...]
+    (gate 100, where silu is the identity in float32; up 0.03 and 0.011), weight 0.75:
+    w * h = [2.25, 0.825]; block scale 2^ceil(log2(2.25 / 448)) = 2^-7; 0.825 * 128 = 105.6
+    rounds to 104 (E4M3 steps of 8 in [64, 128)), so 0.8125. Weighting the output instead
+    gives 0.75 * round(1.1) = 0.75 * 1.125 (140.8 -> 144 in steps of 16) = 0.84375."""
+    from atom.models.common.moe import Expert
+
+    e = Expert(32, 32, 1000.0, torch.float32)
+    e.act = fp8_act_sim
+    with torch.no_grad():
+        for p in e.parameters():
+            p.zero_()
+        e.gate_proj.weight[:, 0] = 100.0
+        e.up_proj.weight[0, 0], e.up_proj.weight[1, 0] = 0.03, 0.011
+        e.down_proj.weight.copy_(torch.eye(32))
+        x = torch.zeros(1, 32)
+        x[0, 0] = 1.0
+        got = e(x, torch.tensor([[0.75]]))
+        unweighted = e(x)
+    assert got[0, :2].tolist() == [2.25, 0.8125] and not got[0, 2:].any()
+    assert unweighted[0, :2].tolist() == [3.0, 1.125]
+
+
+def test_every_dispatch_path_weights_before_the_down_projection():
+    """The per-expert loop and the dense path compute the same function: each token's shared
+    expert plus sum over its experts of expert(x, w) (weight inside), with the E4M3 input
+    rounding on, where weighting the output instead would differ."""
+    cfg = preset_config("v41-tiny", n_routed_experts=4, num_experts_per_tok=2)
+    moe = MoE(cfg, torch.float32, act_fp8=True)
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[-1]))
+        x = torch.randn(5, cfg.hidden_size, generator=gen)
+        idx, w = moe.route(x)
+        want = moe.shared_experts(x).clone()
+        after = want.clone()
+        for t in range(5):
+            for s in range(2):
+                expert = moe.experts[int(idx[t, s])]
+                want[t] += expert(x[t : t + 1], w[t : t + 1, s : s + 1])[0]
+                after[t] += w[t, s] * expert(x[t : t + 1])[0]
+        assert moe.path(5, x) == "dense"
+        dense = moe.mix(x, idx, w)
+        moe.DENSE_MAX_TOKENS = 0
+        assert moe.path(5, x) == "loop"
+        loop = moe.mix(x, idx, w)
+    torch.testing.assert_close(dense, want, atol=2e-6, rtol=0)
+    torch.testing.assert_close(loop, want, atol=2e-6, rtol=0)
+    assert (after - want).abs().max() > 1e-3  # the order is observable
 
 
 class _Recorder:

@@ -32,9 +32,13 @@ def _act_identity(x: torch.Tensor) -> torch.Tensor:
 
 
 class Expert(nn.Module):
-    """Clamped SwiGLU: down(silu(min(gate, L)) * clamp(up, -L, L)). ``act`` rounds the inputs
-    of the three projections (the published FP8/FP4 linears quantize their input activations;
-    ``MoE`` sets it; identity by default)."""
+    """Clamped SwiGLU: down(w * silu(min(gate, L)) * clamp(up, -L, L)), the product taken in
+    float32 and rounded to the input dtype once, before ``down``. ``w`` (a routed expert's
+    routing weight, [N, 1] float32) scales the product *before* the down projection, as both
+    published references do: with the FP8 input rounding that projection applies, weighting
+    its output instead is a different function (the rounding blocks see other values).
+    ``act`` rounds the inputs of the three projections (the published FP8/FP4 linears
+    quantize their input activations; ``MoE`` sets it; identity by default)."""
 
     def __init__(self, d: int, inter: int, limit: float, dtype: torch.dtype):
         super().__init__()
@@ -44,11 +48,15 @@ class Expert(nn.Module):
         self.up_proj = linear(d, inter, dtype)
         self.down_proj = linear(inter, d, dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, w: torch.Tensor | None = None) -> torch.Tensor:
+        dtype = x.dtype
         x = self.act(x)
-        g = self.gate_proj(x).clamp(max=self.limit)
-        u = self.up_proj(x).clamp(-self.limit, self.limit)
-        return self.down_proj(self.act(F.silu(g) * u))
+        g = self.gate_proj(x).float().clamp(max=self.limit)
+        u = self.up_proj(x).float().clamp(-self.limit, self.limit)
+        h = F.silu(g) * u
+        if w is not None:
+            h = h * w
+        return self.down_proj(self.act(h.to(dtype)))
 
 
 class MoEGate(nn.Module):
@@ -133,14 +141,14 @@ class MoE(nn.Module):
         path = self.path(x.shape[0], x)
         if path == "grouped":
             try:
-                y, order = self._grouped(x, idx)
+                y, order = self._grouped(x, idx, w)
             except RuntimeError as e:  # an unsupported shape or build: the loop, from now on
                 _GROUPED_MM["failed"] = f"{type(e).__name__}: {e}"
             else:
                 # each token's top_k weighted outputs summed in slot order: an ``index_add_``
                 # of the sorted rows would add them with atomics, in an order that changes from
                 # run to run (and with it, in bfloat16, an output now and then)
-                return moe_combine(shared, y, order, w)
+                return moe_combine(shared, y, order)
         out = shared.float()
         if path == "dense":
             return out + self._dense(x, idx, w)
@@ -152,17 +160,19 @@ class MoE(nn.Module):
         for expert, count in zip(self.experts, counts):
             if count:
                 r = rows[start : start + count]
-                y = expert(x.index_select(0, r)).float() * w[r, slot[start : start + count], None]
-                out.index_add_(0, r, y)
+                y = expert(x.index_select(0, r), w[r, slot[start : start + count], None])
+                out.index_add_(0, r, y.float())
                 start += count
         return out
 
-    def _grouped(self, x: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _grouped(
+        self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The routed experts as three grouped GEMMs over the token rows sorted by expert
         (``torch._grouped_mm``): the group offsets stay on the device, so no host sync.
-        Returns (outputs [N * top_k, d] in expert order, order: row i is token order[i] //
-        top_k's slot order[i] % top_k), for ``moe_combine`` (one kernel on CUDA with
-        ``ATOM_TRITON_ON=moe_combine``)."""
+        Returns (outputs [N * top_k, d] in expert order, already weighted by ``w``, order:
+        row i is token order[i] // top_k's slot order[i] % top_k), for ``moe_combine`` (one
+        kernel on CUDA with ``ATOM_TRITON_ON=moe_combine``)."""
         gate, up, down = self.stacked_weights()
         flat = idx.flatten()
         order = torch.argsort(flat, stable=True)  # token rows grouped by expert, rows ascending
@@ -171,20 +181,21 @@ class MoE(nn.Module):
         offs = torch.cumsum(counts, 0, dtype=torch.int32)
         rows = order // self.top_k
         xs = self.act(x).index_select(0, rows)
-        g = torch._grouped_mm(xs, gate.transpose(1, 2), offs=offs).clamp(max=self.limit)
-        u = torch._grouped_mm(xs, up.transpose(1, 2), offs=offs).clamp(-self.limit, self.limit)
-        h = self.act(F.silu(g) * u)
+        g = torch._grouped_mm(xs, gate.transpose(1, 2), offs=offs).float().clamp(max=self.limit)
+        u = torch._grouped_mm(xs, up.transpose(1, 2), offs=offs).float()
+        h = F.silu(g) * u.clamp(-self.limit, self.limit) * w.flatten()[order, None]
+        h = self.act(h.to(x.dtype))
         return torch._grouped_mm(h, down.transpose(1, 2), offs=offs), order
 
     def _dense(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         gate, up, down = self.stacked_weights()
         xb = self.act(x).unsqueeze(0).expand(gate.shape[0], -1, -1)
-        g = torch.bmm(xb, gate.transpose(1, 2)).clamp(max=self.limit)
-        u = torch.bmm(xb, up.transpose(1, 2)).clamp(-self.limit, self.limit)
-        y = torch.bmm(self.act(F.silu(g) * u), down.transpose(1, 2)).float()  # [E, n, d]
+        g = torch.bmm(xb, gate.transpose(1, 2)).float().clamp(max=self.limit)
+        u = torch.bmm(xb, up.transpose(1, 2)).float().clamp(-self.limit, self.limit)
         route = torch.zeros(x.shape[0], gate.shape[0], dtype=torch.float32, device=x.device)
         route.scatter_(1, idx, w)
-        return (y * route.t()[:, :, None]).sum(0)
+        h = self.act((F.silu(g) * u * route.t()[:, :, None]).to(x.dtype))  # [E, n, inter]
+        return torch.bmm(h, down.transpose(1, 2)).float().sum(0)  # unrouted rows weigh 0
 
     def stacked_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Expert weights as [E, ...] tensors. Without autograd, the experts' parameters are
