@@ -39,7 +39,8 @@ class EngineConfig(BaseModel):
     # decode steps replay CUDA graphs captured per batch size (CUDA only; a runtime without
     # them ignores it); False runs every forward eagerly, for debugging
     cuda_graphs: bool = True
-    # speculative decoding with the model's own draft layers: drafts verified per decode step
+    # speculative decoding with the model's own drafter (draft layers, or DSpark stages):
+    # drafts verified per decode step
     # (0 = off; up to 5). The state gains rows for them, so it is part of the tier namespace
     speculative_tokens: int = 0
     # tensor parallelism: ranks (one process each; this one is rank 0) the model is split over
@@ -166,11 +167,20 @@ class EngineConfig(BaseModel):
         if index == "auto":
             index = "fp8" if on_gpu else kv
         drafts = self.speculative_tokens
-        if drafts and not getattr(model_cfg, "num_nextn_predict_layers", 0):
+        block_drafts = getattr(model_cfg, "dspark_block_size", 0) * bool(
+            getattr(model_cfg, "dspark_stages", 0)
+        )
+        if drafts and not (getattr(model_cfg, "num_nextn_predict_layers", 0) or block_drafts):
             raise EngineConfigError(
-                f"speculative_tokens={drafts}: model {self.model!r} has no draft layers "
-                "(num_nextn_predict_layers=0); use a model with draft layers (e.g. "
-                "v41-tiny-draft) or speculative_tokens=0"
+                f"speculative_tokens={drafts}: model {self.model!r} has no drafter (no draft "
+                "layers, num_nextn_predict_layers=0, and no DSpark stages); use a model with "
+                "one (e.g. v41-tiny-draft, v41-tiny-dspark) or speculative_tokens=0"
+            )
+        if block_drafts and drafts > block_drafts:
+            raise EngineConfigError(
+                f"speculative_tokens={drafts}: model {self.model!r} drafts with DSpark, whose "
+                f"block proposes {block_drafts} tokens (dspark_block_size); use "
+                f"speculative_tokens <= {block_drafts}"
             )
         geometry = partial(
             pool_geometry, model_cfg, kv_dtype=kv, block_size=block, speculative_tokens=drafts

@@ -147,6 +147,48 @@ class DraftRuntime(Protocol):
     ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
+@runtime_checkable
+class BlockDraftRuntime(Protocol):
+    """A ModelRuntime whose model drafts a block of tokens in one pass from the target's own
+    hidden states (DeepSeek-V4.1's DSpark): what a speculative-decoding engine calls to
+    propose tokens. ``block_draft_size(runtime)`` says how many one draft proposes (0 for a
+    runtime without this capability).
+
+    Contract:
+
+    * ``forward_with_residual`` as in ``DraftRuntime``; the residual rows are what the drafter
+      reads of each token (opaque to the engine).
+    * ``fill_draft_windows(residual, spans)``: after a forward, the spans' *committed*
+      positions [start, end) (one sequence each) and their residual rows, in span order. The
+      drafter's state is a function of committed positions only, so a span at s > 0 must start
+      where the previous fill of its slot ended (``ValueError`` / StateMismatchError
+      otherwise, before any write); a span at 0 starts afresh. Writes only the drafter's state
+      in each slot (it travels in checkpoint images, ``speculative_tokens >= 1``).
+    * ``draft_blocks(tokens, positions, slots)``: for each sequence whose slot holds committed
+      positions 0 .. p (filled through p) and whose target produced ``tokens[j]`` at p + 1,
+      the ``draft_block_size`` greedy drafts for p + 2 .. (a list per sequence). Writes nothing.
+    """
+
+    draft_block_size: int
+
+    def forward_with_residual(
+        self, token_ids: torch.Tensor, spans: list[Span], all_logits: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def fill_draft_windows(self, residual: torch.Tensor, spans: list[Span]) -> None: ...
+
+    def draft_blocks(
+        self, tokens: list[int], positions: list[int], slots: list[int]
+    ) -> list[list[int]]: ...
+
+
+def block_draft_size(runtime: object) -> int:
+    """Tokens one block draft of the runtime proposes (``BlockDraftRuntime``), 0 without."""
+    if not isinstance(runtime, BlockDraftRuntime):
+        return 0
+    return int(getattr(runtime, "draft_block_size", 0))
+
+
 def draft_layers(runtime: object) -> int:
     """How many draft layers a runtime offers (``DraftRuntime``), 0 without the capability."""
     return int(getattr(runtime, "num_draft_layers", 0)) if isinstance(runtime, DraftRuntime) else 0

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from atom.config import EngineConfig
+from atom.engine.block_drafter import BlockDrafter
 from atom.engine.block_pool import BlockPool
 from atom.engine.checkpoints import CheckpointStore
 from atom.engine.connector import Connector
@@ -27,7 +28,7 @@ from atom.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from atom.engine.sequence import SeqStatus, Sequence
 from atom.engine.spec_step import speculative_step
 from atom.metrics import Registry
-from atom.model_api import ModelRuntime, draft_layers
+from atom.model_api import ModelRuntime, block_draft_size, draft_layers
 from atom.sampling_params import SamplingParams
 
 log = logging.getLogger("atom.engine")
@@ -103,7 +104,7 @@ class LLMEngine:
         self.sampler = Sampler(cfg.seed)
         self.drafter = self.spec_stats = None
         if cfg.speculative_tokens:
-            self.drafter = Drafter(runtime, cfg.speculative_tokens, _draft_capable(cfg, runtime))
+            self.drafter = _drafter(cfg, runtime)
             self.spec_stats = SpecStats(self.metrics)
         self.requests: dict[str, Sequence] = {}
         self.steps = 0
@@ -381,18 +382,22 @@ class LLMEngine:
             close()
 
 
-def _draft_capable(cfg: EngineConfig, runtime: ModelRuntime) -> int:
-    """The runtime's draft layers, or a clear error when it cannot decode speculatively."""
-    layers = draft_layers(runtime)
-    if layers < 1:
+def _drafter(cfg: EngineConfig, runtime: ModelRuntime) -> Drafter | BlockDrafter:
+    """The runtime's drafter (its DSpark block drafter, or its draft layers), or a clear error
+    when it cannot decode speculatively."""
+    block, layers = block_draft_size(runtime), draft_layers(runtime)
+    if not block and layers < 1:
         raise ValueError(
-            f"speculative_tokens={cfg.speculative_tokens}: model {cfg.model!r} has no draft "
-            "layers (num_nextn_predict_layers=0); use a model with draft layers or "
-            "speculative_tokens=0"
+            f"speculative_tokens={cfg.speculative_tokens}: model {cfg.model!r} has no drafter "
+            "(no draft layers, num_nextn_predict_layers=0, and no DSpark stages); use a model "
+            "with one or speculative_tokens=0"
         )
+    # verify spans re-run the target's positions after rejected drafts, whatever drafts
     if not getattr(runtime, "rewinds_on_rejection", False):
         raise ValueError(
             f"speculative_tokens={cfg.speculative_tokens}: model {cfg.model!r} cannot re-run "
             "positions after rejected drafts (its state has no rewind); use speculative_tokens=0"
         )
-    return layers
+    if block:
+        return BlockDrafter(runtime, cfg.speculative_tokens, block)
+    return Drafter(runtime, cfg.speculative_tokens, layers)

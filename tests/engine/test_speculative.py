@@ -17,7 +17,6 @@ import torch
 
 from atom import LLM, SamplingParams
 from atom.config import EngineConfigError
-from atom.engine.drafter import Drafter
 from atom.engine.sampler import Sampler, sampling_probs
 from atom.engine.sequence import Sequence
 
@@ -42,17 +41,17 @@ def prompts_of(lengths, seed=0):
     return [[rng.randrange(256) for _ in range(n)] for n in lengths]
 
 
-class ScriptedDrafter(Drafter):
-    """The real draft layers run; their proposals are then replaced by ``truth`` (prompt ->
-    the plain run's tokens) with a wrong token wherever ``wrong(position)`` holds (prompts
-    not in ``truth`` keep the layers' own proposals)."""
+class ScriptedDrafter:
+    """The real drafter runs (draft layers or DSpark stages); its proposals are then replaced
+    by ``truth`` (prompt -> the plain run's tokens) with a wrong token wherever
+    ``wrong(position)`` holds (prompts not in ``truth`` keep the drafter's own proposals)."""
 
-    def __init__(self, drafter: Drafter, truth: dict, wrong):
-        super().__init__(drafter.runtime, drafter.k, drafter.m)
-        self.truth, self.wrong = truth, wrong
+    def __init__(self, drafter, truth: dict, wrong):
+        self.inner, self.truth, self.wrong = drafter, truth, wrong
+        self.runtime, self.k = drafter.runtime, drafter.k
 
     def propose(self, items):
-        out = super().propose(items)
+        out = self.inner.propose(items)
         for it in items:
             if it.want and tuple(it.seq.prompt) in self.truth:  # else: the layers' own
                 full, n = self.truth[tuple(it.seq.prompt)], len(it.seq.tokens)
@@ -63,8 +62,8 @@ class ScriptedDrafter(Drafter):
         return out
 
 
-def run(prompts, params, k=0, truth=None, wrong=lambda p: p % 7 == 0, **kw):
-    llm = LLM(MODEL, speculative_tokens=k, **{**KW, **kw})
+def run(prompts, params, k=0, truth=None, wrong=lambda p: p % 7 == 0, model=MODEL, **kw):
+    llm = LLM(model, speculative_tokens=k, **{**KW, **kw})
     if truth is not None:
         llm.engine.drafter = ScriptedDrafter(llm.engine.drafter, truth, wrong)
     outs = llm.generate(prompts, params, on_step=lambda e: e.check_integrity())

@@ -102,3 +102,43 @@ def test_engines_with_another_speculative_tokens_share_no_object(lmcache_server,
         other.shutdown()
     same = make_llm(MODEL, speculative_tokens=2, **tier(lmcache_server))
     assert sum(o.tier_hit_tokens for o in same.generate(prompts, GREEDY)) > 0
+
+
+def _record_drafts(llm) -> dict:
+    """(prompt, position) -> the DSpark drafts the engine made after that position."""
+    seen: dict = {}
+    rt = llm.engine.runtime
+    inner = rt.draft_blocks
+
+    def spy(tokens, positions, slots):
+        got = inner(tokens, positions, slots)
+        by_slot = {s.slot: s for s in llm.engine.scheduler.running}
+        for p, slot, ids in zip(positions, slots, got):
+            seen[(tuple(by_slot[slot].prompt), p)] = ids
+        return got
+
+    rt.draft_blocks = spy
+    return seen
+
+
+def test_dspark_windows_resume_from_the_tier(lmcache_server, make_llm):
+    """DSpark's windows of target KV travel in the images the tier stores: pass 2, resumed
+    from the tier, drafts after every position what pass 1 drafted there (the first draft
+    after a resume reads only restored rows of the window), and both equal plain decoding."""
+    model = "v41-tiny-dspark"
+    prompts = prompts_of([40, 77, 100], seed=14)
+    plain = make_llm(model).generate(prompts, GREEDY)
+    first = make_llm(model, speculative_tokens=3, **tier(lmcache_server))
+    seen1 = _record_drafts(first)
+    out1 = first.generate(prompts, GREEDY)
+    first.shutdown()
+    second = make_llm(model, speculative_tokens=3, **tier(lmcache_server))
+    seen2 = _record_drafts(second)
+    out2 = second.generate(prompts, GREEDY)
+    got, ceil = sum(o.tier_hit_tokens for o in out2), sum(ceiling(len(p)) for p in prompts)
+    assert got >= 0.99 * ceil, f"tier hit {got} of ceiling {ceil}"
+    for a, b, c in zip(plain, out1, out2):
+        assert a.token_ids == b.token_ids == c.token_ids
+    resumed = {(tuple(p), len(p) - 1) for p in prompts}
+    assert resumed <= seen2.keys() and len(seen1.keys() & seen2.keys()) > 3 * BLOCK
+    assert all(seen1[key] == seen2[key] for key in seen1.keys() & seen2.keys())

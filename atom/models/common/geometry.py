@@ -128,9 +128,11 @@ def check_index_rows(index_dtype: str, layer: int, rows: int, block_size: int) -
 
 
 def window_rings(config: Any, speculative_tokens: int) -> tuple[int, int]:
-    """(layers with a sliding-window ring, rows per ring): the draft layers hold one only when
-    speculating, and each ring keeps ``speculative_tokens`` rows beyond the window."""
-    draft = config.num_nextn_predict_layers if speculative_tokens > 0 else 0
+    """(layers with a sliding-window ring, rows per ring): the draft layers (MTP-style layers,
+    or DSpark stages: a config has one kind) hold one only when speculating, and each ring
+    keeps ``speculative_tokens`` rows beyond the window."""
+    drafters = config.num_nextn_predict_layers + getattr(config, "dspark_stages", 0)
+    draft = drafters if speculative_tokens > 0 else 0
     return config.num_hidden_layers + draft, config.sliding_window + speculative_tokens
 
 

@@ -147,6 +147,11 @@ class DeepseekV41ForCausalLM(nn.Module):
     def num_draft_layers(self) -> int:
         return len(self.mtp)
 
+    @property
+    def draft_block_size(self) -> int:
+        """Tokens one DSpark draft proposes (0 without DSpark stages)."""
+        return self.config.dspark_block_size if len(self.dspark) else 0
+
     @torch.no_grad()
     def init_weights(self, seed: int) -> DeepseekV41ForCausalLM:
         """Random weights from a seed (presets without a checkpoint). The draft layers draw
@@ -212,8 +217,9 @@ class DeepseekV41ForCausalLM(nn.Module):
     ):
         """token_ids: int64 [sum of span lengths], spans in order. Returns float32 logits of
         each span's last token [len(spans), V] (or of every token with ``all_logits``); with
-        ``return_residual``, (logits, the last layer's streams of every token [N, hc, d]): the
-        residual the draft layers read.
+        ``return_residual``, (logits, every token's residual): what the drafter reads, the
+        last layer's streams [N, hc, d] for the draft layers, or with DSpark stages the target
+        hidden [N, targets * d] (``dspark`` module doc).
 
         No host synchronization: everything the forward indexes with is computed on the host
         from the spans and uploaded in one copy (``ForwardPlan``); the rest is device work."""
@@ -263,7 +269,11 @@ class DeepseekV41ForCausalLM(nn.Module):
         grams_t = src[plan.gram_src]
         x = self._embed(plan.token_ids)
         pre = identity_pre(x)
-        for layer in self.model.layers:
+        targets = (
+            self.config.dspark_target_layer_ids if return_residual and len(self.dspark) else []
+        )
+        hidden: list[torch.Tensor] = []
+        for i, layer in enumerate(self.model.layers):
             attn = layer.self_attn
             x, pre = layer.block(
                 x,
@@ -272,6 +282,7 @@ class DeepseekV41ForCausalLM(nn.Module):
                 lambda u, a=attn: paged_attention(
                     a, u, plan.positions, plan.longer, plan.decode, kv, slots
                 ),
+                (lambda h: hidden.append(h.mean(dim=1))) if i in targets else None,
             )
         slots.cursor[:, 0].index_copy_(0, plan.span_slots, plan.span_ends)
         slots.cursor[:, 1:].index_copy_(0, plan.span_slots, grams_t[plan.last, 1:])
@@ -280,6 +291,8 @@ class DeepseekV41ForCausalLM(nn.Module):
             slots.history[:, 0].index_copy_(0, plan.span_slots, plan.frontiers)
             slots.history[:, 1:].index_copy_(0, plan.span_slots, src[plan.hist_src])
         logits = self._head(x, pre) if all_logits else self._head(x[plan.last], pre[plan.last])
+        if hidden:
+            return logits, torch.cat(hidden, dim=-1)
         return (logits, x) if return_residual else logits
 
     def check_draft_spans(self, spans: list[Span], slots: StateSlots, layer: int) -> None:

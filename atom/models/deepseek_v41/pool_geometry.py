@@ -4,8 +4,9 @@ A PAGE block of ``block_size`` tokens holds, for every compressor owner (kv sour
 compressed-latent rows (``block_size / ratio`` rows, in the *main* plane), and one *index*
 plane per owner with its index-key rows. A state slot holds every layer's sliding-window ring,
 the owners' compressor rings, the cursor (committed position + the last 3 Engram token ids) and
-a header carrying the layout id; with ``speculative_tokens`` >= 1 also each draft layer's window
-ring (rows ``num_hidden_layers + i``) and its cursor (``draft_cursor``), and the target's rewind
+a header carrying the layout id; with ``speculative_tokens`` >= 1 also each draft layer's (or
+DSpark stage's: its window of target KV) window ring (rows ``num_hidden_layers + i``) and its
+cursor (``draft_cursor``), and the target's rewind
 history (``history``: the frontier and the last 3 + k Engram ids before it). An image of a slot
 fills ``units_per_image`` whole blocks.
 

@@ -4,8 +4,9 @@ v41-flash is the real architecture's config (for geometry checks; too large to i
 here). v41-tiny runs CPU unit tests in seconds, v41-mini CPU integration and accuracy jobs,
 v41-bench keeps the real per-layer dimensions (so bytes per FLOP stay the real model's) with
 fewer layers and experts, for GPU benchmarks. v41-flash has its 3 draft layers (as the real
-config); v41-tiny-draft is v41-tiny with 2, for the draft layers' CPU tests; v41-bench-draft is
-v41-bench with 1, for speculative decoding on the GPU.
+config); v41-tiny-draft is v41-tiny with 2, for the draft layers' CPU tests; v41-tiny-dspark is
+v41-tiny with two DSpark stages instead, for the DSpark path's; v41-bench-draft is v41-bench with
+1, for speculative decoding on the GPU.
 """
 
 from __future__ import annotations
@@ -185,6 +186,19 @@ _RECALL: dict[str, Any] = dict(
 # image and namespace derived from it, stays as it was)
 _TINY_DRAFT: dict[str, Any] = dict(_TINY, num_nextn_predict_layers=2)
 
+# v41-tiny with two DSpark stages drafting blocks of 3 from three target layers (the DSpark
+# path's CPU tests); its target weights are v41-tiny's (the stages draw last)
+_TINY_DSPARK: dict[str, Any] = dict(
+    _TINY,
+    dspark_stages=2,
+    dspark_block_size=3,
+    dspark_noise_token_id=5,
+    dspark_target_layer_ids=[6, 8, 9],
+    dspark_markov_rank=16,
+    dspark_n_routed_experts=2,
+    dspark_num_experts_per_tok=1,
+)
+
 # v41-bench with one (random) draft layer. Its target weights are v41-bench's, bit for bit
 # (``init_weights`` draws the draft layers last; tests/model/test_bench_draft_preset.py). A
 # preset of its own rather than a draft layer in v41-bench: the layout id hashes the config
@@ -200,6 +214,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     "v41-bench": _BENCH,
     "v41-recall": _RECALL,
     "v41-tiny-draft": _TINY_DRAFT,
+    "v41-tiny-dspark": _TINY_DSPARK,
     "v41-bench-draft": _BENCH_DRAFT,
 }
 
@@ -211,6 +226,7 @@ PRESET_BLOCK_SIZE: dict[str, int] = {
     "v41-bench": 256,
     "v41-recall": 256,
     "v41-tiny-draft": 16,
+    "v41-tiny-dspark": 16,
     "v41-bench-draft": 256,
 }
 

@@ -1,5 +1,6 @@
 """V4.1 as the engine sees it (``atom.model_api.ModelRuntime``): spec, binding, forward, images;
-and its draft layers (``atom.model_api.DraftRuntime``, see ``draft``)."""
+its draft layers (``atom.model_api.DraftRuntime``, see ``draft``) and its DSpark stages
+(``atom.model_api.BlockDraftRuntime``, see ``dspark_paged``)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import torch
 
 from atom.model_api import Span, restore_image, store_image
 from atom.models.deepseek_v41.decode_graphs import DecodeGraphs
+from atom.models.deepseek_v41.dspark_paged import draft_blocks, fill_target_windows
 from atom.models.deepseek_v41.model import DeepseekV41ForCausalLM
 from atom.models.deepseek_v41.paged import PagedKV, StateSlots
 from atom.models.deepseek_v41.pool_geometry import build_v41_pool_geometry
@@ -162,6 +164,21 @@ class V41Runtime:
         return self.model.forward_draft_paged(
             token_ids, residual, spans, self.slots, layer=layer, all_logits=all_logits
         )
+
+    # ---- atom.model_api.BlockDraftRuntime: DSpark -----------------------------------------
+
+    @property
+    def draft_block_size(self) -> int:
+        return self.model.draft_block_size
+
+    def fill_draft_windows(self, residual: torch.Tensor, spans: list[Span]) -> None:
+        fill_target_windows(self.model, residual, spans, self.slots)
+
+    def draft_blocks(
+        self, tokens: list[int], positions: list[int], slots: list[int]
+    ) -> list[list[int]]:
+        ids, _, _ = draft_blocks(self.model, tokens, positions, slots, self.slots)
+        return ids.tolist()
 
     def store_image(self, slot: int, units: torch.Tensor) -> None:
         store_image(self.spec, self.pool, self.slot_bytes, slot, units)
