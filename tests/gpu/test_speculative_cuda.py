@@ -20,6 +20,7 @@ MODEL = "v41-tiny-draft"
 KW = dict(block_size=16, num_blocks=128, max_num_seqs=8, max_num_batched_tokens=128)
 
 
+@pytest.mark.parametrize("model", [MODEL, "v41-tiny-dspark"])
 @pytest.mark.parametrize(
     "dtype, eps",
     [
@@ -27,13 +28,15 @@ KW = dict(block_size=16, num_blocks=128, max_num_seqs=8, max_num_batched_tokens=
         (dict(dtype="bfloat16"), 0.25),
     ],
 )
-def test_speculative_greedy_on_cuda_equals_plain(dtype, eps):
+def test_speculative_greedy_on_cuda_equals_plain(dtype, eps, model):
+    """Both drafters: the MTP-style draft layers and DSpark's stages (whose drafts run
+    eagerly: no draft graphs; their verify forwards replay graphs)."""
     prompts = prompts_of([5, 17, 33, 40, 64, 90], seed=21)
     params = SamplingParams(max_tokens=40, ignore_eos=True, logprobs=2)
-    plain = LLM(MODEL, device="cuda", **KW, **dtype).generate(prompts, params)
+    plain = LLM(model, device="cuda", **KW, **dtype).generate(prompts, params)
     truth = {tuple(p): p + o.token_ids for p, o in zip(prompts, plain)}
     for scripted in (False, True):
-        llm = LLM(MODEL, device="cuda", speculative_tokens=3, **KW, **dtype)
+        llm = LLM(model, device="cuda", speculative_tokens=3, **KW, **dtype)
         if scripted:
             llm.engine.drafter = ScriptedDrafter(llm.engine.drafter, truth, lambda p: p % 6 == 0)
         spec = llm.generate(prompts, params, on_step=lambda e: e.check_integrity())
@@ -46,6 +49,7 @@ def test_speculative_greedy_on_cuda_equals_plain(dtype, eps):
         graphs = llm.engine.runtime.span_graphs  # verify and draft forwards in CUDA graphs
         assert not graphs.failed, graphs.failed
         if dtype["dtype"] == "bfloat16":  # (fp32 small batches take the MoE loop: eager)
-            assert graphs.replays["verify"] > 0 and graphs.replays["draft"] > 0, graphs.replays
+            assert graphs.replays["verify"] > 0, graphs.replays
+            assert (graphs.replays["draft"] > 0) == (model == MODEL), graphs.replays
         if scripted:
             assert stats["acceptance_rate"] > 0.5, stats
