@@ -44,6 +44,16 @@ def test_its_geometry_is_the_flash_presets():
     assert got.state_bytes == want.state_bytes
 
 
+@pytest.mark.parametrize("k, state", [(0, 5_276_672), (1, 5_730_304), (5, 5_971_968)])
+def test_speculating_adds_a_window_per_dspark_stage(k, state):
+    """With speculative tokens the state holds each of the 3 DSpark stages' windows of target
+    KV (window layers 40-42, 128 + k rows of 512 bf16 each)."""
+    kw = dict(kv_dtype="bf16", index_dtype="fp8", block_size=256, speculative_tokens=k)
+    geo = build_v41_pool_geometry(V41Config.from_json(PUBLISHED), **kw)
+    assert geo.state_bytes == state
+    assert geo.state_layers == (40 if k == 0 else 43) and geo.window_rows == 128 + k
+
+
 def test_every_key_is_read_or_ignored_for_a_reason():
     data = published()
     fields = set(V41Config.model_fields)
