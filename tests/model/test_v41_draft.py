@@ -226,8 +226,15 @@ def test_without_speculative_tokens_draft_forward_is_refused(draft_model):
 # ---- the real config -------------------------------------------------------------------------
 
 
-def test_v41_flash_has_three_draft_layers_in_config_and_geometry():
-    flash = preset_config("v41-flash")
+def test_three_draft_layers_at_the_flash_geometry():
+    """v41-flash drafts with DSpark stages (as published); three MTP-style draft layers in
+    their place take the same state bytes."""
+    flash = preset_config(
+        "v41-flash",
+        dspark_stages=0,
+        num_nextn_predict_layers=3,
+        compress_ratios=preset_config("v41-flash").compress_ratios + [0, 0, 0],
+    )
     assert flash.num_nextn_predict_layers == 3 and flash.compress_ratios[40:] == [0, 0, 0]
     geo = dict(kv_dtype="bf16", index_dtype="fp8", block_size=256)
     spec = build_v41_pool_geometry(flash, speculative_tokens=5, **geo)

@@ -36,6 +36,10 @@ def test_the_published_file_loads_as_shipped():
     assert config_from_dict(published()).model_type == "deepseek_v41"  # the registry too
 
 
+def test_the_flash_preset_is_the_published_config():
+    assert preset_config("v41-flash").to_dict() == V41Config.from_json(PUBLISHED).to_dict()
+
+
 def test_its_geometry_is_the_flash_presets():
     kw = dict(kv_dtype="bf16", index_dtype="fp8", block_size=256, speculative_tokens=0)
     got = build_v41_pool_geometry(V41Config.from_json(PUBLISHED), **kw)

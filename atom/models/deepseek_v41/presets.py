@@ -1,12 +1,12 @@
-"""Model presets: the real V4.1-Flash geometry and the small shapes we run.
+"""Model presets: the published V4.1-Flash config and the small shapes we run.
 
-v41-flash is the real architecture's config (for geometry checks; too large to instantiate
-here). v41-tiny runs CPU unit tests in seconds, v41-mini CPU integration and accuracy jobs,
-v41-bench keeps the real per-layer dimensions (so bytes per FLOP stay the real model's) with
-fewer layers and experts, for GPU benchmarks. v41-flash has its 3 draft layers (as the real
-config); v41-tiny-draft is v41-tiny with 2, for the draft layers' CPU tests; v41-tiny-dspark is
-v41-tiny with two DSpark stages instead, for the DSpark path's; v41-bench-draft is v41-bench with
-1, for speculative decoding on the GPU.
+v41-flash is the published V4.1-Flash config.json (for geometry checks; too large to
+instantiate here), with its 3 DSpark stages. v41-tiny runs CPU unit tests in seconds, v41-mini
+CPU integration and accuracy jobs, v41-bench keeps the real per-layer dimensions (so bytes per
+FLOP stay the real model's) with fewer layers and experts, for GPU benchmarks. v41-tiny-draft
+is v41-tiny with 2 MTP-style draft layers, for the draft layers' CPU tests; v41-tiny-dspark is
+v41-tiny with two DSpark stages instead, for the DSpark path's; v41-bench-draft is v41-bench
+with 1 draft layer, for speculative decoding on the GPU.
 """
 
 from __future__ import annotations
@@ -59,6 +59,49 @@ _FLASH: dict[str, Any] = dict(
     engram_pad_token_id=2,
     engram_compressed_vocab_size=99092,
     num_nextn_predict_layers=3,
+)
+
+# v41-flash: the published DeepSeek-V4.1-Flash config.json, exactly (its text model as atom
+# reads it; tests/model/test_v41_published_config.py compares the two): three DSpark stages
+# drafting blocks of 5 from layers 37-39 (not MTP-style draft layers), the roundings of its FP8
+# checkpoint on, and its vision tower's config (the tower itself does not exist yet). The
+# smaller presets derive from _FLASH's shapes, without these.
+_FLASH_PUBLISHED: dict[str, Any] = dict(
+    _FLASH,
+    compress_ratios=_FLASH["compress_ratios"][:40],
+    num_nextn_predict_layers=0,
+    dspark_stages=3,
+    dspark_block_size=5,
+    dspark_noise_token_id=128799,
+    dspark_target_layer_ids=[37, 38, 39],
+    dspark_markov_rank=256,
+    dspark_n_routed_experts=128,
+    dspark_num_experts_per_tok=3,
+    kv_fp8_sim=True,
+    compressed_fp4_sim=True,
+    index_fp4_sim=True,
+    act_fp8_sim=True,
+    quantization_config=dict(
+        quant_method="fp8",
+        activation_scheme="dynamic",
+        weight_block_size=[32, 32],
+        scale_fmt="ue8m0",
+        expert_dtype="fp4",
+    ),
+    image_token_id=129264,
+    vision_config={
+        "model_type": "deepseek_v41_vision",
+        "num_hidden_layers": 32,
+        "hidden_size": 1024,
+        "num_attention_heads": 16,
+        "intermediate_size": 2816,
+        "patch_size": 14,
+        "rope_theta": 10000,
+        "downsample_ratio": 3,
+        "max_image_tokens": 1024,
+        "min_pixels": 295936,
+        "max_wh_ratio": None,
+    },
 )
 
 # The small shapes share one 10-layer pattern that exercises every layer mode:
@@ -208,7 +251,7 @@ _TINY_DSPARK: dict[str, Any] = dict(
 _BENCH_DRAFT: dict[str, Any] = dict(_BENCH, num_nextn_predict_layers=1)
 
 PRESETS: dict[str, dict[str, Any]] = {
-    "v41-flash": _FLASH,
+    "v41-flash": _FLASH_PUBLISHED,
     "v41-tiny": _TINY,
     "v41-mini": _MINI,
     "v41-bench": _BENCH,
