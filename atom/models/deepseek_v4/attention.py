@@ -173,9 +173,11 @@ class V4Attention(nn.Module):
         comp: torch.Tensor | None,
         comp_mask: torch.Tensor | None,
     ) -> torch.Tensor:
-        """q [T, H, hd]; window keys [Nw, hd] with mask [T, Nw]; compressed rows [R, hd] shared
-        or [T, K, hd] per query, with mask [T, R] / [T, K]. The sink joins the denominator."""
-        logits = [torch.einsum("thd,nd->thn", q, win_k).float() * self.scale]
+        """q [T, H, hd]; window keys [Nw, hd] shared or [T, Nw, hd] per query, with mask
+        [T, Nw]; compressed rows [R, hd] shared or [T, K, hd] per query, with mask [T, R] /
+        [T, K]. The sink joins the denominator."""
+        win_eq = "thd,tnd->thn" if win_k.dim() == 3 else "thd,nd->thn"
+        logits = [torch.einsum(win_eq, q, win_k).float() * self.scale]
         logits[0] = logits[0].masked_fill(~win_mask[:, None, :], NEG_INF)
         per_query = comp is not None and comp.dim() == 3
         if comp is not None:
@@ -184,8 +186,9 @@ class V4Attention(nn.Module):
             logits.append(sc.masked_fill(~comp_mask[:, None, :], NEG_INF))
         sink = self.attn_sink.view(1, -1, 1).expand(q.shape[0], -1, 1)
         probs = torch.softmax(torch.cat(logits + [sink], dim=-1), dim=-1).to(q.dtype)
-        nw = win_k.shape[0]
-        out = torch.einsum("thn,nd->thd", probs[..., :nw], win_k)
+        nw = win_k.shape[-2]
+        pv_eq = "thn,tnd->thd" if win_k.dim() == 3 else "thn,nd->thd"
+        out = torch.einsum(pv_eq, probs[..., :nw], win_k)
         if comp is not None:
             eq = "thk,tkd->thd" if per_query else "thk,kd->thd"
             out = out + torch.einsum(eq, probs[..., nw:-1], comp)

@@ -24,6 +24,7 @@ from atom.models.deepseek_v4.layers import V4HyperConnection
 from atom.models.deepseek_v4.mtp import V4MTPBlock
 from atom.models.deepseek_v4.paged import StateMismatchError, V4PagedKV, V4StateSlots
 from atom.models.deepseek_v4.paged_attention import SeqCarry, paged_attention
+from atom.models.deepseek_v4.paged_decode import DecodeBatch, decode_attention
 
 
 class DeepseekV4ForCausalLM(nn.Module):
@@ -157,8 +158,20 @@ class DeepseekV4ForCausalLM(nn.Module):
         for sp in spans:
             if sp.start == 0:
                 slots.reset(sp.slot)
-        seqs, pos_t = self._seqs(spans)
         x = self.embed_streams(token_ids)
+        if DecodeBatch.usable(spans):  # every span one token: batched (``paged_decode``)
+            c, ring = self.config, slots.geometry.window_rows
+            ratios = [r for r in c.compress_ratios[: c.num_hidden_layers] if r]
+            batch = DecodeBatch.build(spans, ratios, c.sliding_window, ring, self.device)
+            for layer in self.layers:
+                attn = layer.attn
+                x = layer(x, token_ids, lambda u, a=attn: decode_attention(a, u, batch, kv, slots))
+            ends = batch.pos + 1
+            slots.cursor[batch.slots, 0] = ends
+            slots.header[batch.slots, 1] = ends
+            logits = self.logits(x)
+            return (logits, x) if return_residual else logits
+        seqs, pos_t = self._seqs(spans)
         for layer in self.layers:
             attn = layer.attn
             x = layer(x, token_ids, lambda u, a=attn: paged_attention(a, u, pos_t, seqs, kv, slots))

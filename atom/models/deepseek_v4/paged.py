@@ -75,6 +75,20 @@ class V4StateSlots:
         kv = self.live["hca_partial_kv"][slot, i, :ratio]
         return None, (kv, self.live["hca_partial_score"][slot, i, :ratio])
 
+    def compressor_fields(self, layer: int, ratio: int, index: bool = False):
+        """``compressor_state`` of every slot at once: (overlap (kv, score) [slots, r, d] or
+        None, partial (kv, score) [slots, r, width])."""
+        if ratio == 4:
+            i, pre = self.csa_index[layer], "index" if index else "csa"
+            overlap = (self.fields[f"{pre}_overlap_kv"][:, i],)
+            overlap += (self.fields[f"{pre}_overlap_score"][:, i],)
+            partial = (self.live[f"{pre}_partial_kv"][:, i],)
+            partial += (self.live[f"{pre}_partial_score"][:, i],)
+            return overlap, partial
+        i = self.hca_index[layer]
+        kv = self.live["hca_partial_kv"][:, i, :ratio]
+        return None, (kv, self.live["hca_partial_score"][:, i, :ratio])
+
     def reset(self, slot: int) -> None:
         """Empty state for a sequence starting at position 0."""
         self.data[slot].zero_()
@@ -90,6 +104,13 @@ class V4PagedKV(PagedKV):
 
     def write_main(self, layer: int, table: torch.Tensor, rows: torch.Tensor, main: torch.Tensor):
         blocks, offs = self._locate(layer, table, rows)
+        self.main[layer][blocks, offs] = main.to(self.main[layer].dtype)
+
+    def write_main_each(
+        self, layer: int, tables: torch.Tensor, rows: torch.Tensor, main: torch.Tensor
+    ) -> None:
+        """Row ``rows[g]`` of the sequence whose table is ``tables[g]`` gets ``main[g]``."""
+        blocks, offs = (t[:, 0] for t in self._locate_each(layer, tables, rows[:, None]))
         self.main[layer][blocks, offs] = main.to(self.main[layer].dtype)
 
     def read_main(self, layer: int, table: torch.Tensor, count: int) -> torch.Tensor:

@@ -20,6 +20,9 @@ from atom.models.deepseek_v4.paged import StateMismatchError, V4PagedKV, V4State
 
 
 class V4Runtime:
+    # spans may carry block tables on the host (the batched decode builds its indices there)
+    host_block_tables = True
+
     def __init__(
         self, model: DeepseekV4ForCausalLM, *, block_size: int, speculative_tokens: int = 0
     ):
