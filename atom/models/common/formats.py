@@ -165,13 +165,27 @@ def dequant_fp4(packed: torch.Tensor, scale: torch.Tensor, group: int = FP4_GROU
 # Element roundings
 
 
+_FP4_GRIDS: dict[torch.device, torch.Tensor] = {}
+
+
+def _fp4_grid(device: torch.device) -> torch.Tensor:
+    """The E2M1 values on ``device``, made once per device (a host-to-device copy per call
+    would synchronize a CUDA forward; a meta grid is never kept)."""
+    grid = _FP4_GRIDS.get(device)
+    if grid is None:
+        grid = torch.tensor(FP4_VALUES, dtype=torch.float32, device=device)
+        if device.type != "meta":
+            _FP4_GRIDS[device] = grid
+    return grid
+
+
 def round_fp4(x: torch.Tensor) -> torch.Tensor:
     """Nearest E2M1 value (|x| clamped to 6), ties to the even code, sign kept for x != 0.
 
     Ties: 0.25->0, 0.75->1, 1.25->1, 1.75->2, 2.5->2, 3.5->4, 5->4. The sign comes from
     torch.sign, so x = -0.0 gives +0.0 (V4's behaviour; ``fp4_act_sim`` keeps the sign).
     """
-    grid = torch.tensor(FP4_VALUES, dtype=torch.float32, device=x.device)
+    grid = _fp4_grid(x.device)
     mag = x.abs().clamp(max=FP4_MAX)
     hi = torch.bucketize(mag, grid).clamp(max=len(FP4_VALUES) - 1)
     lo = (hi - 1).clamp(min=0)

@@ -113,14 +113,13 @@ class DeepseekV4ForCausalLM(nn.Module):
                 raise ValueError(f"slot {sp.slot} out of range [0, {slots.num_slots})")
 
     def check_spans(self, spans: list[Span], slots: V4StateSlots) -> None:
-        """Refuse spans whose start is not their slot's cursor (before anything is written)."""
+        """Refuse spans whose start is not their slot's cursor (before anything is written).
+        Cursors come from the slots' host mirror: no device read."""
         self._check_span_set(spans, slots)
-        resumed = [sp for sp in spans if sp.start > 0]
-        if not resumed:
-            return
-        ids = [sp.slot for sp in resumed]
-        states = torch.stack([slots.cursor[ids, 0], slots.header[ids, 0]], 1).tolist()
-        for sp, (at, tag) in zip(resumed, states):
+        for sp in spans:
+            if sp.start == 0:
+                continue
+            at, tag = slots.host_position[sp.slot], slots.host_tag[sp.slot]
             if tag != slots.tag:
                 raise StateMismatchError(
                     f"slot {sp.slot} holds no state of this layout (tag {tag:#x}), "
@@ -154,23 +153,26 @@ class DeepseekV4ForCausalLM(nn.Module):
         if token_ids.numel() != sum(sp.num_tokens for sp in spans):
             raise ValueError("token_ids must hold exactly the spans' tokens, in span order")
         self.check_spans(spans, slots)
+        if DecodeBatch.usable(spans):  # every span one token: batched (``paged_decode``)
+            c, ring = self.config, slots.geometry.window_rows
+            ratios = [r for r in c.compress_ratios[: c.num_hidden_layers] if r]
+            batch = DecodeBatch.build(spans, token_ids, ratios, c.sliding_window, ring, self.device)
+            x = self.embed_streams(batch.ids)
+            for layer in self.layers:
+                attn = layer.attn
+                x = layer(x, batch.ids, lambda u, a=attn: decode_attention(a, u, batch, kv, slots))
+            ends = batch.pos + 1
+            slots.cursor[batch.slots, 0] = ends
+            slots.header[batch.slots, 1] = ends
+            for sp in spans:
+                slots.advance(sp.slot, sp.end)
+            logits = self.logits(x)
+            return (logits, x) if return_residual else logits
         token_ids = token_ids.to(self.device)
         for sp in spans:
             if sp.start == 0:
                 slots.reset(sp.slot)
         x = self.embed_streams(token_ids)
-        if DecodeBatch.usable(spans):  # every span one token: batched (``paged_decode``)
-            c, ring = self.config, slots.geometry.window_rows
-            ratios = [r for r in c.compress_ratios[: c.num_hidden_layers] if r]
-            batch = DecodeBatch.build(spans, ratios, c.sliding_window, ring, self.device)
-            for layer in self.layers:
-                attn = layer.attn
-                x = layer(x, token_ids, lambda u, a=attn: decode_attention(a, u, batch, kv, slots))
-            ends = batch.pos + 1
-            slots.cursor[batch.slots, 0] = ends
-            slots.header[batch.slots, 1] = ends
-            logits = self.logits(x)
-            return (logits, x) if return_residual else logits
         seqs, pos_t = self._seqs(spans)
         for layer in self.layers:
             attn = layer.attn
@@ -178,6 +180,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         for seq in seqs:
             slots.cursor[seq.span.slot, 0] = seq.span.end
             slots.header[seq.span.slot, 1] = seq.span.end
+            slots.advance(seq.span.slot, seq.span.end)
         logits = self.logits(x if all_logits else self._last(x, seqs))
         return (logits, x) if return_residual else logits
 

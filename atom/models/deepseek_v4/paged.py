@@ -56,6 +56,11 @@ class V4StateSlots:
         self.draft_cursor = self.fields.get("draft_cursor")  # [slots, draft layers] or None
         self.csa_index = {layer: i for i, layer in enumerate(geometry.csa_layers)}
         self.hca_index = {layer: i for i, layer in enumerate(geometry.hca_layers)}
+        # the host's mirror of each slot's (cursor, layout tag), so that checking a forward's
+        # spans reads no device memory: kept by ``reset`` / ``advance``; ``refresh`` re-reads
+        # a slot whose bytes were replaced (an image restore)
+        self.host_position: list[int] = self.cursor[:, 0].tolist()
+        self.host_tag: list[int] = self.header[:, 0].tolist()
 
     @classmethod
     def allocate(cls, geometry: V4PoolGeometry, num_slots: int, device) -> V4StateSlots:
@@ -93,6 +98,16 @@ class V4StateSlots:
         """Empty state for a sequence starting at position 0."""
         self.data[slot].zero_()
         self.header[slot, 0] = self.tag
+        self.host_position[slot], self.host_tag[slot] = 0, self.tag
+
+    def advance(self, slot: int, position: int) -> None:
+        """Record in the mirror that a forward left ``slot`` at ``position``."""
+        self.host_position[slot], self.host_tag[slot] = position, self.tag
+
+    def refresh(self, slot: int) -> None:
+        """Re-read ``slot``'s mirror from its bytes (one device read)."""
+        at, tag = torch.stack([self.cursor[slot, 0], self.header[slot, 0]]).tolist()
+        self.host_position[slot], self.host_tag[slot] = at, tag
 
     def position(self, slot: int) -> int:
         return int(self.cursor[slot, 0])

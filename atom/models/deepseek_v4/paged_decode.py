@@ -46,6 +46,7 @@ class RatioIndex:
 
 @dataclass
 class DecodeBatch:
+    ids: torch.Tensor  # [B] the tokens
     slots: torch.Tensor  # [B]
     pos: torch.Tensor  # [B]
     tables: torch.Tensor  # [B, blocks] each sequence's block table, padded with its last block
@@ -60,10 +61,16 @@ class DecodeBatch:
 
     @classmethod
     def build(
-        cls, spans: list[Span], ratios: list[int], window: int, ring: int, device
+        cls,
+        spans: list[Span],
+        token_ids: torch.Tensor,
+        ratios: list[int],
+        window: int,
+        ring: int,
+        device,
     ) -> DecodeBatch:
-        """Indices of a decode forward (every span one token at p = start > 0), on the host,
-        then uploaded to ``device``."""
+        """Indices of a decode forward (every span one token at p = start > 0) and its token
+        ids, on the host, then uploaded to ``device`` in one copy."""
         pos = torch.tensor([sp.start for sp in spans], dtype=torch.int64)
         slots = torch.tensor([sp.slot for sp in spans], dtype=torch.int64)
         width = max(sp.block_table.numel() for sp in spans)
@@ -75,6 +82,7 @@ class DecodeBatch:
         )
         back = pos[:, None] - window + 1 + torch.arange(window - 1)
         out = dict(
+            ids=token_ids.cpu().long(),
             slots=slots,
             pos=pos,
             tables=tables,
@@ -97,17 +105,34 @@ class DecodeBatch:
                 first=pos[done] // r == 0,
                 count=count,
             )
-        dev = torch.device(device)
-        moved = {k: v.to(dev) for k, v in out.items()}
+        host = list(out.items()) + [
+            ((r, k), v) for r, d in per_ratio.items() for k, v in d.items() if k != "count"
+        ]
+        moved = dict(zip([k for k, _ in host], _upload([v for _, v in host], device)))
         return cls(
-            **moved,
+            **{k: moved[k] for k in out},
             ratios={
-                r: RatioIndex(
-                    **{k: (v.to(dev) if isinstance(v, torch.Tensor) else v) for k, v in d.items()}
-                )
+                r: RatioIndex(**{k: (v if k == "count" else moved[(r, k)]) for k, v in d.items()})
                 for r, d in per_ratio.items()
             },
         )
+
+
+def _upload(tensors: list[torch.Tensor], device) -> list[torch.Tensor]:
+    """Host tensors (int64 or bool) to ``device`` in one copy (pinned on CUDA, so it does not
+    block the host), as views of one buffer, each with its own dtype and shape."""
+    flat = torch.cat([t.reshape(-1).long() for t in tensors])
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        flat = flat.pin_memory().to(dev, non_blocking=True)
+    else:
+        flat = flat.to(dev)
+    out, lo = [], 0
+    for t in tensors:
+        part = flat[lo : lo + t.numel()].view(t.shape)
+        out.append(part.bool() if t.dtype == torch.bool else part)
+        lo += t.numel()
+    return out
 
 
 def decode_attention(

@@ -88,4 +88,5 @@ class V4Runtime:
                 "only block-boundary images can be restored"
             )
         restore_image(self.spec, self.pool, self.slot_bytes, units, slot)
-        return self.slots.position(slot)
+        self.slots.refresh(slot)  # the image's cursor into the host mirror (one device read)
+        return self.slots.host_position[slot]
