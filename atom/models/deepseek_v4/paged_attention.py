@@ -10,8 +10,8 @@ Per sequence, for its span [s, e) (positions pos):
   a CSA layer attends the top ``index_topk`` of its rows [0, e // 4) by its indexer's scores, an
       HCA layer every visible row, both read from PAGE.
 
-Decode (single-token spans) runs through the same loop: the V4 path is built for equivalence
-on CPU first; a batched decode path like V4.1's ``paged_decode`` is future work.
+A forward whose spans are all one token long (decode) runs batched instead (``paged_decode``:
+the same rules over the whole batch).
 """
 
 from __future__ import annotations
