@@ -16,6 +16,7 @@ import signal
 import sys
 
 from atom.config import EngineConfig, EngineConfigError
+from atom.models.common.config import ConfigError
 
 log = logging.getLogger("atom.serve")
 
@@ -152,12 +153,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         config = build_config(args)
+        # what the engine checks when it is built (the model, the pool, the drafter), checked
+        # now: a bad value is an `error:` line and exit 2, like a bad flag
+        config.resolved()
         if args.print_config:
             import yaml
 
             print(yaml.safe_dump(config.resolved().model_dump(mode="json"), sort_keys=False))
             return 0
-    except EngineConfigError as exc:
+    except (EngineConfigError, ConfigError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     from atom.serve.server import run_server

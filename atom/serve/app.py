@@ -27,6 +27,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from atom.serve.edge import (
+    HeadAsGet,
     _Edge,
     _next_delta,
     _wait_disconnect,
@@ -75,6 +76,7 @@ def build_app(state: ServerState, on_shutdown: Callable[[], None] | None = None)
 
     app = FastAPI(title="atom", version=server_version(), lifespan=lifespan)
     app.add_middleware(_Edge, state=state)
+    app.add_middleware(HeadAsGet)  # outermost: _Edge sees a GET
 
     def end_by_stop_string(rid: str) -> None:
         """A stop string matched: end the request, counted as finish_reason="stop"."""

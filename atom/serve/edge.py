@@ -67,6 +67,28 @@ def validation_message(errors: list[dict]) -> tuple[str, str | None]:
     return "; ".join(msgs) or "invalid request", param
 
 
+class HeadAsGet:
+    """Pure ASGI middleware: HEAD on a route answers as GET does, headers only (HTTP's HEAD;
+    load balancers and benchmark clients probe /health and /v1/models that way). The GET runs,
+    its body is dropped."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["method"] != "HEAD":
+            return await self.app(scope, receive, send)
+
+        async def headers_only(msg):
+            if msg["type"] == "http.response.body":
+                if msg.get("more_body", False):
+                    return
+                msg = {"type": "http.response.body", "body": b"", "more_body": False}
+            await send(msg)
+
+        return await self.app({**scope, "method": "GET"}, receive, headers_only)
+
+
 class _Edge:
     """Pure ASGI middleware (BaseHTTPMiddleware would hide client disconnects): the API key,
     ``X-Request-Id``, a JSON 500 for any exception, and the HTTP metrics for every response."""

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import httpx
+import pytest
 import yaml
 
 from atom.kv_transfer.offload.lmcache_server import probe
@@ -165,3 +166,20 @@ def test_rank_collapse_flag_sets_the_tier_config_and_refuses_unknown_values():
     )  # fmt: skip
     assert r.returncode == 2
     assert "tp_rank_collapse" in r.stderr and "auto" in r.stderr
+
+
+@pytest.mark.parametrize(
+    "flags, needle",
+    [
+        (["--model", "v41-nope"], "model='v41-nope' is neither a preset"),
+        (["--model", "v41-tiny", "--speculative-tokens", "2"], "has no drafter"),
+        (["--model", "v41-tiny", "--num-blocks", "1"], "num_blocks=1: the pool needs"),
+    ],
+)
+def test_errors_found_when_the_engine_would_be_built_exit_2_without_a_traceback(flags, needle):
+    """Values only the model, the pool or the drafter can judge are checked before anything
+    starts, and reported as a bad flag is: one `error:` line, exit 2."""
+    r = run_cli(*flags, "--device", "cpu")
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.startswith("error: ") and needle in r.stderr
+    assert "Traceback" not in r.stderr

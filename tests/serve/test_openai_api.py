@@ -121,3 +121,60 @@ def test_bad_requests_get_400_and_the_engine_keeps_serving(served, client, body,
 def test_openai_client_sees_bad_request_error(client):
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model=MODEL, prompt="x", max_tokens=0)
+
+
+def test_optional_fields_sent_as_null_mean_their_defaults(client):
+    """OpenAI's SDK and agent code send optional fields as null: each one means its default
+    (the same tokens as leaving it out), on completions and chat."""
+    base = dict(model=MODEL, prompt="null fields", max_tokens=6, seed=7)
+    want = client.completions.create(**base).choices[0].text
+    nulls = dict(temperature=None, top_p=None, n=None, presence_penalty=None, stream=None)
+    nulls.update(frequency_penalty=None, echo=None, logprobs=None, stop=None, user=None)
+    extra = dict(top_k=None, ignore_eos=None, stop_token_ids=None, repetition_penalty=None)
+    extra.update(best_of=None, logit_bias=None, min_tokens=None)
+    got = client.completions.create(**base, **nulls, extra_body=extra)
+    assert got.choices[0].text == want
+    chat = dict(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4, seed=3)
+    want = client.chat.completions.create(**chat).choices[0].message.content
+    got = client.chat.completions.create(
+        **chat,
+        temperature=None,
+        top_p=None,
+        n=None,
+        logprobs=None,
+        top_logprobs=None,
+        tools=None,
+        tool_choice=None,
+        response_format=None,
+        parallel_tool_calls=None,
+        logit_bias=None,
+    )
+    assert got.choices[0].message.content == want
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
+        ("response_format", {"type": "json_object"}),
+        ("logit_bias", {"5": 10}),
+        ("best_of", 3),
+    ],
+)
+def test_unsupported_openai_fields_are_refused_when_they_ask_for_something(client, field, value):
+    body = dict(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match=f"{field}: got .*not supported"):
+        client.chat.completions.create(**body, extra_body={field: value})
+    # the value that asks for nothing passes
+    inert = {"tools": [], "response_format": {"type": "text"}, "logit_bias": {}, "best_of": 1}
+    assert client.chat.completions.create(**body, extra_body={field: inert[field]}).choices
+
+
+@pytest.mark.parametrize("path", ["/health", "/metrics", "/v1/models", "/version"])
+def test_head_answers_as_get_without_a_body(served, path):
+    """Load balancers and benchmark clients probe with HEAD: the GET's status and headers."""
+    get = httpx.get(f"{served.url}{path}")
+    head = httpx.head(f"{served.url}{path}")
+    assert head.status_code == get.status_code == 200
+    assert head.content == b"" and head.headers["content-type"] == get.headers["content-type"]
+    assert httpx.head(f"{served.url}/v1/completions").status_code == 405
