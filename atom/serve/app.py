@@ -115,17 +115,16 @@ def build_app(state: ServerState, on_shutdown: Callable[[], None] | None = None)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        prompt = body.prompt
-        if isinstance(prompt, str):
-            ids, text = state.tokenizer.encode(prompt), prompt
-        else:
-            ids, text = list(prompt), None
-        return await _serve(body, ids, text, request, chat=False)
+        prompts = [
+            (state.tokenizer.encode(p), p) if isinstance(p, str) else (list(p), None)
+            for p in body.prompts
+        ]
+        return await _serve(body, prompts, request, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request):
         text = render_chat(body.messages)
-        return await _serve(body, state.tokenizer.encode(text), text, request, chat=True)
+        return await _serve(body, [(state.tokenizer.encode(text), text)], request, chat=True)
 
     def log_request(rid: str, ids: list[int], text: str | None, body) -> None:
         if not state.log_requests:
@@ -173,7 +172,11 @@ def build_app(state: ServerState, on_shutdown: Callable[[], None] | None = None)
             ),
         )
 
-    async def _serve(body, ids: list[int], text: str | None, request: Request, chat: bool):
+    async def _serve(body, prompts: list[tuple[list[int], str | None]], request, chat: bool):
+        """Serve a request of one or more prompts (token ids, text or None), ``n`` choices
+        each: choice p * n + j is prompt p's j-th (one engine request per choice; a prompt's
+        choices share it through the prefix cache)."""
+        ids, text = prompts[0]
         if state.draining or not state.loop.alive:
             return error_response(503, "the server is shutting down; retry on another replica")
         if body.model != state.model_name:
@@ -189,12 +192,18 @@ def build_app(state: ServerState, on_shutdown: Callable[[], None] | None = None)
         log_request(rid, ids, text, body)
         t0 = time.monotonic()
         gone = asyncio.ensure_future(_wait_disconnect(request))
-        # n > 1: one engine request per choice (the prompt is shared through the prefix cache)
-        rids = [rid] if body.n == 1 else [f"{rid}-{i}" for i in range(body.n)]
+        total = len(prompts) * body.n
+        rids = [rid] if total == 1 else [f"{rid}-{i}" for i in range(total)]
         eos = state.tokenizer.eos_token_id
         choices = [
-            _Choice(i, r, state.loop.submit(r, ids, p, eos), _Stopper(state.tokenizer, body.stops))
-            for i, (r, p) in enumerate(zip(rids, params))
+            _Choice(
+                i,
+                rids[i],
+                state.loop.submit(rids[i], prompts[i // body.n][0], params[i % body.n], eos),
+                _Stopper(state.tokenizer, body.stops),
+                prompt=i // body.n,
+            )
+            for i in range(total)
         ]
         state.active_ids.update(rids)
         handed_over = False
@@ -217,7 +226,7 @@ def build_app(state: ServerState, on_shutdown: Callable[[], None] | None = None)
                     if first.finish_reason == "error" and not state.loop.alive:
                         return error_response(500, first.error)
                     return error_response(400, first.error)
-            out = _Output(state.tokenizer, body, chat, ids, text)
+            out = _Output(state.tokenizer, body, chat, prompts)
             if body.stream:
                 gone.cancel()
                 gen = _sse(choices, out, body, rid, chat, request, t0)
@@ -247,7 +256,7 @@ def build_app(state: ServerState, on_shutdown: Callable[[], None] | None = None)
                 results.append((c, text_out, logprobs))
             seq = choices[0].stream.seq or choices[0].delta.seq
             n_out = sum(out.completion_tokens(c) for c in choices)
-            log_done(rid, choices[0].reason if body.n == 1 else "done", seq, n_out, t0)
+            log_done(rid, choices[0].reason if total == 1 else "done", seq, n_out, t0)
             made = []
             for c, text_out, logprobs in results:
                 if chat:
@@ -280,7 +289,7 @@ def build_app(state: ServerState, on_shutdown: Callable[[], None] | None = None)
                 "created": int(time.time()),
                 "model": state.model_name,
                 "choices": made,
-                "usage": _usage(seq, n_out),
+                "usage": _usage(_prompt_seqs(choices, body.n), n_out),
             }
         finally:
             gone.cancel()
@@ -299,9 +308,11 @@ def build_app(state: ServerState, on_shutdown: Callable[[], None] | None = None)
         created = int(time.time())
         obj = "chat.completion.chunk" if chat else "text_completion"
         seq0 = choices[0].stream.seq or choices[0].delta.seq
+        single = len(choices) == 1
 
         def usage() -> dict:
-            return _usage(seq0, sum(out.completion_tokens(c) for c in choices))
+            n = sum(out.completion_tokens(c) for c in choices)
+            return _usage(_prompt_seqs(choices, body.n), n)
 
         def chunk(
             c: _Choice, text: str | None, reason: str | None, lps=None, role: bool = False
@@ -379,7 +390,7 @@ def build_app(state: ServerState, on_shutdown: Callable[[], None] | None = None)
                 n = sum(out.completion_tokens(c) for c in choices)
                 log_done(rid, "client disconnected", seq0, n, t0)
         n = sum(out.completion_tokens(c) for c in choices)
-        log_done(rid, choices[0].reason if body.n == 1 else "done", seq0, n, t0)
+        log_done(rid, choices[0].reason if single else "done", seq0, n, t0)
         if body.usage_at_end:
             payload = {
                 "id": rid,
@@ -393,3 +404,8 @@ def build_app(state: ServerState, on_shutdown: Callable[[], None] | None = None)
         yield "data: [DONE]\n\n"
 
     return app
+
+
+def _prompt_seqs(choices: list[_Choice], n: int) -> list:
+    """One engine sequence per prompt (its first choice's), for the usage."""
+    return [c.stream.seq or c.delta.seq for c in choices[::n]]

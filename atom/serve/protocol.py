@@ -14,7 +14,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from atom.sampling_params import MAX_LOGPROBS, SamplingParams
 
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
-MAX_N = 128  # choices per request (OpenAI's limit)
+MAX_N = 128  # choices per prompt (OpenAI's limit)
+MAX_CHOICES = 1024  # choices per request: prompts x n
 
 
 def check_text(value: str, what: str = "text") -> str:
@@ -274,18 +275,28 @@ class CompletionRequest(_Sampling):
     def _logprobs(self) -> tuple[int | None, int | None]:
         return self.logprobs, self.logprobs if self.echo else None
 
-    @model_validator(mode="after")
-    def _single_prompt(self) -> CompletionRequest:
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts: one string or token list, or a list of them (OpenAI's
+        batched prompts; choice i * n + j is prompt i's j-th)."""
         p = self.prompt
-        if isinstance(p, list) and p and not isinstance(p[0], int):
-            if len(p) != 1:
-                raise ValueError(
-                    f"prompt: got {len(p)} prompts; send one prompt per request "
-                    "(batched prompts: one request each)"
-                )
-            self.prompt = p[0]
-        if isinstance(self.prompt, str):
-            check_text(self.prompt, "prompt")
+        if isinstance(p, str) or (p and isinstance(p[0], int)):
+            return [p]
+        return list(p)
+
+    @model_validator(mode="after")
+    def _prompt_list(self) -> CompletionRequest:
+        prompts = self.prompts
+        if not prompts or any(len(p) == 0 for p in prompts if not isinstance(p, str)):
+            raise ValueError("prompt: got an empty list; send a string, token ids, or a list")
+        if len(prompts) * self.n > MAX_CHOICES:
+            raise ValueError(
+                f"prompt: {len(prompts)} prompts x n={self.n} is more than {MAX_CHOICES} "
+                "choices in one request; split the prompts over several requests"
+            )
+        for i, p in enumerate(prompts):
+            if isinstance(p, str):
+                check_text(p, "prompt" if len(prompts) == 1 else f"prompt {i}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(
                 f"logprobs: got {self.logprobs}; allowed: an integer in [0, {MAX_LOGPROBS}] "

@@ -52,6 +52,7 @@ class _Choice:
     delta: Delta | None = None  # the last delta read
     reason: str | None = None  # the finish reason, once it ended
     offset: int = 0  # completions' text_offset of the next token reported
+    prompt: int = 0  # which of the request's prompts it continues
 
 
 class _Output:
@@ -59,14 +60,19 @@ class _Output:
     token's logprob and alternatives (the engine records them before the token is visible,
     so ``seq.logprobs`` covers every token a delta carries)."""
 
-    def __init__(self, tokenizer: Tokenizer, body, chat: bool, ids: list[int], text: str | None):
+    def __init__(
+        self, tokenizer: Tokenizer, body, chat: bool, prompts: list[tuple[list[int], str | None]]
+    ):
         self.tok = tokenizer
         self.k, _ = body._logprobs()
         self.want = self.k is not None
         self.echo_only = body.echo_only
-        self.ids = ids
+        self.prompt_ids = [ids for ids, _ in prompts]
         echo = not chat and body.echo
-        self.echo_text = (text if text is not None else tokenizer.decode(ids)) if echo else ""
+        self.echo_texts = [
+            (text if text is not None else tokenizer.decode(ids)) if echo else ""
+            for ids, text in prompts
+        ]
         self._strs: dict[int, str] = {}
 
     def token_str(self, t: int) -> str:
@@ -95,12 +101,14 @@ class _Output:
         return 0 if self.echo_only else len(c.stopper.ids)
 
     def echo(self, c: _Choice) -> tuple[str, list]:
-        """The echoed prompt and, with logprobs, its tokens' (id, TokenLogprob | None)."""
-        if not self.want or not self.echo_text:
-            return self.echo_text, []
+        """The echoed prompt (the choice's own) and, with logprobs, its tokens' (id,
+        TokenLogprob | None)."""
+        text = self.echo_texts[c.prompt]
+        if not self.want or not text:
+            return text, []
         seq = c.stream.seq or c.delta.seq
         recs = [None, *seq.prompt_logprobs]
-        return self.echo_text, list(zip(self.ids, recs))
+        return text, list(zip(self.prompt_ids[c.prompt], recs))
 
     def completion_logprobs(self, c: _Choice, entries: list) -> dict:
         tokens, values, tops, offsets = [], [], [], []
@@ -136,16 +144,23 @@ class _Output:
         return {"content": content}
 
 
-def _usage(seq, completion_tokens: int) -> dict:
-    c = seq.counters
+def _usage(seqs, completion_tokens: int) -> dict:
+    """OpenAI's usage of a request: its prompts' tokens (one sequence per prompt, or one
+    sequence) and the completion tokens of every choice."""
+    counters = [s.counters for s in (seqs if isinstance(seqs, list) else [seqs])]
+
+    def total(name: str) -> int:
+        return sum(getattr(c, name) for c in counters)
+
+    prompt = total("prompt_tokens")
     return {
-        "prompt_tokens": c.prompt_tokens,
+        "prompt_tokens": prompt,
         "completion_tokens": completion_tokens,
-        "total_tokens": c.prompt_tokens + completion_tokens,
+        "total_tokens": prompt + completion_tokens,
         "prompt_tokens_details": {
-            "cached_tokens": c.hbm_hit_tokens + c.tier_hit_tokens,
-            "hbm_tokens": c.hbm_hit_tokens,
-            "tier_tokens": c.tier_hit_tokens,
-            "computed_tokens": c.computed_prompt_tokens,
+            "cached_tokens": total("hbm_hit_tokens") + total("tier_hit_tokens"),
+            "hbm_tokens": total("hbm_hit_tokens"),
+            "tier_tokens": total("tier_hit_tokens"),
+            "computed_tokens": total("computed_prompt_tokens"),
         },
     }

@@ -178,3 +178,46 @@ def test_head_answers_as_get_without_a_body(served, path):
     assert head.status_code == get.status_code == 200
     assert head.content == b"" and head.headers["content-type"] == get.headers["content-type"]
     assert httpx.head(f"{served.url}/v1/completions").status_code == 405
+
+
+def test_a_list_of_prompts_gets_one_choice_set_per_prompt_in_order(served, client):
+    """OpenAI's batched prompts (lm-eval sends them): choice p * n + j is prompt p's j-th,
+    each the tokens that prompt alone gets; usage sums the prompts; streaming carries the
+    same choices by index; token-id prompts mix with strings as lists of lists."""
+    prompts = ["first prompt", "a second, longer prompt", "third"]
+    alone = [complete(client, p, n=5).choices[0].text for p in prompts]  # n: max_tokens here
+    got = complete(client, prompts, n=5)
+    assert [c.index for c in got.choices] == [0, 1, 2]
+    assert [c.text for c in got.choices] == alone
+    one = complete(client, prompts[0], n=5).usage.prompt_tokens
+    assert got.usage.prompt_tokens == sum(
+        complete(client, p, n=1).usage.prompt_tokens for p in prompts
+    )
+    assert got.usage.prompt_tokens > one and got.usage.completion_tokens == 15
+    twice = client.completions.create(
+        model=MODEL, prompt=prompts[:2], max_tokens=4, n=2, temperature=0.8, seed=5
+    )
+    assert [c.index for c in twice.choices] == [0, 1, 2, 3]
+    per_prompt = [
+        client.completions.create(model=MODEL, prompt=p, max_tokens=4, n=2, temperature=0.8, seed=5)
+        for p in prompts[:2]
+    ]
+    assert [c.text for c in twice.choices] == [c.text for r in per_prompt for c in r.choices]
+    stream = complete(client, prompts, n=5, stream=True)
+    text = {i: "" for i in range(3)}
+    for chunk in stream:
+        for c in chunk.choices:
+            text[c.index] += c.text
+    assert [text[i] for i in range(3)] == alone
+    echo = complete(client, prompts[:2], n=2, echo=True)
+    assert [c.text[: len(p)] for c, p in zip(echo.choices, prompts[:2])] == prompts[:2]
+    ids = complete(client, [[5, 6, 7], [8, 9]], n=3)
+    assert [c.text for c in ids.choices] == [
+        complete(client, [5, 6, 7], n=3).choices[0].text,
+        complete(client, [8, 9], n=3).choices[0].text,
+    ]
+
+
+def test_an_empty_prompt_list_is_refused(served):
+    r = httpx.post(f"{served.url}/v1/completions", json={"model": MODEL, "prompt": []})
+    assert r.status_code == 400 and "empty list" in r.json()["error"]["message"]
