@@ -17,6 +17,7 @@ Two process groups, two timeouts:
 
 from __future__ import annotations
 
+import os
 import socket
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -27,6 +28,18 @@ import torch.distributed as dist
 
 DEFAULT_TIMEOUT_S = 30.0
 DEFAULT_INIT_TIMEOUT_S = 600.0
+
+
+def _loopback_transports() -> None:
+    """The ranks all run on this machine: unless the user chose interfaces, gloo's and NCCL's
+    bootstrap sockets listen on the loopback interface (they otherwise take the address the
+    host name resolves to, which may face a network)."""
+    names = (
+        {name for _, name in socket.if_nameindex()} if hasattr(socket, "if_nameindex") else set()
+    )
+    if "lo" in names:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
 
 
 def local_init_method(host: str = "127.0.0.1") -> str:
@@ -83,6 +96,7 @@ class ParallelState:
             raise RuntimeError("torch.distributed is already initialized in this process")
         if (init_method is None) == (store is None):
             raise ValueError("give ParallelState.init one of init_method and store")
+        _loopback_transports()
         dist.init_process_group(
             backend,
             init_method=init_method,

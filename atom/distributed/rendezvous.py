@@ -21,6 +21,7 @@ their first collective (the connection of every pair) bounded by the same ``time
 from __future__ import annotations
 
 import multiprocessing as mp
+import socket
 import sys
 import time
 from datetime import timedelta
@@ -64,14 +65,27 @@ class Rendezvous:
     def __init__(self, world_size: int, timeout_s: float, host: str = "127.0.0.1"):
         self.world_size, self.timeout_s, self.host = world_size, timeout_s, host
         try:
-            self.store = dist.TCPStore(
-                host,
-                0,
-                world_size,
-                is_master=True,
-                wait_for_workers=False,
-                timeout=timedelta(seconds=timeout_s),
+            # torch's store server listens on every interface unless handed a socket: bind
+            # one on ``host`` (loopback by default) and give the store its fd
+            listener = socket.socket(
+                socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM
             )
+            try:
+                listener.bind((host, 0))
+                listener.listen(max(16, world_size))
+                self.store = dist.TCPStore(
+                    host,
+                    listener.getsockname()[1],
+                    world_size,
+                    is_master=True,
+                    wait_for_workers=False,
+                    timeout=timedelta(seconds=timeout_s),
+                    master_listen_fd=listener.fileno(),
+                )
+            except BaseException:
+                listener.close()
+                raise
+            listener.detach()  # the store's server owns the fd now
         except (RuntimeError, OSError) as exc:
             raise TensorParallelStartError(
                 f"tensor_parallel_size={world_size}: could not open the ranks' rendezvous "
