@@ -21,6 +21,7 @@ from atom.kv_transfer.offload.locator import Locator
 from atom.kv_transfer.offload.lookup_thread import LookupThread
 from atom.kv_transfer.offload.policy import TierPolicy
 from atom.kv_transfer.offload.scheduler import OffloadConnector
+from atom.kv_transfer.offload.supervisor import ServerSupervisor
 from atom.kv_transfer.offload.transfer_thread import TransferThread
 from atom.kv_transfer.offload.worker import SpecShape, share_pool, unlink_segment
 
@@ -72,7 +73,11 @@ class LMCacheTier:
                     time.monotonic() - t0,
                 )
             except LMCacheServerError as exc:
-                log.error("could not start the LMCache server (%s); serving without the tier", exc)
+                log.error(
+                    "could not start the LMCache server (%s); serving without the tier until "
+                    "a restart succeeds",
+                    exc,
+                )
             url = self.server.url
         elif config.l2_adapters:
             log.warning(
@@ -176,6 +181,15 @@ class LMCacheTier:
             policy=self.policy,
         )
         self._l2_metrics(metrics)
+        self.supervisor: ServerSupervisor | None = None
+        if self.server is not None:
+            self.supervisor = ServerSupervisor(self.server).start()
+            metrics.gauge(
+                "tier_server_restarts_total",
+                "Times the owned LMCache server was restarted after it died.",
+                lambda: self.supervisor.restarts,
+                kind="counter",
+            )
         self.lookups.start()
         # across ranks a rank's first registration can time out (on CUDA the server opens
         # another device's memory) and is retried: wait for the retry too
@@ -231,7 +245,7 @@ class LMCacheTier:
         return {
             "attached": True,
             "url": self.url,
-            "owned": self.server is not None,
+            "owned": self.server is not None and self.server.owned,
             "healthy": self.transfers.note_health(),
             "namespace": self.namespace,
             "registrations": self.transfers.registrations,
@@ -239,6 +253,8 @@ class LMCacheTier:
             "last_error": self.transfers.last_error,
             "since": self.transfers.since,  # wall time of the last up/down change
             "server_pid": self.server.pid if self.server is not None else None,
+            "server_restarts": self.supervisor.restarts if self.supervisor is not None else 0,
+            "server_last_exit": self.supervisor.last_exit if self.supervisor is not None else "",
             "l2": self.l2.entries(),
             "l2_store_policy": self.cfg.l2_store_policy if self.cfg.l2_adapters else None,
             "l2_prefetch_policy": self.cfg.l2_prefetch_policy if self.cfg.l2_adapters else None,
@@ -273,10 +289,14 @@ class LMCacheTier:
                 unlink_segment(name)
             except Exception:  # already unlinked
                 pass
+        if self.supervisor is not None:
+            self.supervisor.stop(timeout_s=1.0)
         if self.server is not None:
             self.server.stop(timeout_s=2.0)
 
     def shutdown(self, timeout_s: float) -> None:
+        if self.supervisor is not None:
+            self.supervisor.stop()  # the server is stopped on purpose below
         self.connector.shutdown(timeout_s)
         if self.mappings is not None:
             self.mappings.close_all()  # after the lookup thread stopped (it maps them)

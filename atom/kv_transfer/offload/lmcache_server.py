@@ -197,6 +197,9 @@ class LMCacheServer:
         self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{os.getpid()}-"))
         self.proc: subprocess.Popen | None = None
         self.starts = 0
+        # False once another process's server took this port (``disown``): atom then never
+        # stops, restarts or cleans up after the server at this URL
+        self.owned = True
 
     @property
     def url(self) -> str:
@@ -312,23 +315,43 @@ class LMCacheServer:
     def pid(self) -> int | None:
         return self.proc.pid if self.proc is not None else None
 
-    def stop(self, timeout_s: float = 15.0) -> None:
-        if self.proc is None:
-            return
-        if self.proc.poll() is None:
-            try:
-                os.kill(self.proc.pid, signal.SIGCONT)  # a stopped process cannot exit
-                self.proc.terminate()
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                log.warning("LMCache server pid %d ignored SIGTERM; killing it", self.proc.pid)
-                self.proc.kill()
-                self.proc.wait()
-            except ProcessLookupError:
-                pass
-        log.info("stopped LMCache server at %s", self.url)
+    def disown(self) -> None:
+        """Forget the server: the port now belongs to one this process did not start."""
+        self.owned = False
         self.proc = None
-        self._unlink_l1()
+        self.l1_segment = ""  # never unlink a segment of a server that is not ours
+
+    def stop_process(self) -> None:
+        """Kill this object's process if it is still running (a start that failed)."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def stop(self, timeout_s: float = 15.0) -> None:
+        """Stop this object's server process (never one it did not start: ``disown``) and
+        clean up what it left: its L1 segment, and the log directory if it made one."""
+        if self.proc is not None and self.owned:
+            if self.proc.poll() is not None:
+                log.info(
+                    "LMCache server pid %d at %s had exited (code %s)",
+                    self.proc.pid,
+                    self.url,
+                    self.proc.returncode,
+                )
+            else:
+                try:
+                    os.kill(self.proc.pid, signal.SIGCONT)  # a stopped process cannot exit
+                    self.proc.terminate()
+                    self.proc.wait(timeout_s)
+                except subprocess.TimeoutExpired:
+                    log.warning("LMCache server pid %d ignored SIGTERM; killing it", self.proc.pid)
+                    self.proc.kill()
+                    self.proc.wait()
+                except ProcessLookupError:
+                    pass
+                log.info("stopped LMCache server at %s", self.url)
+            self.proc = None
+            self._unlink_l1()
         if self._own_dir:
             shutil.rmtree(self.log_dir, ignore_errors=True)
 
