@@ -26,6 +26,7 @@ from atom.config import EngineConfig
 from atom.kv_transfer.offload.lmcache_server import remove_dead_leftovers
 from atom.serve.app import ServerState, build_app
 from atom.serve.engine_loop import EngineLoop
+from atom.serve.http_protocol import OpenAIH11Protocol
 from atom.tokenizer import load_tokenizer
 
 log = logging.getLogger("atom.serve")
@@ -135,6 +136,7 @@ def run_server(config: EngineConfig, args: argparse.Namespace) -> int:
             log_level=args.log_level.lower(),
             timeout_graceful_shutdown=max(1, int(args.drain_timeout)),
             access_log=False,
+            http=OpenAIH11Protocol,  # HTTP/1.0 streams unchunked; malformed requests get JSON
         ),
         state,
         args.drain_timeout,

@@ -327,3 +327,45 @@ def test_an_idle_server_settles_tier_outcomes_without_another_request(served):
     images = httpx.get(f"{served.url}/health").json()["engine"]["images"]
     assert images["pinned"] == 0, images
     assert metric(served, 'atom_tier_saves_total{outcome="done"}') > 0
+
+
+def _raw(served, request: bytes) -> bytes:
+    """Send bytes on a new connection; everything the server answers until it closes."""
+    import socket
+
+    with socket.create_connection(("127.0.0.1", served.port), timeout=30) as conn:
+        conn.sendall(request)
+        out = b""
+        while chunk := conn.recv(65536):
+            out += chunk
+    return out
+
+
+def test_an_http_1_0_stream_is_not_chunked_and_ends_by_closing(served):
+    body = json.dumps(
+        {
+            "model": "v41-tiny",
+            "prompt": "old client",
+            "max_tokens": 3,
+            "stream": True,
+            "ignore_eos": True,
+        }
+    ).encode()
+    head = (
+        b"POST /v1/completions HTTP/1.0\r\nHost: x\r\nContent-Type: application/json\r\n"
+        + f"Content-Length: {len(body)}\r\n\r\n".encode()
+    )
+    out = _raw(served, head + body)
+    headers, _, payload = out.partition(b"\r\n\r\n")
+    assert headers.startswith(b"HTTP/1.1 200") and b"chunked" not in headers.lower()
+    events = [json.loads(e[6:]) for e in payload.split(b"\n\n") if e[6:] not in (b"", b"[DONE]")]
+    assert payload.endswith(b"data: [DONE]\n\n") and events[-1]["choices"][0]["finish_reason"]
+    assert events[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_a_request_that_is_not_http_gets_openai_error_json(served):
+    out = _raw(served, b"NOT HTTP \x01\x02\r\n\r\n")
+    headers, _, payload = out.partition(b"\r\n\r\n")
+    assert headers.startswith(b"HTTP/1.1 400") and b"application/json" in headers
+    err = json.loads(payload)["error"]
+    assert err["type"] == "invalid_request_error" and "malformed HTTP request" in err["message"]
