@@ -17,6 +17,7 @@ embedding or head. A checkpoint's draft layer the model does not build (a layer 
 from __future__ import annotations
 
 import json
+import logging
 import re
 from collections.abc import Mapping
 from pathlib import Path
@@ -32,6 +33,8 @@ from atom.models.deepseek_v41.published_weights import (
     is_published_layout,
     load_published_weights,
 )
+
+log = logging.getLogger("atom.weights")
 
 __all__ = ["WeightLoadError", "load_weights", "save_weights", "deepseek_names"]
 
@@ -186,6 +189,17 @@ def load_weights(
         return
     unbuilt = _unbuilt_draft_layers(stored, model.config.num_hidden_layers + len(model.mtp))
     stored = {k: v for k, v in stored.items() if _layer_of(k) not in unbuilt}
+    # DSpark stages the config does not build (a checkpoint may hold both drafters; its config
+    # builds one): left unread, as unbuilt draft layers are
+    stages = {int(m[1]) for k in stored if (m := re.match(r"dspark\.(\d+)\.", k))}
+    skipped = sorted(i for i in stages if i >= len(model.dspark))
+    if skipped:
+        log.info("left unread: DSpark stages %s (the config builds %d)", skipped, len(model.dspark))
+        stored = {
+            k: v
+            for k, v in stored.items()
+            if not ((m := re.match(r"dspark\.(\d+)\.", k)) and int(m[1]) >= len(model.dspark))
+        }
     to_ds = deepseek_names(expected)
     from_ds = {ds: name for name, ds in to_ds.items()}
     problems = []
