@@ -12,7 +12,8 @@ pass on a fresh engine:
   control       the tier is off in both passes (pass 2 recomputes everything);
   tier only + drafts, HBM + tier + drafts
                 the first two again with speculative decoding (``--draft-tokens`` k drafts per
-                step from the model's trained draft layer), on the first ``--draft-prompts``.
+                step from the model's trained drafter: its DSpark stage, blocks of 3, so
+                k <= 3), on the first ``--draft-prompts``.
 Greedy outputs: the first ``--draft-prompts`` prompts generate ``--output-len`` tokens in every
 configuration (decoding, and the drafts, run on them), the others their one-token answer;
 accuracy = the first token is the right value token (the answer). The job fails (exit 1) if any
@@ -228,7 +229,7 @@ def main() -> int:
     table += (
         f"\n\nGreedy outputs: {args.output_len} tokens for the first {n_draft} prompts, one "
         "(the answer) for the others; accuracy: the first token is the answer. Drafts "
-        f"configurations: the model's trained draft layer, k={args.draft_tokens} drafts per "
+        f"configurations: the model's trained drafter, k={args.draft_tokens} drafts per "
         f"decode step, on the first {n_draft} prompts; their outputs (both passes) are "
         "compared token for token with the same configuration's pass 1 without drafts; "
         "acceptance and tokens / verify are each pass's.\n"

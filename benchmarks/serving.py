@@ -20,13 +20,14 @@ per request against computed prompt tokens per request), fitted on the two arms 
 bytes, predicting the tier arm's req/s.
 
 ``--arms speculative`` runs each of the three arms twice, without drafts (k = 0) and with
-``--speculative-tokens`` k (default 1) drafts from the model's own draft layers, on a model that
-has them: models/v41-recall (trained target and draft layer) on CPU, v41-bench-draft (v41-bench
-plus one random draft layer: its acceptance is a random draft's) on the GPU; sizes of its own
+``--speculative-tokens`` k (default 1) drafts from the model's own drafter, on a model that has
+one: models/v41-recall (trained target and DSpark stage, blocks of 3: k <= 3) on CPU,
+v41-bench-draft (v41-bench plus one random draft layer: its acceptance is a random draft's) on
+the GPU; sizes of its own
 (``SPECULATIVE``), each overridable; ``--repeats`` rounds of the six arms (2 on CPU, 1 on the
 GPU), k = 0 and k back to back, alternating which goes first. On the recall model the prompts
 are recall-task text (``--workload recall``: filler prefixes, recall questions as tails), which
-its draft layer was trained on. Reported per arm: req/s, output tokens/s, ITL p50 (accepted
+its drafter was trained on. Reported per arm: req/s, output tokens/s, ITL p50 (accepted
 drafts arrive in the step that verified them: a gap of ~0), acceptance rate and mean tokens per
 verify span of the measured pass, tier tokens, and whether both passes' outputs equal the
 configuration's k = 0 outputs (greedy: in fp32 they must; the run exits 1 otherwise).

@@ -1,10 +1,11 @@
-"""Speculative decoding: acceptance and decode speed with the model's own draft layers.
+"""Speculative decoding: acceptance and decode speed with the model's own drafter.
 
     python -m benchmarks.speculative --device cpu --ks 0 1 2 3
     python -m benchmarks.speculative --model v41-tiny-draft --device cpu   # random weights
 
-Default model: models/v41-recall (trained target + trained draft layer) on recall-task prompts
-(benchmarks/recall_task.py, the held-out "eval" split). For each k (0 = plain decoding) one
+Default model: models/v41-recall (trained target + its trained DSpark stage, which drafts blocks
+of 3, so k <= 3: tools/train_dspark.py) on recall-task prompts (benchmarks/recall_task.py, the
+held-out "eval" split). For each k (0 = plain decoding) one
 engine generates ``--output-len`` greedy tokens for every prompt; each k runs ``--repeats``
 times after a warm-up, arms interleaved (k0, k1, ..., k0, k1, ...) so that drift hits every arm
 alike. Reported: decode tokens/s (output tokens / wall time of the generate call, prompts

@@ -1,5 +1,14 @@
 """Give the trained recall model (models/v41-recall) one trained draft (MTP) layer.
 
+models/v41-recall now drafts with a DSpark stage (tools/train_dspark.py; its config.json has
+``num_nextn_predict_layers: 0`` and ``dspark_stages: 1``). The MTP layer this tool trained is
+still in model.safetensors (``model.layers.10.*``, left unread by the loader under that config);
+this tool builds the model with ``num_nextn_predict_layers: 1, dspark_stages: 0`` to read it, and
+writing a draft layer sets those two keys in config.json, making the MTP layer the drafter again.
+The numbers below are the MTP layer's, measured before DSpark with the recall model of atom's
+earlier V4.1 forward (code 527c86f, ceeb3eb); the MTP layer now stored is the one retrained with
+the model for the published forward (code 9fe3cb0, 8 minutes: draft_training.json).
+
 The draft layer of models/v41-recall was made by two runs, the second continuing the first:
 
     python -m tools.train_draft --steps 1450 --answer-weight 16 --reference-seqs 96
@@ -110,16 +119,22 @@ def read_config(directory: Path, **overrides) -> V41Config:
     return V41Config.from_dict({**data, **overrides}, source=str(directory / "config.json"))
 
 
+def load_checkpoint(model: DeepseekV41ForCausalLM, directory: Path) -> None:
+    """``weights.load_weights``: the drafters the config does not build (the MTP layer under
+    ``model.layers.10.*``, the DSpark stage ``dspark.0.*``) are left unread."""
+    load_weights(model, directory)
+
+
 def load_model(directory: Path, *, dense: bool, draft_from: str = "init") -> DeepseekV41ForCausalLM:
     """The model of ``directory`` in float32 with one draft layer: the target's tensors from the
     checkpoint; the draft layer's from it too (``draft_from="checkpoint"``) or left at the
     random init (the checkpoint's draft layer, if any, is then not read)."""
-    extra = DENSE if dense else {}
+    extra = {**(DENSE if dense else {}), "dspark_stages": 0}  # the MTP layer, not DSpark
     target = DeepseekV41ForCausalLM(read_config(directory, num_nextn_predict_layers=0, **extra))
-    load_weights(target, directory)  # a draft layer in the checkpoint is left unread
+    load_checkpoint(target, directory)  # the checkpoint's drafters are left unread
     model = DeepseekV41ForCausalLM(read_config(directory, num_nextn_predict_layers=1, **extra))
     if draft_from == "checkpoint":
-        load_weights(model, directory)
+        load_checkpoint(model, directory)
         return model
     model.init_weights(0)
     missing, unexpected = model.load_state_dict(target.state_dict(), strict=False)
@@ -404,7 +419,8 @@ def measure(directory: Path, count: int, prompt_len: int, gen_len: int) -> dict:
 def write_draft(model, directory: Path) -> dict:
     """Add the draft layer's tensors to model.safetensors (``model`` is the bf16 model: its
     tensors' dtypes as the target's are stored, bf16 but for the float32 biases and sinks),
-    keeping every other tensor's bytes, and set num_nextn_predict_layers: 1 in config.json.
+    keeping every other tensor's bytes, and set num_nextn_predict_layers: 1 in config.json
+    (and dspark_stages: 0 where it has DSpark stages: this makes the MTP layer the drafter).
     Returns the check's counts."""
     f = directory / "model.safetensors"
     first = model.config.num_hidden_layers
@@ -430,6 +446,8 @@ def write_draft(model, directory: Path) -> dict:
     cfg_path = directory / "config.json"
     cfg = json.loads(cfg_path.read_text())
     cfg["num_nextn_predict_layers"] = 1
+    if cfg.get("dspark_stages"):  # a model drafts with one of them (tools/train_dspark.py)
+        cfg["dspark_stages"] = 0
     cfg_path.write_text(json.dumps(cfg, indent=2))
     return {"target_tensors_unchanged": len(kept), "draft_tensors": len(draft)}
 
