@@ -10,11 +10,10 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from atom.config import EngineConfig
-from atom.engine.block_drafter import BlockDrafter
 from atom.engine.block_pool import BlockPool
 from atom.engine.checkpoints import CheckpointStore
 from atom.engine.connector import Connector
-from atom.engine.drafter import Drafter
+from atom.engine.drafters import make_drafter
 from atom.engine.engine_metrics import EngineMetrics, SpecStats, graph_stats
 from atom.engine.integrity import check_integrity
 from atom.engine.model_runner import ModelRunner
@@ -28,7 +27,7 @@ from atom.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from atom.engine.sequence import SeqStatus, Sequence
 from atom.engine.spec_step import speculative_step
 from atom.metrics import Registry
-from atom.model_api import ModelRuntime, block_draft_size, draft_layers
+from atom.model_api import ModelRuntime
 from atom.sampling_params import SamplingParams
 
 log = logging.getLogger("atom.engine")
@@ -104,7 +103,7 @@ class LLMEngine:
         self.sampler = Sampler(cfg.seed)
         self.drafter = self.spec_stats = None
         if cfg.speculative_tokens:
-            self.drafter = _drafter(cfg, runtime)
+            self.drafter = make_drafter(cfg, runtime)
             self.spec_stats = SpecStats(self.metrics)
         self.requests: dict[str, Sequence] = {}
         self.steps = 0
@@ -380,24 +379,3 @@ class LLMEngine:
         close = getattr(self.runtime, "close", None)  # a tensor-parallel runtime's other ranks
         if close is not None:
             close()
-
-
-def _drafter(cfg: EngineConfig, runtime: ModelRuntime) -> Drafter | BlockDrafter:
-    """The runtime's drafter (its DSpark block drafter, or its draft layers), or a clear error
-    when it cannot decode speculatively."""
-    block, layers = block_draft_size(runtime), draft_layers(runtime)
-    if not block and layers < 1:
-        raise ValueError(
-            f"speculative_tokens={cfg.speculative_tokens}: model {cfg.model!r} has no drafter "
-            "(no draft layers, num_nextn_predict_layers=0, and no DSpark stages); use a model "
-            "with one or speculative_tokens=0"
-        )
-    # verify spans re-run the target's positions after rejected drafts, whatever drafts
-    if not getattr(runtime, "rewinds_on_rejection", False):
-        raise ValueError(
-            f"speculative_tokens={cfg.speculative_tokens}: model {cfg.model!r} cannot re-run "
-            "positions after rejected drafts (its state has no rewind); use speculative_tokens=0"
-        )
-    if block:
-        return BlockDrafter(runtime, cfg.speculative_tokens, block)
-    return Drafter(runtime, cfg.speculative_tokens, layers)

@@ -40,7 +40,7 @@ from atom.serve.protocol import (
     CompletionRequest,
     render_chat,
 )
-from atom.serve.rendering import _Choice, _Output, _Stopper, _usage
+from atom.serve.rendering import _Choice, _Output, _prompt_seqs, _Stopper, _usage
 from atom.serve.routes import add_operation_routes, server_version, unknown_model
 from atom.tokenizer import Tokenizer
 
@@ -257,32 +257,7 @@ def build_app(state: ServerState, on_shutdown: Callable[[], None] | None = None)
             seq = choices[0].stream.seq or choices[0].delta.seq
             n_out = sum(out.completion_tokens(c) for c in choices)
             log_done(rid, choices[0].reason if total == 1 else "done", seq, n_out, t0)
-            made = []
-            for c, text_out, logprobs in results:
-                if chat:
-                    message = {"role": "assistant", "content": text_out}
-                    made.append(
-                        {
-                            "index": c.index,
-                            "message": message,
-                            "logprobs": out.chat_logprobs(logprobs) if out.want else None,
-                            "finish_reason": c.reason,
-                        }
-                    )
-                else:
-                    echo, echo_lps = out.echo(c)
-                    made.append(
-                        {
-                            "index": c.index,
-                            "text": echo + text_out,
-                            "logprobs": (
-                                out.completion_logprobs(c, echo_lps + logprobs)
-                                if out.want
-                                else None
-                            ),
-                            "finish_reason": c.reason,
-                        }
-                    )
+            made = [out.final_choice(c, t, lps, chat) for c, t, lps in results]
             return {
                 "id": rid,
                 "object": "chat.completion" if chat else "text_completion",
@@ -404,8 +379,3 @@ def build_app(state: ServerState, on_shutdown: Callable[[], None] | None = None)
         yield "data: [DONE]\n\n"
 
     return app
-
-
-def _prompt_seqs(choices: list[_Choice], n: int) -> list:
-    """One engine sequence per prompt (its first choice's), for the usage."""
-    return [c.stream.seq or c.delta.seq for c in choices[::n]]

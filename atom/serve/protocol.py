@@ -12,6 +12,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from atom.sampling_params import MAX_LOGPROBS, SamplingParams
+from atom.serve.openai_fields import nulls_and_inert
 
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
 MAX_N = 128  # choices per prompt (OpenAI's limit)
@@ -38,52 +39,13 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool = False  # the usage so far in every chunk (vLLM)
 
 
-# OpenAI request fields this server has no feature for: accepted when null or at the value
-# that asks for nothing (OpenAI clients send them that way routinely, e.g. tools=None), else
-# refused naming the field (a request that wants a tool call or a JSON mode must not be
-# answered as if it had not asked).
-INERT = {
-    "tools": lambda v: v in (None, []),
-    "tool_choice": lambda v: v in (None, "none", "auto"),
-    "parallel_tool_calls": lambda v: v is None or isinstance(v, bool),
-    "functions": lambda v: v in (None, []),
-    "function_call": lambda v: v in (None, "none", "auto"),
-    "response_format": lambda v: v is None or v == {"type": "text"},
-    "logit_bias": lambda v: v in (None, {}),
-    "best_of": lambda v: v in (None, 1),
-    "service_tier": lambda v: v in (None, "auto", "default"),
-    "store": lambda v: v in (None, False),
-    "metadata": lambda v: v is None or isinstance(v, dict),
-}
-
-
-def _nulls_and_inert(data):
-    """Before validation: a field sent as null means its default (OpenAI's SDK and agent code
-    send optional fields as null), and an unsupported OpenAI field is dropped when it asks for
-    nothing (``INERT``), refused otherwise."""
-    if not isinstance(data, dict):
-        return data
-    out = {}
-    for key, value in data.items():
-        if key in INERT:
-            if not INERT[key](value):
-                raise ValueError(
-                    f"{key}: got {value!r}; not supported by this server (no tool calls, "
-                    "structured output, logit bias or best_of): send null or leave it out"
-                )
-            continue
-        if value is not None:
-            out[key] = value
-    return out
-
-
 class _Sampling(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     @model_validator(mode="before")
     @classmethod
     def _defaults_for_nulls(cls, data):
-        return _nulls_and_inert(data)
+        return nulls_and_inert(data)
 
     model: str
     max_tokens: int | None = None

@@ -132,6 +132,21 @@ class _Output:
             "text_offset": offsets,
         }
 
+    def final_choice(self, c: _Choice, text: str, logprobs: list, chat: bool) -> dict:
+        """A finished choice of a non-streamed response, in the chat or completions shape."""
+        if chat:
+            lps = self.chat_logprobs(logprobs) if self.want else None
+            message = {"role": "assistant", "content": text}
+            return {
+                "index": c.index,
+                "message": message,
+                "logprobs": lps,
+                "finish_reason": c.reason,
+            }
+        echo, echo_lps = self.echo(c)
+        lps = self.completion_logprobs(c, echo_lps + logprobs) if self.want else None
+        return {"index": c.index, "text": echo + text, "logprobs": lps, "finish_reason": c.reason}
+
     def chat_logprobs(self, entries: list) -> dict:
         def item(t: int, v: float) -> dict:
             return {"token": self.token_str(t), "logprob": _lp(v), "bytes": self.token_bytes(t)}
@@ -164,3 +179,8 @@ def _usage(seqs, completion_tokens: int) -> dict:
             "computed_tokens": total("computed_prompt_tokens"),
         },
     }
+
+
+def _prompt_seqs(choices: list[_Choice], n: int) -> list:
+    """One engine sequence per prompt (its first choice's), for the usage."""
+    return [c.stream.seq or c.delta.seq for c in choices[::n]]

@@ -12,18 +12,11 @@ import torch
 from atom.models.common.config import ConfigError
 from atom.models.deepseek_v41.dspark import draft_block
 from atom.models.deepseek_v41.model import DeepseekV41ForCausalLM
-from atom.models.deepseek_v41.presets import preset_config
+from atom.models.deepseek_v41.presets import PRESETS, preset_config
 from atom.models.deepseek_v41.reference import reference_forward, reference_with_hidden
 
-DSPARK = dict(
-    dspark_stages=2,
-    dspark_block_size=3,
-    dspark_noise_token_id=5,
-    dspark_target_layer_ids=[6, 8, 9],
-    dspark_markov_rank=16,
-    dspark_n_routed_experts=2,
-    dspark_num_experts_per_tok=1,
-)
+# the v41-tiny-dspark preset's DSpark keys (two stages, blocks of 3, target layers 6/8/9)
+DSPARK = {k: v for k, v in PRESETS["v41-tiny-dspark"].items() if k.startswith("dspark_")}
 
 
 @pytest.fixture(scope="module")
