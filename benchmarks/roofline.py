@@ -3,6 +3,8 @@
 python -m benchmarks.roofline --model v41-bench --device cuda --dtype bfloat16 \
     --position 4096 --batch 1 8 16 32 --name roofline_h200
 
+Either family (``--model v4-bench`` for V4).
+
 Measured first: HBM read bandwidth (``torch.sum`` over a ``--bw-gib`` GiB bf16 tensor) and bf16
 matmul throughput (an 8192^3 product). Then per batch B: B sequences are prefilled to
 ``--position`` in chunks of ``--chunk`` tokens per sequence (one forward = B x chunk tokens;
@@ -69,69 +71,86 @@ def _is_expert(name: str) -> bool:
     return ".experts." in name
 
 
+def moe_layers(model) -> list:
+    """The model's MoE modules, one per layer (``atom.models.common.moe.MoE``), either family."""
+    layers = model.model.layers if hasattr(model, "model") else model.layers
+    return [getattr(layer, "mlp", None) or layer.ffn for layer in layers]
+
+
+def lm_head(model):
+    return model.lm_head if hasattr(model, "lm_head") else model.head
+
+
 def weight_counts(model) -> dict:
-    """Bytes and per-token matmul parameters of the model's weights, by kind."""
+    """Bytes and per-token matmul parameters of the model's weights, by kind. Draft layers
+    (V4's ``mtp.*``) are left out: a decode step without drafts does not read them."""
     cfg = model.config
     per_expert_bytes = per_expert_params = 0
     dense_bytes = active = 0
     lookup_bytes_per_row = 0
     for name, p in model.named_parameters():
+        if name.startswith("mtp."):
+            continue
         nbytes = p.numel() * p.element_size()
         if _is_expert(name):
             if ".experts.0." in name:
                 per_expert_bytes += nbytes
                 per_expert_params += p.numel()
             continue
-        if name.endswith("embed_tokens.weight") or ".engram.tables." in name:
+        if name.endswith(("embed_tokens.weight", "embed.weight")) or ".engram.tables." in name:
             lookup_bytes_per_row += p.shape[1] * p.element_size()  # one row per token
             continue
         dense_bytes += nbytes
         if p.dim() == 2:
             share = 1.0
-            if name.endswith("indexer.wk.weight"):
+            if name.endswith("indexer.wk.weight"):  # V4.1: index keys once per group
                 layer = int(name.split(".layers.")[1].split(".")[0])
                 share = 1.0 / cfg.compress_ratios[layer]
             active += p.numel() * share
     # expert 0 of every layer was summed: one layer's expert is that over the MoE layers
     active += cfg.num_experts_per_tok * per_expert_params
     return {
-        "head_params": model.lm_head.weight.numel(),
+        "head_params": lm_head(model).weight.numel(),
         "dense_bytes": dense_bytes,
-        "per_expert_bytes": per_expert_bytes / len(model.model.layers),
+        "per_expert_bytes": per_expert_bytes / len(moe_layers(model)),
         "lookup_bytes_per_row": lookup_bytes_per_row,
         "active_params": active,
     }
 
 
 def attention_flops(cfg, p: int) -> float:
-    """Attention FLOPs of one token at position p (all layers), see the module doc."""
+    """Attention FLOPs of one token at position p (all layers), see the module doc. V4
+    (no ``layer_modes``): a ratio-4 layer scores every row with its indexer and attends the
+    top-k, a ratio-128 layer attends every visible row."""
     total = 0.0
-    for layer, r in enumerate(cfg.compress_ratios):
+    modes = getattr(cfg, "layer_modes", None)
+    for layer, r in enumerate(cfg.compress_ratios[: cfg.num_hidden_layers]):
         keys = min(cfg.sliding_window, p + 1)
+        rows = (p + 1) // r if r else 0
+        indexed = r == 4 if modes is None else r > 0 and modes[layer].name in ("FULL", "REINDEX")
         if r > 0:
-            keys += min(cfg.index_topk, (p + 1) // r)
-            if cfg.layer_modes[layer].name in ("FULL", "REINDEX"):
-                total += 2 * cfg.index_n_heads * cfg.index_head_dim * ((p + 1) // r)
+            keys += min(cfg.index_topk, rows) if modes is not None or r == 4 else rows
+            if indexed:
+                total += 2 * cfg.index_n_heads * cfg.index_head_dim * rows
         total += 4 * cfg.num_attention_heads * cfg.head_dim * keys
     return total
 
 
 def distinct_experts(rt, run_step) -> int:
-    """Distinct routed experts, summed over layers, of one eager step."""
+    """Distinct routed experts, summed over layers, of one eager step (read where each MoE
+    mixes its routed experts, which both families' routers feed)."""
     seen: list[int] = []
-    moes = [layer.mlp for layer in rt.model.model.layers]
-    originals = [m.route for m in moes]
+    moes = moe_layers(rt.model)
 
-    def hooked(m, orig):
-        def route(x):
-            idx, w = orig(x)
+    def hooked(orig):
+        def mix(x, idx, w):
             seen.append(int(torch.unique(idx).numel()))
-            return idx, w
+            return orig(x, idx, w)
 
-        return route
+        return mix
 
-    for m, orig in zip(moes, originals):
-        m.route = hooked(m, orig)
+    for m in moes:
+        m.mix = hooked(m.mix)
     graphs = rt.cuda_graphs
     rt.cuda_graphs = False
     try:
@@ -139,7 +158,7 @@ def distinct_experts(rt, run_step) -> int:
     finally:
         rt.cuda_graphs = graphs
         for m in moes:
-            del m.route
+            del m.mix
     return sum(seen)
 
 

@@ -4,7 +4,7 @@
 #   steps: tests tier forward profile components roofline sweep profile_prefill transfer cuda_ops transfer_native transfer_modes serving
 #          speculative serving_spec tp tp_tests (tp, tp_tests: two GPUs)
 #          tier_only idle
-#          train forward_v4 serving_v4
+#          train forward_v4 roofline_v4 serving_v4
 # cuda_ops builds lmcache.cuda_ops from lmcache's sources against this machine's torch
 # (benchmarks/gpu/build_cuda_ops.py); once built (build/ stays while the machine is warm, or
 # carried back), every later step's LMCache server uses it.
@@ -21,16 +21,19 @@ step() { local limit=$1; shift; echo "=== $* (limit ${limit}s)"; local t0=$SECON
   timeout "$limit" "$@"; echo "=== rc=$? in $((SECONDS - t0)) s"; }
 for s in "$@"; do
   case "$s" in
-    tests) step "${TESTS_LIMIT:-240}" python3 -m pytest -x -q -p no:cacheprovider tests/gpu tests/kernels \
+    tests) step "${TESTS_LIMIT:-360}" python3 -m pytest -x -q -p no:cacheprovider tests/gpu tests/kernels \
       -k "not tier" ;;
     tier)  # with two GPUs this includes the tier across ranks (about 110 s); one GPU skips it
       step "${TIER_LIMIT:-300}" python3 -m pytest -x -q -p no:cacheprovider tests/gpu -k tier ;;
     forward) step 200 python3 -m benchmarks.model_forward --model v41-bench --device cuda \
       --dtype bfloat16 --prompt-len 2048 --decode-steps 16 --batch 1 8 16 \
       --name model_forward_h200 ;;
-    forward_v4) step "${FORWARD_V4_LIMIT:-150}" python3 -m benchmarks.model_forward \
+    forward_v4) step "${FORWARD_V4_LIMIT:-240}" python3 -m benchmarks.model_forward \
       --model v4-bench --device cuda --dtype bfloat16 --prompt-len 2048 --decode-steps 16 \
-      --batch 1 8 16 --name model_forward_v4_h200 ;;
+      --batch 1 8 16 32 --graphs both --repeats 3 --name "${FORWARD_V4_NAME:-model_forward_v4_h200}" ;;
+    roofline_v4) step "${ROOFLINE_V4_LIMIT:-300}" python3 -m benchmarks.roofline \
+      --model v4-bench --device cuda --dtype bfloat16 --position 4096 --batch 1 8 16 32 \
+      --decode-steps 16 --repeats 3 --prefill-repeats 2 --name "${ROOFLINE_V4_NAME:-roofline_v4_h200}" ;;
     serving_v4)  # the three arms on V4 (v4-bench), a smaller workload than v41-bench's gpu preset
       step "${SERVING_V4_LIMIT:-585}" python3 -m benchmarks.serving --preset gpu \
         --model v4-bench --requests 32 --prefix-len 2048 --tail-len 1536 --output-len 32 \

@@ -1,4 +1,4 @@
-"""No host synchronization inside the V4.1 paged forward (#14 item 2), checked on CPU.
+"""No host synchronization inside the V4.1 and V4 paged forwards (#14 item 2), checked on CPU.
 
 The forward runs with the model, the pool and the state slots on the ``meta`` device: tensors
 without data. Whatever would synchronize a CUDA forward fails or is seen there:
@@ -204,3 +204,39 @@ def test_the_trap_sees_the_syncs_it_should(no_scalar_stores):
     x[0] = 1.0
     x[[0, 1]] = torch.ones(2, 3, device="meta")
     assert len(no_scalar_stores) == 2
+
+
+def test_v4_decode_batch_forward_has_no_host_sync(no_scalar_stores, monkeypatch):
+    """V4's batched decode (``deepseek_v4.paged_decode``): fixed shapes and masks, so the
+    forward reads nothing back and uploads its indices and token ids in one copy, at
+    positions where groups of both ratios complete and where they do not."""
+    from atom.models.deepseek_v4.model import DeepseekV4ForCausalLM
+    from atom.models.deepseek_v4.paged import V4PagedKV, V4StateSlots
+    from atom.models.deepseek_v4.presets import preset_config as v4_preset
+    from atom.models.deepseek_v4.runtime import V4Runtime
+
+    positions = [40, 43, 7, 63, 2, 15, 17, 31]
+    model = DeepseekV4ForCausalLM(
+        v4_preset("v4-tiny"),
+        dtype=torch.bfloat16,
+        kv_dtype="bf16",
+        index_dtype="bf16",
+        device="meta",
+    )
+    rt = V4Runtime(model, block_size=16)
+    spec = rt.spec
+    pool = torch.empty(spec.pool_shape(64), dtype=spec.pool_dtype, device="meta")
+    slot_bytes = torch.empty(8, spec.state_bytes, dtype=torch.uint8, device="meta")
+    rt.kv = V4PagedKV(rt.geometry, pool)
+    with monkeypatch.context() as m:  # the mirror's first read: nothing to read on meta
+        m.setattr(torch.Tensor, "tolist", lambda self: [0] * self.shape[0])
+        rt.slots = V4StateSlots(rt.geometry, slot_bytes)
+    rt.slots.host_position = list(positions)
+    rt.slots.host_tag = [rt.slots.tag] * 8
+    spans = [
+        Span(p, p + 1, slot, torch.arange(slot * 6, slot * 6 + 6))
+        for slot, p in enumerate(positions)
+    ]
+    trap = _run(rt, spans)
+    assert trap.syncs == [] and no_scalar_stores == []
+    assert trap.uploads == 1

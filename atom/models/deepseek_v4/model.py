@@ -154,16 +154,10 @@ class DeepseekV4ForCausalLM(nn.Module):
             raise ValueError("token_ids must hold exactly the spans' tokens, in span order")
         self.check_spans(spans, slots)
         if DecodeBatch.usable(spans):  # every span one token: batched (``paged_decode``)
-            c, ring = self.config, slots.geometry.window_rows
-            ratios = [r for r in c.compress_ratios[: c.num_hidden_layers] if r]
-            batch = DecodeBatch.build(spans, token_ids, ratios, c.sliding_window, ring, self.device)
-            x = self.embed_streams(batch.ids)
-            for layer in self.layers:
-                attn = layer.attn
-                x = layer(x, batch.ids, lambda u, a=attn: decode_attention(a, u, batch, kv, slots))
-            ends = batch.pos + 1
-            slots.cursor[batch.slots, 0] = ends
-            slots.header[batch.slots, 1] = ends
+            batch = DecodeBatch.build(
+                spans, token_ids, device=self.device, **self.decode_layout(slots)
+            )
+            x = self.decode_streams(batch, kv, slots)
             for sp in spans:
                 slots.advance(sp.slot, sp.end)
             logits = self.logits(x)
@@ -183,6 +177,28 @@ class DeepseekV4ForCausalLM(nn.Module):
             slots.advance(seq.span.slot, seq.span.end)
         logits = self.logits(x if all_logits else self._last(x, seqs))
         return (logits, x) if return_residual else logits
+
+    def decode_layout(self, slots: V4StateSlots) -> dict:
+        """What ``DecodeBatch`` needs of the model and state: ratios, window, ring rows."""
+        c = self.config
+        return dict(
+            ratios=[r for r in c.compress_ratios[: c.num_hidden_layers] if r],
+            window=c.sliding_window,
+            ring=slots.geometry.window_rows,
+        )
+
+    def decode_streams(self, batch: DecodeBatch, kv: V4PagedKV, slots: V4StateSlots):
+        """The layers over a decode batch -> the last layer's streams [B, hc, d]; writes the
+        state and PAGE rows and the slots' cursors on the device (not the host mirror). No host
+        read: the decode graphs capture this."""
+        x = self.embed_streams(batch.ids)
+        for layer in self.layers:
+            attn = layer.attn
+            x = layer(x, batch.ids, lambda u, a=attn: decode_attention(a, u, batch, kv, slots))
+        ends = batch.pos + 1
+        slots.cursor[batch.slots, 0] = ends
+        slots.header[batch.slots, 1] = ends
+        return x
 
     @staticmethod
     def _last(x: torch.Tensor, seqs: list[SeqCarry]) -> torch.Tensor:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from atom.models.common.geometry import KV_DTYPES
+from atom.models.common.geometry import FP8_DTYPE, KV_DTYPES
 from atom.models.common.paged import PagedKV, StateMismatchError
 from atom.models.deepseek_v4.geometry import V4PoolGeometry
 
@@ -121,12 +121,21 @@ class V4PagedKV(PagedKV):
         blocks, offs = self._locate(layer, table, rows)
         self.main[layer][blocks, offs] = main.to(self.main[layer].dtype)
 
-    def write_main_each(
-        self, layer: int, tables: torch.Tensor, rows: torch.Tensor, main: torch.Tensor
+    def write_main_where(
+        self,
+        layer: int,
+        tables: torch.Tensor,
+        rows: torch.Tensor,
+        where: torch.Tensor,
+        main: torch.Tensor,
     ) -> None:
-        """Row ``rows[g]`` of the sequence whose table is ``tables[g]`` gets ``main[g]``."""
+        """Row ``rows[b]`` of sequence b gets ``main[b]`` where ``where[b]``; the other
+        sequences' rows keep their bytes (no host sync to pick the writers)."""
         blocks, offs = (t[:, 0] for t in self._locate_each(layer, tables, rows[:, None]))
-        self.main[layer][blocks, offs] = main.to(self.main[layer].dtype)
+        view, new = self.main[layer], main.to(self.main[layer].dtype)
+        if view.dtype == FP8_DTYPE:  # torch.where has no fp8 kernels: select the bytes
+            view, new = view.view(torch.uint8), new.view(torch.uint8)
+        view[blocks, offs] = torch.where(where[:, None], new, view[blocks, offs])
 
     def read_main(self, layer: int, table: torch.Tensor, count: int) -> torch.Tensor:
         per_block = self.main[layer].shape[1]

@@ -1,21 +1,24 @@
 """V4 decode batched across sequences: a forward whose spans are all one token long.
 
 The same state rules as the per-sequence loop (``paged_attention``, module doc), applied to B
-sequences at once with indices the host builds from the spans (``DecodeBatch.build``, one
-upload): for the token at position p of each sequence,
+sequences at once, in shapes fixed by (B, max_end) and with masks instead of row lists, so that
+nothing reads the device on the host and a CUDA graph can capture the forward
+(``decode_graphs``). For the token at position p of each sequence:
 
   window keys  = ring rows of p - window + 1 .. p - 1 (those >= 0) + its own KV; its KV then
                  goes to ring row p % ring rows;
-  compressor   = its raw (kv, score) goes to partial row p % r; the sequences whose group
-                 completes at p (p % r == r - 1, known on the host) pool it (at ratio 4 with
-                 the overlap fields, or nothing for group 0), write row p // r to PAGE (and
-                 the indexer's key), and refresh the overlap fields;
-  rows         = an HCA layer attends every visible row [0, (p + 1) // r), a CSA layer the
-                 top ``index_topk`` of them by its indexer, both gathered per sequence from
-                 its blocks (padded to the batch's largest count, the padding masked).
+  compressor   = its raw (kv, score) goes to partial row p % r; every sequence's group is
+                 pooled as it stands (at ratio 4 with the overlap fields, or nothing for group
+                 0), and where the group completes at p (p % r == r - 1) its row p // r is
+                 written to PAGE (and the indexer's key) and the overlap fields are refreshed;
+                 the other sequences' rows and fields keep their bytes;
+  rows         = an HCA layer attends every visible row [0, (p + 1) // r), a CSA layer exactly
+                 ``index_topk`` of them by its indexer (short rows padded invalid), both
+                 gathered per sequence from its blocks; rows [0, max_end // r) are scanned and
+                 those a sequence cannot see are masked.
 
-Nothing here reads the device on the host. The math of each row, group and attention is the
-loop's (``V4Attention``, ``V4Compressor``, ``V4Indexer``); only reduction shapes differ.
+The math of each row, group and attention is the loop's (``V4Attention``, ``V4Compressor``,
+``V4Indexer``); only reduction shapes differ.
 """
 
 from __future__ import annotations
@@ -33,15 +36,15 @@ from atom.models.deepseek_v4.paged import V4PagedKV, V4StateSlots
 
 @dataclass
 class RatioIndex:
-    """What the layers of one compress ratio r read and write in a decode batch."""
+    """What the layers of one compress ratio r read and write in a decode batch: fixed shapes
+    (C = max_end // r rows per sequence), masks instead of lists of rows."""
 
-    ids: torch.Tensor  # [B, C] row ids 0 .. C - 1 (C the batch's largest visible count)
-    valid: torch.Tensor  # [B, C] row < the sequence's visible count
+    ids: torch.Tensor  # [B, C] row ids 0 .. C - 1
+    valid: torch.Tensor  # [B, C] row < the sequence's visible count (p + 1) // r
     phase: torch.Tensor  # [B] p % r, the partial row the token's raw projections go to
-    done: torch.Tensor  # [G] batch rows whose group completes at p
-    group: torch.Tensor  # [G] their group ids p // r
-    first: torch.Tensor  # [G] bool: group 0 (no predecessor to overlap)
-    count: int  # C
+    done: torch.Tensor  # [B] bool: the sequence's group completes at p
+    group: torch.Tensor  # [B] group ids p // r
+    first: torch.Tensor  # [B] bool: group 0 (no predecessor to overlap)
 
 
 @dataclass
@@ -49,7 +52,8 @@ class DecodeBatch:
     ids: torch.Tensor  # [B] the tokens
     slots: torch.Tensor  # [B]
     pos: torch.Tensor  # [B]
-    tables: torch.Tensor  # [B, blocks] each sequence's block table, padded with its last block
+    tables: torch.Tensor  # [B, blocks] each sequence's block table, padded
+    max_end: int  # rows scanned per ratio: max_end // r (at least every sequence's p + 1)
     ring_rows: torch.Tensor  # [B, window - 1] ring rows of p - window + 1 .. p - 1
     ring_valid: torch.Tensor  # [B, window - 1] those positions >= 0
     ring_own: torch.Tensor  # [B] p % ring rows
@@ -58,6 +62,49 @@ class DecodeBatch:
     @staticmethod
     def usable(spans: list[Span]) -> bool:
         return bool(spans) and all(sp.num_tokens == 1 and sp.start > 0 for sp in spans)
+
+    @classmethod
+    def on_device(
+        cls,
+        ids: torch.Tensor,
+        slots: torch.Tensor,
+        pos: torch.Tensor,
+        tables: torch.Tensor,
+        max_end: int,
+        *,
+        ratios: list[int],
+        window: int,
+        ring: int,
+    ) -> DecodeBatch:
+        """Every index from the batch's tensors with device ops only, in shapes fixed by
+        (B, max_end): no host read, so a CUDA graph can capture it. ``tables`` must cover
+        ``max_end`` positions."""
+        dev = pos.device
+        back = pos[:, None] - window + 1 + torch.arange(window - 1, device=dev)
+        per_ratio = {}
+        for r in sorted(set(ratios)):
+            count = max_end // r
+            row_ids = torch.arange(count, device=dev)[None, :].expand(pos.shape[0], count)
+            group = torch.div(pos, r, rounding_mode="floor")
+            per_ratio[r] = RatioIndex(
+                ids=row_ids,
+                valid=row_ids < torch.div(pos + 1, r, rounding_mode="floor")[:, None],
+                phase=pos % r,
+                done=(pos + 1) % r == 0,
+                group=group,
+                first=group == 0,
+            )
+        return cls(
+            ids,
+            slots,
+            pos,
+            tables,
+            max_end,
+            back.clamp(min=0) % ring,
+            back >= 0,
+            pos % ring,
+            per_ratio,
+        )
 
     @classmethod
     def build(
@@ -69,10 +116,9 @@ class DecodeBatch:
         ring: int,
         device,
     ) -> DecodeBatch:
-        """Indices of a decode forward (every span one token at p = start > 0) and its token
-        ids, on the host, then uploaded to ``device`` in one copy."""
-        pos = torch.tensor([sp.start for sp in spans], dtype=torch.int64)
-        slots = torch.tensor([sp.slot for sp in spans], dtype=torch.int64)
+        """A decode forward's batch (every span one token at p = start > 0): positions,
+        slots, padded tables and host token ids uploaded in one copy (device token ids stay
+        where they are), then ``on_device`` with max_end = the largest p + 1."""
         width = max(sp.block_table.numel() for sp in spans)
         tables = torch.stack(
             [
@@ -80,47 +126,27 @@ class DecodeBatch:
                 for sp in spans
             ]
         )
-        back = pos[:, None] - window + 1 + torch.arange(window - 1)
-        out = dict(
-            ids=token_ids.cpu().long(),
-            slots=slots,
-            pos=pos,
-            tables=tables,
-            ring_rows=back.clamp(min=0) % ring,
-            ring_valid=back >= 0,
-            ring_own=pos % ring,
-        )
-        per_ratio: dict[int, dict] = {}
-        for r in sorted(set(ratios)):
-            visible = (pos + 1) // r
-            count = int(visible.max())
-            ids = torch.arange(count)[None, :].expand(len(spans), count)
-            done = torch.nonzero((pos + 1) % r == 0).flatten()
-            per_ratio[r] = dict(
-                ids=ids,
-                valid=ids < visible[:, None],
-                phase=pos % r,
-                done=done,
-                group=pos[done] // r,
-                first=pos[done] // r == 0,
-                count=count,
-            )
-        host = list(out.items()) + [
-            ((r, k), v) for r, d in per_ratio.items() for k, v in d.items() if k != "count"
-        ]
-        moved = dict(zip([k for k, _ in host], _upload([v for _, v in host], device)))
-        return cls(
-            **{k: moved[k] for k in out},
-            ratios={
-                r: RatioIndex(**{k: (v if k == "count" else moved[(r, k)]) for k, v in d.items()})
-                for r, d in per_ratio.items()
-            },
+        meta = torch.tensor([[sp.start for sp in spans], [sp.slot for sp in spans]])
+        on_host = token_ids.device.type == "cpu"
+        parts = [meta, tables] + ([token_ids.long()] if on_host else [])
+        moved = _upload(parts, device)
+        ids = moved[2] if on_host else token_ids.reshape(-1)
+        max_end = max(sp.end for sp in spans)
+        return cls.on_device(
+            ids,
+            moved[0][1],
+            moved[0][0],
+            moved[1],
+            max_end,
+            ratios=ratios,
+            window=window,
+            ring=ring,
         )
 
 
 def _upload(tensors: list[torch.Tensor], device) -> list[torch.Tensor]:
-    """Host tensors (int64 or bool) to ``device`` in one copy (pinned on CUDA, so it does not
-    block the host), as views of one buffer, each with its own dtype and shape."""
+    """Host int64 tensors to ``device`` in one copy (pinned on CUDA, so it does not block the
+    host), as views of one buffer, each with its own shape."""
     flat = torch.cat([t.reshape(-1).long() for t in tensors])
     dev = torch.device(device)
     if dev.type == "cuda":
@@ -129,8 +155,7 @@ def _upload(tensors: list[torch.Tensor], device) -> list[torch.Tensor]:
         flat = flat.to(dev)
     out, lo = [], 0
     for t in tensors:
-        part = flat[lo : lo + t.numel()].view(t.shape)
-        out.append(part.bool() if t.dtype == torch.bool else part)
+        out.append(flat[lo : lo + t.numel()].view(t.shape))
         lo += t.numel()
     return out
 
@@ -157,53 +182,48 @@ def decode_attention(
 
 
 def _pool_completed(comp, u, batch: DecodeBatch, ri: RatioIndex, state):
-    """Append the batch's raw projections to the partial groups; pool the groups completing
-    now (refreshing the overlap fields at ratio 4). Returns pooled [G, dim] or None."""
+    """Append the batch's raw projections to the partial groups and pool every sequence's
+    group as it stands (only those completing at p, ``ri.done``, are kept by the caller);
+    refresh the overlap fields of the completing ones at ratio 4. Returns pooled [B, dim]."""
     overlap, partial = state
     kv_raw, score_raw = comp.raw(u, batch.pos)
     partial[0][batch.slots, ri.phase] = kv_raw
     partial[1][batch.slots, ri.phase] = score_raw
-    if not ri.done.numel():
-        return None
-    sl = batch.slots[ri.done]
-    kvg, scg = partial[0][sl], partial[1][sl]  # [G, r, width]
+    kvg, scg = partial[0][batch.slots], partial[1][batch.slots]  # [B, r, width]
     prev = (None, None)
     if comp.overlap:
-        d, first = comp.dim, ri.first[:, None, None]
+        d, first, done = comp.dim, ri.first[:, None, None], ri.done[:, None, None]
+        old = overlap[0][batch.slots], overlap[1][batch.slots]
         prev = (
-            torch.where(first, torch.zeros_like(overlap[0][sl]), overlap[0][sl]),
-            torch.where(first, torch.full_like(overlap[1][sl], NEG_INF), overlap[1][sl]),
+            torch.where(first, torch.zeros_like(old[0]), old[0]),
+            torch.where(first, torch.full_like(old[1], NEG_INF), old[1]),
         )
-        overlap[0][sl] = kvg[:, :, :d]
-        overlap[1][sl] = scg[:, :, :d]
+        overlap[0][batch.slots] = torch.where(done, kvg[:, :, :d], old[0])
+        overlap[1][batch.slots] = torch.where(done, scg[:, :, :d], old[1])
     return comp.pool(kvg, scg, *prev)
 
 
 def _compressed(attn: V4Attention, u, qr, cs, batch: DecodeBatch, kv, slots: V4StateSlots):
-    """(rows to attend [B, K, hd], their mask [B, K]) after updating the layer's rows."""
+    """(rows to attend [B, K, hd], their mask [B, K]) after writing the rows of the groups
+    completing at p (the other sequences' rows keep their bytes)."""
     r, layer = attn.ratio, attn.layer
     ri = batch.ratios[r]
     pooled = _pool_completed(attn.compressor, u, batch, ri, slots.compressor_fields(layer, r))
-    done_tables = batch.tables[ri.done]
     rows_cs = attn.rope.cos_sin(ri.group * r)
+    main = attn.main_rows(pooled, rows_cs)
     ix = attn.indexer
     if ix is None:  # HCA: every visible row
-        if pooled is not None:
-            kv.write_main_each(layer, done_tables, ri.group, attn.main_rows(pooled, rows_cs))
+        kv.write_main_where(layer, batch.tables, ri.group, ri.done, main)
         return kv.gather_rows(layer, batch.tables, ri.ids), ri.valid
     index_state = slots.compressor_fields(layer, r, index=True)
     pooled_i = _pool_completed(ix.compressor, u, batch, ri, index_state)
-    if pooled is not None:
-        keys = ix.compressor.rows(pooled_i, attn.rope, rows_cs)
-        payload, scale = pack_index(keys, kv.geometry.index_dtype)
-        seq = torch.arange(ri.done.numel(), device=u.device)
-        kv.write_rows_of(
-            layer, done_tables, seq, ri.group, attn.main_rows(pooled, rows_cs), payload, scale
-        )
-    payload, scale = kv.read_index_rows(layer, batch.tables, ri.count)
+    keys = ix.compressor.rows(pooled_i, attn.rope, rows_cs)
+    payload, scale = pack_index(keys, kv.geometry.index_dtype)
+    kv.write_rows_where(layer, batch.tables, ri.group, ri.done, main, payload, scale)
+    payload, scale = kv.read_index_rows(layer, batch.tables, ri.ids.shape[1])
     qi, w = ix.query(qr, u, attn.rope, cs)
     keys = unpack_index(payload, scale)  # [B, C, D]
     scores = torch.einsum("th,thr->tr", w, torch.relu(torch.einsum("thd,trd->thr", qi, keys)))
-    sel = select_topk(scores.masked_fill(~ri.valid, NEG_INF), ix.topk)
+    sel = select_topk(scores.masked_fill(~ri.valid, NEG_INF), ix.topk, fixed=True)
     picked = torch.where(sel[1], sel[0], torch.zeros_like(sel[0]))
     return kv.gather_rows(layer, batch.tables, picked), sel[1]

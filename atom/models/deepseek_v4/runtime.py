@@ -14,6 +14,7 @@ import math
 import torch
 
 from atom.model_api import Span, image_header, restore_image, store_image
+from atom.models.deepseek_v4.decode_graphs import V4DecodeGraphs
 from atom.models.deepseek_v4.geometry import build_v4_pool_geometry
 from atom.models.deepseek_v4.model import DeepseekV4ForCausalLM
 from atom.models.deepseek_v4.paged import StateMismatchError, V4PagedKV, V4StateSlots
@@ -40,16 +41,74 @@ class V4Runtime:
         self.max_position = model.config.max_position_embeddings
         ratios = [r for r in model.config.compress_ratios if r] or [1]
         self.group_grid = math.lcm(*ratios)
+        self.block_size = block_size
         self.kv: V4PagedKV | None = None
         self.slots: V4StateSlots | None = None
+        # blocks and slots past the engine's own (the last ones), for the decode graphs'
+        # padding rows (``enable_decode_graphs``)
+        self.reserved_blocks = self.reserved_slots = 0
+        self.graphs: V4DecodeGraphs | None = None
+        self.cuda_graphs = False  # replay decode graphs (once enabled; False: eager, to debug)
+        self._graph_args: tuple | None = None
+        self._graph_totals = {"replays": 0, "failed": 0}  # of earlier binds
+
+    def enable_decode_graphs(
+        self, max_batch: int, max_len: int | None = None, backend=None
+    ) -> bool:
+        """Replay CUDA graphs for decode forwards of up to ``max_batch`` spans (CUDA only;
+        elsewhere nothing changes and this returns False, unless a test passes a ``backend``,
+        ``atom.models.common.graphs.EagerBackend``). Call before the pool is allocated: its
+        allocator adds ``reserved_blocks`` blocks and ``reserved_slots`` slots at the end,
+        which the padding rows use. ``cuda_graphs`` turns the replays off and on afterwards."""
+        if self.device.type != "cuda" and backend is None:
+            return False
+        self.reserved_blocks = self.reserved_slots = 1
+        self._graph_args = (max_batch, max_len or self.max_position, backend)
+        self.cuda_graphs = True
+        return True
 
     def bind(self, pool: torch.Tensor, slot_bytes: torch.Tensor) -> None:
         self.pool, self.slot_bytes = pool, slot_bytes
         self.kv = V4PagedKV(self.geometry, pool)
         self.slots = V4StateSlots(self.geometry, slot_bytes)
+        if self.graphs is not None:  # counters never go down across binds
+            self._graph_totals["replays"] += self.graphs.replays
+            self._graph_totals["failed"] += len(self.graphs.failed)
+        self.graphs = None
+        if self._graph_args is not None:
+            max_batch, max_len, backend = self._graph_args
+            self.graphs = V4DecodeGraphs(
+                self.model,
+                self.kv,
+                self.slots,
+                max_batch=max_batch,
+                block_size=self.block_size,
+                spare_slot=slot_bytes.shape[0] - 1,
+                spare_block=pool.shape[0] - 1,
+                max_blocks=-(-max_len // self.block_size),
+                backend=backend,
+            )
 
     def forward(self, token_ids: torch.Tensor, spans: list[Span]) -> torch.Tensor:
+        if self.cuda_graphs and self.graphs is not None:
+            logits = self.graphs.run(token_ids, spans)
+            if logits is not None:
+                return logits
         return self.model.forward_paged(token_ids, spans, self.kv, self.slots)
+
+    def graph_stats(self) -> dict:
+        """Decode graphs captured, their replays and failed captures (those shapes run
+        eagerly), replays and failures counted over every ``bind``. Empty without graphs."""
+        if self.graphs is None:
+            return {}
+        g, before = self.graphs, self._graph_totals
+        return {
+            "decode": {
+                "captured": len(g.graphs),
+                "replays": g.replays + before["replays"],
+                "failed": len(g.failed) + before["failed"],
+            }
+        }
 
     # ---- atom.model_api.DraftRuntime: the MTP blocks -----------------------------------------
 
