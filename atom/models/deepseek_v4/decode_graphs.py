@@ -90,6 +90,7 @@ class V4DecodeGraphs(GraphSet):
         layout = self.model.decode_layout(self.slots)
         max_end = width * self.block_size
 
+        @torch.no_grad()  # (with autograd on, the MoE would take its syncing loop)
         def forward() -> torch.Tensor:
             batch = DecodeBatch.on_device(ids, slot_ids, pos, tables, max_end, **layout)
             return self.model.logits(self.model.decode_streams(batch, self.kv, self.slots))

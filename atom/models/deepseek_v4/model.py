@@ -187,6 +187,7 @@ class DeepseekV4ForCausalLM(nn.Module):
             ring=slots.geometry.window_rows,
         )
 
+    @torch.no_grad()
     def decode_streams(self, batch: DecodeBatch, kv: V4PagedKV, slots: V4StateSlots):
         """The layers over a decode batch -> the last layer's streams [B, hc, d]; writes the
         state and PAGE rows and the slots' cursors on the device (not the host mirror). No host
