@@ -9,7 +9,8 @@ locks, saves and live transfers; ``tier_request.py`` has the phases):
             hit always leaves a prefill token and ends where a load can end (a stored image).
             When HBM already covers every loadable token the request is admitted at once and
             the answer only tells the saves what the tier still holds (an idle tier costs no
-            step).
+            step). An answer the request waits on is first judged against the concurrent
+            lookups of its prefix, and asked again when they show it short (lookup_outcomes.py).
   load      [start, tier_hit) as the engine planned it (start = the resident frontier); the
             read locks below ``start`` are freed at once. Success -> blocks published, image
             READY, ``Loaded``. Failure or lateness -> ``LoadFailed``; the span is stored again.
@@ -34,7 +35,8 @@ from atom.engine.connector import Answered, Connector, Outcome, TierAnswer
 from atom.engine.sequence import Sequence
 from atom.kv_transfer.offload.config import OffloadConfig
 from atom.kv_transfer.offload.events import EventPool
-from atom.kv_transfer.offload.operations import LookupOp, OpState, TransferOp
+from atom.kv_transfer.offload.lookup_outcomes import LookupOutcomes
+from atom.kv_transfer.offload.operations import LookupOp, TransferOp
 from atom.kv_transfer.offload.policy import TierPolicy
 from atom.kv_transfer.offload.tier_metrics import TierMetrics
 from atom.kv_transfer.offload.tier_request import Phase, TierRequest
@@ -46,7 +48,7 @@ from atom.model_api import StateSpec
 log = logging.getLogger("atom.offload")
 
 
-class OffloadConnector(TransferOutcomes, Connector):
+class OffloadConnector(LookupOutcomes, TransferOutcomes, Connector):
     def __init__(
         self,
         *,
@@ -137,6 +139,7 @@ class OffloadConnector(TransferOutcomes, Connector):
             else:
                 self._on_save(op)
         self._sweep_deadlines()
+        self._judge_answers()
         self._end_sessions()
         self.lookups.flush()
         emitted, self._emitted = self._emitted, []
@@ -174,9 +177,8 @@ class OffloadConnector(TransferOutcomes, Connector):
             st.to(Phase.RUNNING)
             return
         tokens = st.seq.tokens[: st.seq.num_tokens - 1]
-        st.lookup = LookupOp(st.lmc_id, tokens, self.clock() + self.cfg.lookup_timeout_s, st)
+        self._send_lookup(st, tokens, self.clock() + self.cfg.lookup_timeout_s)
         st.session_open = True
-        self.lookups.lookup(st.lookup)
         if local_hit >= (len(tokens) // self.chunk_size) * self.chunk_size:
             st.to(Phase.CONFIRMING)  # the tier cannot add a token: admit now
         else:
@@ -222,6 +224,7 @@ class OffloadConnector(TransferOutcomes, Connector):
     def request_finished(self, seq: Sequence) -> None:
         st = self._requests.get(seq.seq_id)
         if st is not None:
+            self._drop_held(st)
             self._free_locks(st)
             st.to(Phase.DONE)
 
@@ -239,36 +242,7 @@ class OffloadConnector(TransferOutcomes, Connector):
     def health(self) -> dict:
         return {"healthy": self.transfers.healthy}
 
-    # ---- lookups ------------------------------------------------------------------------
-
-    def _on_lookup(self, op: LookupOp) -> None:
-        st: TierRequest = op.owner
-        if op.finished_at is not None:
-            self.m.lookup_latency.observe(op.finished_at - op.created_at)
-        if st.lookup is not op or st.answer is not None:
-            return  # given up (late): the lookup thread frees what it locked
-        if op.state is OpState.DONE:
-            hit = op.hit // self.chunk_size * self.chunk_size
-            st.answer, st.tier_has, st.saved_upto = hit, hit, hit
-            self.m.lookups.inc(outcome="hit" if hit else "miss")
-        else:
-            st.answer = 0
-            self.m.lookups.inc(outcome="failed")
-            log.debug("lookup %s: %s", op.lmc_id, op.error)
-        st.locked = st.answer
-        st.located = op.located if op.located is not None and op.located.end == hit else None
-        if st.phase is Phase.LOOKING_UP and st.answer:
-            st.to(Phase.ANSWERED)
-            self._emitted.append(Answered(st.seq))
-            return
-        self._free_locks(st)  # nothing to load: the request runs, or finished, without it
-        if st.phase is Phase.LOOKING_UP:
-            st.to(Phase.RUNNING)
-            self._emitted.append(Answered(st.seq))
-        elif st.phase is Phase.CONFIRMING:
-            st.to(Phase.RUNNING)
-            if st.seq.block_table:
-                self._plan_saves(st)
+    # ---- lookups (answers: lookup_outcomes.py) ----------------------------------------
 
     def _free_locks(self, st: TierRequest) -> None:
         if st.locked:
@@ -356,6 +330,7 @@ class OffloadConnector(TransferOutcomes, Connector):
                 op.resolve(False, "shutdown")
                 self._retire(st, op)
             if st.alive:
+                self._drop_held(st)
                 self._free_locks(st)
                 st.to(Phase.DONE)
         self._end_sessions()

@@ -7,7 +7,9 @@
   any phase --request finished--> DONE (its stores drain, then the session ends)
 
 Phase facts (``locked`` = tokens whose read locks the request holds on the server):
-  LOOKING_UP  lookup in flight; the request waits (counts against max_num_seqs)
+  LOOKING_UP  lookup in flight, or its answer ``held`` while concurrent lookups of the same
+              prefix show whether it is short (lookup_outcomes.py; then it is asked again);
+              the request waits (counts against max_num_seqs); a held answer's chunks are locked
   CONFIRMING  lookup in flight; the request runs from HBM; the answer only informs saves
   ANSWERED    answer > 0 known; [0, locked) locked; the engine decides: load or settle
   LOADING     ``load`` in flight; it consumed the locks of its span, the rest were freed
@@ -57,6 +59,10 @@ class TierRequest:
     phase: Phase = Phase.NEW
     lookup: LookupOp | None = None
     answer: int | None = None  # the capped hit once answered or given up (0); None: pending
+    held: int | None = None  # an answer received, not yet acted on (judged first; LOOKING_UP)
+    asked_at: float | None = None  # when the current lookup was sent (the connector's clock)
+    replied_at: float | None = None  # when its answer (held or final) arrived
+    asks: int = 0  # lookups sent (a short answer is asked again)
     locked: int = 0  # [0, locked) read-locked on the server for this request
     tier_has: int | None = None  # what the tier holds of this prefix; None: unknown, no saves
     saved_upto: int = 0  # the tier holds (or is being sent) [0, saved_upto), an image there
@@ -78,7 +84,13 @@ class TierRequest:
 
     @property
     def lookup_pending(self) -> bool:
+        """A lookup is unanswered, or its answer is held: not acted on yet."""
         return self.lookup is not None and self.answer is None
+
+    @property
+    def reply(self) -> int | None:
+        """The latest answer received (held or final); None while the lookup is unanswered."""
+        return self.held if self.held is not None else self.answer
 
     @property
     def holds(self) -> bool:
