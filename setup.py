@@ -5,6 +5,7 @@ setup(
     version="0.1.0",
     description="A native LLM inference engine for DeepSeek-V4.1-style models with LMCache MP offload",
     packages=find_packages(include=["atom", "atom.*"]),
+    package_data={"atom": ["byte_tokenizer/*.json"]},  # the presets' tokenizer, for clients
     python_requires=">=3.10",
     install_requires=[
         "torch>=2.4",
@@ -20,5 +21,7 @@ setup(
     ],
     extras_require={
         "dev": ["pytest", "pytest-timeout", "ruff", "black", "openai", "httpx"],
+        # tests/serve/test_lm_eval.py (skipped without it); .ci/run installs it
+        "eval": ["lm-eval[api]==0.4.13"],
     },
 )

@@ -109,6 +109,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=200,
         help="characters (or token ids) of each prompt shown in the per-request log line",
     )
+    ap.add_argument(
+        "--enable-tokenizer-info-endpoint",
+        action="store_true",
+        help="serve GET /tokenizer_info (vLLM's: the tokenizer config, special tokens and chat "
+        "template as JSON); off by default, as in vLLM",
+    )
     ap.add_argument("--disable-log-requests", action="store_true", help="no per-request log lines")
     ap.add_argument("--log-interval", type=float, default=10.0)
     ap.add_argument("--log-level", default="INFO")

@@ -26,6 +26,7 @@ from fastapi.responses import Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from atom.serve.chat_template import render_chat
 from atom.serve.edge import (
     HeadAsGet,
     _Edge,
@@ -35,11 +36,7 @@ from atom.serve.edge import (
     validation_message,
 )
 from atom.serve.engine_loop import EngineLoop
-from atom.serve.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    render_chat,
-)
+from atom.serve.protocol import ChatCompletionRequest, CompletionRequest
 from atom.serve.rendering import _Choice, _Output, _prompt_seqs, _Stopper, _usage
 from atom.serve.routes import add_operation_routes, server_version, unknown_model
 from atom.tokenizer import Tokenizer
@@ -61,6 +58,7 @@ class ServerState:
     max_log_len: int | None = 200  # characters of the prompt in the request log; None: all
     log_requests: bool = True
     max_model_len: int | None = None
+    tokenizer_info_endpoint: bool = False  # serve GET /tokenizer_info (vLLM's opt-in)
     active_http: int = 0  # generation requests whose response is not finished
     active_ids: set[str] = field(default_factory=set)  # their engine request ids
 

@@ -12,6 +12,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from atom.sampling_params import MAX_LOGPROBS, SamplingParams
+from atom.serve.chat_template import render_chat
 from atom.serve.openai_fields import nulls_and_inert
 
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
@@ -347,17 +348,6 @@ class ChatCompletionRequest(_Sampling):
         return self
 
 
-def render_chat(messages: list[ChatMessage]) -> str:
-    """A plain chat template: one "<|role|>" header per message (``<|role name=N|>`` when the
-    message has a ``name``), then the assistant's turn."""
-    parts = []
-    for m in messages:
-        head = m.role if m.name is None else f"{m.role} name={m.name}"
-        parts.append(f"<|{head}|>\n{m.text}\n")
-    parts.append("<|assistant|>\n")
-    return "".join(parts)
-
-
 class TokenizeRequest(BaseModel):
     """vLLM's /tokenize: a ``prompt`` or chat ``messages``."""
 
@@ -380,8 +370,7 @@ class TokenizeRequest(BaseModel):
     def text(self) -> str:
         if self.prompt is not None:
             return self.prompt
-        rendered = render_chat(self.messages)
-        return rendered if self.add_generation_prompt else rendered[: -len("<|assistant|>\n")]
+        return render_chat(self.messages, self.add_generation_prompt)
 
 
 class DetokenizeRequest(BaseModel):

@@ -1,5 +1,6 @@
 """The server's operation endpoints: health, ping, version, metrics, prefix-cache reset, models,
-tokenize and detokenize (vLLM's shapes)."""
+tokenize, detokenize and (with --enable-tokenizer-info-endpoint) tokenizer_info (vLLM's
+shapes)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import TYPE_CHECKING
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
+from atom.serve.chat_template import CHAT_TEMPLATE
 from atom.serve.edge import error_response
 from atom.serve.protocol import (
     DetokenizeRequest,
@@ -19,6 +21,7 @@ from atom.serve.protocol import (
 
 if TYPE_CHECKING:
     from atom.serve.app import ServerState
+    from atom.tokenizer import Tokenizer
 
 log = logging.getLogger("atom.serve")
 
@@ -38,6 +41,33 @@ def unknown_model(state: ServerState, name) -> JSONResponse:
         f"model {name!r} does not exist here; this server serves {state.model_name!r}",
         "model",
     )
+
+
+def _added_tokens_as_content(value):
+    """vLLM's serialization of a tokenizer config: an added token (here its JSON form, a dict
+    with "content") becomes its string."""
+    if isinstance(value, dict):
+        if isinstance(value.get("content"), str):
+            return value["content"]
+        return {k: _added_tokens_as_content(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_added_tokens_as_content(v) for v in value]
+    return value
+
+
+def tokenizer_info(tokenizer: Tokenizer, max_model_len: int | None) -> dict:
+    """vLLM's GET /tokenizer_info: the tokenizer's tokenizer_config.json with added tokens as
+    their strings (``added_tokens_decoder`` maps id -> string), ``tokenizer_class`` always
+    there, ``chat_template`` the one this server applies (for every model: atom renders chat
+    with its own template), ``model_max_length`` the served max_model_len when known."""
+    info = _added_tokens_as_content(tokenizer.config())
+    info.pop("vocab_file", None)
+    info.pop("merges_file", None)
+    info.setdefault("tokenizer_class", "PreTrainedTokenizerFast")
+    info["chat_template"] = CHAT_TEMPLATE
+    if max_model_len is not None:
+        info["model_max_length"] = max_model_len
+    return info
 
 
 def add_operation_routes(app: FastAPI, state: ServerState) -> None:
@@ -126,6 +156,12 @@ def add_operation_routes(app: FastAPI, state: ServerState) -> None:
             "tokens": ids,
             "token_strs": strs,
         }
+
+    if state.tokenizer_info_endpoint:  # off by default, as in vLLM
+
+        @app.get("/tokenizer_info")
+        async def get_tokenizer_info():
+            return tokenizer_info(state.tokenizer, state.max_model_len)
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest):

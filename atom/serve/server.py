@@ -54,6 +54,7 @@ def run_server(config: EngineConfig, args: argparse.Namespace) -> int:
         max_log_len=getattr(args, "max_log_len", 200),
         log_requests=not getattr(args, "disable_log_requests", False),
         max_model_len=cfg.max_model_len,
+        tokenizer_info_endpoint=getattr(args, "enable_tokenizer_info_endpoint", False),
     )
     tier = engine.tier_health()
     log.info(
