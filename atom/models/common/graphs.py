@@ -22,6 +22,7 @@ import logging
 import traceback
 import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -214,3 +215,79 @@ class GraphSet:
             log.warning("%s %s not captured: %s", type(self).__name__, key, e)
             getattr(self.backend, "after_failure", lambda: None)()
             return None
+
+
+@dataclass
+class DecodeGraph:
+    inp: torch.Tensor  # the static inputs (``pack_inputs``' layout) on the device
+    out: torch.Tensor  # [bucket, V] static logits
+    replay: Callable[[], object]
+    # the captured function: it holds the other static tensors the graph reads by address
+    # (the family's batch indices), alive as long as the graph
+    forward: Callable[[], torch.Tensor]
+
+
+class DecodeGraphSet(GraphSet):
+    """Decode graphs of either family: forwards whose spans are all one token at a position
+    > 0 at their slot's cursor (``at_cursor``), keyed by (batch bucket, width bucket), replayed
+    by ``run``. A family gives ``capture_forward(bucket, width, inp)``: the function a graph
+    captures, reading its inputs from ``inp`` and returning [bucket, V] float32 logits."""
+
+    def __init__(self, model, kv, slots, *, max_batch: int, **kw):
+        super().__init__(model, kv, slots, max_rows=max_batch, **kw)
+        self.replays = 0
+
+    def at_cursor(self, sp: Span) -> bool:
+        """The slot is in range and its mirror's cursor is the span's start (else eager, which
+        refuses it or runs what the graph cannot)."""
+        s = self.slots
+        return 0 <= sp.slot < s.num_slots and s.host_position[sp.slot] == sp.start
+
+    def key(self, spans: list[Span]) -> tuple[int, int] | None:
+        """(batch bucket, width bucket) of a forward a graph can run, else None."""
+        if not spans or any(sp.end - sp.start != 1 or sp.start == 0 for sp in spans):
+            return None
+        if any(not self.at_cursor(sp) for sp in spans):
+            return None
+        bucket = self.bucket(len(spans))
+        if bucket is None:
+            return None
+        need = max(-(-sp.end // self.block_size) for sp in spans)
+        width = width_bucket(need, self.max_blocks)
+        if width is None or (bucket, width) in self.failed:
+            return None
+        return bucket, width
+
+    def run(self, token_ids: torch.Tensor, spans: list[Span]) -> torch.Tensor | None:
+        """The eager forward's logits (a copy), or None without touching anything."""
+        key = self.key(spans)
+        if key is None:
+            return None
+        if token_ids.numel() != len(spans):
+            raise ValueError("token_ids must hold exactly the spans' tokens, in span order")
+        self.model.check_spans(spans, self.slots)
+        graph = self.graphs.get(key) or self._capture(*key)
+        if graph is None:
+            return None
+        self.upload(graph.inp, key, token_ids, spans)
+        graph.replay()
+        self.replays += 1
+        for sp in spans:
+            self.slots.advance(sp.slot, sp.end)
+        return graph.out[: len(spans)].clone()
+
+    def capture_forward(self, bucket: int, width: int, inp: torch.Tensor) -> Callable:
+        raise NotImplementedError
+
+    def _capture(self, bucket: int, width: int) -> DecodeGraph | None:
+        host = pack_inputs(None, [], bucket, width, self.spare_slot, self.spare_block)
+        inp = host.to(self.device)
+        forward = self.capture_forward(bucket, width, inp)
+        got = self._try_capture((bucket, width), forward)
+        if got is None:
+            return None
+        replay, out = got
+        graph = DecodeGraph(inp, out, replay, forward)
+        self.graphs[(bucket, width)] = graph
+        log.info("captured %s: batch %d, width %d blocks", type(self).__name__, bucket, width)
+        return graph

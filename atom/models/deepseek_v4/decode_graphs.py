@@ -21,70 +21,17 @@ Contract of ``V4DecodeGraphs.run(token_ids, spans)``:
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Callable
-from dataclasses import dataclass
-
 import torch
 
-from atom.model_api import Span
-from atom.models.common.graphs import GraphSet, pack_inputs, width_bucket
+from atom.models.common.graphs import DecodeGraphSet
 from atom.models.deepseek_v4.paged_decode import DecodeBatch
 
-log = logging.getLogger(__name__)
 
-
-@dataclass
-class _Graph:
-    inp: torch.Tensor  # the static inputs (pack_inputs' layout) on the device
-    out: torch.Tensor  # [bucket, V] static logits
-    replay: Callable[[], object]
-    forward: Callable[[], torch.Tensor]  # the captured function (holds what the graph reads)
-
-
-class V4DecodeGraphs(GraphSet):
+class V4DecodeGraphs(DecodeGraphSet):
     def __init__(self, model, kv, slots, *, max_batch: int, **kw):
-        super().__init__(model, kv, slots, max_rows=max_batch, moe=model.layers[0].ffn, **kw)
-        self.replays = 0
+        super().__init__(model, kv, slots, max_batch=max_batch, moe=model.layers[0].ffn, **kw)
 
-    def key(self, spans: list[Span]) -> tuple[int, int] | None:
-        """(batch bucket, width bucket) of a forward a graph can run, else None."""
-        if not DecodeBatch.usable(spans):
-            return None
-        s = self.slots
-        if any(not 0 <= sp.slot < s.num_slots for sp in spans):
-            return None  # the eager forward refuses it
-        if any(s.host_position[sp.slot] != sp.start for sp in spans):
-            return None  # the eager forward refuses it too
-        bucket = self.bucket(len(spans))
-        if bucket is None:
-            return None
-        need = max(-(-sp.end // self.block_size) for sp in spans)
-        width = width_bucket(need, self.max_blocks)
-        if width is None or (bucket, width) in self.failed:
-            return None
-        return bucket, width
-
-    def run(self, token_ids: torch.Tensor, spans: list[Span]) -> torch.Tensor | None:
-        key = self.key(spans)
-        if key is None:
-            return None
-        if token_ids.numel() != len(spans):
-            raise ValueError("token_ids must hold exactly the spans' tokens, in span order")
-        self.model.check_spans(spans, self.slots)
-        graph = self.graphs.get(key) or self._capture(*key)
-        if graph is None:
-            return None
-        self.upload(graph.inp, key, token_ids, spans)
-        graph.replay()
-        self.replays += 1
-        for sp in spans:
-            self.slots.advance(sp.slot, sp.end)
-        return graph.out[: len(spans)].clone()
-
-    def _capture(self, bucket: int, width: int) -> _Graph | None:
-        host = pack_inputs(None, [], bucket, width, self.spare_slot, self.spare_block)
-        inp = host.to(self.device)
+    def capture_forward(self, bucket: int, width: int, inp: torch.Tensor):
         ids, pos, slot_ids, _ = inp[: 4 * bucket].view(4, bucket)
         tables = inp[4 * bucket :].view(bucket, width)
         layout = self.model.decode_layout(self.slots)
@@ -95,11 +42,4 @@ class V4DecodeGraphs(GraphSet):
             batch = DecodeBatch.on_device(ids, slot_ids, pos, tables, max_end, **layout)
             return self.model.logits(self.model.decode_streams(batch, self.kv, self.slots))
 
-        got = self._try_capture((bucket, width), forward)
-        if got is None:
-            return None
-        replay, out = got
-        graph = _Graph(inp, out, replay, forward)
-        self.graphs[(bucket, width)] = graph
-        log.info("captured V4 decode graph: batch %d, width %d blocks", bucket, width)
-        return graph
+        return forward

@@ -40,15 +40,12 @@ Contract of ``DecodeGraphs.run(token_ids, spans)``:
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Callable
-from dataclasses import dataclass
-
 import torch
 
 from atom.model_api import Span
 from atom.models.common.graphs import (  # noqa: F401  (re-exported: the V4.1 graphs' home)
     CudaGraphBackend,
+    DecodeGraphSet,
     EagerBackend,
     GraphSet,
     batch_buckets,
@@ -57,71 +54,18 @@ from atom.models.common.graphs import (  # noqa: F401  (re-exported: the V4.1 gr
     width_bucket,
 )
 
-log = logging.getLogger(__name__)
 
+class DecodeGraphs(DecodeGraphSet):
+    def at_cursor(self, sp: Span) -> bool:
+        """Also at the slot's frontier: a rewound span (or a frontier past the cursor) runs
+        eagerly."""
+        return super().at_cursor(sp) and self.slots.frontier(sp.slot) == sp.start
 
-@dataclass
-class _Graph:
-    inp: torch.Tensor  # the static inputs (pack_inputs' layout) on the device
-    out: torch.Tensor  # [bucket, V] static logits
-    replay: Callable[[], object]
-    # the captured function: it holds the plan's other static tensors (gram sources, rows),
-    # which the graph reads by address, alive as long as the graph
-    forward: Callable[[], torch.Tensor]
-
-
-class DecodeGraphs(GraphSet):
-    def __init__(self, model, kv, slots, *, max_batch: int, **kw):
-        super().__init__(model, kv, slots, max_rows=max_batch, **kw)
-        self.replays = 0
-
-    def key(self, spans: list[Span]) -> tuple[int, int] | None:
-        """(batch bucket, width bucket) of a forward a graph can run, else None."""
-        if not spans or any(sp.end - sp.start != 1 or sp.start == 0 for sp in spans):
-            return None
-        if any(not self._at_cursor(sp) for sp in spans):
-            return None  # a rewound span (or a frontier past the cursor): eager
-        bucket = self.bucket(len(spans))
-        if bucket is None:
-            return None
-        need = max(-(-sp.end // self.block_size) for sp in spans)
-        width = width_bucket(need, self.max_blocks)
-        if width is None or (bucket, width) in self.failed:
-            return None
-        return bucket, width
-
-    def _at_cursor(self, sp: Span) -> bool:
-        s = self.slots
-        if not 0 <= sp.slot < s.num_slots:
-            return False  # the eager forward refuses it
-        return s.host_position[sp.slot] == sp.start and s.frontier(sp.slot) == sp.start
-
-    def run(self, token_ids: torch.Tensor, spans: list[Span]) -> torch.Tensor | None:
-        key = self.key(spans)
-        if key is None:
-            return None
-        if token_ids.numel() != len(spans):
-            raise ValueError("token_ids must hold exactly the spans' tokens, in span order")
-        self.model.check_spans(spans, self.slots)
-        graph = self.graphs.get(key)
-        if graph is None:
-            graph = self._capture(*key)
-            if graph is None:
-                return None
-        self.upload(graph.inp, key, token_ids, spans)
-        graph.replay()
-        self.replays += 1
-        for sp in spans:
-            self.slots.advance(sp.slot, sp.end)
-        return graph.out[: len(spans)].clone()
-
-    def _capture(self, bucket: int, width: int) -> _Graph | None:
+    def capture_forward(self, bucket: int, width: int, inp: torch.Tensor):
         from atom.models.deepseek_v41.model import ForwardPlan
         from atom.models.deepseek_v41.paged_decode import DecodeBatch
 
         dev = self.device
-        host = pack_inputs(None, [], bucket, width, self.spare_slot, self.spare_block)
-        inp = host.to(dev)
         ids, pos, slot_ids, ends = inp[: 4 * bucket].view(4, bucket)
         tables = inp[4 * bucket :].view(bucket, width)
         rows = torch.arange(bucket, dtype=torch.int64)
@@ -143,11 +87,4 @@ class DecodeGraphs(GraphSet):
                 plan.frontiers, plan.hist_src = ends, hist_src
             return self.model.run_plan(plan, self.kv, self.slots)
 
-        got = self._try_capture((bucket, width), forward)
-        if got is None:
-            return None
-        replay, out = got
-        graph = _Graph(inp, out, replay, forward)
-        self.graphs[(bucket, width)] = graph
-        log.info("captured decode graph: batch %d, width %d blocks", bucket, width)
-        return graph
+        return forward
