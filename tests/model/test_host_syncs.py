@@ -206,16 +206,12 @@ def test_the_trap_sees_the_syncs_it_should(no_scalar_stores):
     assert len(no_scalar_stores) == 2
 
 
-def test_v4_decode_batch_forward_has_no_host_sync(no_scalar_stores, monkeypatch):
-    """V4's batched decode (``deepseek_v4.paged_decode``): fixed shapes and masks, so the
-    forward reads nothing back and uploads its indices and token ids in one copy, at
-    positions where groups of both ratios complete and where they do not."""
+def _v4_meta_runtime(positions: list[int], monkeypatch):
     from atom.models.deepseek_v4.model import DeepseekV4ForCausalLM
     from atom.models.deepseek_v4.paged import V4PagedKV, V4StateSlots
     from atom.models.deepseek_v4.presets import preset_config as v4_preset
     from atom.models.deepseek_v4.runtime import V4Runtime
 
-    positions = [40, 43, 7, 63, 2, 15, 17, 31]
     model = DeepseekV4ForCausalLM(
         v4_preset("v4-tiny"),
         dtype=torch.bfloat16,
@@ -226,16 +222,45 @@ def test_v4_decode_batch_forward_has_no_host_sync(no_scalar_stores, monkeypatch)
     rt = V4Runtime(model, block_size=16)
     spec = rt.spec
     pool = torch.empty(spec.pool_shape(64), dtype=spec.pool_dtype, device="meta")
-    slot_bytes = torch.empty(8, spec.state_bytes, dtype=torch.uint8, device="meta")
+    n = len(positions)
+    slot_bytes = torch.empty(n, spec.state_bytes, dtype=torch.uint8, device="meta")
     rt.kv = V4PagedKV(rt.geometry, pool)
     with monkeypatch.context() as m:  # the mirror's first read: nothing to read on meta
         m.setattr(torch.Tensor, "tolist", lambda self: [0] * self.shape[0])
         rt.slots = V4StateSlots(rt.geometry, slot_bytes)
     rt.slots.host_position = list(positions)
-    rt.slots.host_tag = [rt.slots.tag] * 8
+    rt.slots.host_tag = [rt.slots.tag] * n
+    return rt
+
+
+def test_v4_decode_batch_forward_has_no_host_sync(no_scalar_stores, monkeypatch):
+    """V4's batched decode (``deepseek_v4.paged_decode``): fixed shapes and masks, so the
+    forward reads nothing back and uploads its indices and token ids in one copy, at
+    positions where groups of both ratios complete and where they do not."""
+    positions = [40, 43, 7, 63, 2, 15, 17, 31]
+    rt = _v4_meta_runtime(positions, monkeypatch)
     spans = [
         Span(p, p + 1, slot, torch.arange(slot * 6, slot * 6 + 6))
         for slot, p in enumerate(positions)
+    ]
+    trap = _run(rt, spans)
+    assert trap.syncs == [] and no_scalar_stores == []
+    assert trap.uploads == 1
+
+
+def test_v4_prefill_forward_has_no_host_sync(no_scalar_stores, monkeypatch):
+    """V4's batched prefill (``deepseek_v4.forward_plan``): chunks from 0 (slot resets) and
+    resumed inside CSA and HCA groups, a one-token prompt, and decode tokens alongside, in one
+    forward that reads nothing back and uploads its indices in one copy."""
+    positions = [0, 21, 34, 0, 50, 9]
+    rt = _v4_meta_runtime(positions, monkeypatch)
+    spans = [
+        Span(0, 40, 0, torch.arange(0, 6)),
+        Span(21, 45, 1, torch.arange(6, 12)),
+        Span(34, 64, 2, torch.arange(12, 18)),
+        Span(0, 1, 3, torch.arange(18, 24)),
+        Span(50, 51, 4, torch.arange(24, 30)),
+        Span(9, 10, 5, torch.arange(30, 36)),
     ]
     trap = _run(rt, spans)
     assert trap.syncs == [] and no_scalar_stores == []

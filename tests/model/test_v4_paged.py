@@ -113,6 +113,57 @@ def test_batch_of_sequences_with_different_lengths_and_chunks(v4_tiny):
         assert_matches(torch.stack(got[i]), ref[torch.tensor(plan) - 1])
 
 
+def test_prefill_of_several_sequences_runs_batched_with_decodes_alongside(v4_tiny, monkeypatch):
+    """Chunks of several sequences in one forward (resumed inside CSA and HCA groups, from 0,
+    a one-token prompt) run as one batch per layer (``prefill_attention`` once per layer,
+    over every multi-token span), with decode tokens of other sequences in the same forward
+    (``decode_core``); every span's logits equal the oracle's."""
+    import atom.models.deepseek_v4.paged_attention as v4_attention
+
+    calls = {"prefill": [], "decode": 0}
+    real_prefill, real_decode = v4_attention.prefill_attention, v4_attention.decode_core
+
+    def prefill(attn, u, cs, q, qr, win, b, *rest):
+        calls["prefill"].append(int(b.tile_span.max()) + 1)
+        return real_prefill(attn, u, cs, q, qr, win, b, *rest)
+
+    def decode(*a):
+        calls["decode"] += 1
+        return real_decode(*a)
+
+    monkeypatch.setattr(v4_attention, "prefill_attention", prefill)
+    monkeypatch.setattr(v4_attention, "decode_core", decode)
+    h = Harness(v4_tiny)
+    seqs = [tokens(n, seed=40 + n) for n in (31, 29, 20, 41)]
+    tables = [h.blocks(4) for _ in seqs]
+    steps = [  # (sequence, start, end) per forward
+        [(0, 0, 13), (1, 0, 6), (2, 0, 1)],
+        [(0, 13, 30), (1, 6, 7), (2, 1, 19), (3, 0, 40)],
+        [(0, 30, 31), (1, 7, 29), (2, 19, 20), (3, 40, 41)],
+    ]
+    got = {i: {} for i in range(len(seqs))}
+    layers = len(v4_tiny.layers)
+    for step in steps:
+        calls["prefill"].clear()
+        calls["decode"] = 0
+        spans = [Span(s, e, i, tables[i]) for i, s, e in step]
+        ids = torch.tensor([t for i, s, e in step for t in seqs[i][s:e]])
+        logits = h.rt.forward(ids, spans)
+        longer = sum(1 for _, s, e in step if e - s > 1 or s == 0)
+        single = len(step) - longer
+        if single == len(step):  # all decode: the batched decode path, no plan
+            assert calls["prefill"] == []
+        else:
+            assert calls["prefill"] == [longer] * layers
+            assert calls["decode"] == (layers if single else 0)
+        for row, (i, _, e) in enumerate(step):
+            got[i][e - 1] = logits[row]
+    for i, seq in enumerate(seqs):
+        ref = reference_forward(v4_tiny, seq[: max(got[i]) + 1])
+        at = sorted(got[i])
+        assert_matches(torch.stack([got[i][p] for p in at]), ref[torch.tensor(at)])
+
+
 def test_greedy_decode_matches_oracle(v4_tiny):
     h = Harness(v4_tiny)
     prompts = [tokens(29, seed=3), tokens(40, seed=4)]

@@ -20,10 +20,11 @@ from atom.models.common.geometry import COMPUTE_DTYPES, INDEX_DTYPES, KV_DTYPES,
 from atom.models.common.layers import RMSNorm
 from atom.models.deepseek_v4.block import V4Block
 from atom.models.deepseek_v4.config import V4Config
+from atom.models.deepseek_v4.forward_plan import V4ForwardPlan
 from atom.models.deepseek_v4.layers import V4HyperConnection
 from atom.models.deepseek_v4.mtp import V4MTPBlock
 from atom.models.deepseek_v4.paged import StateMismatchError, V4PagedKV, V4StateSlots
-from atom.models.deepseek_v4.paged_attention import SeqCarry, paged_attention
+from atom.models.deepseek_v4.paged_attention import paged_attention
 from atom.models.deepseek_v4.paged_decode import DecodeBatch, decode_attention
 
 
@@ -162,30 +163,29 @@ class DeepseekV4ForCausalLM(nn.Module):
                 slots.advance(sp.slot, sp.end)
             logits = self.logits(x)
             return (logits, x) if return_residual else logits
-        token_ids = token_ids.to(self.device)
-        for sp in spans:
-            if sp.start == 0:
-                slots.reset(sp.slot)
-        x = self.embed_streams(token_ids)
-        seqs, pos_t = self._seqs(spans)
+        plan = V4ForwardPlan.build(token_ids, spans, self.device, **self.decode_layout(slots))
+        slots.reset_many([sp.slot for sp in spans if sp.start == 0], plan.reset)
+        x = self.embed_streams(plan.token_ids)
         for layer in self.layers:
             attn = layer.attn
-            x = layer(x, token_ids, lambda u, a=attn: paged_attention(a, u, pos_t, seqs, kv, slots))
-        for seq in seqs:
-            slots.cursor[seq.span.slot, 0] = seq.span.end
-            slots.header[seq.span.slot, 1] = seq.span.end
-            slots.advance(seq.span.slot, seq.span.end)
-        logits = self.logits(x if all_logits else self._last(x, seqs))
+            x = layer(x, plan.token_ids, lambda u, a=attn: paged_attention(a, u, plan, kv, slots))
+        slots.cursor[plan.span_slots, 0] = plan.span_ends
+        slots.header[plan.span_slots, 1] = plan.span_ends
+        for sp in spans:
+            slots.advance(sp.slot, sp.end)
+        logits = self.logits(x if all_logits else x[plan.last])
         return (logits, x) if return_residual else logits
 
     def decode_layout(self, slots: V4StateSlots) -> dict:
-        """What ``DecodeBatch`` needs of the model and state: ratios, window, ring rows."""
+        """What ``DecodeBatch`` (and ``V4ForwardPlan``) need of the model and state: ratios,
+        window, ring rows."""
         c = self.config
-        return dict(
-            ratios=[r for r in c.compress_ratios[: c.num_hidden_layers] if r],
-            window=c.sliding_window,
-            ring=slots.geometry.window_rows,
+        return dict(ratios=[r for r in c.compress_ratios[: c.num_hidden_layers] if r]) | (
+            self._window(slots)
         )
+
+    def _window(self, slots: V4StateSlots) -> dict:
+        return dict(window=self.config.sliding_window, ring=slots.geometry.window_rows)
 
     @torch.no_grad()
     def decode_streams(self, batch: DecodeBatch, kv: V4PagedKV, slots: V4StateSlots):
@@ -200,19 +200,6 @@ class DeepseekV4ForCausalLM(nn.Module):
         slots.cursor[batch.slots, 0] = ends
         slots.header[batch.slots, 1] = ends
         return x
-
-    @staticmethod
-    def _last(x: torch.Tensor, seqs: list[SeqCarry]) -> torch.Tensor:
-        return x[torch.tensor([s.hi - 1 for s in seqs], device=x.device)]
-
-    def _seqs(self, spans: list[Span]) -> tuple[list[SeqCarry], torch.Tensor]:
-        seqs, lo, positions = [], 0, []
-        for sp in spans:
-            pos = torch.arange(sp.start, sp.end, device=self.device)
-            seqs.append(SeqCarry(sp, lo, pos, sp.block_table.to(self.device)))
-            positions.append(pos)
-            lo += sp.num_tokens
-        return seqs, torch.cat(positions)
 
     # ---- the MTP draft layers ------------------------------------------------------------
 
@@ -275,18 +262,16 @@ class DeepseekV4ForCausalLM(nn.Module):
                 f"got {list(residual.shape)}"
             )
         self.check_draft_spans(spans, slots, layer)
-        ids = token_ids.to(self.device)
-        seqs, pos_t = self._seqs(spans)
-        block = self.mtp[layer]
+        plan = V4ForwardPlan.build(token_ids, spans, self.device, ratios=[], **self._window(slots))
+        ids, block = plan.token_ids, self.mtp[layer]
         x = block.draft(
             self.embed(ids),
             residual.to(self.device),
             ids,
-            lambda u: paged_attention(block.attn, u, pos_t, seqs, None, slots),
+            lambda u: paged_attention(block.attn, u, plan, None, slots),
         )
-        for sp in spans:
-            slots.draft_cursor[sp.slot, layer] = sp.end
-        return block.logits(x if all_logits else self._last(x, seqs), self.head), x
+        slots.draft_cursor[plan.span_slots, layer] = plan.span_ends
+        return block.logits(x if all_logits else x[plan.last], self.head), x
 
     def embed_streams(self, token_ids: torch.Tensor) -> torch.Tensor:
         e = self.embed(token_ids)

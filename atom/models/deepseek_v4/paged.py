@@ -100,6 +100,16 @@ class V4StateSlots:
         self.header[slot, 0] = self.tag
         self.host_position[slot], self.host_tag[slot] = 0, self.tag
 
+    def reset_many(self, slots: list[int], index: torch.Tensor) -> None:
+        """``reset`` of several slots, ``index``: the same slots as a device int64 tensor (no
+        host-to-device copy per slot)."""
+        if not slots:
+            return
+        self.data.index_fill_(0, index, 0)
+        self.header[:, 0].index_fill_(0, index, self.tag)
+        for s in slots:
+            self.host_position[s], self.host_tag[s] = 0, self.tag
+
     def advance(self, slot: int, position: int) -> None:
         """Record in the mirror that a forward left ``slot`` at ``position``."""
         self.host_position[slot], self.host_tag[slot] = position, self.tag
@@ -120,6 +130,15 @@ class V4PagedKV(PagedKV):
     def write_main(self, layer: int, table: torch.Tensor, rows: torch.Tensor, main: torch.Tensor):
         blocks, offs = self._locate(layer, table, rows)
         self.main[layer][blocks, offs] = main.to(self.main[layer].dtype)
+
+    def write_main_of(
+        self, layer: int, tables: torch.Tensor, seq: torch.Tensor, rows: torch.Tensor, main
+    ) -> None:
+        """Row ``rows[g]`` of sequence ``seq[g]`` (its table is ``tables[seq[g]]``) gets
+        ``main[g]``."""
+        per_block = self.main[layer].shape[1]
+        blocks = tables[seq, torch.div(rows, per_block, rounding_mode="floor")]
+        self.main[layer][blocks, rows % per_block] = main.to(self.main[layer].dtype)
 
     def write_main_where(
         self,

@@ -1,147 +1,170 @@
 """V4 attention of one layer over a paged batch: window rings, compressor state, PAGE rows.
 
-Per sequence, for its span [s, e) (positions pos):
+For a span [s, e) of a sequence (positions pos):
   window keys = ring rows of [max(0, s - window + 1), s) + this span's own KV; after attending,
       the span's last ``window_rows`` KV rows are written to the ring;
   a compressed layer completes groups [s // r, e // r): a group straddling s takes its earlier
-      tokens' raw projections from the scratch, a CSA group also its predecessor's first halves
-      from the slot's overlap fields; finished rows (and a CSA layer's indexer keys) go to PAGE,
-      the overlap fields and the scratch are refreshed;
+      tokens' raw projections from the partial rows (row = position % r), a CSA group also its
+      predecessor's first halves (the group before it in the span, else the slot's overlap
+      fields); finished rows (and a CSA layer's indexer keys) go to PAGE, the overlap fields
+      take the span's last completed group and the partial rows the span's last tokens;
   a CSA layer attends the top ``index_topk`` of its rows [0, e // 4) by its indexer's scores, an
       HCA layer every visible row, both read from PAGE.
 
-A forward whose spans are all one token long (decode) runs batched instead (``paged_decode``:
-the same rules over the whole batch).
+All multi-token spans of a forward run together (``PrefillBatch``, the tile plan built on the
+host by ``forward_plan``): one set of batched operations per layer, whatever the number of
+sequences. Every span's rows are written before any span reads them (the spans of one forward
+are different sequences: they write no row another one reads). The single-token spans of the
+forward run the decode path (``paged_decode``: the same rules over a batch of one token each).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from atom.model_api import Span
-from atom.models.common.selection import (
-    mask_invisible,
-    picked_ids,
-    select_topk,
-    visible_rows,
-    window_mask,
-)
+from atom.kernels.attention import sink_attention, sink_attention_usable
+from atom.models.common.prefill_plan import CompressorPlan, PrefillBatch
+from atom.models.common.prefill_tiles import NEG_INF, TiledKeys, tile_attention, tile_groups
+from atom.models.common.selection import mask_invisible, picked_ids, select_topk, visible_rows
 from atom.models.common.storage import pack_index, unpack_index
-from atom.models.deepseek_v4.attention import V4Attention, V4Compressor, V4Indexer, overlap_prev
+from atom.models.deepseek_v4.attention import V4Attention, V4Compressor
+from atom.models.deepseek_v4.forward_plan import V4ForwardPlan
 from atom.models.deepseek_v4.paged import V4PagedKV, V4StateSlots
+from atom.models.deepseek_v4.paged_decode import decode_core
 
 
-@dataclass
-class SeqCarry:
-    """One sequence's context in a paged forward (the forward loops over these).
-
-    ``table`` is the span's block table on the model's device: PAGE rows are located on the
-    device with device group ids, and ``Span.block_table`` may be a host tensor (the engine
-    builds tables on the host)."""
-
-    span: Span
-    lo: int  # offset of the span's first token in the flat batch
-    positions: torch.Tensor
-    table: torch.Tensor
-
-    @property
-    def hi(self) -> int:
-        return self.lo + self.span.num_tokens
-
-
-def compress_span(
-    comp: V4Compressor,
-    u: torch.Tensor,
-    pos: torch.Tensor,
-    start: int,
-    end: int,
-    overlap: tuple[torch.Tensor, torch.Tensor] | None,
-    partial: tuple[torch.Tensor, torch.Tensor],
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Complete the groups ending inside [start, end); refresh the overlap and partial state.
-    Returns (group ids [G], pooled [G, dim] float32, or None when no group completes)."""
-    r = comp.ratio
-    kv, score = comp.raw(u, pos)
-    k = start % r
-    if k:  # the current group began in an earlier forward
-        kv = torch.cat([partial[0][:k], kv])
-        score = torch.cat([partial[1][:k], score])
-    g0, g1 = start // r, end // r
-    n = (g1 - g0) * r
+def complete_groups(
+    comp: V4Compressor, u: torch.Tensor, b: PrefillBatch, state
+) -> tuple[CompressorPlan, torch.Tensor | None]:
+    """Pool the groups completing in the spans (u [Np, d]: the prefill tokens' sublayer input)
+    and refresh the overlap fields and partial rows. Returns (the ratio's plan, pooled [G, dim]
+    float32, or None when no group completes)."""
+    plan = b.comp[comp.ratio]
+    overlap, partial = state
+    kv_raw, score_raw = comp.raw(u, b.positions)
     pooled = None
-    if n:
-        kvg, scg = kv[:n].view(g1 - g0, r, -1), score[:n].view(g1 - g0, r, -1)
+    if plan.g_row.numel():
+        kvg = torch.cat([partial[0][plan.c_slot, plan.c_row], kv_raw])[plan.g_src]
+        scg = torch.cat([partial[1][plan.c_slot, plan.c_row], score_raw])[plan.g_src]
         prev = (None, None)
         if comp.overlap:
-            first = (overlap[0], overlap[1]) if g0 > 0 else None
-            prev = overlap_prev(kvg, scg, first, comp.dim)
-            overlap[0].copy_(kvg[-1, :, : comp.dim])
-            overlap[1].copy_(scg[-1, :, : comp.dim])
+            d, r = comp.dim, comp.ratio
+            empty_kv = kvg.new_zeros(1, r, d)
+            empty_sc = kvg.new_full((1, r, d), NEG_INF)
+            src_kv = torch.cat([overlap[0][plan.ov_slots], empty_kv, kvg[:, :, :d]])
+            src_sc = torch.cat([overlap[1][plan.ov_slots], empty_sc, scg[:, :, :d]])
+            prev = (src_kv[plan.prev_src], src_sc[plan.prev_src])
+            overlap[0][plan.ow_slot] = kvg[plan.ow_src, :, :d]
+            overlap[1][plan.ow_slot] = scg[plan.ow_src, :, :d]
         pooled = comp.pool(kvg, scg, *prev)
-    tail = end - g1 * r
-    if tail:
-        partial[0][:tail] = kv[n:]
-        partial[1][:tail] = score[n:]
-    return torch.arange(g0, g1, device=u.device), pooled
+    partial[0][plan.rr_slot, plan.rr_row] = kv_raw[plan.rr_src]
+    partial[1][plan.rr_slot, plan.rr_row] = score_raw[plan.rr_src]
+    return plan, pooled
 
 
-def _compressed(attn: V4Attention, u, qr, cs, seq: SeqCarry, kv: V4PagedKV, slots: V4StateSlots):
-    """Update the layer's rows for the span, then (rows to attend, their mask) per query."""
-    span, pos, r = seq.span, seq.positions, attn.ratio
-    s, e, table, layer = span.start, span.end, seq.table, attn.layer
-    overlap, partial = slots.compressor_state(span.slot, layer, r, index=False)
-    groups, pooled = compress_span(attn.compressor, u, pos, s, e, overlap, partial)
-    rows_cs = attn.rope.cos_sin(groups * r)
-    ix = attn.indexer
-    if ix is None:
+def _selection(attn: V4Attention, u_l, qr_l, cs_l, b: PrefillBatch, kv, slots):
+    """Write the layer's completed rows, then (row ids [Np, K], valid [Np, K]) each prefill
+    token attends, or None when no sequence has a row yet."""
+    r, layer = attn.ratio, attn.layer
+    plan, pooled = complete_groups(attn.compressor, u_l, b, slots.compressor_fields(layer, r))
+    rows_cs = attn.rope.cos_sin(plan.g_row * r)
+    ix, count = attn.indexer, b.rows[r]
+    visible = visible_rows(b.positions, r)
+    if ix is None:  # HCA: every visible row
         if pooled is not None:
-            kv.write_main(layer, table, groups, attn.main_rows(pooled, rows_cs))
-        count = e // r
-        rows = kv.read_main(layer, table, count)
-        return rows, torch.arange(count, device=u.device)[None, :] < visible_rows(pos, r)[:, None]
-    overlap, partial = slots.compressor_state(span.slot, layer, r, index=True)
-    _, pooled_i = compress_span(ix.compressor, u, pos, s, e, overlap, partial)
+            kv.write_main_of(
+                layer, b.tables, plan.g_span, plan.g_row, attn.main_rows(pooled, rows_cs)
+            )
+        if count == 0:
+            return None
+        ids = torch.arange(count, device=u_l.device)[None, :].expand(u_l.shape[0], count)
+        return ids, ids < visible[:, None]
+    index_state = slots.compressor_fields(layer, r, index=True)
+    _, pooled_i = complete_groups(ix.compressor, u_l, b, index_state)
     if pooled is not None:
         keys = ix.compressor.rows(pooled_i, attn.rope, rows_cs)
         payload, scale = pack_index(keys, kv.geometry.index_dtype)
-        kv.write_rows(layer, table, groups, attn.main_rows(pooled, rows_cs), payload, scale)
-    main, payload, scale = kv.read_rows(layer, table, e // r)
-    qi, w = ix.query(qr, u, attn.rope, cs)
-    scores = V4Indexer.scores(qi, w, unpack_index(payload, scale))
-    sel = select_topk(mask_invisible(scores, visible_rows(pos, r)), ix.topk)
-    return main[picked_ids(sel)], sel[1]
+        main = attn.main_rows(pooled, rows_cs)
+        kv.write_rows_of(layer, b.tables, plan.g_span, plan.g_row, main, payload, scale)
+    if count == 0:
+        return None
+    keys = unpack_index(*kv.read_index_rows(layer, b.tables, count))  # [S, C, D]
+    qi, w = ix.query(qr_l, u_l, attn.rope, cs_l)
+    scores = mask_invisible(TiledKeys(keys, b, visible).index_scores(qi, w), visible)
+    sel = select_topk(scores, ix.topk)
+    return picked_ids(sel), sel[1]
+
+
+def prefill_attention(
+    attn: V4Attention, u, cs, q, qr, win, b: PrefillBatch, kv: V4PagedKV, slots: V4StateSlots
+) -> torch.Tensor:
+    """The attention output [Np, H, hd] of the prefill tokens; writes their rows and ring
+    rows."""
+    layer, nt, tq = attn.layer, b.num_tiles, b.q
+    win_l = b.take(win)
+    ring = slots.window[b.ring_slot, layer, b.ring_row].to(win.dtype)
+    win_k = torch.cat([ring, win_l])[b.win_src]  # [nt, L, hd]
+    mask = b.window_mask(attn.window)
+    ids = valid = None
+    if attn.ratio:
+        cs_l = (b.take(cs[0]), b.take(cs[1]))
+        picked = _selection(attn, b.take(u), b.take(qr), cs_l, b, kv, slots)
+        if picked is not None:
+            ids, valid = picked[0][b.pad_src], picked[1][b.pad_src]
+    q_p = b.take(q)[b.pad_src]  # [P, H, hd]
+    heads, hd = q.shape[1], q.shape[2]
+    k = 0 if ids is None else ids.shape[1]
+    res = []
+    plane = None if ids is None else kv.main[layer]
+    if sink_attention_usable(q) and (plane is None or plane.dtype == q.dtype):
+        offsets = None
+        if ids is not None:
+            picks = ids.reshape(nt, tq * k)
+            offsets = kv.row_offsets(layer, b.tables[b.tile_span], picks).view(-1, k)
+        res.append(
+            sink_attention(q_p, win_k, mask, plane, offsets, valid, attn.attn_sink, attn.scale)
+        )
+    groups = [] if res else tile_groups(nt, tq * heads * (win_k.shape[1] + k + 1))
+    for t0, t1 in groups:
+        a, z = t0 * tq, t1 * tq
+        comp = None
+        if ids is not None:
+            picks = ids[a:z].reshape(t1 - t0, tq * k)
+            tables = b.tables[b.tile_span[t0:t1]]
+            comp = kv.gather_rows(layer, tables, picks).view(z - a, k, hd).to(q.dtype)
+        qs = q_p[a:z].view(t1 - t0, tq, heads, hd)
+        valid_g = None if valid is None else valid[a:z]
+        res.append(
+            tile_attention(qs, win_k[t0:t1], mask[t0:t1], comp, valid_g, attn.attn_sink, attn.scale)
+        )
+    slots.window[b.ww_slot, layer, b.ww_row] = win_l[b.ww_src].to(slots.window.dtype)
+    return torch.cat(res)[b.unpad]
 
 
 def paged_attention(
     attn: V4Attention,
     u: torch.Tensor,
-    positions: torch.Tensor,
-    seqs: list[SeqCarry],
+    plan: V4ForwardPlan,
     kv: V4PagedKV | None,
     slots: V4StateSlots,
 ) -> torch.Tensor:
     """u [N, d] (normed sublayer input of the whole flat batch) -> attention output [N, d].
     A window-only layer (the MTP draft layers among them) never reads ``kv``."""
-    cs = attn.rope.cos_sin(positions)
+    cs = attn.rope.cos_sin(plan.positions)
     q, qr = attn.queries(u, cs)
     win = attn.window_kv(u, cs)
-    rw, window = slots.geometry.window_rows, attn.window
     out = torch.empty_like(q)
-    for seq in seqs:
-        span, lo, hi = seq.span, seq.lo, seq.hi
-        s, e, pos = span.start, span.end, seq.positions
-        ring = slots.window[span.slot, attn.layer]
-        prev = torch.arange(max(0, s - window + 1), s, device=u.device)
-        win_k = torch.cat([ring[prev % rw].to(win.dtype), win[lo:hi]])
-        mask = window_mask(pos, torch.cat([prev, pos]), window)
-        comp = comp_mask = None
-        if attn.ratio:
-            cs_seq = (cs[0][lo:hi], cs[1][lo:hi])
-            comp, comp_mask = _compressed(attn, u[lo:hi], qr[lo:hi], cs_seq, seq, kv, slots)
-            comp = comp.to(q.dtype)
-        out[lo:hi] = attn.attend(q[lo:hi], win_k, mask, comp, comp_mask)
-        keep = min(rw, e - s)
-        ring[torch.arange(e - keep, e, device=u.device) % rw] = win[hi - keep : hi].to(ring.dtype)
+    b = plan.prefill
+    if b is not None:
+        o = prefill_attention(attn, u, cs, q, qr, win, b, kv, slots)
+        if b.all_tokens:
+            out.copy_(o)
+        else:
+            out[b.tok] = o
+    if plan.decode is not None:
+        t = plan.dec_tok
+        o = decode_core(
+            attn, u[t], (cs[0][t], cs[1][t]), q[t], qr[t], win[t], plan.decode, kv, slots
+        )
+        out[t] = o
     return attn.output(out, cs)

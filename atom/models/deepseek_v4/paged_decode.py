@@ -1,7 +1,7 @@
 """V4 decode batched across sequences: a forward whose spans are all one token long.
 
-The same state rules as the per-sequence loop (``paged_attention``, module doc), applied to B
-sequences at once, in shapes fixed by (B, max_end) and with masks instead of row lists, so that
+The same state rules as a prefill (``paged_attention``, module doc), applied to B sequences of
+one token each, in shapes fixed by (B, max_end) and with masks instead of row lists, so that
 nothing reads the device on the host and a CUDA graph can capture the forward
 (``decode_graphs``). For the token at position p of each sequence:
 
@@ -164,10 +164,19 @@ def decode_attention(
     attn: V4Attention, u: torch.Tensor, batch: DecodeBatch, kv: V4PagedKV, slots: V4StateSlots
 ) -> torch.Tensor:
     """u [B, d] (the normed sublayer input, one token per sequence) -> attention output
-    [B, d]; updates the layer's ring, compressor state and PAGE rows as the loop does."""
+    [B, d]; updates the layer's ring, compressor state and PAGE rows as a prefill does."""
     cs = attn.rope.cos_sin(batch.pos)
     q, qr = attn.queries(u, cs)
     win = attn.window_kv(u, cs)
+    return attn.output(decode_core(attn, u, cs, q, qr, win, batch, kv, slots), cs)
+
+
+def decode_core(
+    attn: V4Attention, u, cs, q, qr, win, batch: DecodeBatch, kv: V4PagedKV, slots: V4StateSlots
+) -> torch.Tensor:
+    """The attention of the batch's tokens given their queries (q [B, H, hd], latent qr) and
+    window KV, before the output projection: [B, H, hd]. Writes the ring, compressor state and
+    PAGE rows."""
     ring = slots.window[batch.slots[:, None], attn.layer, batch.ring_rows].to(win.dtype)
     win_k = torch.cat([ring, win[:, None]], 1)
     own = torch.ones_like(batch.ring_valid[:, :1])
@@ -178,7 +187,7 @@ def decode_attention(
         comp = comp.to(q.dtype)
     out = attn.attend(q, win_k, win_mask, comp, comp_mask)
     slots.window[batch.slots, attn.layer, batch.ring_own] = win.to(slots.window.dtype)
-    return attn.output(out, cs)
+    return out
 
 
 def _pool_completed(comp, u, batch: DecodeBatch, ri: RatioIndex, state):

@@ -19,6 +19,7 @@ from torch import nn
 
 from atom.models.common.formats import fp4_act_sim, fp8_act_sim
 from atom.models.common.layers import RMSNorm, linear, rms_norm
+from atom.models.common.prefill_tiles import tile_attention
 from atom.models.common.rope import InterleavedRope
 from atom.models.common.selection import (  # noqa: F401  (the rest: re-exported)
     NEG_INF,
@@ -214,24 +215,7 @@ class CSA2Attention(nn.Module):
         """``attend`` for B tiles of Q queries at once, each tile with its own window keys:
         q [B, Q, H, hd], win_k [B, L, hd], win_mask [B, Q, L], comp [B * Q, K, hd], comp_valid
         [B * Q, K] -> [B * Q, H, hd]. The same arithmetic per query as ``attend``."""
-        b, t, h, hd = q.shape
-        nw = win_k.shape[1]
-        win = torch.bmm(q.reshape(b, t * h, hd), win_k.transpose(1, 2)).float()
-        win = win.view(b * t, h, nw)
-        parts = [(win * self.scale).masked_fill(~win_mask.view(b * t, 1, nw), NEG_INF)]
-        qf = q.reshape(b * t, h, hd)
-        if comp is not None:
-            sc = torch.bmm(qf, comp.transpose(1, 2)).float() * self.scale
-            parts.append(sc.masked_fill(~comp_valid[:, None, :], NEG_INF))
-        parts.append(self.attn_sink.view(1, -1, 1).expand(b * t, -1, 1))
-        width = sum(p.shape[-1] for p in parts)
-        if width % 8:  # -inf columns (probability 0): the probabilities' rows stay aligned
-            parts.append(parts[0].new_full((b * t, h, 8 - width % 8), NEG_INF))
-        probs = torch.softmax(torch.cat(parts, dim=-1), dim=-1).to(q.dtype)
-        out = torch.bmm(probs[..., :nw].reshape(b, t * h, nw), win_k).view(b * t, h, hd)
-        if comp is not None:
-            out = out + torch.bmm(probs[..., nw : nw + comp.shape[1]], comp)
-        return out
+        return tile_attention(q, win_k, win_mask, comp, comp_valid, self.attn_sink, self.scale)
 
     def output(self, o: torch.Tensor, cs) -> torch.Tensor:
         """Inverse RoPE at the query position (in place: ``o`` [N, H, hd] is the caller's

@@ -16,8 +16,8 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 
 from atom.model_api import Span
+from atom.models.common.prefill_plan import PrefillBatch, PrefillHost
 from atom.models.deepseek_v41.paged_decode import DecodeBatch
-from atom.models.deepseek_v41.prefill_plan import PrefillBatch, PrefillHost
 
 
 @dataclass

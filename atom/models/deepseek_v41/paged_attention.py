@@ -21,7 +21,8 @@ from __future__ import annotations
 import torch
 
 from atom.kernels.attention import sink_attention, sink_attention_usable
-from atom.kernels.index_scores import index_scores_usable, tiled_index_scores
+from atom.models.common.prefill_plan import PrefillBatch
+from atom.models.common.prefill_tiles import TiledKeys, tile_groups
 from atom.models.common.storage import pack_index, unpack_index
 from atom.models.deepseek_v41.attention import (
     CSA2Attention,
@@ -32,41 +33,6 @@ from atom.models.deepseek_v41.attention import (
 from atom.models.deepseek_v41.config import LayerMode
 from atom.models.deepseek_v41.paged import PagedKV, StateSlots
 from atom.models.deepseek_v41.paged_decode import DecodeBatch, decode_attention
-from atom.models.deepseek_v41.prefill_plan import PrefillBatch
-
-# elements of the largest float32 intermediate (index dots, attention scores) one group of tiles
-# makes: larger batches run in groups of tiles
-GROUP_ELEMENTS = 1 << 28
-
-
-def _groups(num_tiles: int, per_tile: int):
-    step = max(1, GROUP_ELEMENTS // max(1, per_tile))
-    return [(t0, min(num_tiles, t0 + step)) for t0 in range(0, num_tiles, step)]
-
-
-class TiledKeys:
-    """Index keys of each sequence ([S, R, D] float32) scored by the queries of its tiles;
-    ``visible`` [N]: the rows each prefill token sees."""
-
-    def __init__(self, keys: torch.Tensor, batch: PrefillBatch, visible: torch.Tensor):
-        self.keys, self.batch, self.visible = keys, batch, visible
-
-    def index_scores(self, qi: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """qi [N, Hi, D], w [N, Hi] of the prefill tokens -> s [N, R] (``Indexer.scores``;
-        the kernel's rows at or past ``visible`` are -inf, as ``layer_selection`` masks them)."""
-        b, q = self.batch, self.batch.q
-        hi, d, r = qi.shape[1], qi.shape[2], self.keys.shape[1]
-        qi_p, w_p = qi[b.pad_src], w[b.pad_src]
-        if index_scores_usable(qi):
-            vis = self.visible[b.pad_src]
-            return tiled_index_scores(qi_p, w_p, self.keys, b.tile_span, vis)[b.unpad]
-        out = []
-        for t0, t1 in _groups(b.num_tiles, q * hi * r):
-            keys = self.keys[b.tile_span[t0:t1]]  # [tiles, R, D]
-            qs = qi_p[t0 * q : t1 * q].reshape(t1 - t0, q * hi, d)
-            dots = torch.bmm(qs, keys.transpose(1, 2)).view(-1, hi, r)
-            out.append(torch.einsum("th,thr->tr", w_p[t0 * q : t1 * q], torch.relu(dots)))
-        return torch.cat(out)[b.unpad]
 
 
 def _update_compressor(
@@ -146,7 +112,7 @@ def prefill_attention(
             offsets = kv.row_offsets(attn.kv_owner, b.tables[b.tile_span], picks).view(-1, k)
         sink, scale = attn.attn_sink, attn.scale
         res.append(sink_attention(q_p, win_k, mask, plane, offsets, valid, sink, scale))
-    groups = [] if res else _groups(nt, tq * heads * (win_k.shape[1] + k + 1))
+    groups = [] if res else tile_groups(nt, tq * heads * (win_k.shape[1] + k + 1))
     for t0, t1 in groups:
         a, z = t0 * tq, t1 * tq
         comp = None

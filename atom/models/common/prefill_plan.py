@@ -13,7 +13,12 @@ in tile layout.
 Host arrays here index a source buffer each layer builds:
   window keys: cat(ring rows of the spans' positions before their start, the spans' own KV);
   compressor groups (per ratio r): cat(ring values of a straddling group's earlier tokens, the
-      spans' own projections), r sources per completed group.
+      spans' own projections), r sources per completed group;
+  a group's predecessor (ratios whose groups overlap, V4's CSA): cat(each span's overlap fields
+      [S], one empty entry (group 0 has none), the completed groups themselves [G]).
+
+Both families use it: V4.1 (compressor rings of ``compressor_rows`` rows) and V4 (a ratio-r
+group's partial rows, r of them, row = position % r: a ring of r rows).
 """
 
 from __future__ import annotations
@@ -38,6 +43,13 @@ class CompressorPlan:
     rr_slot: torch.Tensor  # [Mr] ring refresh: (slot, row) <- own projection rr_src
     rr_row: torch.Tensor
     rr_src: torch.Tensor
+    # overlapping ratios only: each group's predecessor in cat(overlap fields of ov_slots [S],
+    # the empty entry, the groups [G]); the overlap fields of ow_slot take group ow_src (each
+    # span's last completed group)
+    ov_slots: torch.Tensor | None = None
+    prev_src: torch.Tensor | None = None
+    ow_slot: torch.Tensor | None = None
+    ow_src: torch.Tensor | None = None
 
 
 @dataclass
@@ -95,12 +107,17 @@ def _cat(parts: list[torch.Tensor], cols: int | None = None) -> torch.Tensor:
 class PrefillHost:
     """Host side: computes the arrays from the spans and adds them to the forward's one upload
     (``put(tensor) -> key``); ``resolve(parts)`` builds the ``PrefillBatch`` from the uploaded
-    pieces. ``window``/``window_rows``/``compressor_rows``: the config's and the geometry's;
-    ``ratios``: the compression ratios of the model's compressed layers."""
+    pieces. ``window``/``window_rows``/``compressor_rows``: the config's and the geometry's
+    (``compressor_rows``: one ring size, or one per ratio); ``ratios``: the compression ratios
+    of the model's compressed layers; ``overlap``: those whose groups overlap (their plans
+    carry each group's predecessor)."""
 
-    def __init__(self, spans, los, n_total, window, window_rows, compressor_rows, ratios, put):
+    def __init__(
+        self, spans, los, n_total, window, window_rows, compressor_rows, ratios, put, overlap=()
+    ):
         self.spans, self.n = spans, sum(sp.num_tokens for sp in spans)
-        w, rw, rc = window, window_rows, compressor_rows
+        w, rw = window, window_rows
+        ring = compressor_rows if isinstance(compressor_rows, dict) else None
         longest = max(sp.num_tokens for sp in spans)
         q = 1
         while q < min(longest, MAX_TILE):
@@ -156,7 +173,10 @@ class PrefillHost:
         }
         self.all_tokens = n_total == self.n
         self.nt = len(tile_span)
-        self.comp_keys = {r: self._compressor(r, rc, m_off, put) for r in sorted(set(ratios))}
+        self.comp_keys = {
+            r: self._compressor(r, ring[r] if ring else compressor_rows, m_off, put, r in overlap)
+            for r in sorted(set(ratios))
+        }
         self.rows = {r: max(sp.end // r for sp in spans) for r in self.comp_keys}
         self.host_tables = all(sp.block_table.device.type == "cpu" for sp in spans)
         if self.host_tables:
@@ -170,7 +190,7 @@ class PrefillHost:
                 if sp.block_table.device.type == "cpu"
             }
 
-    def _compressor(self, r: int, rc: int, m_off: list[int], put) -> dict:
+    def _compressor(self, r: int, rc: int, m_off: list[int], put, overlap: bool) -> dict:
         spans = self.spans
         firsts = [(sp.start // r) * r for sp in spans]
         c_total = sum(sp.start - f for sp, f in zip(spans, firsts))
@@ -192,7 +212,8 @@ class PrefillHost:
                 rr_slot.append(torch.full_like(pos, sp.slot))
                 rr_row.append(pos % rc)
                 rr_src.append(m + pos - s)
-        return {
+        keys = {} if not overlap else self._overlap(r, g_row, put)
+        return keys | {
             "c_slot": put(_cat(c_slot)),
             "c_row": put(_cat(c_row)),
             "g_src": put(_cat(g_src, r)),
@@ -201,6 +222,27 @@ class PrefillHost:
             "rr_slot": put(_cat(rr_slot)),
             "rr_row": put(_cat(rr_row)),
             "rr_src": put(_cat(rr_src)),
+        }
+
+    def _overlap(self, r: int, g_row: list[torch.Tensor], put) -> dict:
+        """Each group's predecessor: the group before it in its span, else (the span's first
+        group j > 0) the span's overlap fields, else (group 0) the empty entry."""
+        n_span, prev_src, ow_slot, ow_src, g0 = len(self.spans), [], [], [], 0
+        for k, (sp, groups) in enumerate(zip(self.spans, g_row)):
+            n = groups.numel()
+            if not n:
+                continue
+            own = n_span + 1 + g0 + torch.arange(n)  # this span's groups in the source
+            first = k if sp.start // r > 0 else n_span
+            prev_src.append(torch.cat([torch.tensor([first]), own[:-1]]))
+            ow_slot.append(sp.slot)
+            ow_src.append(g0 + n - 1)
+            g0 += n
+        return {
+            "ov_slots": put(torch.tensor([sp.slot for sp in self.spans], dtype=torch.int64)),
+            "prev_src": put(_cat(prev_src)),
+            "ow_slot": put(torch.tensor(ow_slot, dtype=torch.int64)),
+            "ow_src": put(torch.tensor(ow_src, dtype=torch.int64)),
         }
 
     def resolve(self, parts: list[torch.Tensor], positions: torch.Tensor) -> PrefillBatch:
