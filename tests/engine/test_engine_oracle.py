@@ -8,6 +8,8 @@ import pytest
 import torch
 
 from atom import LLM, SamplingParams
+from atom.models.deepseek_v4.model import DeepseekV4ForCausalLM
+from atom.models.deepseek_v4.reference import reference_forward as v4_reference_forward
 from atom.models.deepseek_v41.reference import reference_forward
 
 from .workloads import prefix_tree_prompts
@@ -15,7 +17,8 @@ from .workloads import prefix_tree_prompts
 
 def assert_greedy_matches_oracle(model, prompt, output):
     ids = prompt + output[:-1]
-    logits = reference_forward(model, ids)
+    oracle = v4_reference_forward if isinstance(model, DeepseekV4ForCausalLM) else reference_forward
+    logits = oracle(model, ids)
     predicted = logits[len(prompt) - 1 :].argmax(-1).tolist()
     assert predicted == output, f"engine {output} vs oracle {predicted} (prompt len {len(prompt)})"
 

@@ -77,11 +77,17 @@ def truth_of(prompts, outs):
 GREEDY = SamplingParams(max_tokens=40, ignore_eos=True)
 
 
+# both families' draft layers: V4.1's, and V4's MTP block (v4-tiny), whose state rewinds over
+# rejected drafts through rings of k more rows (``deepseek_v4.geometry``)
+FAMILIES = [MODEL, "v4-tiny"]
+
+
+@pytest.mark.parametrize("model", FAMILIES)
 @pytest.mark.parametrize("k", [2, 5])
-def test_greedy_speculative_equals_plain_and_oracle_with_real_draft_layers(k):
+def test_greedy_speculative_equals_plain_and_oracle_with_real_draft_layers(k, model):
     prompts = prompts_of([5, 17, 33, 40])
-    _, plain = run(prompts, GREEDY)
-    llm, spec = run(prompts, GREEDY, k=k)
+    _, plain = run(prompts, GREEDY, model=model)
+    llm, spec = run(prompts, GREEDY, k=k, model=model)
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
     stats = llm.engine.stats()["speculative"]
     assert stats["verify_spans"] > 0 and stats["draft_tokens"] >= stats["verify_spans"]
@@ -89,11 +95,12 @@ def test_greedy_speculative_equals_plain_and_oracle_with_real_draft_layers(k):
         assert_greedy_matches_oracle(llm.engine.runtime.model, p, o.token_ids)
 
 
+@pytest.mark.parametrize("model", FAMILIES)
 @pytest.mark.parametrize("k", [1, 3, 5])
-def test_accepted_drafts_give_the_plain_tokens_in_fewer_steps(k):
+def test_accepted_drafts_give_the_plain_tokens_in_fewer_steps(k, model):
     prompts = prompts_of([5, 17, 33, 40], seed=1)
-    base, plain = run(prompts, GREEDY)
-    llm, spec = run(prompts, GREEDY, k=k, truth=truth_of(prompts, plain))
+    base, plain = run(prompts, GREEDY, model=model)
+    llm, spec = run(prompts, GREEDY, k=k, truth=truth_of(prompts, plain), model=model)
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
     stats = llm.engine.stats()["speculative"]
     # a wrong draft every 7 positions: most drafts are accepted, and every length occurs
@@ -112,9 +119,10 @@ def test_all_wrong_and_all_right_drafts():
         assert llm.engine.stats()["speculative"]["acceptance_rate"] == rate
 
 
-def test_under_preemption_outputs_unchanged_and_drafts_cleared():
+@pytest.mark.parametrize("model", FAMILIES)
+def test_under_preemption_outputs_unchanged_and_drafts_cleared(model):
     prompts = prompts_of([40, 33, 47, 20, 38, 45], seed=3)
-    tight = dict(num_blocks=16, max_num_seqs=6)
+    tight = dict(num_blocks=16, max_num_seqs=6, model=model)
     _, plain = run(prompts, GREEDY, **tight)
     llm, spec = run(prompts, GREEDY, k=3, truth=truth_of(prompts, plain), **tight)
     assert llm.engine.stats()["preemptions"] > 0, "the pool did not force preemption"

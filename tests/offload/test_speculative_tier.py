@@ -67,10 +67,32 @@ def test_two_pass_with_drafts_equals_plain_and_resumes_at_the_ceiling(
         assert not rt.span_graphs.failed
 
 
-def test_decode_boundaries_saved_with_drafts_resume_exactly(lmcache_server, make_llm):
+def test_v4_two_pass_with_drafts_equals_plain_at_the_ceiling(lmcache_server, make_llm):
+    """V4 (v4-tiny's MTP block): both passes with drafts (rejections every 5 positions) equal
+    plain decoding; pass 2 resumes from the tier at the reuse ceiling."""
+    model = "v4-tiny"
+    prompts = prompts_of([40, 77, 100, 16, 63], seed=15)
+    plain = make_llm(model).generate(prompts, GREEDY)
+    truth = {tuple(p): p + o.token_ids for p, o in zip(prompts, plain)}
+    outs = []
+    for _ in range(2):
+        llm = scripted(make_llm(model, speculative_tokens=3, **tier(lmcache_server)), truth)
+        outs.append(llm.generate(prompts, GREEDY, on_step=lambda e: e.check_integrity()))
+        assert llm.engine.stats()["speculative"]["accepted_tokens"] > 0
+        llm.shutdown()
+    got = sum(o.tier_hit_tokens for o in outs[1])
+    ceil = sum(ceiling(len(p)) for p in prompts)
+    assert got >= 0.99 * ceil, f"tier hit {got} of ceiling {ceil}"
+    for a, b, c in zip(plain, *outs):
+        assert a.token_ids == b.token_ids == c.token_ids
+
+
+@pytest.mark.parametrize("model", [MODEL, "v4-tiny"])
+def test_decode_boundaries_saved_with_drafts_resume_exactly(lmcache_server, make_llm, model):
     """Images taken at block boundaries crossed while decoding with drafts (rejections right
     before each boundary) are saved; a request whose prompt is prompt + output resumes from
     them and continues as plain decoding does."""
+    MODEL = model  # noqa: N806  (the body as for V4.1's draft model)
     prompt = prompts_of([BLOCK + 7], seed=12)
     plain = make_llm(MODEL).generate(prompt, GREEDY)[0]
     truth = {tuple(prompt[0]): prompt[0] + plain.token_ids}

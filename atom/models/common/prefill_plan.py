@@ -43,13 +43,16 @@ class CompressorPlan:
     rr_slot: torch.Tensor  # [Mr] ring refresh: (slot, row) <- own projection rr_src
     rr_row: torch.Tensor
     rr_src: torch.Tensor
-    # overlapping ratios only: each group's predecessor in cat(overlap fields of ov_slots [S],
-    # the empty entry, the groups [G]); the overlap fields of ow_slot take group ow_src (each
-    # span's last completed group)
+    # overlapping ratios only: each group's predecessor in cat(overlap fields of ov_slots [S]
+    # (group ov_group: the one before the span's first), the empty entry, the groups [G]); the
+    # overlap fields of ow_slot take group ow_src (group id ow_group): each span's last
+    # ``overlap_entries`` completed groups (one entry per group id modulo the entries)
     ov_slots: torch.Tensor | None = None
+    ov_group: torch.Tensor | None = None
     prev_src: torch.Tensor | None = None
     ow_slot: torch.Tensor | None = None
     ow_src: torch.Tensor | None = None
+    ow_group: torch.Tensor | None = None
 
 
 @dataclass
@@ -110,11 +113,22 @@ class PrefillHost:
     pieces. ``window``/``window_rows``/``compressor_rows``: the config's and the geometry's
     (``compressor_rows``: one ring size, or one per ratio); ``ratios``: the compression ratios
     of the model's compressed layers; ``overlap``: those whose groups overlap (their plans
-    carry each group's predecessor)."""
+    carry each group's predecessor), whose state keeps ``overlap_entries`` groups."""
 
     def __init__(
-        self, spans, los, n_total, window, window_rows, compressor_rows, ratios, put, overlap=()
+        self,
+        spans,
+        los,
+        n_total,
+        window,
+        window_rows,
+        compressor_rows,
+        ratios,
+        put,
+        overlap=(),
+        overlap_entries=1,
     ):
+        self.overlap_entries = overlap_entries
         self.spans, self.n = spans, sum(sp.num_tokens for sp in spans)
         w, rw = window, window_rows
         ring = compressor_rows if isinstance(compressor_rows, dict) else None
@@ -226,8 +240,10 @@ class PrefillHost:
 
     def _overlap(self, r: int, g_row: list[torch.Tensor], put) -> dict:
         """Each group's predecessor: the group before it in its span, else (the span's first
-        group j > 0) the span's overlap fields, else (group 0) the empty entry."""
-        n_span, prev_src, ow_slot, ow_src, g0 = len(self.spans), [], [], [], 0
+        group j > 0) the span's overlap fields, else (group 0) the empty entry; and the last
+        ``overlap_entries`` groups of each span, which the overlap fields keep."""
+        n_span, keep, g0 = len(self.spans), self.overlap_entries, 0
+        prev_src, ow_slot, ow_src, ow_group = [], [], [], []
         for k, (sp, groups) in enumerate(zip(self.spans, g_row)):
             n = groups.numel()
             if not n:
@@ -235,14 +251,18 @@ class PrefillHost:
             own = n_span + 1 + g0 + torch.arange(n)  # this span's groups in the source
             first = k if sp.start // r > 0 else n_span
             prev_src.append(torch.cat([torch.tensor([first]), own[:-1]]))
-            ow_slot.append(sp.slot)
-            ow_src.append(g0 + n - 1)
+            last = torch.arange(max(0, n - keep), n)
+            ow_slot.append(torch.full_like(last, sp.slot))
+            ow_src.append(g0 + last)
+            ow_group.append(groups[last])
             g0 += n
         return {
             "ov_slots": put(torch.tensor([sp.slot for sp in self.spans], dtype=torch.int64)),
+            "ov_group": put(torch.tensor([sp.start // r - 1 for sp in self.spans])),
             "prev_src": put(_cat(prev_src)),
-            "ow_slot": put(torch.tensor(ow_slot, dtype=torch.int64)),
-            "ow_src": put(torch.tensor(ow_src, dtype=torch.int64)),
+            "ow_slot": put(_cat(ow_slot)),
+            "ow_src": put(_cat(ow_src)),
+            "ow_group": put(_cat(ow_group)),
         }
 
     def resolve(self, parts: list[torch.Tensor], positions: torch.Tensor) -> PrefillBatch:

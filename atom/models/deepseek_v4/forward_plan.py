@@ -47,9 +47,12 @@ class V4ForwardPlan:
         ratios: list[int],
         window: int,
         ring: int,
+        partial: dict[int, int] | None = None,
+        entries: int = 1,
     ) -> V4ForwardPlan:
         """``ratios``: the compressed layers' ratios; ``window``/``ring``: the sliding window
-        and the ring rows (``V4Model.decode_layout``)."""
+        and the ring rows; ``partial``: each ratio's partial ring rows (r when absent);
+        ``entries``: each overlap field's (``V4Model.decode_layout``)."""
         device = torch.device(device)
         n = token_ids.numel()
         segs: list[torch.Tensor] = []
@@ -87,10 +90,11 @@ class V4ForwardPlan:
                 n,
                 window,
                 ring,
-                {r: r for r in rs},
+                {r: (partial or {}).get(r, r) for r in rs},
                 rs,
                 put,
                 overlap={CSA_RATIO} & set(rs),
+                overlap_entries=entries,
             )
         parts = _upload(segs, device)
         ids = parts[at_ids] if host_ids else token_ids.reshape(-1)
@@ -113,6 +117,8 @@ class V4ForwardPlan:
                 ratios=ratios,
                 window=window,
                 ring=ring,
+                partial=partial,
+                entries=entries,
             )
         return cls(
             ids, pos, meta_d[0], meta_d[1], meta_d[2], parts[at_reset], prefill, decode, dec_tok

@@ -17,6 +17,14 @@ a block boundary, a multiple of every ratio):
   that group is empty, so an image never needs it; a ratio-128 layer's whole state is this
   (a test restores an image into a slot whose scratch holds garbage and gets identical logits).
 
+With ``speculative_tokens`` k >= 1 a forward may start up to k positions behind the cursor
+(re-running positions whose drafts were rejected), so nothing those positions wrote may be
+needed again: every ring keeps k rows more. The window rings hold window + k rows; a ratio-r
+compressor's partial rows are a ring of r + k rows (row = position % (r + k)); and a CSA
+layer's overlap fields keep ``overlap_entries`` = 1 + ceil((k + 1) / 4) groups (entry = group
+% entries), so the predecessor of the group a rewound forward resumes in survives the groups
+the rejected positions completed. With k = 0 the layout is the one without speculation.
+
 Real DeepSeek-V4-Flash, bf16 KV + fp8 index, block 256: 1,594,624 B/block (6,229 B/token);
 state image 6,067,200 B (5.79 MiB); live scratch 11,345,920 B per request.
 """
@@ -55,6 +63,7 @@ class V4PoolGeometry(PoolGeometryBase):
     index_planes: tuple[PlaneSpec, ...]  # one per CSA layer
     block_bytes: int
     window_rows: int  # ring rows per layer: sliding_window + speculative_tokens
+    overlap_entries: int  # groups each CSA overlap field keeps (entry = group % entries)
     state_layers: int
     csa_layers: tuple[int, ...]
     hca_layers: tuple[int, ...]
@@ -68,6 +77,10 @@ class V4PoolGeometry(PoolGeometryBase):
     def planes(self) -> tuple[PlaneSpec, ...]:
         """Every plane of a block, in block order: one per compressed layer, one per CSA index."""
         return self.main_planes + self.index_planes
+
+    def partial_rows(self, ratio: int) -> int:
+        """Rows of a ratio-``ratio`` compressor's partial ring (row = position % rows)."""
+        return ratio + self.speculative_tokens
 
     def main_plane(self, layer: int) -> PlaneSpec:
         return next(p for p in self.main_planes if p.owner_layer == layer)
@@ -126,15 +139,17 @@ def build_v4_pool_geometry(
         )
 
     state_layers, window_rows = window_rings(config, speculative_tokens)
-    r, nc = CSA_RATIO, len(csa)
+    r, nc, k = CSA_RATIO, len(csa), speculative_tokens
     n_draft = state_layers - config.num_hidden_layers
+    entries = 1 + -(-(k + 1) // r) if k else 1
+    ov = (nc, r) if k == 0 else (nc, entries, r)  # (the layout without speculation unchanged)
     fields, state_bytes = layout_fields(
         [
             ("window", (state_layers, window_rows, hd), kv),
-            ("csa_overlap_kv", (nc, r, hd), "fp32"),
-            ("csa_overlap_score", (nc, r, hd), "fp32"),
-            ("index_overlap_kv", (nc, r, ihd), "fp32"),
-            ("index_overlap_score", (nc, r, ihd), "fp32"),
+            ("csa_overlap_kv", (*ov, hd), "fp32"),
+            ("csa_overlap_score", (*ov, hd), "fp32"),
+            ("index_overlap_kv", (*ov, ihd), "fp32"),
+            ("index_overlap_score", (*ov, ihd), "fp32"),
             ("cursor", (1,), "int64"),  # committed position
             ("header", (2,), "int64"),  # layout tag, position (the boundary an image is of)
         ]
@@ -144,12 +159,12 @@ def build_v4_pool_geometry(
     hca_rows = max([config.compress_ratios[i] for i in hca] or [1])
     scratch, scratch_bytes = layout_fields(
         [
-            ("csa_partial_kv", (nc, r, 2 * hd), "fp32"),
-            ("csa_partial_score", (nc, r, 2 * hd), "fp32"),
-            ("index_partial_kv", (nc, r, 2 * ihd), "fp32"),
-            ("index_partial_score", (nc, r, 2 * ihd), "fp32"),
-            ("hca_partial_kv", (len(hca), hca_rows, hd), "fp32"),
-            ("hca_partial_score", (len(hca), hca_rows, hd), "fp32"),
+            ("csa_partial_kv", (nc, r + k, 2 * hd), "fp32"),
+            ("csa_partial_score", (nc, r + k, 2 * hd), "fp32"),
+            ("index_partial_kv", (nc, r + k, 2 * ihd), "fp32"),
+            ("index_partial_score", (nc, r + k, 2 * ihd), "fp32"),
+            ("hca_partial_kv", (len(hca), hca_rows + k, hd), "fp32"),
+            ("hca_partial_score", (len(hca), hca_rows + k, hd), "fp32"),
         ]
     )
 
@@ -164,6 +179,7 @@ def build_v4_pool_geometry(
         index_planes=tuple(indexes),
         block_bytes=block_bytes,
         window_rows=window_rows,
+        overlap_entries=entries,
         state_layers=state_layers,
         csa_layers=csa,
         hca_layers=hca,

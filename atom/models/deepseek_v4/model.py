@@ -114,22 +114,20 @@ class DeepseekV4ForCausalLM(nn.Module):
                 raise ValueError(f"slot {sp.slot} out of range [0, {slots.num_slots})")
 
     def check_spans(self, spans: list[Span], slots: V4StateSlots) -> None:
-        """Refuse spans whose start is not their slot's cursor (before anything is written).
-        Cursors come from the slots' host mirror: no device read."""
+        """Refuse spans their slot cannot run (``V4StateSlots.check_start``: at the cursor, or
+        behind it within ``speculative_tokens``) before anything is written. Cursors come from
+        the slots' host mirror: no device read."""
         self._check_span_set(spans, slots)
         for sp in spans:
             if sp.start == 0:
                 continue
-            at, tag = slots.host_position[sp.slot], slots.host_tag[sp.slot]
+            tag = slots.host_tag[sp.slot]
             if tag != slots.tag:
                 raise StateMismatchError(
                     f"slot {sp.slot} holds no state of this layout (tag {tag:#x}), "
                     f"forward starts at {sp.start}"
                 )
-            if at != sp.start:
-                raise StateMismatchError(
-                    f"slot {sp.slot}: state is at {at}, forward starts at {sp.start}"
-                )
+            slots.check_start(sp.slot, sp.start)
 
     @torch.no_grad()
     def forward_paged(
@@ -179,10 +177,13 @@ class DeepseekV4ForCausalLM(nn.Module):
     def decode_layout(self, slots: V4StateSlots) -> dict:
         """What ``DecodeBatch`` (and ``V4ForwardPlan``) need of the model and state: ratios,
         window, ring rows."""
-        c = self.config
-        return dict(ratios=[r for r in c.compress_ratios[: c.num_hidden_layers] if r]) | (
-            self._window(slots)
-        )
+        c, geo = self.config, slots.geometry
+        ratios = [r for r in c.compress_ratios[: c.num_hidden_layers] if r]
+        return dict(
+            ratios=ratios,
+            partial={r: geo.partial_rows(r) for r in set(ratios)},
+            entries=geo.overlap_entries,
+        ) | self._window(slots)
 
     def _window(self, slots: V4StateSlots) -> dict:
         return dict(window=self.config.sliding_window, ring=slots.geometry.window_rows)

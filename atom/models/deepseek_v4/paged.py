@@ -4,9 +4,12 @@ Interval facts (per sequence, after a forward of [start, end)):
   PAGE rows of a compressed layer with ratio r valid for groups [0, end // r);
       a CSA layer's index plane likewise
   window ring of each layer holds positions [end - window_rows, end), row = pos % window_rows
-  CSA overlap fields (slot) hold the first halves of group end // 4 - 1 (if it exists)
-  scratch partial rows hold raw projections of positions [end // r * r, end), row = pos % r:
-      empty at every multiple of r, which is every block boundary, where images are taken
+  CSA overlap fields (slot) hold the first halves of group end // 4 - 1 (if it exists), in
+      entry (end // 4 - 1) % entries (and the groups before it in the other entries)
+  scratch partial rows hold raw projections of positions [end // r * r, end), row = pos %
+      (r + k): empty at every multiple of r, which is every block boundary, where images are
+      taken (with speculative_tokens k, a forward may start at most k positions before end:
+      the rings keep what it needs, see the geometry's module doc)
   cursor = [end]
 A draft forward of MTP layer i over [start, end) writes window rows num_hidden_layers + i
 (the same ring rule) and draft_cursor[i] = end, nothing else.
@@ -61,44 +64,37 @@ class V4StateSlots:
         # a slot whose bytes were replaced (an image restore)
         self.host_position: list[int] = self.cursor[:, 0].tolist()
         self.host_tag: list[int] = self.header[:, 0].tolist()
+        # the furthest position each slot's state was written to (past the cursor after
+        # rejected drafts): a forward may start at most ``speculative_tokens`` before it
+        self.host_frontier: list[int] = list(self.host_position)
 
     @classmethod
     def allocate(cls, geometry: V4PoolGeometry, num_slots: int, device) -> V4StateSlots:
         data = torch.zeros(num_slots, geometry.state_bytes, dtype=torch.uint8, device=device)
         return cls(geometry, data)
 
-    def compressor_state(self, slot: int, layer: int, ratio: int, index: bool):
-        """(overlap (kv, score) [r, d] views or None, partial (kv, score) [r, width] views)."""
-        if ratio == 4:
-            i, pre = self.csa_index[layer], "index" if index else "csa"
-            overlap = (self.fields[f"{pre}_overlap_kv"][slot, i],)
-            overlap += (self.fields[f"{pre}_overlap_score"][slot, i],)
-            partial = (self.live[f"{pre}_partial_kv"][slot, i],)
-            partial += (self.live[f"{pre}_partial_score"][slot, i],)
-            return overlap, partial
-        i = self.hca_index[layer]
-        kv = self.live["hca_partial_kv"][slot, i, :ratio]
-        return None, (kv, self.live["hca_partial_score"][slot, i, :ratio])
-
     def compressor_fields(self, layer: int, ratio: int, index: bool = False):
-        """``compressor_state`` of every slot at once: (overlap (kv, score) [slots, r, d] or
-        None, partial (kv, score) [slots, r, width])."""
+        """One compressor's state in every slot: (overlap (kv, score) [slots, entries, r, d] or
+        None at ratio != 4, partial rings (kv, score) [slots, r + k, width]; see the geometry's
+        module doc)."""
+        rows = self.geometry.partial_rows(ratio)
         if ratio == 4:
             i, pre = self.csa_index[layer], "index" if index else "csa"
-            overlap = (self.fields[f"{pre}_overlap_kv"][:, i],)
-            overlap += (self.fields[f"{pre}_overlap_score"][:, i],)
-            partial = (self.live[f"{pre}_partial_kv"][:, i],)
-            partial += (self.live[f"{pre}_partial_score"][:, i],)
+            overlap = tuple(self.fields[f"{pre}_overlap_{n}"][:, i] for n in ("kv", "score"))
+            if self.geometry.speculative_tokens == 0:  # one entry, stored without its axis
+                overlap = tuple(o[:, None] for o in overlap)
+            partial = tuple(self.live[f"{pre}_partial_{n}"][:, i] for n in ("kv", "score"))
             return overlap, partial
         i = self.hca_index[layer]
-        kv = self.live["hca_partial_kv"][:, i, :ratio]
-        return None, (kv, self.live["hca_partial_score"][:, i, :ratio])
+        partial = tuple(self.live[f"hca_partial_{n}"][:, i, :rows] for n in ("kv", "score"))
+        return None, partial
 
     def reset(self, slot: int) -> None:
         """Empty state for a sequence starting at position 0."""
         self.data[slot].zero_()
         self.header[slot, 0] = self.tag
         self.host_position[slot], self.host_tag[slot] = 0, self.tag
+        self.host_frontier[slot] = 0
 
     def reset_many(self, slots: list[int], index: torch.Tensor) -> None:
         """``reset`` of several slots, ``index``: the same slots as a device int64 tensor (no
@@ -109,15 +105,31 @@ class V4StateSlots:
         self.header[:, 0].index_fill_(0, index, self.tag)
         for s in slots:
             self.host_position[s], self.host_tag[s] = 0, self.tag
+            self.host_frontier[s] = 0
 
     def advance(self, slot: int, position: int) -> None:
         """Record in the mirror that a forward left ``slot`` at ``position``."""
         self.host_position[slot], self.host_tag[slot] = position, self.tag
+        self.host_frontier[slot] = max(self.host_frontier[slot], position)
+
+    def check_start(self, slot: int, start: int) -> None:
+        """Refuse a forward of ``slot`` from ``start`` that its state cannot run: at the
+        cursor, or behind it with the frontier at most ``speculative_tokens`` past ``start``
+        (re-running positions of rejected drafts; the rings keep that much)."""
+        at, front = self.host_position[slot], self.host_frontier[slot]
+        k = self.geometry.speculative_tokens
+        if start == at or (start < at and front - start <= k):
+            return
+        raise StateMismatchError(
+            f"slot {slot}: state is at {at}, forward starts at {start}"
+            + (f" (written to {front}; a forward may start at most {k} before that)" if k else "")
+        )
 
     def refresh(self, slot: int) -> None:
         """Re-read ``slot``'s mirror from its bytes (one device read)."""
         at, tag = torch.stack([self.cursor[slot, 0], self.header[slot, 0]]).tolist()
         self.host_position[slot], self.host_tag[slot] = at, tag
+        self.host_frontier[slot] = at
 
     def position(self, slot: int) -> int:
         return int(self.cursor[slot, 0])

@@ -48,14 +48,16 @@ def complete_groups(
         scg = torch.cat([partial[1][plan.c_slot, plan.c_row], score_raw])[plan.g_src]
         prev = (None, None)
         if comp.overlap:
-            d, r = comp.dim, comp.ratio
+            d, r, entries = comp.dim, comp.ratio, overlap[0].shape[1]
             empty_kv = kvg.new_zeros(1, r, d)
             empty_sc = kvg.new_full((1, r, d), NEG_INF)
-            src_kv = torch.cat([overlap[0][plan.ov_slots], empty_kv, kvg[:, :, :d]])
-            src_sc = torch.cat([overlap[1][plan.ov_slots], empty_sc, scg[:, :, :d]])
+            held = plan.ov_slots, plan.ov_group % entries
+            src_kv = torch.cat([overlap[0][held], empty_kv, kvg[:, :, :d]])
+            src_sc = torch.cat([overlap[1][held], empty_sc, scg[:, :, :d]])
             prev = (src_kv[plan.prev_src], src_sc[plan.prev_src])
-            overlap[0][plan.ow_slot] = kvg[plan.ow_src, :, :d]
-            overlap[1][plan.ow_slot] = scg[plan.ow_src, :, :d]
+            into = plan.ow_slot, plan.ow_group % entries
+            overlap[0][into] = kvg[plan.ow_src, :, :d]
+            overlap[1][into] = scg[plan.ow_src, :, :d]
         pooled = comp.pool(kvg, scg, *prev)
     partial[0][plan.rr_slot, plan.rr_row] = kv_raw[plan.rr_src]
     partial[1][plan.rr_slot, plan.rr_row] = score_raw[plan.rr_src]

@@ -41,10 +41,13 @@ class RatioIndex:
 
     ids: torch.Tensor  # [B, C] row ids 0 .. C - 1
     valid: torch.Tensor  # [B, C] row < the sequence's visible count (p + 1) // r
-    phase: torch.Tensor  # [B] p % r, the partial row the token's raw projections go to
+    phase: torch.Tensor  # [B] p % (r + k), the partial row the token's raw projections go to
     done: torch.Tensor  # [B] bool: the sequence's group completes at p
     group: torch.Tensor  # [B] group ids p // r
     first: torch.Tensor  # [B] bool: group 0 (no predecessor to overlap)
+    members: torch.Tensor  # [B, r] the partial rows of the group's r positions
+    prev_entry: torch.Tensor  # [B] the overlap entry of the group before (ratio 4)
+    own_entry: torch.Tensor  # [B] the overlap entry the completed group goes to
 
 
 @dataclass
@@ -75,10 +78,13 @@ class DecodeBatch:
         ratios: list[int],
         window: int,
         ring: int,
+        partial: dict[int, int] | None = None,
+        entries: int = 1,
     ) -> DecodeBatch:
         """Every index from the batch's tensors with device ops only, in shapes fixed by
         (B, max_end): no host read, so a CUDA graph can capture it. ``tables`` must cover
-        ``max_end`` positions."""
+        ``max_end`` positions. ``partial``: rows of each ratio's partial ring (r when absent),
+        ``entries``: of each overlap field (``V4PoolGeometry``)."""
         dev = pos.device
         back = pos[:, None] - window + 1 + torch.arange(window - 1, device=dev)
         per_ratio = {}
@@ -86,13 +92,17 @@ class DecodeBatch:
             count = max_end // r
             row_ids = torch.arange(count, device=dev)[None, :].expand(pos.shape[0], count)
             group = torch.div(pos, r, rounding_mode="floor")
+            rows = (partial or {}).get(r, r)
             per_ratio[r] = RatioIndex(
                 ids=row_ids,
                 valid=row_ids < torch.div(pos + 1, r, rounding_mode="floor")[:, None],
-                phase=pos % r,
+                phase=pos % rows,
                 done=(pos + 1) % r == 0,
                 group=group,
                 first=group == 0,
+                members=(group[:, None] * r + torch.arange(r, device=dev)) % rows,
+                prev_entry=(group - 1) % entries,
+                own_entry=group % entries,
             )
         return cls(
             ids,
@@ -115,6 +125,8 @@ class DecodeBatch:
         window: int,
         ring: int,
         device,
+        partial: dict[int, int] | None = None,
+        entries: int = 1,
     ) -> DecodeBatch:
         """A decode forward's batch (every span one token at p = start > 0): positions,
         slots, padded tables and host token ids uploaded in one copy (device token ids stay
@@ -141,6 +153,8 @@ class DecodeBatch:
             ratios=ratios,
             window=window,
             ring=ring,
+            partial=partial,
+            entries=entries,
         )
 
 
@@ -198,17 +212,19 @@ def _pool_completed(comp, u, batch: DecodeBatch, ri: RatioIndex, state):
     kv_raw, score_raw = comp.raw(u, batch.pos)
     partial[0][batch.slots, ri.phase] = kv_raw
     partial[1][batch.slots, ri.phase] = score_raw
-    kvg, scg = partial[0][batch.slots], partial[1][batch.slots]  # [B, r, width]
+    members = batch.slots[:, None], ri.members
+    kvg, scg = partial[0][members], partial[1][members]  # [B, r, width]
     prev = (None, None)
     if comp.overlap:
         d, first, done = comp.dim, ri.first[:, None, None], ri.done[:, None, None]
-        old = overlap[0][batch.slots], overlap[1][batch.slots]
+        held, into = (batch.slots, ri.prev_entry), (batch.slots, ri.own_entry)
+        old = overlap[0][held], overlap[1][held]
         prev = (
             torch.where(first, torch.zeros_like(old[0]), old[0]),
             torch.where(first, torch.full_like(old[1], NEG_INF), old[1]),
         )
-        overlap[0][batch.slots] = torch.where(done, kvg[:, :, :d], old[0])
-        overlap[1][batch.slots] = torch.where(done, scg[:, :, :d], old[1])
+        overlap[0][into] = torch.where(done, kvg[:, :, :d], overlap[0][into])
+        overlap[1][into] = torch.where(done, scg[:, :, :d], overlap[1][into])
     return comp.pool(kvg, scg, *prev)
 
 

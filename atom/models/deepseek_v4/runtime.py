@@ -23,6 +23,9 @@ from atom.models.deepseek_v4.paged import StateMismatchError, V4PagedKV, V4State
 class V4Runtime:
     # spans may carry block tables on the host (the batched decode builds its indices there)
     host_block_tables = True
+    # with speculative_tokens k, a forward may start up to k positions behind the cursor (the
+    # rings keep what rejected drafts overwrote: ``geometry`` module doc)
+    rewinds_on_rejection = True
 
     def __init__(
         self, model: DeepseekV4ForCausalLM, *, block_size: int, speculative_tokens: int = 0
