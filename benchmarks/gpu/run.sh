@@ -4,7 +4,7 @@
 #   steps: tests tier forward profile components roofline sweep profile_prefill transfer cuda_ops transfer_native transfer_modes serving
 #          speculative serving_spec tp tp_tests (tp, tp_tests: two GPUs)
 #          tier_only idle
-#          train forward_v4 roofline_v4 serving_v4
+#          train forward_v4 roofline_v4 serving_v4 speculative_v4
 # cuda_ops builds lmcache.cuda_ops from lmcache's sources against this machine's torch
 # (benchmarks/gpu/build_cuda_ops.py); once built (build/ stays while the machine is warm, or
 # carried back), every later step's LMCache server uses it.
@@ -63,6 +63,10 @@ for s in "$@"; do
     speculative) step "${SPEC_LIMIT:-300}" python3 -m benchmarks.speculative --device cuda \
       --ks 0 1 2 3 --eager-baseline --prompts 32 --output-len 128 --concurrency 16 \
       --repeats 3 ;;
+    speculative_v4)  # v4-bench's random MTP block (acceptance ~0): what a verify step costs
+      step "${SPEC_V4_LIMIT:-300}" python3 -m benchmarks.speculative --model v4-bench \
+        --device cuda --ks 0 1 2 --eager-baseline --prompts 16 --prompt-len 512 \
+        --output-len 64 --concurrency 16 --repeats 2 --name speculative_v4_h200 ;;
     tp) step "${TP_LIMIT:-400}" python3 -m benchmarks.tp --model v41-bench --device cuda --tp 2 \
       --prompts 16 --prompt-len 1024 --output-len 64 --concurrency 16 --repeats 3 ;;
     tp_tests) step "${TP_TESTS_LIMIT:-500}" python3 -m pytest -x -q -s -p no:cacheprovider \
