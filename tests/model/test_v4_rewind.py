@@ -73,3 +73,37 @@ def test_without_speculation_the_layout_is_unchanged(v4_tiny):
     assert dict((f.name, f.shape) for f in geo.state_fields)["csa_overlap_kv"][1] == 4
     spec = Harness(v4_tiny, speculative_tokens=5).rt.geometry
     assert spec.overlap_entries == 3 and spec.partial_rows(4) == 9 and spec.window_rows == 13
+
+
+def test_verify_spans_run_as_decode_rows_beside_other_spans(v4_tiny, monkeypatch):
+    """With k >= 1, spans past 0 of at most k + 1 tokens (verify spans) run as rows of the
+    decode batch (fixed shapes: what graphs capture), beside a one-token span and a prefill
+    chunk of another sequence; each row's logits equal the oracle's."""
+    import atom.models.deepseek_v4.paged_attention as v4_attention
+
+    rows, chunks = [], []
+    real_decode, real_prefill = v4_attention.decode_core, v4_attention.prefill_attention
+    monkeypatch.setattr(
+        v4_attention, "decode_core", lambda *a: rows.append(a[1].shape[0]) or real_decode(*a)
+    )
+    monkeypatch.setattr(
+        v4_attention,
+        "prefill_attention",
+        lambda *a: chunks.append(a[1].shape[0]) or real_prefill(*a),
+    )
+    k = 3
+    h = Harness(v4_tiny, speculative_tokens=k)
+    seqs = [tokens(60, seed=70 + i) for i in range(3)]
+    tables = [h.blocks(4) for _ in seqs]
+    starts = [27, 22, 0]
+    for i, s in enumerate(starts[:2]):
+        h.rt.forward(torch.tensor(seqs[i][:s]), [Span(0, s, i, tables[i])])
+    spans = [Span(27, 31, 0, tables[0]), Span(22, 23, 1, tables[1]), Span(0, 20, 2, tables[2])]
+    ids = torch.tensor(seqs[0][27:31] + seqs[1][22:23] + seqs[2][:20])
+    rows.clear(), chunks.clear()
+    out = h.rt.model.forward_paged(ids, spans, h.rt.kv, h.rt.slots, all_logits=True)
+    layers = len(v4_tiny.layers)
+    assert rows == [5] * layers and chunks == [25] * layers  # 4 + 1 rows; the forward's tokens
+    for (lo, hi), seq, sp in zip([(0, 4), (4, 5), (5, 25)], seqs, spans):
+        ref = reference_forward(v4_tiny, seq[: sp.end])
+        assert (out[lo:hi] - ref[sp.start : sp.end]).abs().max().item() < ATOL

@@ -34,8 +34,10 @@ class V4ForwardPlan:
     dec_tok: torch.Tensor | None  # [B] their tokens in the flat batch
 
     @staticmethod
-    def single(sp: Span) -> bool:
-        return sp.num_tokens == 1 and sp.start > 0
+    def as_rows(sp: Span, short: int) -> bool:
+        """Whether the span runs as decode rows: past position 0 and at most ``short`` tokens
+        (one, or a verify span of 1 + speculative_tokens)."""
+        return sp.num_tokens <= short and sp.start > 0
 
     @classmethod
     def build(
@@ -49,10 +51,13 @@ class V4ForwardPlan:
         ring: int,
         partial: dict[int, int] | None = None,
         entries: int = 1,
+        short: int = 1,
     ) -> V4ForwardPlan:
         """``ratios``: the compressed layers' ratios; ``window``/``ring``: the sliding window
         and the ring rows; ``partial``: each ratio's partial ring rows (r when absent);
-        ``entries``: each overlap field's (``V4Model.decode_layout``)."""
+        ``entries``: each overlap field's (``V4Model.decode_layout``). Spans past 0 of at most
+        ``short`` tokens run as decode rows (``short`` = 1 + speculative_tokens: verify spans,
+        whose rings keep that many rows more)."""
         device = torch.device(device)
         n = token_ids.numel()
         segs: list[torch.Tensor] = []
@@ -75,12 +80,19 @@ class V4ForwardPlan:
         ]
         at_meta = put(torch.tensor(meta, dtype=torch.int64))
         at_reset = put(torch.tensor([sp.slot for sp in spans if sp.start == 0], dtype=torch.int64))
-        single = [k for k, sp in enumerate(spans) if cls.single(sp)]
-        longer = [k for k, sp in enumerate(spans) if not cls.single(sp)]
-        at_dec = put(torch.tensor([[los[k], spans[k].start, spans[k].slot] for k in single]).t())
+        single = [k for k, sp in enumerate(spans) if cls.as_rows(sp, short)]
+        longer = [k for k, sp in enumerate(spans) if not cls.as_rows(sp, short)]
+        rows, row_spans = [], []  # per row: token, position, slot, span start, end, first row
+        for k in single:
+            sp, first = spans[k], len(rows)
+            for j in range(sp.num_tokens):
+                rows.append([los[k] + j, sp.start + j, sp.slot, sp.start, sp.end, first])
+                row_spans.append(k)
+        at_dec = put(torch.tensor(rows, dtype=torch.int64).reshape(-1, 6).t())
         host_tables = all(spans[k].block_table.device.type == "cpu" for k in single)
         if single and host_tables:
-            at_dec_tables = put(pad_sequence([spans[k].block_table.long() for k in single], True))
+            tabs = pad_sequence([spans[k].block_table.long() for k in single], True)
+            at_dec_tables = put(tabs[[single.index(k) for k in row_spans]])
         host = None
         if longer:
             rs = sorted(set(ratios))
@@ -103,11 +115,12 @@ class V4ForwardPlan:
         prefill = host.resolve(parts, pos) if host is not None else None
         decode = dec_tok = None
         if single:
-            dec_tok, dec_pos, dec_slots = parts[at_dec].view(3, len(single))
+            dec_tok, dec_pos, dec_slots, r_start, r_end, r_first = parts[at_dec].view(6, -1)
             if host_tables:
-                tables = parts[at_dec_tables].view(len(single), -1)
+                tables = parts[at_dec_tables].view(len(rows), -1)
             else:
-                tables = pad_sequence([spans[k].block_table.to(device) for k in single], True)
+                tables = pad_sequence([spans[k].block_table.to(device) for k in row_spans], True)
+            several = any(spans[k].num_tokens > 1 for k in single)
             decode = DecodeBatch.on_device(
                 ids[dec_tok],
                 dec_slots,
@@ -119,6 +132,7 @@ class V4ForwardPlan:
                 ring=ring,
                 partial=partial,
                 entries=entries,
+                **(dict(start=r_start, end=r_end, first=r_first) if several else {}),
             )
         return cls(
             ids, pos, meta_d[0], meta_d[1], meta_d[2], parts[at_reset], prefill, decode, dec_tok

@@ -48,6 +48,13 @@ class RatioIndex:
     members: torch.Tensor  # [B, r] the partial rows of the group's r positions
     prev_entry: torch.Tensor  # [B] the overlap entry of the group before (ratio 4)
     own_entry: torch.Tensor  # [B] the overlap entry the completed group goes to
+    # rows of several-token spans: the row of the same span completing the row's group (it,
+    # for a one-token span), whether that row is in the span; the row completing the group
+    # before, whether it is in the span (never, for a one-token span)
+    closer: torch.Tensor
+    closes: torch.Tensor
+    pred: torch.Tensor
+    pred_in: torch.Tensor
 
 
 @dataclass
@@ -61,6 +68,10 @@ class DecodeBatch:
     ring_valid: torch.Tensor  # [B, window - 1] those positions >= 0
     ring_own: torch.Tensor  # [B] p % ring rows
     ratios: dict[int, RatioIndex]
+    # window keys of positions p - window + 1 .. p - 1 inside the row's own span: [B, window
+    # - 1] whether, and the batch row holding it (rows of one span are consecutive)
+    own_in: torch.Tensor
+    own_row: torch.Tensor
 
     @staticmethod
     def usable(spans: list[Span]) -> bool:
@@ -80,13 +91,25 @@ class DecodeBatch:
         ring: int,
         partial: dict[int, int] | None = None,
         entries: int = 1,
+        start: torch.Tensor | None = None,
+        end: torch.Tensor | None = None,
+        first: torch.Tensor | None = None,
     ) -> DecodeBatch:
         """Every index from the batch's tensors with device ops only, in shapes fixed by
         (B, max_end): no host read, so a CUDA graph can capture it. ``tables`` must cover
         ``max_end`` positions. ``partial``: rows of each ratio's partial ring (r when absent),
-        ``entries``: of each overlap field (``V4PoolGeometry``)."""
+        ``entries``: of each overlap field (``V4PoolGeometry``). ``start``/``end``/``first``
+        [B]: each row's span and the batch row of its start, for spans of several tokens (a
+        verify span: its rows consecutive); absent, every row is a one-token span."""
         dev = pos.device
+        if start is None:
+            start, end, first = pos, pos + 1, torch.arange(pos.shape[0], device=dev)
         back = pos[:, None] - window + 1 + torch.arange(window - 1, device=dev)
+        rows_b = pos.shape[0]
+
+        def row_of(p: torch.Tensor) -> torch.Tensor:  # the batch row of position p, clamped
+            return (first + p - start).clamp(0, rows_b - 1)
+
         per_ratio = {}
         for r in sorted(set(ratios)):
             count = max_end // r
@@ -103,6 +126,10 @@ class DecodeBatch:
                 members=(group[:, None] * r + torch.arange(r, device=dev)) % rows,
                 prev_entry=(group - 1) % entries,
                 own_entry=group % entries,
+                closer=row_of(group * r + r - 1),
+                closes=group * r + r - 1 < end,
+                pred=row_of(group * r - 1),
+                pred_in=group * r - 1 >= start,
             )
         return cls(
             ids,
@@ -114,6 +141,8 @@ class DecodeBatch:
             back >= 0,
             pos % ring,
             per_ratio,
+            back >= start[:, None],
+            (first[:, None] + back - start[:, None]).clamp(0, rows_b - 1),
         )
 
     @classmethod
@@ -192,6 +221,7 @@ def decode_core(
     window KV, before the output projection: [B, H, hd]. Writes the ring, compressor state and
     PAGE rows."""
     ring = slots.window[batch.slots[:, None], attn.layer, batch.ring_rows].to(win.dtype)
+    ring = torch.where(batch.own_in[:, :, None], win[batch.own_row], ring)
     win_k = torch.cat([ring, win[:, None]], 1)
     own = torch.ones_like(batch.ring_valid[:, :1])
     win_mask = torch.cat([batch.ring_valid, own], 1)
@@ -216,15 +246,23 @@ def _pool_completed(comp, u, batch: DecodeBatch, ri: RatioIndex, state):
     kvg, scg = partial[0][members], partial[1][members]  # [B, r, width]
     prev = (None, None)
     if comp.overlap:
-        d, first, done = comp.dim, ri.first[:, None, None], ri.done[:, None, None]
+        d, first = comp.dim, ri.first[:, None, None]
         held, into = (batch.slots, ri.prev_entry), (batch.slots, ri.own_entry)
-        old = overlap[0][held], overlap[1][held]
+        # the group before: completed by an earlier row of the span, else in the fields
+        pred_in = ri.pred_in[:, None, None]
+        old = (
+            torch.where(pred_in, kvg[ri.pred, :, :d], overlap[0][held]),
+            torch.where(pred_in, scg[ri.pred, :, :d], overlap[1][held]),
+        )
         prev = (
             torch.where(first, torch.zeros_like(old[0]), old[0]),
             torch.where(first, torch.full_like(old[1], NEG_INF), old[1]),
         )
-        overlap[0][into] = torch.where(done, kvg[:, :, :d], overlap[0][into])
-        overlap[1][into] = torch.where(done, scg[:, :, :d], overlap[1][into])
+        # every row of a group writes what the row completing it writes (or the bytes there,
+        # when no row of the span completes it): rows sharing an entry write the same values
+        closes = ri.closes[:, None, None]
+        overlap[0][into] = torch.where(closes, kvg[ri.closer, :, :d], overlap[0][into])
+        overlap[1][into] = torch.where(closes, scg[ri.closer, :, :d], overlap[1][into])
     return comp.pool(kvg, scg, *prev)
 
 
@@ -235,16 +273,16 @@ def _compressed(attn: V4Attention, u, qr, cs, batch: DecodeBatch, kv, slots: V4S
     ri = batch.ratios[r]
     pooled = _pool_completed(attn.compressor, u, batch, ri, slots.compressor_fields(layer, r))
     rows_cs = attn.rope.cos_sin(ri.group * r)
-    main = attn.main_rows(pooled, rows_cs)
+    main = attn.main_rows(pooled, rows_cs)[ri.closer]  # each row writes its closer's row
     ix = attn.indexer
     if ix is None:  # HCA: every visible row
-        kv.write_main_where(layer, batch.tables, ri.group, ri.done, main)
+        kv.write_main_where(layer, batch.tables, ri.group, ri.closes, main)
         return kv.gather_rows(layer, batch.tables, ri.ids), ri.valid
     index_state = slots.compressor_fields(layer, r, index=True)
     pooled_i = _pool_completed(ix.compressor, u, batch, ri, index_state)
-    keys = ix.compressor.rows(pooled_i, attn.rope, rows_cs)
+    keys = ix.compressor.rows(pooled_i, attn.rope, rows_cs)[ri.closer]
     payload, scale = pack_index(keys, kv.geometry.index_dtype)
-    kv.write_rows_where(layer, batch.tables, ri.group, ri.done, main, payload, scale)
+    kv.write_rows_where(layer, batch.tables, ri.group, ri.closes, main, payload, scale)
     payload, scale = kv.read_index_rows(layer, batch.tables, ri.ids.shape[1])
     qi, w = ix.query(qr, u, attn.rope, cs)
     keys = unpack_index(payload, scale)  # [B, C, D]
