@@ -138,3 +138,29 @@ def test_v4_engine_with_graphs_decodes_what_it_does_without():
     base = plain.generate(prompts, params)
     plain.shutdown()
     assert_same_greedy(outs, base, eps=0.125, most=len(prompts) // 2)
+
+
+def test_v4_engine_with_drafts_replays_verify_graphs_and_decodes_what_it_does_without():
+    """v4-mini bf16 with its (random) MTP block at k = 2: verify forwards replay span graphs,
+    none fails, and the greedy tokens are those of the engine without graphs (up to bf16
+    near-ties), which are those of plain decoding without drafts."""
+    kw = dict(
+        block_size=256,
+        num_blocks=48,
+        max_num_seqs=8,
+        max_num_batched_tokens=1024,
+        device="cuda",
+        dtype="bfloat16",
+    )
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 300, (n,), generator=g).tolist() for n in range(100, 900, 100)]
+    params = [SamplingParams(max_tokens=12, ignore_eos=True, logprobs=5) for _ in prompts]
+    graphed = LLM("v4-mini", speculative_tokens=2, **kw)
+    outs = graphed.generate(prompts, params)
+    stats = graphed.engine.runtime.graph_stats()["verify"]
+    assert stats["replays"] > 0 and stats["failed"] == 0, stats
+    graphed.shutdown()
+    eager = LLM("v4-mini", speculative_tokens=2, cuda_graphs=False, **kw)
+    base = eager.generate(prompts, params)
+    eager.shutdown()
+    assert_same_greedy(outs, base, eps=0.125, most=len(prompts) // 2)

@@ -199,9 +199,9 @@ class DeepseekV4ForCausalLM(nn.Module):
         for layer in self.layers:
             attn = layer.attn
             x = layer(x, batch.ids, lambda u, a=attn: decode_attention(a, u, batch, kv, slots))
-        ends = batch.pos + 1
-        slots.cursor[batch.slots, 0] = ends
-        slots.header[batch.slots, 1] = ends
+        # every row of a span writes its span's end (rows sharing a slot: the same value)
+        slots.cursor[batch.slots, 0] = batch.ends
+        slots.header[batch.slots, 1] = batch.ends
         return x
 
     # ---- the MTP draft layers ------------------------------------------------------------

@@ -72,6 +72,7 @@ class DecodeBatch:
     # - 1] whether, and the batch row holding it (rows of one span are consecutive)
     own_in: torch.Tensor
     own_row: torch.Tensor
+    ends: torch.Tensor  # [B] each row's span end: the cursor its slot takes
 
     @staticmethod
     def usable(spans: list[Span]) -> bool:
@@ -143,6 +144,7 @@ class DecodeBatch:
             per_ratio,
             back >= start[:, None],
             (first[:, None] + back - start[:, None]).clamp(0, rows_b - 1),
+            end,
         )
 
     @classmethod

@@ -18,6 +18,7 @@ from atom.models.deepseek_v4.decode_graphs import V4DecodeGraphs
 from atom.models.deepseek_v4.geometry import build_v4_pool_geometry
 from atom.models.deepseek_v4.model import DeepseekV4ForCausalLM
 from atom.models.deepseek_v4.paged import StateMismatchError, V4PagedKV, V4StateSlots
+from atom.models.deepseek_v4.span_graphs import V4SpanGraphs
 
 
 class V4Runtime:
@@ -51,9 +52,10 @@ class V4Runtime:
         # padding rows (``enable_decode_graphs``)
         self.reserved_blocks = self.reserved_slots = 0
         self.graphs: V4DecodeGraphs | None = None
+        self.span_graphs: V4SpanGraphs | None = None  # verify forwards, with drafts
         self.cuda_graphs = False  # replay decode graphs (once enabled; False: eager, to debug)
         self._graph_args: tuple | None = None
-        self._graph_totals = {"replays": 0, "failed": 0}  # of earlier binds
+        self._graph_totals: dict = {}  # per kind, of earlier binds
 
     def enable_decode_graphs(
         self, max_batch: int, max_len: int | None = None, backend=None
@@ -74,22 +76,25 @@ class V4Runtime:
         self.pool, self.slot_bytes = pool, slot_bytes
         self.kv = V4PagedKV(self.geometry, pool)
         self.slots = V4StateSlots(self.geometry, slot_bytes)
-        if self.graphs is not None:  # counters never go down across binds
-            self._graph_totals["replays"] += self.graphs.replays
-            self._graph_totals["failed"] += len(self.graphs.failed)
-        self.graphs = None
+        self._graph_totals = self.graph_stats()  # counts so far (a counter never goes down)
+        self.graphs = self.span_graphs = None
         if self._graph_args is not None:
             max_batch, max_len, backend = self._graph_args
-            self.graphs = V4DecodeGraphs(
-                self.model,
-                self.kv,
-                self.slots,
-                max_batch=max_batch,
+            common = dict(
                 block_size=self.block_size,
                 spare_slot=slot_bytes.shape[0] - 1,
                 spare_block=pool.shape[0] - 1,
                 max_blocks=-(-max_len // self.block_size),
                 backend=backend,
+            )
+            k = self.geometry.speculative_tokens
+            if k:
+                rows = max_batch * (k + 1)
+                self.span_graphs = V4SpanGraphs(
+                    self.model, self.kv, self.slots, max_rows=rows, **common
+                )
+            self.graphs = V4DecodeGraphs(
+                self.model, self.kv, self.slots, max_batch=max_batch, **common
             )
 
     def forward(self, token_ids: torch.Tensor, spans: list[Span]) -> torch.Tensor:
@@ -100,18 +105,29 @@ class V4Runtime:
         return self.model.forward_paged(token_ids, spans, self.kv, self.slots)
 
     def graph_stats(self) -> dict:
-        """Decode graphs captured, their replays and failed captures (those shapes run
-        eagerly), replays and failures counted over every ``bind``. Empty without graphs."""
-        if self.graphs is None:
-            return {}
-        g, before = self.graphs, self._graph_totals
-        return {
-            "decode": {
+        """Per kind of CUDA graph (decode; verify with drafts): graphs captured, their replays
+        and captures that failed (those shapes run eagerly), replays and failures counted over
+        every ``bind``. Empty without graphs."""
+        out = {}
+        if self.graphs is not None:
+            g = self.graphs
+            out["decode"] = {
                 "captured": len(g.graphs),
-                "replays": g.replays + before["replays"],
-                "failed": len(g.failed) + before["failed"],
+                "replays": g.replays,
+                "failed": len(g.failed),
             }
-        }
+        if self.span_graphs is not None:
+            g = self.span_graphs
+            out["verify"] = {
+                "captured": len(g.graphs),
+                "replays": g.replays["verify"],
+                "failed": len(g.failed),
+            }
+        for kind, before in self._graph_totals.items():
+            now = out.setdefault(kind, {"captured": 0, "replays": 0, "failed": 0})
+            now["replays"] += before["replays"]
+            now["failed"] += before["failed"]
+        return out
 
     # ---- atom.model_api.DraftRuntime: the MTP blocks -----------------------------------------
 
@@ -122,6 +138,16 @@ class V4Runtime:
     def forward_with_residual(
         self, token_ids: torch.Tensor, spans: list[Span], all_logits: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``forward`` that also returns every token's residual (a verify forward replays a
+        span graph where it can)."""
+        if self.cuda_graphs and self.span_graphs is not None:
+            got = self.span_graphs.verify(token_ids, spans)
+            if got is not None:
+                logits, residual = got
+                if not all_logits:
+                    ends = torch.tensor([sp.num_tokens for sp in spans]).cumsum(0) - 1
+                    logits = logits[ends.to(logits.device)]
+                return logits, residual
         return self.model.forward_paged(
             token_ids, spans, self.kv, self.slots, all_logits, return_residual=True
         )
