@@ -51,6 +51,7 @@ def test_pack_rows_layout():
         "start": [5, 5, 9, 0],
         "end": [7, 7, 10, 1],
         "first": [0, 0, 2, 3],
+        "last": [1, 2, 3, 3],
     }
     assert got[nf * 4 :].view(4, 2).tolist() == [[3, 8], [3, 8], [4, 6], [8, 8]]
 
@@ -93,6 +94,36 @@ def test_verify_graphs_equal_the_eager_forward_through_rewinds(v4_tiny, k):
     assert stats["replays"] == fake.span_graphs.replays["verify"] and stats["failed"] == 0
 
 
+def test_draft_graphs_equal_the_eager_draft_layer(v4_tiny):
+    """MTP draft forwards (chained: one over a verify span's rows, then one row per span)
+    through fake graphs give the eager draft layer's logits, streams, ring and cursors."""
+    k = 3
+    eager, fake = _runtime(v4_tiny, k, False), _runtime(v4_tiny, k, True)
+    g = torch.Generator().manual_seed(9)
+    seqs = [torch.randint(0, 300, (60,), generator=g) for _ in range(2)]
+    tables = [torch.arange(5 * i, 5 * i + 5) for i in range(2)]
+    outs = []
+    for rt in (eager, fake):
+        spans = [Span(0, 20, 0, tables[0]), Span(0, 25, 1, tables[1])]
+        ids = torch.cat([seqs[0][:20], seqs[1][:25]])
+        _, res = rt.forward_with_residual(ids, spans, all_logits=True)
+        got = []
+        draft = [Span(0, 20, 0, tables[0]), Span(0, 25, 1, tables[1])]  # the prompt's rows
+        nxt = torch.cat([seqs[0][1:21], seqs[1][1:26]])
+        got.append(rt.draft_forward(nxt, res, draft))
+        rows = [Span(20, 23, 0, tables[0]), Span(25, 26, 1, tables[1])]  # verify-sized
+        nxt = torch.cat([seqs[0][21:24], seqs[1][26:27]])
+        got.append(rt.draft_forward(nxt, got[-1][1][torch.tensor([17, 18, 19, 44])], rows))
+        outs.append(got)
+    for (a_logits, a_x), (b_logits, b_x) in zip(*outs):
+        assert (a_logits - b_logits).abs().max() < 1e-4 and (a_x - b_x).abs().max() < 1e-4
+    assert fake.span_graphs.replays["draft"] >= 1 and not fake.span_graphs.failed
+    real = eager.slots.num_slots
+    assert torch.equal(eager.slots.draft_cursor, fake.slots.draft_cursor[:real])
+    assert fake.slots.host_draft[:real] == eager.slots.draft_cursor.tolist()
+    assert torch.allclose(eager.slots.window.float(), fake.slots.window[:real].float(), atol=1e-4)
+
+
 @pytest.mark.parametrize("k", [1, 3])
 def test_engine_with_v4_drafts_in_fake_graphs_equals_plain_and_oracle(fake_engine_graphs, k):
     """v4-tiny's MTP block with scripted drafts (a wrong one every 7 positions) under
@@ -103,9 +134,11 @@ def test_engine_with_v4_drafts_in_fake_graphs_equals_plain_and_oracle(fake_engin
     llm, spec = run_engine(prompts, GREEDY, k=k, truth=truth_of(prompts, plain), **tight)
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
     graphs = fake_engine_graphs[-1].span_graphs
-    assert graphs.replays["verify"] > 10 and not graphs.failed, graphs.replays
+    assert graphs.replays["verify"] > 10 and graphs.replays["draft"] > 10, graphs.replays
+    assert not graphs.failed
     counts = llm.engine.stats()["cuda_graphs"]
     assert counts["verify"]["replays"] == graphs.replays["verify"]
+    assert counts["draft"]["replays"] == graphs.replays["draft"]
     assert llm.engine.stats()["speculative"]["acceptance_rate"] > 0.5
     for p, o in zip(prompts, spec):
         assert_greedy_matches_oracle(llm.engine.runtime.model, p, o.token_ids)

@@ -223,8 +223,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         for sp in spans:
             if sp.start == 0:
                 continue
-            tag = int(slots.header[sp.slot, 0])
-            at = int(slots.draft_cursor[sp.slot, layer])
+            tag, at = slots.host_tag[sp.slot], slots.host_draft[sp.slot][layer]
             if tag != slots.tag:
                 raise StateMismatchError(
                     f"slot {sp.slot} holds no state of this layout (tag {tag:#x}), "
@@ -265,7 +264,9 @@ class DeepseekV4ForCausalLM(nn.Module):
                 f"got {list(residual.shape)}"
             )
         self.check_draft_spans(spans, slots, layer)
-        plan = V4ForwardPlan.build(token_ids, spans, self.device, ratios=[], **self._window(slots))
+        short = 1 + slots.geometry.speculative_tokens  # verify-sized spans as decode rows
+        layout = self._window(slots)
+        plan = V4ForwardPlan.build(token_ids, spans, self.device, ratios=[], short=short, **layout)
         ids, block = plan.token_ids, self.mtp[layer]
         x = block.draft(
             self.embed(ids),
@@ -274,6 +275,8 @@ class DeepseekV4ForCausalLM(nn.Module):
             lambda u: paged_attention(block.attn, u, plan, None, slots),
         )
         slots.draft_cursor[plan.span_slots, layer] = plan.span_ends
+        for sp in spans:
+            slots.advance_draft(sp.slot, layer, sp.end)
         return block.logits(x if all_logits else x[plan.last], self.head), x
 
     def embed_streams(self, token_ids: torch.Tensor) -> torch.Tensor:

@@ -67,6 +67,11 @@ class V4StateSlots:
         # the furthest position each slot's state was written to (past the cursor after
         # rejected drafts): a forward may start at most ``speculative_tokens`` before it
         self.host_frontier: list[int] = list(self.host_position)
+        # the draft layers' cursors, mirrored as the target's is (``advance_draft``)
+        n_draft = 0 if self.draft_cursor is None else self.draft_cursor.shape[1]
+        self.host_draft: list[list[int]] = (
+            self.draft_cursor.tolist() if n_draft else [[] for _ in range(self.num_slots)]
+        )
 
     @classmethod
     def allocate(cls, geometry: V4PoolGeometry, num_slots: int, device) -> V4StateSlots:
@@ -95,6 +100,7 @@ class V4StateSlots:
         self.header[slot, 0] = self.tag
         self.host_position[slot], self.host_tag[slot] = 0, self.tag
         self.host_frontier[slot] = 0
+        self.host_draft[slot] = [0] * len(self.host_draft[slot])
 
     def reset_many(self, slots: list[int], index: torch.Tensor) -> None:
         """``reset`` of several slots, ``index``: the same slots as a device int64 tensor (no
@@ -106,11 +112,17 @@ class V4StateSlots:
         for s in slots:
             self.host_position[s], self.host_tag[s] = 0, self.tag
             self.host_frontier[s] = 0
+            self.host_draft[s] = [0] * len(self.host_draft[s])
 
     def advance(self, slot: int, position: int) -> None:
         """Record in the mirror that a forward left ``slot`` at ``position``."""
         self.host_position[slot], self.host_tag[slot] = position, self.tag
         self.host_frontier[slot] = max(self.host_frontier[slot], position)
+
+    def advance_draft(self, slot: int, layer: int, position: int) -> None:
+        """Record in the mirror that a draft forward of ``layer`` left ``slot`` at
+        ``position``."""
+        self.host_draft[slot][layer] = position
 
     def check_start(self, slot: int, start: int) -> None:
         """Refuse a forward of ``slot`` from ``start`` that its state cannot run: at the
@@ -130,6 +142,8 @@ class V4StateSlots:
         at, tag = torch.stack([self.cursor[slot, 0], self.header[slot, 0]]).tolist()
         self.host_position[slot], self.host_tag[slot] = at, tag
         self.host_frontier[slot] = at
+        if self.draft_cursor is not None:
+            self.host_draft[slot] = self.draft_cursor[slot].tolist()
 
     def position(self, slot: int) -> int:
         return int(self.cursor[slot, 0])

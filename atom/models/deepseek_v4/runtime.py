@@ -118,11 +118,12 @@ class V4Runtime:
             }
         if self.span_graphs is not None:
             g = self.span_graphs
-            out["verify"] = {
-                "captured": len(g.graphs),
-                "replays": g.replays["verify"],
-                "failed": len(g.failed),
-            }
+            for kind in ("verify", "draft"):
+                out[kind] = {
+                    "captured": sum(key[0] == kind for key in g.graphs),
+                    "replays": g.replays[kind],
+                    "failed": sum(key[0] == kind for key in g.failed),
+                }
         for kind, before in self._graph_totals.items():
             now = out.setdefault(kind, {"captured": 0, "replays": 0, "failed": 0})
             now["replays"] += before["replays"]
@@ -161,6 +162,10 @@ class V4Runtime:
         layer: int = 0,
         all_logits: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.cuda_graphs and self.span_graphs is not None and not all_logits:
+            got = self.span_graphs.draft(token_ids, residual, spans, layer)
+            if got is not None:
+                return got
         return self.model.forward_draft_paged(
             token_ids, residual, spans, self.slots, layer=layer, all_logits=all_logits
         )
