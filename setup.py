@@ -14,6 +14,8 @@ setup(
         "pyyaml",
         "safetensors",
         "xxhash",
+        "msgspec>=0.18",  # KV events (atom.kv_events); lmcache depends on both too
+        "pyzmq>=25",
         "tokenizers",
         "fastapi",
         "uvicorn",

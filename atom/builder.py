@@ -1,15 +1,17 @@
 """Build an engine from a config: resolve it, load the model, attach the tier if asked.
 
 This is where the pieces that must not know each other meet: the engine (no model, no tier),
-the model registry and the offload package.
+the model registry and the tier package (atom.tier); the ranks and the tier's per-rank ops.
 """
 
 from __future__ import annotations
 
 import torch
 
+from atom import kernels
 from atom.config import EngineConfig
 from atom.engine.engine import LLMEngine
+from atom.model_api import RuntimeCapabilities
 from atom.models.registry import load_runtime
 
 
@@ -18,14 +20,17 @@ def build_engine(config: EngineConfig, attach_tier=None) -> LLMEngine:
     (tests attach fakes through it)."""
     cfg = config.resolved()
     torch.manual_seed(cfg.seed)
+    kernels.configure(cfg.triton_kernels, cfg.triton_off, cfg.triton_on)
     attach = attach_tier
     if attach is None and cfg.offload == "lmcache_mp":
         attach = _lmcache_tier(cfg)
     if cfg.tensor_parallel_size > 1:
         from atom.distributed.ranks import start_ranks
+        from atom.tier.worker_side.rank_tier import RankTierOps
 
-        # every rank runs every forward eagerly (no decode graphs across ranks yet)
-        return LLMEngine(cfg, start_ranks(cfg), attach)
+        # every rank runs every forward eagerly (no decode graphs across ranks yet); each rank
+        # makes the tier's ops rank 0 sends (a tier attached here, or by ``attach_tier``)
+        return LLMEngine(cfg, start_ranks(cfg, rank_ops=RankTierOps), attach)
     runtime = load_runtime(
         cfg.model,
         dtype=getattr(torch, cfg.dtype),
@@ -37,8 +42,9 @@ def build_engine(config: EngineConfig, attach_tier=None) -> LLMEngine:
         speculative_tokens=cfg.speculative_tokens,
     )
     graphs = decode_graphs_wanted(cfg)
-    if graphs and hasattr(runtime, "enable_decode_graphs"):
-        runtime.enable_decode_graphs(cfg.max_num_seqs, cfg.max_model_len)  # CUDA only
+    enable_graphs = RuntimeCapabilities.of(runtime).enable_decode_graphs
+    if graphs and enable_graphs is not None:
+        enable_graphs(cfg.max_num_seqs, cfg.max_model_len)  # CUDA only
     return LLMEngine(cfg, runtime, attach)
 
 
@@ -50,23 +56,22 @@ def decode_graphs_wanted(cfg: EngineConfig) -> bool:
 
 def _lmcache_tier(cfg: EngineConfig):
     """The attach hook of the LMCache MP tier (on every rank of a tensor-parallel engine)."""
-    from atom.kv_transfer.offload.attach import LMCacheTier
+    from atom.tier.attach import LMCacheTier
 
     def attach(engine: LLMEngine) -> LMCacheTier:
-        tier_ranks = getattr(engine.runtime, "tier_ranks", None)
+        rank_channels = RuntimeCapabilities.of(engine.runtime).rank_channels
         return LMCacheTier(
             config=cfg.lmcache,
             model=cfg.model,
             seed=cfg.seed,
             spec=engine.spec,
             block_size=cfg.block_size,
-            pool=engine.pool,
             store=engine.store,
             pool_tensor=engine.runner.pool,
             device=cfg.device,
             metrics=engine.metrics,
             notify_progress=engine.notify_progress,
-            ranks=tier_ranks() if tier_ranks is not None else None,
+            ranks=rank_channels() if rank_channels is not None else None,
         )
 
     return attach

@@ -14,7 +14,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
 
 from atom.config_errors import EngineConfigError, format_validation_error
-from atom.kv_transfer.offload.config import OffloadConfig
+from atom.kv_events.config import KVEventsConfig
+from atom.tier.config import OffloadConfig
 
 __all__ = ["EngineConfig", "EngineConfigError", "OffloadConfig"]
 
@@ -39,6 +40,12 @@ class EngineConfig(BaseModel):
     # decode steps replay CUDA graphs captured per batch size (CUDA only; a runtime without
     # them ignores it); False runs every forward eagerly, for debugging
     cuda_graphs: bool = True
+    # the Triton kernels (CUDA only; atom/kernels): False runs the torch expression of every
+    # one; triton_off names kernels to turn off, triton_on the opt-in ones to turn on
+    # (decode_attention, moe_combine); a comma-separated string is read as a list
+    triton_kernels: bool = True
+    triton_off: list[str] = []
+    triton_on: list[str] = []
     # speculative decoding with the model's own drafter (draft layers, or DSpark stages):
     # drafts verified per decode step
     # (0 = off; up to 5). The state gains rows for them, so it is part of the tier namespace
@@ -50,6 +57,8 @@ class EngineConfig(BaseModel):
     tensor_parallel_start_timeout_s: float = 30.0
     offload: Literal["none", "lmcache_mp"] = "none"
     lmcache: OffloadConfig = OffloadConfig()  # the tier's settings (with offload=lmcache_mp)
+    # publish HBM prefix-cache events in vLLM's format on ZMQ (None: off); docs/SCALING.md
+    kv_events: KVEventsConfig | None = None
 
     @field_validator(
         "max_num_seqs", "max_num_batched_tokens", "checkpoint_interval", "tensor_parallel_size"
@@ -59,6 +68,17 @@ class EngineConfig(BaseModel):
         if v < 1:
             raise ValueError(f"must be >= 1, got {v}")
         return v
+
+    @field_validator("triton_off", "triton_on", mode="before")
+    @classmethod
+    def _kernel_names(cls, v: Any) -> list[str]:
+        from atom.kernels import KERNELS
+
+        names = [n.strip() for n in v.split(",") if n.strip()] if isinstance(v, str) else v
+        unknown = sorted(set(names) - KERNELS) if isinstance(names, list) else None
+        if unknown:
+            raise ValueError(f"unknown kernels {unknown}; allowed: {', '.join(sorted(KERNELS))}")
+        return names
 
     @field_validator("speculative_tokens")
     @classmethod

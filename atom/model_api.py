@@ -1,4 +1,4 @@
-"""What a model publishes to the engine and the offload code, and what they call on it.
+"""What a model publishes to the engine and the tier (atom.tier), and what they call on it.
 
 The engine and the tier never ask which model they run. They ask for a StateSpec: how many bytes
 a PAGE block holds, how many bytes a request's state slot holds, how many whole PAGE blocks
@@ -9,8 +9,9 @@ those bytes would be laid out differently. A model without per-request state pub
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -78,6 +79,15 @@ class ModelRuntime(Protocol):
 
     ``bind`` is called once, with the pool tensor as registered (with the tier, when one is
     attached) and the state-slot bytes; every view the model uses derives from those tensors.
+
+    Optional members (a runtime without one behaves as its default; the engine reads them only
+    through ``RuntimeCapabilities.of``, once, never by probing at its call sites):
+    ``reserved_blocks`` / ``reserved_slots`` (int, 0: pool blocks and state slots the runtime
+    keeps for itself, e.g. CUDA-graph padding), ``host_block_tables`` (bool, False: block tables
+    are passed on the host), ``rewinds_on_rejection`` (bool, False: its state can re-run
+    positions whose drafts were rejected), ``graph_stats()`` (CUDA graphs captured, replayed,
+    failed), ``enable_decode_graphs(max_num_seqs, max_model_len)``, ``close()`` (other ranks
+    to stop), ``rank_channels()`` (a tensor-parallel runtime: how the tier reaches its ranks).
     """
 
     spec: StateSpec
@@ -98,6 +108,29 @@ class ModelRuntime(Protocol):
         """Copy an image into the slot; returns the position it resumes at. Raises
         ImageLayoutError for an image of another layout (the slot is left untouched)."""
         ...
+
+
+@dataclass(frozen=True)
+class RuntimeCapabilities:
+    """The optional members of a ``ModelRuntime`` (its docstring says what each means), read
+    once: the engine, the runner and the builder ask this value, not the runtime."""
+
+    reserved_blocks: int = 0
+    reserved_slots: int = 0
+    host_block_tables: bool = False
+    rewinds_on_rejection: bool = False
+    graph_stats: Callable[[], dict] | None = None
+    enable_decode_graphs: Callable[[int, int], None] | None = None
+    close: Callable[[], None] | None = None
+    rank_channels: Callable[[], Any] | None = None
+
+    @classmethod
+    def of(cls, runtime: object) -> RuntimeCapabilities:
+        """The capabilities ``runtime`` declares (a member it lacks takes its default)."""
+        declared = getattr(runtime, "capabilities", None)
+        if isinstance(declared, RuntimeCapabilities):
+            return declared
+        return cls(**{f.name: getattr(runtime, f.name, f.default) for f in fields(cls)})
 
 
 @runtime_checkable

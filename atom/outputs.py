@@ -3,20 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple
 
-if TYPE_CHECKING:
-    from atom.engine.sequence import Sequence
+from atom.engine.sequence import Sequence, TokenLogprob
 
-
-class TokenLogprob(NamedTuple):
-    """One token's log-probability under the model's raw distribution (log-softmax of the
-    logits, before penalties, temperature, top-k and top-p)."""
-
-    token_id: int
-    logprob: float
-    rank: int  # 1 = the most likely token
-    top: tuple[tuple[int, float], ...]  # the k most likely (token id, logprob), most likely first
+__all__ = ["RequestOutput", "TokenLogprob"]
 
 
 @dataclass(frozen=True)

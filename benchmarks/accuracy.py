@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 
 from atom import LLM, SamplingParams
-from atom.kv_transfer.offload.lmcache_server import LMCacheServer
+from atom.tier.server.lmcache_server import LMCacheServer
 from benchmarks.common import md_table, write_results
 from benchmarks.recall_task import preamble as make_preamble
 from benchmarks.recall_task import split

@@ -62,7 +62,7 @@ def drained(llm) -> None:
 
 
 def latencies(llm) -> tuple[list[float], list[float]]:
-    m = llm.engine.tier.connector.m
+    m = llm.engine.tier.connector.tier_metrics
     return m.lookup_latency.samples(), m.latency.samples(op="load")
 
 

@@ -10,7 +10,7 @@ import sys
 import torch
 
 from atom import LLM, SamplingParams
-from atom.kv_transfer.offload.lmcache_server import LMCacheServer
+from atom.tier.server.lmcache_server import LMCacheServer
 
 KW = dict(
     block_size=16,
@@ -52,7 +52,7 @@ try:
             f"wave {i}: lookup latency max {max(lat):.4f} s median "
             f"{statistics.median(lat):.4f} s n={len(lat)}"
         )
-    saves = conn.m.saves.get(outcome="done")
+    saves = conn.tier_metrics.saves.get(outcome="done")
     print("saves done", saves, "health now:", llm.engine.tier_health()["load_mode"])
     llm.shutdown()
 finally:

@@ -33,10 +33,12 @@ import time
 
 import torch
 
-from atom.kv_transfer.offload.events import EventPool
-from atom.kv_transfer.offload.lmcache_server import LMCacheServer
-from atom.kv_transfer.offload.operations import TransferOp
-from atom.kv_transfer.offload.worker import (
+from atom.models.deepseek_v41.pool_geometry import build_v41_pool_geometry
+from atom.models.deepseek_v41.presets import preset_config
+from atom.tier.operations import TransferOp
+from atom.tier.server.lmcache_server import LMCacheServer
+from atom.tier.worker_side.events import EventPool
+from atom.tier.worker_side.layout import (
     SpecShape,
     build_spec,
     group_infos,
@@ -44,8 +46,6 @@ from atom.kv_transfer.offload.worker import (
     share_pool,
     unlink_segment,
 )
-from atom.models.deepseek_v41.pool_geometry import build_v41_pool_geometry
-from atom.models.deepseek_v41.presets import preset_config
 from benchmarks.common import md_table, write_results
 from benchmarks.serving import plain_copy_seconds
 from benchmarks.transfer_local import EngineDriven, ServerLog, event_costs, write_header

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import torch
 
-from atom.kv_transfer.offload.l1_map import Mappings
-from atom.kv_transfer.offload.local_load import LocalLoads
-from atom.kv_transfer.offload.locator import Locator
+from atom.tier.worker_side.l1_map import Mappings
+from atom.tier.worker_side.local_load import LocalLoads
+from atom.tier.worker_side.locator import Locator
 
 RETRIEVED = re.compile(r"Retrieved (\d+) tokens in ([\d.]+) seconds")
 

@@ -31,7 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from atom.kv_transfer.offload.lmcache_server import free_port  # noqa: E402  (below ephemeral)
+from atom.tier.server.lmcache_server import free_port  # noqa: E402  (below ephemeral)
 
 
 def wait_for(cond, timeout_s: float, what: str) -> None:

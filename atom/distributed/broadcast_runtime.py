@@ -11,7 +11,8 @@ An op is a tuple ``(name, *args)`` of host values (token ids and block tables on
 image units as lists), sent with one object broadcast on the control group. Ops:
 ``("bind", pool_shape, pool_dtype, slot_shape)``, ``("forward", ids, spans, all_logits)``,
 ``("store_image", slot, units)``, ``("restore_image", units, slot)``, ``("stop",)``, and the
-tier's ``tier_attach`` / ``tier_op`` / ``tier_stop`` (``rank_tier``), which ride the same
+tier's ``tier_attach`` / ``tier_op`` / ``tier_stop`` (a ``RankOps``, made on each rank by
+``atom.tier.worker_side.rank_tier.RankTierOps``), which ride the same
 broadcast so each rank sees them in order with the forwards.
 
 Idle engines: a rank waits for the next op inside a collective of the control group, which
@@ -27,16 +28,32 @@ import logging
 import threading
 import time
 from contextlib import contextmanager
+from typing import Protocol
 
 import torch
 
-from atom.model_api import Span
+from atom.distributed.parallel_state import RankChannels, RankFailure
+from atom.model_api import RuntimeCapabilities, Span
+
+__all__ = ["BroadcastRuntime", "RankFailure", "RankOps", "run_forward", "serve_ops"]
 
 log = logging.getLogger("atom.distributed")
 
 
-class RankFailure(RuntimeError):
-    """Another rank is gone (or a collective with it failed): the engine cannot continue."""
+class RankOps(Protocol):
+    """Ops a rank other than 0 makes besides the model's (the tier's: ``atom.tier``).
+
+    ``names``: the op names it takes; ``handle(name, args, runtime, device)`` makes one (it
+    must not raise for a failure of its own: the rank lives on); ``pool``: the pool tensor it
+    made before ``bind`` (None: the rank makes its own); ``close()``: idempotent, at exit.
+    """
+
+    names: frozenset[str]
+    pool: torch.Tensor | None
+
+    def handle(self, name: str, args: tuple, runtime, device) -> None: ...
+
+    def close(self) -> None: ...
 
 
 class BroadcastRuntime:
@@ -56,8 +73,8 @@ class BroadcastRuntime:
     ):
         self.inner, self.state = runtime, state
         self.spec, self.vocab_size, self.device = runtime.spec, runtime.vocab_size, runtime.device
-        self.reserved_blocks = getattr(runtime, "reserved_blocks", 0)
-        self.reserved_slots = getattr(runtime, "reserved_slots", 0)
+        caps = RuntimeCapabilities.of(runtime)
+        self.reserved_blocks, self.reserved_slots = caps.reserved_blocks, caps.reserved_slots
         self._on_close = on_close
         self.closed = False
         self.processes = list(processes)  # the other ranks' processes
@@ -74,11 +91,10 @@ class BroadcastRuntime:
             )
             self._keepalive.start()
 
-    def tier_ranks(self):
-        """What a tier attached to this engine needs to run on every rank."""
-        from atom.distributed.tier_ranks import TierRanks
-
-        return TierRanks(
+    def rank_channels(self) -> RankChannels:
+        """How a tier attached to this engine reaches every rank (``ModelRuntime``'s optional
+        ``rank_channels``)."""
+        return RankChannels(
             world_size=self.state.world_size,
             rank_replicated=self.rank_replicated,
             send=self._send,
@@ -177,11 +193,11 @@ def run_forward(runtime, ids: torch.Tensor, spans: list[Span], all_logits: bool)
     return runtime.model.forward_paged(ids, spans, runtime.kv, runtime.slots, all_logits=True)
 
 
-def serve_ops(runtime, state, tier_conn=None) -> None:
+def serve_ops(runtime, state, rank_ops: RankOps | None = None) -> None:
     """A rank other than 0: make every op rank 0 sends on ``runtime`` until ``stop``;
-    ``tier_conn`` is this rank's tier outcome pipe (write end)."""
+    ``rank_ops`` makes the ops that are not the model's (an unknown op raises)."""
     device = runtime.device
-    tier, tier_error = None, ""
+    extra = rank_ops.names if rank_ops is not None else frozenset()
     try:
         while True:
             op = state.broadcast_object()
@@ -192,8 +208,8 @@ def serve_ops(runtime, state, tier_conn=None) -> None:
                 continue
             if name == "bind":
                 shape, dtype, slot_shape = args
-                if tier is not None:
-                    pool = tier.pool  # made, shared and registered at tier_attach
+                pool = rank_ops.pool if rank_ops is not None else None
+                if pool is not None:  # made, shared and registered before bind
                     assert tuple(pool.shape) == tuple(shape), (pool.shape, shape)
                 else:
                     dt = getattr(torch, dtype.split(".")[-1])
@@ -208,63 +224,10 @@ def serve_ops(runtime, state, tier_conn=None) -> None:
             elif name == "restore_image":
                 units, slot = args
                 runtime.restore_image(torch.tensor(units, dtype=torch.int64, device=device), slot)
-            elif name == "tier_attach":
-                tier, tier_error = _attach_tier(args[0], state.rank, tier_conn, runtime, device)
-            elif name == "tier_op":
-                _submit_part(tier, args[0], tier_conn, tier_error)
-            elif name == "tier_stop":
-                if tier is None:
-                    _tell(tier_conn, ("stopped",))
-                else:
-                    tier.stop(args[0])
+            elif name in extra:
+                rank_ops.handle(name, args, runtime, device)
             else:
                 raise RuntimeError(f"unknown tensor-parallel op {name!r}")
     finally:
-        if tier is not None:
-            tier.stop(0.0)  # idempotent: unregisters and removes the pool's shm segment
-
-
-# ---- the tier on a rank: a failing tier never stops the rank (nor so the engine) ---------------
-
-
-def _tell(conn, msg: tuple) -> None:
-    try:
-        if conn is not None:
-            conn.send(msg)
-    except (OSError, ValueError):
-        pass  # rank 0 is gone: this rank's parent-watch ends it
-
-
-def _attach_tier(spec, rank: int, conn, runtime, device):
-    """This rank's ``RankTier`` attached, or (None, why) when that failed: the rank then binds
-    a pool of its own, reports itself unhealthy (rank 0 then moves nothing through the tier)
-    and fails every part it is sent."""
-    from atom.distributed.rank_tier import RankTier
-
-    tier = None
-    try:
-        tier = RankTier(spec, rank, conn, runtime.spec)
-        tier.attach(device)
-        return tier, ""
-    except Exception as exc:  # noqa: BLE001 - reported to rank 0 as this rank's tier health
-        why = f"rank {rank}: tier attach failed: {exc!r}"
-        log.exception("%s", why)
-        if tier is not None:
-            try:
-                tier.stop(0.0)  # unregisters and removes its pool's segment, if it got there
-            except Exception:  # noqa: BLE001
-                log.warning("rank %d: cleaning up a failed tier attach", rank, exc_info=True)
-        _tell(conn, ("health", False, 0, why))
-        return None, why
-
-
-def _submit_part(tier, part, conn, why: str) -> None:
-    """Queue this rank's part, or report it failed (no tier here, or the submit raised)."""
-    if tier is not None:
-        try:
-            tier.submit(part)
-            return
-        except Exception as exc:  # noqa: BLE001 - the op fails on every rank, the rank lives
-            why = f"submit raised: {exc!r}"
-            log.exception("tier part %d", part.op_id)
-    _tell(conn, ("part", part.op_id, "failed", False, why or "rank tier not attached", None))
+        if rank_ops is not None:
+            rank_ops.close()

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -28,6 +29,25 @@ import torch.distributed as dist
 
 DEFAULT_TIMEOUT_S = 30.0
 DEFAULT_INIT_TIMEOUT_S = 600.0
+
+
+class RankFailure(RuntimeError):
+    """Another rank is gone (or a collective with it failed): the engine cannot continue."""
+
+
+@dataclass(frozen=True)
+class RankChannels:
+    """How rank 0 reaches the other ranks outside the forward's collectives.
+
+    ``send(*op)`` broadcasts one op on the control group, in order with the forwards (raises
+    ``RankFailure`` when a rank is gone); ``conns[r - 1]`` is rank r's own outcome pipe (read
+    end); ``rank_replicated``: every rank's pool holds the same bytes for the same block.
+    """
+
+    world_size: int
+    rank_replicated: bool
+    send: Callable[..., bool]
+    conns: list
 
 
 def _loopback_transports() -> None:

@@ -27,6 +27,7 @@ import threading
 
 import torch
 
+from atom import kernels
 from atom.distributed.broadcast_runtime import BroadcastRuntime, serve_ops
 from atom.distributed.parallel_state import ParallelState
 from atom.distributed.rendezvous import Rendezvous, join, refuse_reimport
@@ -77,6 +78,7 @@ def _rank_main(
     values: dict,
     tier_conn=None,
     control_timeout_s: float = CONTROL_TIMEOUT_S,
+    rank_ops=None,
 ) -> None:
     from atom.config import EngineConfig
 
@@ -87,6 +89,7 @@ def _rank_main(
         ).start()
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{rank} %(message)s")
     cfg = EngineConfig(**values)
+    kernels.configure(cfg.triton_kernels, cfg.triton_off, cfg.triton_on)  # as rank 0's build
     torch.set_num_threads(max(1, torch.get_num_threads() // world))
     start_s = cfg.tensor_parallel_start_timeout_s
     state = ParallelState.init(
@@ -99,12 +102,15 @@ def _rank_main(
         control_timeout_s=control_timeout_s,
     )
     runtime = build_rank_runtime(cfg, state)
-    serve_ops(runtime, state, tier_conn)
+    serve_ops(runtime, state, rank_ops(rank, tier_conn) if rank_ops is not None else None)
     state.destroy()
 
 
-def start_ranks(cfg) -> BroadcastRuntime:
+def start_ranks(cfg, rank_ops=None) -> BroadcastRuntime:
     """Spawn ranks 1..N-1 of the resolved config ``cfg``, join as rank 0, return its runtime.
+    ``rank_ops(rank, conn)`` (picklable: spawned ranks import it) makes each rank's
+    ``RankOps``, the ops besides the model's (the tier's), with ``conn`` the rank's outcome
+    pipe (write end); None: the ranks make the model's ops only.
     Every rank joins within ``cfg.tensor_parallel_start_timeout_s``, or this raises
     ``TensorParallelStartError`` saying which rank and why (``rendezvous``)."""
     from atom.distributed.v41 import TIER_BYTES_REPLICATED, check_v41_tp
@@ -124,7 +130,10 @@ def start_ranks(cfg) -> BroadcastRuntime:
     procs = [
         ctx.Process(
             target=_rank_main,
-            args=(rank, world, rendezvous.address, cfg.model_dump(), pipes[rank - 1][1], control_s),
+            args=(
+                rank, world, rendezvous.address, cfg.model_dump(), pipes[rank - 1][1], control_s,
+                rank_ops,
+            ),  # fmt: skip
             name=f"atom-tp-rank{rank}",
             daemon=True,
         )

@@ -14,20 +14,17 @@ the request is re-admitted fresh and resumes from the last READY image at or bel
 
 Intervals while a load is in flight (F = frontier, T = the tier's hit):
   [0, F)      resident blocks, acquired by the request
-  [F, T)      fresh blocks the load writes (leased by the tier), image units at T
+  [F, T)      fresh blocks the load writes (also leased for the transfer), image units at T
   [T, first)  fresh blocks for the request's first chunk after the load
 """
 
 from __future__ import annotations
 
 import enum
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 from atom.engine.checkpoints import Checkpoint
-from atom.engine.sequence import SeqStatus, Sequence
-
-if TYPE_CHECKING:
-    from atom.engine.scheduler import ScheduledSpan
+from atom.engine.sequence import ScheduledSpan, SeqStatus, Sequence
 
 
 class Admit(enum.Enum):
@@ -158,5 +155,8 @@ class Admission:
             return None
         seq.block_table = keep + blocks
         seq.status = SeqStatus.WAITING_FOR_TIER
-        self.connector.start_load(seq, start, tier, blocks[: (tier - start) // bs], image)
+        self.apply(
+            self.connector.start_load(seq, start, tier, blocks[: (tier - start) // bs], image)
+        )
+        self.store.unpin(image)  # the creation pin: the load's lease holds the image now
         return Admit.WAIT

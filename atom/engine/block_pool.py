@@ -7,6 +7,9 @@ A block is in exactly one of three pool states:
 
 Evicting a cached block unregisters its hash and reports it through ``on_evict`` (the
 checkpoint store drops every READY image whose prefix contained that hash: state within KV).
+An optional ``listener`` (``PoolListener``; KV events) hears every hash that becomes resident
+(``stored``) and every one that stops being resident (``removed``); a hash handed from one block
+to another is neither. Without one each operation pays one ``if``.
 
 Recency: cached blocks are evicted in the order their users released them. A user is a
 sequence or a prefix hit; a transfer lease (a tier store still reading the block) is not: a
@@ -22,6 +25,7 @@ import heapq
 import itertools
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
+from typing import Protocol
 
 import xxhash
 
@@ -48,6 +52,14 @@ class PoolExhausted(RuntimeError):
     pass
 
 
+class PoolListener(Protocol):
+    """Told, on the thread that changes the pool, when a hash becomes or stops being resident."""
+
+    def stored(self, block: int, block_hash: int) -> None: ...
+
+    def removed(self, block_hash: int) -> None: ...
+
+
 class BlockPool:
     def __init__(self, num_blocks: int):
         if num_blocks < 1:
@@ -63,6 +75,7 @@ class BlockPool:
         self._clock = itertools.count()
         self._stamp = [0] * num_blocks  # when a user last released the block
         self.on_evict: Callable[[int], None] = lambda h: None
+        self.listener: PoolListener | None = None
         self.evictions = 0
         # twins: live blocks whose computed content duplicates a registered hash (a request
         # that recomputed a prefix another block holds), block -> hash; one takes the hash
@@ -158,6 +171,8 @@ class BlockPool:
             self.hash_of[holder] = None
         self.hash_of[block] = h
         self.by_hash[h] = block
+        if holder is None and self.listener is not None:
+            self.listener.stored(block, h)
         return True
 
     def twins(self) -> dict[int, int]:
@@ -202,4 +217,6 @@ class BlockPool:
                 del self._twin_of[twin]
                 self.hash_of[twin], self.by_hash[h] = h, twin
                 return
+            if self.listener is not None:
+                self.listener.removed(h)
             self.on_evict(h)

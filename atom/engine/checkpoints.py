@@ -62,6 +62,12 @@ class CheckpointStore:
             self._lru.move_to_end(key)
         return ckpt
 
+    def ready_image(self, key: int) -> Checkpoint | None:
+        """The READY image at ``key``, or None; a pure read (no recency change): what the tier
+        asks when it plans its stores."""
+        ckpt = self.images.get(key)
+        return ckpt if ckpt is not None and ckpt.ready else None
+
     def counts(self) -> dict[str, int]:
         ready = sum(1 for c in self.images.values() if c.state is CkptState.READY)
         return {

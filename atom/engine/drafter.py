@@ -48,7 +48,7 @@ class Drafter:
     def __init__(self, runtime, speculative_tokens: int, num_layers: int):
         if num_layers < 1:
             raise ValueError("speculative decoding needs a runtime with draft layers")
-        self.runtime, self.k, self.m = runtime, speculative_tokens, num_layers
+        self.runtime, self.k, self.num_layers = runtime, speculative_tokens, num_layers
         self._no_blocks = torch.empty(0, dtype=torch.int64)
 
     def propose(self, items: list[DraftItem]) -> dict[int, list[int]]:
@@ -58,23 +58,23 @@ class Drafter:
         if not items:
             return chains
         residual = [it.residual for it in items]
-        for d in range(1, min(self.k, self.m) + 1):
+        for d in range(1, min(self.k, self.num_layers) + 1):
             ids = [self._token(it, j + d, chains) for it in items for j in range(it.start, it.end)]
             spans = [Span(it.start, it.end, it.seq.slot, self._no_blocks) for it in items]
             logits, out = self._call(ids, torch.cat(residual), spans, d - 1)
             residual = list(out.split([it.end - it.start for it in items]))
             self._extend(items, logits, chains, d)
-        last = [i for i, it in enumerate(items) if it.want > self.m]
-        for d in range(self.m + 1, self.k + 1):
+        last = [i for i, it in enumerate(items) if it.want > self.num_layers]
+        for d in range(self.num_layers + 1, self.k + 1):
             last = [i for i in last if items[i].want >= d]
             if not last:
                 break
             picked = [items[i] for i in last]
             ids = [chains[it.seq.seq_id][-1] for it in picked]
-            at = [it.end + d - self.m - 1 for it in picked]
+            at = [it.end + d - self.num_layers - 1 for it in picked]
             spans = [Span(p, p + 1, it.seq.slot, self._no_blocks) for p, it in zip(at, picked)]
             res = torch.cat([residual[i][-1:] for i in last])
-            logits, out = self._call(ids, res, spans, self.m - 1)
+            logits, out = self._call(ids, res, spans, self.num_layers - 1)
             for n, i in enumerate(last):
                 residual[i] = out[n : n + 1]
             self._extend(picked, logits, chains, d)

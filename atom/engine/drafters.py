@@ -6,7 +6,7 @@ from __future__ import annotations
 from atom.config import EngineConfig
 from atom.engine.block_drafter import BlockDrafter
 from atom.engine.drafter import Drafter
-from atom.model_api import ModelRuntime, block_draft_size, draft_layers
+from atom.model_api import ModelRuntime, RuntimeCapabilities, block_draft_size, draft_layers
 
 
 def make_drafter(cfg: EngineConfig, runtime: ModelRuntime) -> Drafter | BlockDrafter:
@@ -20,7 +20,7 @@ def make_drafter(cfg: EngineConfig, runtime: ModelRuntime) -> Drafter | BlockDra
             "with one or speculative_tokens=0"
         )
     # verify spans re-run the target's positions after rejected drafts, whatever drafts
-    if not getattr(runtime, "rewinds_on_rejection", False):
+    if not RuntimeCapabilities.of(runtime).rewinds_on_rejection:
         raise ValueError(
             f"speculative_tokens={cfg.speculative_tokens}: model {cfg.model!r} cannot re-run "
             "positions after rejected drafts (its state has no rewind); use speculative_tokens=0"

@@ -27,7 +27,7 @@ from atom.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from atom.engine.sequence import SeqStatus, Sequence
 from atom.engine.spec_step import speculative_step
 from atom.metrics import Registry
-from atom.model_api import ModelRuntime
+from atom.model_api import ModelRuntime, RuntimeCapabilities
 from atom.sampling_params import SamplingParams
 
 log = logging.getLogger("atom.engine")
@@ -107,7 +107,18 @@ class LLMEngine:
             self.spec_stats = SpecStats(self.metrics)
         self.requests: dict[str, Sequence] = {}
         self.steps = 0
-        self.m = EngineMetrics(self.metrics, self.scheduler, self.store, self.pool, runtime)
+        self.engine_metrics = EngineMetrics(
+            self.metrics, self.scheduler, self.store, self.pool, runtime
+        )
+        self.kv_events = None  # prefix-cache events for routers (atom.kv_events), from here on
+        if cfg.kv_events is not None:
+            from atom.kv_events.events import start_kv_events
+
+            self.kv_events = start_kv_events(
+                cfg.kv_events, cfg.block_size, self.scheduler, self.metrics
+            )
+            if self.tier is not None:  # saves that settle: blocks the tier holds
+                self.tier.connector.kv_events = self.kv_events
         log.info(
             "engine ready: model=%s device=%s dtype=%s kv=%s index=%s block=%d pool=%d blocks "
             "x %d B, image=%d B (%d units)",
@@ -225,7 +236,7 @@ class LLMEngine:
         t0 = time.perf_counter()
         if self.drafter is not None:
             finished = speculative_step(self, out)
-            self.m.step.observe(time.perf_counter() - t0)
+            self.engine_metrics.step.observe(time.perf_counter() - t0)
             return StepResult(True, finished, False)
         # spans of requests asking for prompt logprobs need every token's logits
         full = [i for i, sp in enumerate(out.spans) if needs_prompt_logits(sp.seq, sp.start)]
@@ -248,8 +259,7 @@ class LLMEngine:
         now = time.perf_counter()
         for sp in out.spans:
             self.scheduler.commit(sp)
-        if self.scheduler.connector is not None:
-            self.scheduler.connector.after_step([sp.seq for sp in out.spans])
+        self.scheduler.after_step([sp.seq for sp in out.spans])
         for i, sp in enumerate(out.spans):
             if i in sampled:
                 seq = sp.seq
@@ -263,18 +273,18 @@ class LLMEngine:
                 if reason:
                     self._finish(seq, reason)
                     finished.append(seq)
-        self.m.step.observe(time.perf_counter() - t0)
+        self.engine_metrics.step.observe(time.perf_counter() - t0)
         return StepResult(True, finished, False)
 
     def token_emitted(self, seq: Sequence, now: float) -> None:
         """Timings and counters of one output token of ``seq`` made visible at ``now``."""
         if seq.first_token_time is None:
             seq.first_token_time = now
-            self.m.ttft.observe(now - seq.arrival_time)
+            self.engine_metrics.ttft.observe(now - seq.arrival_time)
         else:
-            self.m.itl.observe(now - seq.token_times[-1])
+            self.engine_metrics.itl.observe(now - seq.token_times[-1])
         seq.token_times.append(now)
-        self.m.gen.inc()
+        self.engine_metrics.gen.inc()
 
     # ---- driving ------------------------------------------------------------------------
 
@@ -317,10 +327,10 @@ class LLMEngine:
     def _finish(self, seq: Sequence, reason: str) -> None:
         self.scheduler.finish(seq, reason)
         c = seq.counters
-        self.m.requests.inc(finish_reason=reason)
-        self.m.prompt.inc(c.hbm_hit_tokens, source="hbm")
-        self.m.prompt.inc(c.tier_hit_tokens, source="tier")
-        self.m.prompt.inc(c.computed_prompt_tokens, source="computed")
+        self.engine_metrics.requests.inc(finish_reason=reason)
+        self.engine_metrics.prompt.inc(c.hbm_hit_tokens, source="hbm")
+        self.engine_metrics.prompt.inc(c.tier_hit_tokens, source="tier")
+        self.engine_metrics.prompt.inc(c.computed_prompt_tokens, source="computed")
         seq.finish_time = time.perf_counter()
         self.sampler.forget(seq)
         self.requests.pop(seq.request_id, None)
@@ -344,6 +354,8 @@ class LLMEngine:
         for b in range(self.pool.num_blocks):
             if self.pool.is_cached(b):
                 self.pool.forget(b)
+        if self.kv_events is not None and not self.pool.by_hash:
+            self.kv_events.cleared()
 
     def check_integrity(self) -> None:
         check_integrity(self.scheduler)
@@ -375,7 +387,9 @@ class LLMEngine:
                 self._finish(seq, "abort")
         if self.tier is not None:
             tier, self.tier = self.tier, None
-            tier.shutdown(timeout_s)
-        close = getattr(self.runtime, "close", None)  # a tensor-parallel runtime's other ranks
+            self.scheduler.apply(tier.shutdown(timeout_s))
+        if self.kv_events is not None:  # after the last blocks were released: all sent
+            self.kv_events.close(min(timeout_s, 5.0))
+        close = RuntimeCapabilities.of(self.runtime).close  # a tensor-parallel runtime's ranks
         if close is not None:
             close()

@@ -4,11 +4,12 @@ scheduler, the pool and the checkpoint store."""
 from __future__ import annotations
 
 from atom.metrics import Registry
+from atom.model_api import RuntimeCapabilities
 
 
 def graph_stats(runtime) -> dict:
     """The runtime's CUDA graph counts by kind (``graph_stats``; empty when it has none)."""
-    read = getattr(runtime, "graph_stats", None)
+    read = RuntimeCapabilities.of(runtime).graph_stats
     return read() if read is not None else {}
 
 

@@ -1,7 +1,8 @@
 """The invariants of the pool, the checkpoint store and the scheduler, checked in one place.
 
 Tests call ``check_integrity`` after every step. Owners of a block are the sequences whose block
-tables hold it, the checkpoints whose units it is, and the tier's transfer leases.
+tables hold it, the checkpoints whose units it is, and the leases the engine holds for the
+tier's transfers (``Scheduler.tier_leases``, which must be what the tier's transfers need).
 """
 
 from __future__ import annotations
@@ -26,9 +27,14 @@ def check_integrity(sched: Scheduler) -> None:
         for b in ckpt.units:
             owners[b] += 1
             unit_count += 1
+    held: dict[int, int] = {}
+    for lease in sched.tier_leases.values():
+        for b in lease.blocks:
+            held[b] = held.get(b, 0) + 1
+            owners[b] += 1
     if sched.connector is not None:
-        for b, n in sched.connector.leases().items():
-            owners[b] += n
+        tier = sched.connector.leases()
+        assert held == tier, f"the engine holds leases {held}, the tier's transfers need {tier}"
     for b in range(pool.num_blocks):
         assert pool.ref[b] == owners[b], f"block {b}: ref {pool.ref[b]} != owners {owners[b]}"
         free, cached = pool.is_free(b), pool.is_cached(b)

@@ -18,8 +18,8 @@ from collections.abc import Collection
 
 import torch
 
-from atom.engine.scheduler import ScheduledSpan
-from atom.model_api import ModelRuntime, Span
+from atom.engine.sequence import ScheduledSpan
+from atom.model_api import ModelRuntime, RuntimeCapabilities, Span
 
 
 class SlotOwnershipError(RuntimeError):
@@ -32,8 +32,9 @@ class ModelRunner:
         device = runtime.device
         # a runtime may reserve blocks and slots past the engine's (its decode graphs' padding
         # rows use them); the engine never schedules them
-        extra_blocks = getattr(runtime, "reserved_blocks", 0)
-        extra_slots = getattr(runtime, "reserved_slots", 0)
+        caps = RuntimeCapabilities.of(runtime)
+        extra_blocks, extra_slots = caps.reserved_blocks, caps.reserved_slots
+        self.host_block_tables = caps.host_block_tables
         self.pool = torch.zeros(
             self.spec.pool_shape(num_blocks + extra_blocks),
             dtype=self.spec.pool_dtype,
@@ -131,7 +132,7 @@ class ModelRunner:
         ids = torch.tensor([t for sp in spans for t in sp.token_ids()], dtype=torch.int64)
         # a runtime that uploads its forward's indices in one copy takes host block tables
         # (a device table per span would be one host-to-device copy, and sync, each)
-        host = getattr(self.runtime, "host_block_tables", False)
+        host = self.host_block_tables
         model_spans = [
             Span(
                 sp.start,

@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from atom.engine.sequence import Sequence
-from atom.outputs import TokenLogprob
+from atom.engine.sequence import Sequence, TokenLogprob
 
 
 class Sampler:

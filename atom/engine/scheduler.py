@@ -28,8 +28,16 @@ from dataclasses import dataclass, field
 from atom.engine.admission import Admission, Admit, LocalHit
 from atom.engine.block_pool import BlockPool, block_hashes
 from atom.engine.checkpoints import Checkpoint, CheckpointStore
-from atom.engine.connector import Answered, Connector, Loaded, LoadFailed, Outcome
-from atom.engine.sequence import Prepared, SeqStatus, Sequence
+from atom.engine.connector import (
+    Answered,
+    Connector,
+    Lease,
+    Loaded,
+    LoadFailed,
+    Outcome,
+    Unlease,
+)
+from atom.engine.sequence import Prepared, ScheduledSpan, SeqStatus, Sequence
 
 __all__ = ["Admit", "LocalHit", "ScheduledSpan", "Scheduler", "SchedulerConfig"]
 
@@ -43,26 +51,6 @@ class SchedulerConfig:
     max_model_len: int
     prefix_caching: bool = True
     take_images: bool = True
-
-
-@dataclass(eq=False)
-class ScheduledSpan:
-    seq: Sequence
-    start: int
-    end: int
-    restore: Checkpoint | None = None  # copy into the slot before the forward
-    image: Checkpoint | None = None  # PENDING: copy the slot into it after the forward
-    # speculative decoding: draft tokens for positions [num_tokens, end) to verify (the span
-    # is then [num_tokens - 1, num_tokens + len(drafts)): one verify forward)
-    drafts: tuple[int, ...] = ()
-
-    @property
-    def samples(self) -> bool:
-        return self.end - len(self.drafts) == self.seq.num_tokens
-
-    def token_ids(self) -> list[int]:
-        """The span's input tokens: committed ones, then the drafts."""
-        return self.seq.tokens[self.start : self.end - len(self.drafts)] + list(self.drafts)
 
 
 @dataclass
@@ -98,6 +86,7 @@ class Scheduler(Admission):
         self.free_slots = list(range(num_slots - 1, -1, -1))
         self.preemptions = 0
         self.tier_tokens_recomputed = 0
+        self.tier_leases: dict[int, Lease] = {}  # op id -> what the tier's transfer holds
 
     # ---- requests -----------------------------------------------------------------------
 
@@ -111,26 +100,63 @@ class Scheduler(Admission):
 
     def settle_tier(self) -> None:
         """Act on what the tier reported (also while idle: frees what finished loads held)."""
-        if self.connector is None:
-            return
-        for outcome in self.connector.update():
-            self._apply(outcome)
+        if self.connector is not None:
+            self.apply(self.connector.update())
 
-    def _apply(self, outcome: Outcome) -> None:
+    def apply(self, outcomes: list[Outcome]) -> None:
+        """Apply the tier's outcomes in order: the only place the tier's results enter the
+        pool, the image store and the sequences (``atom.engine.connector`` says what each
+        one means)."""
+        for outcome in outcomes:
+            if isinstance(outcome, Lease):
+                self.pool.acquire(outcome.blocks)
+                self.store.pin(outcome.image)
+                self.tier_leases[outcome.op_id] = outcome
+            elif isinstance(outcome, Unlease):
+                lease = self.tier_leases.pop(outcome.op_id)
+                self.pool.release(reversed(lease.blocks), lease=True)
+                self.store.unpin(lease.image)
+            else:
+                self._apply_to_request(outcome)
+
+    def _apply_to_request(self, outcome: Outcome) -> None:
         seq = outcome.seq
-        if seq.is_finished:
-            return
         if isinstance(outcome, Loaded):
-            seq.prepared = Prepared(outcome.tokens, outcome.image, outcome.local_tokens)
+            ready = self._publish(outcome)
+            if seq.is_finished:
+                return
+            if ready:
+                self.store.pin(outcome.image)  # the request's own hold, for its restore
+                seq.prepared = Prepared(outcome.tokens, outcome.image, outcome.local_tokens)
+            else:  # its prefix left the pool meanwhile: recompute, as after a failed load
+                self._load_failed(seq)
         elif isinstance(outcome, LoadFailed):
-            # no state at the frontier: re-admission resumes from the last READY image
-            self.pool.release(reversed(seq.block_table))
-            seq.block_table = []
-            seq.counters.failed_loads += 1
+            if outcome.image is not None:
+                self.store.drop(outcome.image)
+            if seq.is_finished:
+                return
+            self._load_failed(seq)
         elif not isinstance(outcome, Answered):
             raise TypeError(f"unknown tier outcome {outcome!r}")
+        if seq.is_finished:
+            return
         if seq.status is SeqStatus.WAITING_FOR_TIER:
             seq.status = SeqStatus.WAITING
+
+    def _publish(self, loaded: Loaded) -> bool:
+        """Register a landed load's pages under the sequence's hashes and mark its image
+        READY; False if the image cannot be (its prefix is no longer resident)."""
+        first = loaded.local_tokens // self.block_size
+        hashes = loaded.seq.block_hashes
+        for i, b in enumerate(loaded.blocks):
+            self.pool.register(b, hashes[first + i])
+        return self.store.mark_ready(loaded.image)
+
+    def _load_failed(self, seq: Sequence) -> None:
+        """No state at the frontier: re-admission resumes from the last READY image."""
+        self.pool.release(reversed(seq.block_table))
+        seq.block_table = []
+        seq.counters.failed_loads += 1
 
     # ---- the plan -------------------------------------------------------------------------
 
@@ -343,3 +369,8 @@ class Scheduler(Admission):
         seq.finish_reason = reason
         if self.connector is not None:
             self.connector.request_finished(seq)
+
+    def after_step(self, seqs: list[Sequence]) -> None:
+        """These sequences committed forwards: the tier stores what became storable."""
+        if self.connector is not None:
+            self.apply(self.connector.after_step(seqs))

@@ -1,4 +1,4 @@
-"""One request: its tokens, status, block table, state slot and counters.
+"""One request: its tokens, status, block table, state slot and counters; its part of a step.
 
 Only the engine scheduler changes a sequence's status, blocks, slot, resume point and counters;
 the tier answers with values (``atom.engine.connector``) and never writes here.
@@ -9,13 +9,22 @@ from __future__ import annotations
 import enum
 import itertools
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from atom.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from atom.engine.checkpoints import Checkpoint
-    from atom.outputs import TokenLogprob
+
+
+class TokenLogprob(NamedTuple):
+    """One token's log-probability under the model's raw distribution (log-softmax of the
+    logits, before penalties, temperature, top-k and top-p)."""
+
+    token_id: int
+    logprob: float
+    rank: int  # 1 = the most likely token
+    top: tuple[tuple[int, float], ...]  # the k most likely (token id, logprob), most likely first
 
 
 class SeqStatus(enum.Enum):
@@ -129,3 +138,25 @@ class Sequence:
             f"Sequence({self.request_id}, {self.status.value}, computed={self.num_computed}/"
             f"{self.num_tokens}, blocks={len(self.block_table)}, slot={self.slot})"
         )
+
+
+@dataclass(eq=False)
+class ScheduledSpan:
+    """One sequence's part of a step, as the scheduler planned it: compute [start, end)."""
+
+    seq: Sequence
+    start: int
+    end: int
+    restore: Checkpoint | None = None  # copy into the slot before the forward
+    image: Checkpoint | None = None  # PENDING: copy the slot into it after the forward
+    # speculative decoding: draft tokens for positions [num_tokens, end) to verify (the span
+    # is then [num_tokens - 1, num_tokens + len(drafts)): one verify forward)
+    drafts: tuple[int, ...] = ()
+
+    @property
+    def samples(self) -> bool:
+        return self.end - len(self.drafts) == self.seq.num_tokens
+
+    def token_ids(self) -> list[int]:
+        """The span's input tokens: committed ones, then the drafts."""
+        return self.seq.tokens[self.start : self.end - len(self.drafts)] + list(self.drafts)

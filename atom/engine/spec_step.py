@@ -114,8 +114,7 @@ def speculative_step(engine, out) -> list:
     runner.store_images([sp for sp, end in zip(spans, ends) if end == sp.end])
     for sp, end in zip(spans, ends):
         engine.scheduler.commit(sp, end)
-    if engine.scheduler.connector is not None:
-        engine.scheduler.connector.after_step([sp.seq for sp in spans])
+    engine.scheduler.after_step([sp.seq for sp in spans])
     now, finished = time.perf_counter(), []
     for i, count in new.items():
         seq = spans[i].seq

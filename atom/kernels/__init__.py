@@ -1,10 +1,17 @@
 """Triton kernels for the GPU path, each with the torch expression it replaces.
 
 A kernel runs only where it can: a CUDA tensor and an importable Triton (``use_triton``);
-everywhere else the torch expression runs. ``ATOM_TRITON=0`` turns every kernel off (A/B runs,
-and a way out if a kernel misbehaves on some GPU); ``ATOM_TRITON_OFF=name[,name]`` turns off the
-named ones: sink_attention (prefill), index_scores; decode_attention and moe_combine
-run only when named in ``ATOM_TRITON_ON`` (``OPT_IN`` says why).
+everywhere else the torch expression runs. Which kernels may run is the engine config's
+(``EngineConfig.triton_kernels``, ``triton_off``, ``triton_on``; flags ``--triton-kernels``,
+``--triton-off``, ``--triton-on``), applied by ``configure`` when an engine is built:
+``triton_kernels=False`` turns every kernel off (A/B runs, and a way out if a kernel misbehaves
+on some GPU); ``triton_off`` names kernels to turn off: sink_attention (prefill),
+index_scores; decode_attention and moe_combine run only when named in ``triton_on``
+(``OPT_IN`` says why). The settings are the process's (one engine per process).
+
+Debugging overrides, read at each call and winning over the config when set:
+``ATOM_TRITON=0|1``, ``ATOM_TRITON_OFF=name[,name]``, ``ATOM_TRITON_ON=name[,name]`` (tests
+and one-off side-by-side runs without a config change).
 Kernels are checked against their torch expressions by tests/kernels (on CUDA, and on CPU under
 Triton's interpreter when Triton is installed).
 """
@@ -31,7 +38,7 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-# kernels that run only when named in ATOM_TRITON_ON. Each is tested equal to its torch
+# kernels that run only when named in triton_on (ATOM_TRITON_ON). Each is tested equal to its torch
 # expression (decode_attention also to the reference forward, float32), but on the H200 the
 # bf16 tier two-pass test (tests/gpu/test_cuda_paths.py: a tier-resumed run against a full one,
 # near-ties within 0.25 allowed) parted with both on (a top-2 gap of 0.39) and with moe_combine
@@ -41,18 +48,40 @@ def interpreting() -> bool:
 OPT_IN = frozenset({"decode_attention", "moe_combine"})
 
 
-def _names(var: str) -> set[str]:
-    return {n.strip() for n in os.environ.get(var, "").split(",")}
+KERNELS = frozenset({"sink_attention", "index_scores", "decode_attention", "moe_combine"})
+
+# the engine config's choice (``configure``); the environment overrides it (module doc)
+_CONFIGURED = {"enabled": True, "off": frozenset(), "on": frozenset()}
+
+
+def configure(enabled: bool = True, off=(), on=()) -> None:
+    """Which kernels may run in this process (``EngineConfig.triton_kernels``, ``triton_off``,
+    ``triton_on``); unknown names raise ``ValueError``."""
+    off, on = frozenset(off), frozenset(on)
+    unknown = (off | on) - KERNELS
+    if unknown:
+        raise ValueError(f"unknown Triton kernels {sorted(unknown)}; known: {sorted(KERNELS)}")
+    _CONFIGURED.update(enabled=bool(enabled), off=off, on=on)
+
+
+def _names(var: str, configured: frozenset[str]) -> set[str] | frozenset[str]:
+    raw = os.environ.get(var)
+    if raw is None:
+        return configured
+    return {n.strip() for n in raw.split(",")}
 
 
 def use_triton(t: torch.Tensor, name: str | None = None) -> bool:
-    """Whether kernel ``name`` runs for a tensor like ``t``: off everywhere with
-    ``ATOM_TRITON=0``, off by name with ``ATOM_TRITON_OFF=name[,name...]`` (side-by-side
-    benchmarks of one kernel); an ``OPT_IN`` kernel only with ``ATOM_TRITON_ON=name``."""
-    if os.environ.get("ATOM_TRITON", "1") == "0" or not triton_importable():
+    """Whether kernel ``name`` runs for a tensor like ``t``: off everywhere when the config
+    (or ``ATOM_TRITON=0``) turns kernels off, off by name in ``triton_off`` (side-by-side
+    benchmarks of one kernel); an ``OPT_IN`` kernel only when named in ``triton_on``."""
+    enabled = os.environ.get("ATOM_TRITON")
+    if not (_CONFIGURED["enabled"] if enabled is None else enabled != "0"):
         return False
-    if name is not None and name in _names("ATOM_TRITON_OFF"):
+    if not triton_importable():
         return False
-    if name in OPT_IN and name not in _names("ATOM_TRITON_ON"):
+    if name is not None and name in _names("ATOM_TRITON_OFF", _CONFIGURED["off"]):
+        return False
+    if name in OPT_IN and name not in _names("ATOM_TRITON_ON", _CONFIGURED["on"]):
         return False
     return t.is_cuda or interpreting()

@@ -38,6 +38,9 @@ ENGINE_FLAGS: dict[str, type] = {
     "offload": str,
     "speculative-tokens": int,
     "tensor-parallel-size": int,
+    "triton-kernels": str,  # true | false
+    "triton-off": str,  # name[,name]
+    "triton-on": str,  # name[,name]
 }
 OFFLOAD_FLAGS: dict[str, tuple[str, type]] = {
     "lmcache-url": ("url", str),
@@ -52,6 +55,13 @@ OFFLOAD_FLAGS: dict[str, tuple[str, type]] = {
     "l2-store-policy": ("l2_store_policy", str),
     "l2-prefetch-policy": ("l2_prefetch_policy", str),
     "lmcache-metrics-url": ("metrics_url", str),
+}
+# flag -> KVEventsConfig field (docs/SCALING.md); --kv-events-endpoint turns the events on
+KV_EVENTS_FLAGS: dict[str, tuple[str, type]] = {
+    "kv-events-endpoint": ("endpoint", str),
+    "kv-events-replay-endpoint": ("replay_endpoint", str),
+    "kv-events-topic": ("topic", str),
+    "kv-events-encoding": ("encoding", str),
 }
 
 
@@ -72,6 +82,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="replay CUDA graphs for decode steps (default on; --no-cuda-graphs: eager)",
     )
     for flag, (_, kind) in OFFLOAD_FLAGS.items():
+        ap.add_argument(f"--{flag}", type=kind, default=None)
+    for flag, (_, kind) in KV_EVENTS_FLAGS.items():
         ap.add_argument(f"--{flag}", type=kind, default=None)
     ap.add_argument(
         "--lmcache-l2-adapter",
@@ -141,14 +153,24 @@ def build_config(args: argparse.Namespace) -> EngineConfig:
             lmcache[field] = value
     if getattr(args, "lmcache_l2_adapter", None):
         lmcache["l2_adapters"] = list(args.lmcache_l2_adapter)
+    kv_events = {}
+    for flag, (field, _) in KV_EVENTS_FLAGS.items():
+        value = getattr(args, flag.replace("-", "_"), None)
+        if value is not None:
+            kv_events[field] = value
     if args.config:
         base = EngineConfig.from_yaml(args.config)
         merged = base.model_dump(exclude_unset=True)
         merged.update(overrides)
         merged["lmcache"] = {**base.lmcache.model_dump(exclude_unset=True), **lmcache}
+        if kv_events:
+            file_events = base.kv_events.model_dump(exclude_unset=True) if base.kv_events else {}
+            merged["kv_events"] = {**file_events, **kv_events}
         return EngineConfig.build(source=f"engine config {args.config} + flags", **merged)
     if lmcache:
         overrides["lmcache"] = lmcache
+    if kv_events:
+        overrides["kv_events"] = kv_events
     return EngineConfig.build(source="flags", **overrides)
 
 

@@ -18,7 +18,6 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -35,32 +34,12 @@ from atom.serve.edge import (
     error_response,
     validation_message,
 )
-from atom.serve.engine_loop import EngineLoop
 from atom.serve.protocol import ChatCompletionRequest, CompletionRequest
 from atom.serve.rendering import _Choice, _Output, _prompt_seqs, _Stopper, _usage
 from atom.serve.routes import add_operation_routes, server_version, unknown_model
-from atom.tokenizer import Tokenizer
+from atom.serve.state import ServerState
 
 log = logging.getLogger("atom.serve")
-
-
-@dataclass
-class ServerState:
-    loop: EngineLoop
-    tokenizer: Tokenizer
-    model_name: str
-    default_max_tokens: int | None = None  # None: what fits max_model_len and the pool
-    tier_health: Callable[[], dict] = lambda: {"attached": False}
-    draining: bool = False
-    started: float = field(default_factory=time.time)
-    http_requests: dict[tuple[str, int], int] = field(default_factory=dict)
-    api_key: str | None = None
-    max_log_len: int | None = 200  # characters of the prompt in the request log; None: all
-    log_requests: bool = True
-    max_model_len: int | None = None
-    tokenizer_info_endpoint: bool = False  # serve GET /tokenizer_info (vLLM's opt-in)
-    active_http: int = 0  # generation requests whose response is not finished
-    active_ids: set[str] = field(default_factory=set)  # their engine request ids
 
 
 def build_app(state: ServerState, on_shutdown: Callable[[], None] | None = None) -> FastAPI:

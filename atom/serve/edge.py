@@ -16,7 +16,7 @@ from atom.config_errors import field_errors
 from atom.serve.engine_loop import Delta, RequestStream
 
 if TYPE_CHECKING:
-    from atom.serve.app import ServerState
+    from atom.serve.state import ServerState
 
 log = logging.getLogger("atom.serve")
 

@@ -204,12 +204,12 @@ class EngineLoop:
         dt = now - self._last_log
         if dt < self.log_interval_s:
             return
-        m = self.engine
+        counts = self.engine.engine_metrics
         cur = {
-            "gen": m.m.gen.total(),
-            "hbm": m.m.prompt.get(source="hbm"),
-            "tier": m.m.prompt.get(source="tier"),
-            "computed": m.m.prompt.get(source="computed"),
+            "gen": counts.gen.total(),
+            "hbm": counts.prompt.get(source="hbm"),
+            "tier": counts.prompt.get(source="tier"),
+            "computed": counts.prompt.get(source="computed"),
         }
         d = {k: cur[k] - self._logged[k] for k in cur}
         prompt = d["hbm"] + d["tier"] + d["computed"]

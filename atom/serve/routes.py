@@ -20,7 +20,7 @@ from atom.serve.protocol import (
 )
 
 if TYPE_CHECKING:
-    from atom.serve.app import ServerState
+    from atom.serve.state import ServerState
     from atom.tokenizer import Tokenizer
 
 log = logging.getLogger("atom.serve")

@@ -23,10 +23,10 @@ import uvicorn
 
 from atom.builder import build_engine
 from atom.config import EngineConfig
-from atom.kv_transfer.offload.lmcache_server import remove_dead_leftovers
 from atom.serve.app import ServerState, build_app
 from atom.serve.engine_loop import EngineLoop
 from atom.serve.http_protocol import OpenAIH11Protocol
+from atom.tier.server.lmcache_server import remove_dead_leftovers
 from atom.tokenizer import load_tokenizer
 
 log = logging.getLogger("atom.serve")

@@ -14,8 +14,9 @@ import threading
 import time
 from types import SimpleNamespace
 
-from atom.distributed.tier_ranks import RankedTransfers, TierRanks
-from atom.kv_transfer.offload.operations import OpState, TransferOp
+from atom.distributed.parallel_state import RankChannels
+from atom.tier.operations import OpState, TransferOp
+from atom.tier.worker_side.tier_ranks import RankedTransfers
 
 
 class FakeLocal:
@@ -58,7 +59,7 @@ class Outcomes:
 def ranked(local: FakeLocal, outcomes: Outcomes):
     recv, send = mp.Pipe(duplex=False)
     sent = []
-    ranks = TierRanks(
+    ranks = RankChannels(
         world_size=2, rank_replicated=True, send=lambda *op: sent.append(op), conns=[recv]
     )
     spec = SimpleNamespace(collapse=True)

@@ -23,8 +23,8 @@ import zmq
 
 from atom import LLM, SamplingParams
 from atom.distributed.broadcast_runtime import RankFailure
-from atom.kv_transfer.offload.admin import clear_server
-from atom.kv_transfer.offload.lmcache_server import LMCacheServer
+from atom.tier.server.admin import clear_server
+from atom.tier.server.lmcache_server import LMCacheServer
 from tests.distributed.test_tp_engine import KW, alive
 from tests.offload.test_two_pass import ceiling, prompts_of
 
@@ -155,7 +155,7 @@ def test_a_collapsed_lookup_takes_one_read_lock_per_rank():
     per lookup would let the first rank's retrieve unpin an object the second still copies)."""
     from lmcache.integration.atom import AtomMPParallelConfig
 
-    from atom.kv_transfer.offload.lookup_thread import scheduler_adapter_class
+    from atom.tier.worker_side.lookup_thread import scheduler_adapter_class
 
     server = LMCacheServer(chunk_size=BLOCK, l1_size_gb=0.2)
     server.start(wait=True)
@@ -207,7 +207,7 @@ def test_a_rank_whose_tier_cannot_attach_leaves_the_engine_serving(runs, monkeyp
     through the tier, and the outputs equal TP=2 without the tier."""
     import dataclasses
 
-    from atom.distributed.tier_ranks import RankedTransfers
+    from atom.tier.worker_side.tier_ranks import RankedTransfers
 
     init = RankedTransfers.__init__
 

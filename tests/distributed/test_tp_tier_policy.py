@@ -5,7 +5,7 @@ run repeats its prompts, so the second pass is admitted from HBM while its looku
 from __future__ import annotations
 
 from atom import LLM
-from atom.kv_transfer.offload.lmcache_server import LMCacheServer
+from atom.tier.server.lmcache_server import LMCacheServer
 from tests.distributed.test_tp_tier import BLOCK, GREEDY, PROMPTS, TP_KW
 from tests.offload.conftest import ENGINE_KW
 from tests.offload.server_view import ServerView
@@ -31,7 +31,7 @@ def test_save_off_stores_nothing_from_any_rank():
             one = LLM("v41-tiny", offload="lmcache_mp", lmcache={"url": server.url}, **ENGINE_KW)
             one.generate(prompts_of([40], seed=4401), GREEDY)
             one.shutdown()
-            m = one.engine.scheduler.connector.m
+            m = one.engine.scheduler.connector.tier_metrics
             return m.saves.get(outcome="done"), m.lookups.total()
 
         assert view.settled(before, mark).stores == 0

@@ -39,7 +39,7 @@ def two_pass(mode: str, prompts, params):
         )
         out2 = second.generate(prompts, params)
         tier = second.engine.tier
-        copied = tier.connector.m.local_loads.get(outcome="copied")
+        copied = tier.connector.tier_metrics.local_loads.get(outcome="copied")
         pinned = tier.mappings.current.pinned if tier.mappings and tier.mappings.current else None
         health = tier.health()["load_mode"]
         second.shutdown()

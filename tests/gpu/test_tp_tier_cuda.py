@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from atom import LLM, SamplingParams
-from atom.kv_transfer.offload.lmcache_server import LMCacheServer
+from atom.tier.server.lmcache_server import LMCacheServer
 from tests.offload.test_two_pass import ceiling, prompts_of
 
 pytestmark = [

@@ -2,12 +2,12 @@
 
 import pytest
 
-from atom.kv_transfer.offload.config import namespace
 from atom.models.deepseek_v4.geometry import build_v4_pool_geometry
 from atom.models.deepseek_v4.presets import preset_config
 from atom.models.deepseek_v41.pool_geometry import GeometryError, build_v41_pool_geometry
 from atom.models.deepseek_v41.presets import preset_config as v41_preset
 from atom.models.registry import pool_geometry
+from atom.tier.config import namespace
 
 # bf16 KV, fp8 index, block 256, no drafts: the published model as served
 SERVED = dict(kv_dtype="bf16", index_dtype="fp8", block_size=256, speculative_tokens=0)

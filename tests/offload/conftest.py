@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from atom import LLM
-from atom.kv_transfer.offload.lmcache_server import LMCacheServer
+from atom.tier.server.lmcache_server import LMCacheServer
 
 BLOCK = 16
 ENGINE_KW = dict(

@@ -22,14 +22,14 @@ from atom.config import EngineConfig
 from atom.engine.checkpoints import Checkpoint
 from atom.engine.engine import LLMEngine, StepResult
 from atom.engine.sequence import Sequence
-from atom.kv_transfer.offload.config import OffloadConfig
-from atom.kv_transfer.offload.events import EventPool
-from atom.kv_transfer.offload.operations import LookupOp, OpState, TransferOp
-from atom.kv_transfer.offload.scheduler import OffloadConnector
-from atom.kv_transfer.offload.transfer_thread import TransferThread
-from atom.kv_transfer.offload.worker import SpecShape
 from atom.model_api import pool_bytes
 from atom.sampling_params import SamplingParams
+from atom.tier.config import OffloadConfig
+from atom.tier.operations import LookupOp, OpState, TransferOp
+from atom.tier.scheduler_side.planner import OffloadConnector
+from atom.tier.worker_side.events import EventPool
+from atom.tier.worker_side.layout import SpecShape
+from atom.tier.worker_side.transfer_thread import TransferThread
 
 from .conftest import BLOCK
 from .conftest import ENGINE_KW as CONFTEST_ENGINE_KW
@@ -295,8 +295,7 @@ class FakeTier:
             config=config,
             spec=engine.spec,
             chunk_size=chunk,
-            pool=engine.pool,
-            store=engine.store,
+            images=engine.store,
             pool_tensor=engine.runner.pool,
             events=self.events,
             transfers=self.transfers,
@@ -314,9 +313,9 @@ class FakeTier:
     def health(self) -> dict:
         return {"attached": True, "healthy": self.transfers.healthy}
 
-    def shutdown(self, timeout_s: float) -> None:
+    def shutdown(self, timeout_s: float) -> list:
         self.shutdowns += 1
-        self.connector.shutdown(timeout_s)
+        return self.connector.shutdown(timeout_s)
 
 
 @dataclass

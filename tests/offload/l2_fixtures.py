@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from atom.kv_transfer.offload.lmcache_server import LMCacheServer, free_port
+from atom.tier.server.lmcache_server import LMCacheServer, free_port
 
 from .conftest import BLOCK
 
@@ -166,7 +166,7 @@ class RawClient:
             AtomMPWorkerAdapter,
         )
 
-        from atom.kv_transfer.offload.worker import group_infos, kv_caches, share_pool
+        from atom.tier.worker_side.layout import group_infos, kv_caches, share_pool
 
         self.units, self.num_blocks = units, num_blocks
         self.pool = torch.zeros((num_blocks, BLOCK, 64), dtype=torch.int32)
@@ -200,7 +200,7 @@ class RawClient:
         return bool(fut.result())
 
     def store(self, rid, tokens, n, pages, units) -> bool:
-        from atom.kv_transfer.offload.events import CpuEvent
+        from atom.tier.worker_side.events import CpuEvent
 
         fut = self.worker.submit_store_request(rid, self._spec(tokens, n, pages, units), CpuEvent())
         return fut is not None and self._wait(fut)
@@ -217,7 +217,7 @@ class RawClient:
         return hit
 
     def load(self, rid, tokens, n, pages, units) -> bool:
-        from atom.kv_transfer.offload.events import CpuEvent
+        from atom.tier.worker_side.events import CpuEvent
 
         fut = self.worker.submit_retrieve_request(
             rid, self._spec(tokens, n, pages, units), CpuEvent()
@@ -228,7 +228,7 @@ class RawClient:
         self.sched.end_session(rid)
 
     def close(self) -> None:
-        from atom.kv_transfer.offload.worker import unlink_segment
+        from atom.tier.worker_side.layout import unlink_segment
 
         try:
             self.worker.shutdown()

@@ -81,7 +81,7 @@ def balanced(h, seq) -> bool:
 def test_a_short_answer_waits_for_the_concurrent_one_and_is_asked_again(make, short):
     p, q = pair(11)
     h = filled(make, [p, q])
-    lookups = h.connector.m.lookups
+    lookups = h.connector.tier_metrics.lookups
     misses = lookups.get(outcome="miss")
     a, b = h.add(p, 2), h.add(q, 2)
     h.step()  # both lookups sent, in one step
@@ -119,7 +119,7 @@ def test_a_held_answer_is_settled_as_it_is_at_its_deadline(make):
     assert b.status is SeqStatus.WAITING_FOR_TIER  # a's lookup may still show more
     h.clock.advance(0.2)  # a's lookup is late, b's deadline passed: b runs with its answer
     h.run([a, b])
-    assert len(lookups_of(h, b)) == 1 and h.connector.m.lookups.get(outcome="short") == 0
+    assert len(lookups_of(h, b)) == 1 and h.connector.tier_metrics.lookups.get(outcome="short") == 0
     assert b.counters.computed_prompt_tokens == len(q)
     h.shutdown()
 
@@ -157,7 +157,7 @@ def test_an_answer_is_judged_only_against_lookups_answered_while_it_was_in_fligh
     h.step()
     h.lookups.answer(lookups_of(h, b)[0], 0)  # the tier lost q since (a's answer is older)
     h.run([a, b])
-    assert len(lookups_of(h, b)) == 1 and h.connector.m.lookups.get(outcome="short") == 0
+    assert len(lookups_of(h, b)) == 1 and h.connector.tier_metrics.lookups.get(outcome="short") == 0
     assert b.counters.tier_hit_tokens == 0
     h.shutdown()
 
@@ -180,7 +180,7 @@ def test_pairs_on_an_engine_whose_l1_was_cleared_load_their_prefix_once(
     eng.generate(flat, GREEDY)
     drained(eng)
     eng.engine.reset_prefix_cache(tier=True)  # HBM and L1 emptied: the prefixes are in L2 only
-    lookups = eng.engine.scheduler.connector.m.lookups
+    lookups = eng.engine.scheduler.connector.tier_metrics.lookups
     misses = lookups.get(outcome="miss")
     outs = []
     for pr in pairs:  # two at a time: each pair's lookups overlap
@@ -213,7 +213,7 @@ def test_replica_serves_pairs_from_a_shared_redis_without_computing_the_prefix(
         outs += b.generate(pr, GREEDY, on_step=lambda e: e.check_integrity())
     full = ceiling(PREFIX + TAIL)
     computing = [s for s in sources(outs) if s[2] != PREFIX + TAIL - full]
-    lookups = b.engine.scheduler.connector.m.lookups
+    lookups = b.engine.scheduler.connector.tier_metrics.lookups
     assert computing == [], f"{computing} ({lookups.get(outcome='short')} asked again)"
     assert all(hbm + tier == full for hbm, tier, _ in sources(outs))
     assert [o.token_ids for o in outs] == [o.token_ids for o in out_a]

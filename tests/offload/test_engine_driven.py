@@ -24,12 +24,12 @@ import pytest
 import torch
 import zmq
 
-from atom.kv_transfer.offload.l1_map import Mappings, SegmentId
-from atom.kv_transfer.offload.l1_module import LOCATE_METHOD, LOCATE_VERSION
-from atom.kv_transfer.offload.lmcache_server import L1_SHM_PREFIX, LMCacheServer
-from atom.kv_transfer.offload.locator import IMAGE_GROUP, PAGES_GROUP
-from atom.kv_transfer.offload.operations import LookupOp
 from atom.model_api import pool_bytes
+from atom.tier.operations import LookupOp
+from atom.tier.server.l1_module import LOCATE_METHOD, LOCATE_VERSION
+from atom.tier.server.lmcache_server import L1_SHM_PREFIX, LMCacheServer
+from atom.tier.worker_side.l1_map import Mappings, SegmentId
+from atom.tier.worker_side.locator import IMAGE_GROUP, PAGES_GROUP
 
 from .conftest import BLOCK
 from .test_tier_faults import FAST, check, healthy, pump, same_tokens, settled
@@ -319,10 +319,10 @@ def test_two_pass_in_both_load_modes_is_exact_and_releases_every_lock(
     assert [o.tier_hit_tokens for o in out2] == [ceiling(n) for n in LENGTHS]
     for p, o in zip(prompts, out2):
         assert o.hbm_hit_tokens == 0 and o.tier_hit_tokens + o.computed_prompt_tokens == len(p)
-    assert conn.m.loads.get(outcome="done") == len(prompts)
+    assert conn.tier_metrics.loads.get(outcome="done") == len(prompts)
     if mode == "engine_driven":
-        assert conn.m.local_loads.get(outcome="copied") == len(prompts)
-        assert conn.m.local_loads.get(outcome="via_server") == 0
+        assert conn.tier_metrics.local_loads.get(outcome="copied") == len(prompts)
+        assert conn.tier_metrics.local_loads.get(outcome="via_server") == 0
         assert [ld["local"] for ld in w.loads] == [True] * len(prompts)
         assert w.located_answers == len(prompts)
         # each copy put exactly the located L1 bytes in place, pages and image in one plan
@@ -332,7 +332,7 @@ def test_two_pass_in_both_load_modes_is_exact_and_releases_every_lock(
         assert [differ for _, _, differ in w.copies] == [0] * len(prompts)
         assert llm.engine.tier.mappings.mapped == 1
     else:
-        assert conn.local is None and conn.m.local_loads.total() == 0
+        assert conn.local is None and conn.tier_metrics.local_loads.total() == 0
         assert [ld["local"] for ld in w.loads] == [False] * len(prompts)
         assert w.located_answers == 0
     # byte-exact: what each load put in the pool is what pass 1 stored
@@ -443,11 +443,11 @@ def test_sigkill_between_answer_and_copy_then_restart_maps_the_new_segment(own_s
     assert new is not old and new.ident.server_id != old.ident.server_id
     assert t.mappings.mapped == 2
     eng.reset_prefix_cache()
-    before = conn.m.local_loads.get(outcome="copied")
+    before = conn.tier_metrics.local_loads.get(outcome="copied")
     out = llm.generate(prompts, GREEDY, on_step=check)
     same_tokens(out, reference)
     assert [o.tier_hit_tokens for o in out] == [ceiling(n) for n in LENGTHS]
-    assert conn.m.local_loads.get(outcome="copied") == before + len(prompts)
+    assert conn.tier_metrics.local_loads.get(outcome="copied") == before + len(prompts)
     pump(llm, lambda: settled(llm), "the last pass to settle")
     eng.step()  # the step thread closes retired mappings no copy reads
     assert old.closed and not new.closed
@@ -512,11 +512,11 @@ def test_sigstop_between_answer_and_copy_outputs_unchanged_nothing_leaks(own_ser
         assert probe.locked(mine) == [], "the copied loads' read locks were not released"
         # the server kept its L1 and the engine its mapping: every prompt is copied again
         eng.reset_prefix_cache()
-        before, loads_before = conn.m.local_loads.get(outcome="copied"), len(w.loads)
+        before, loads_before = conn.tier_metrics.local_loads.get(outcome="copied"), len(w.loads)
         out3 = llm.generate(prompts, GREEDY, on_step=check)
         same_tokens(out3, reference)
         assert [o.tier_hit_tokens for o in out3] == [ceiling(n) for n in LENGTHS]
-        assert conn.m.local_loads.get(outcome="copied") == before + len(prompts)
+        assert conn.tier_metrics.local_loads.get(outcome="copied") == before + len(prompts)
         assert t.mappings.mapped == 1
         pump(llm, lambda: settled(llm), "pass 3 to settle")
         for ld in w.loads[loads_before:]:
@@ -566,7 +566,7 @@ def test_a_lookup_answered_after_its_request_finished_releases_its_locks(
         gate.set()
     same_tokens(out2, out1)
     assert held and [o.tier_hit_tokens for o in out2] == [0] * len(prompts)
-    assert conn.m.lookups.get(outcome="late") == len(prompts)
+    assert conn.tier_metrics.lookups.get(outcome="late") == len(prompts)
     pump(llm, lambda: settled(llm) and lt.sessions_ended == 2 * len(prompts), "sessions to end")
     lt._do_lookup = inner
     with LockProbe(lmcache_server.url, t.namespace) as probe:
@@ -602,8 +602,8 @@ def test_another_namespace_gets_no_hit_and_no_located_answer(lmcache_server, mak
     same_tokens(out, out1)  # the same weights: a revision name alone keeps the objects apart
     conn = other.engine.scheduler.connector
     assert [o.tier_hit_tokens for o in out] == [0] * len(prompts)
-    assert conn.m.lookups.get(outcome="miss") == len(prompts)  # answered, not lost
-    assert w.located_answers == 0 and conn.m.local_loads.total() == 0
+    assert conn.tier_metrics.lookups.get(outcome="miss") == len(prompts)  # answered, not lost
+    assert w.located_answers == 0 and conn.tier_metrics.local_loads.total() == 0
     assert other.engine.tier.locator.calls <= 1  # the attach-time probe only: nothing located
     other.shutdown()
 
@@ -612,7 +612,9 @@ def test_another_namespace_gets_no_hit_and_no_located_answer(lmcache_server, mak
     out3 = third.generate(prompts, GREEDY, on_step=check)
     same_tokens(out3, out1)
     assert [o.tier_hit_tokens for o in out3] == [ceiling(n) for n in LENGTHS]
-    assert third.engine.scheduler.connector.m.local_loads.get(outcome="copied") == len(prompts)
+    assert third.engine.scheduler.connector.tier_metrics.local_loads.get(outcome="copied") == len(
+        prompts
+    )
 
 
 # ---- 6. fallbacks to the server's retrieve -----------------------------------------------
@@ -628,9 +630,9 @@ def test_a_located_answer_older_than_located_max_age_loads_through_the_server(
     conn = llm.engine.scheduler.connector
     same_tokens(out2, out1)
     assert [o.tier_hit_tokens for o in out2] == [ceiling(n) for n in LENGTHS]
-    assert conn.m.local_loads.get(outcome="via_server") == len(prompts)
-    assert conn.m.local_loads.get(outcome="copied") == 0 and w.copies == []
-    assert conn.m.loads.get(outcome="done") == len(prompts)
+    assert conn.tier_metrics.local_loads.get(outcome="via_server") == len(prompts)
+    assert conn.tier_metrics.local_loads.get(outcome="copied") == 0 and w.copies == []
+    assert conn.tier_metrics.loads.get(outcome="done") == len(prompts)
     assert [ld["local"] for ld in w.loads] == [False] * len(prompts)
     assert llm.engine.tier_health()["load_mode"] == "engine_driven"  # the mode; per load: aged
     w.check_loads_byte_exact()
@@ -661,8 +663,8 @@ def test_a_server_without_shared_l1_reports_lmcache_driven_and_still_loads(make_
         conn = second.engine.scheduler.connector
         same_tokens(out2, out1)
         assert [o.tier_hit_tokens for o in out2] == [ceiling(n) for n in LENGTHS]
-        assert conn.m.loads.get(outcome="done") == len(prompts)
-        assert conn.m.local_loads.get(outcome="copied") == 0 and w.located_answers == 0
+        assert conn.tier_metrics.loads.get(outcome="done") == len(prompts)
+        assert conn.tier_metrics.local_loads.get(outcome="copied") == 0 and w.located_answers == 0
         assert second.engine.tier.mappings.current is None and l1_mapped() == []
         mode = lambda: second.engine.tier_health()["load_mode"]  # noqa: E731
         pump(second, lambda: not mode().startswith("probing"), "the probe to end")

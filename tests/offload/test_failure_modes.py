@@ -18,14 +18,14 @@ import torch
 from atom.engine.model_runner import ModelRunner, SlotOwnershipError
 from atom.engine.scheduler import ScheduledSpan
 from atom.engine.sequence import SeqStatus, Sequence
-from atom.kv_transfer.offload import transfer_thread
-from atom.kv_transfer.offload.config import OffloadConfig
-from atom.kv_transfer.offload.events import CpuEvent
-from atom.kv_transfer.offload.lookup_thread import LookupThread
-from atom.kv_transfer.offload.operations import LookupOp, OpState
 from atom.model_api import pool_bytes
 from atom.models.registry import load_runtime
 from atom.sampling_params import SamplingParams
+from atom.tier.config import OffloadConfig
+from atom.tier.operations import LookupOp, OpState
+from atom.tier.worker_side import transfer_thread
+from atom.tier.worker_side.events import CpuEvent
+from atom.tier.worker_side.lookup_thread import LookupThread
 
 from .fakes import (
     BLOCK,

@@ -14,8 +14,8 @@ import torch
 
 from atom import SamplingParams
 from atom.config import EngineConfig, EngineConfigError
-from atom.kv_transfer.offload import l2, l2_resp
-from atom.kv_transfer.offload.lmcache_server import LMCacheServer
+from atom.tier.server import l2, l2_resp
+from atom.tier.server.lmcache_server import LMCacheServer, server_args
 
 from .conftest import BLOCK
 from .l2_fixtures import (  # noqa: F401  (fixtures)
@@ -111,7 +111,7 @@ def test_untested_adapter_types_pass_through_with_a_warning(caplog):
     cfg = EngineConfig.build(offload="lmcache_mp", lmcache={"l2_adapters": [spec]})
     assert cfg.lmcache.l2_adapters == (spec,)
     assert "passed to LMCache as given" in caplog.text
-    args = l2.server_args(cfg.lmcache.l2_adapters, "default", "default")
+    args = server_args(cfg.lmcache.l2_adapters, "default", "default")
     assert json.loads(args[1]) == spec
     assert l2.target(spec) == "store.example:9000"  # no user:secret of the URL
 

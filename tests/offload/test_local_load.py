@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from atom.kv_transfer.offload.local_load import LocalLoadError, LocalLoads, runs
-from atom.kv_transfer.offload.locator import Located
 from atom.model_api import StateSpec, pool_bytes
+from atom.tier.worker_side.local_load import LocalLoadError, LocalLoads, runs
+from atom.tier.worker_side.locator import Located
 
 BS, BB, CHUNK = 4, 64, 8  # tokens per block, bytes per block, tokens per chunk (2 blocks)
 SPEC = StateSpec(

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from atom.kv_transfer.offload.lmcache_server import LMCacheServer
+from atom.tier.server.lmcache_server import LMCacheServer
 
 from .conftest import BLOCK
 from .test_tier_faults import pump
@@ -36,7 +36,7 @@ def first_wave(make_llm, server, prompts):
     mode = llm.engine.tier_health()["load_mode"]
     assert mode.startswith("probing"), mode  # honest from the start: not engine_driven
     out = llm.generate(prompts, GREEDY, on_step=lambda e: e.check_integrity())
-    lookups = llm.engine.scheduler.connector.m.lookups
+    lookups = llm.engine.scheduler.connector.tier_metrics.lookups
     assert lookups.get(outcome="late") == 0 and lookups.get(outcome="failed") == 0
     return llm, out
 
@@ -45,16 +45,18 @@ def test_first_wave_against_a_server_without_the_module_stores_and_loads(plain_s
     prompts = prompts_of(LENGTHS, seed=4301)
     one, out1 = first_wave(make_llm, plain_server, prompts)
     conn = one.engine.scheduler.connector
-    assert conn.m.lookups.get(outcome="miss") == len(prompts)
+    assert conn.tier_metrics.lookups.get(outcome="miss") == len(prompts)
     one.shutdown()  # its stores drain before it returns
-    assert conn.m.saves.get(outcome="done") >= sum(ceiling(n) // BLOCK for n in LENGTHS) > 0
+    assert (
+        conn.tier_metrics.saves.get(outcome="done") >= sum(ceiling(n) // BLOCK for n in LENGTHS) > 0
+    )
 
     two, out2 = first_wave(make_llm, plain_server, prompts)
     assert [o.tier_hit_tokens for o in out2] == [ceiling(n) for n in LENGTHS]
     assert [o.token_ids for o in out2] == [o.token_ids for o in out1]
     conn = two.engine.scheduler.connector
-    assert conn.m.loads.get(outcome="done") == len(prompts)
-    assert conn.m.local_loads.get(outcome="copied") == 0  # nowhere to copy from
+    assert conn.tier_metrics.loads.get(outcome="done") == len(prompts)
+    assert conn.tier_metrics.local_loads.get(outcome="copied") == 0  # nowhere to copy from
     mode = lambda: two.engine.tier_health()["load_mode"]  # noqa: E731
     pump(two, lambda: not mode().startswith("probing"), "the probe to end")
     assert mode().startswith("lmcache_driven (") and "--server-module" in mode(), mode()

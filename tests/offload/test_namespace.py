@@ -14,8 +14,8 @@ from dataclasses import replace
 import pytest
 
 from atom.config import EngineConfigError
-from atom.kv_transfer.offload.config import OffloadConfig, model_identity, namespace
 from atom.model_api import StateSpec
+from atom.tier.config import OffloadConfig, model_identity, namespace
 
 from .conftest import BLOCK
 from .test_two_pass import GREEDY, ceiling, prompts_of, tier
@@ -60,8 +60,8 @@ def test_another_geometry_never_hits_the_same_geometry_does(lmcache_server, make
         assert [o.tier_hit_tokens for o in out] == [0] * len(prompts), change
         conn = other.engine.scheduler.connector
         # the lookups were answered (a miss), not lost: the namespace is what kept them apart
-        assert conn.m.lookups.get(outcome="miss") == len(prompts)
-        assert conn.m.loads.total() == 0
+        assert conn.tier_metrics.lookups.get(outcome="miss") == len(prompts)
+        assert conn.tier_metrics.loads.total() == 0
         other.shutdown()
 
     third = make_llm(**tier(lmcache_server))  # the first one's geometry
@@ -96,7 +96,7 @@ def test_namespace_is_stable_and_readable():
 def test_namespace_is_the_same_in_another_process():
     code = (
         "import json, sys\n"
-        "from atom.kv_transfer.offload.config import namespace\n"
+        "from atom.tier.config import namespace\n"
         "from atom.model_api import StateSpec\n"
         "args = json.loads(sys.argv[1])\n"
         "args['spec'] = StateSpec(**args['spec'])\n"

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from atom.kv_transfer.offload.lmcache_server import (
+from atom.tier.server.lmcache_server import (
     LMCacheServer,
     LMCacheServerError,
     ephemeral_ports,

@@ -10,8 +10,8 @@ import subprocess
 import sys
 import time
 
-from atom.kv_transfer.offload.lmcache_server import LMCacheServer
-from atom.kv_transfer.offload.supervisor import ServerSupervisor, describe_exit
+from atom.tier.server.lmcache_server import LMCacheServer
+from atom.tier.server.supervisor import ServerSupervisor, describe_exit
 
 from .test_tier_faults import FAST, check, healthy, pump, same_tokens, settled, stores_then_hits
 from .test_two_pass import GREEDY, prompts_of
@@ -86,7 +86,7 @@ def test_a_first_start_that_fails_is_retried_with_backoff(monkeypatch):
         attempts.append(timeout_s)
         server.proc = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
         server.proc.wait()
-        from atom.kv_transfer.offload.lmcache_server import LMCacheServerError
+        from atom.tier.server.lmcache_server import LMCacheServerError
 
         raise LMCacheServerError("exited with code 3")
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import signal
 
-from atom.kv_transfer.offload.lmcache_server import probe
+from atom.tier.server.lmcache_server import probe
 
 from .test_two_pass import GREEDY, ceiling, prompts_of, tier
 
@@ -50,15 +50,17 @@ def stores_then_hits(llm, prompts, reference) -> None:
     """With an empty tier: a pass from an empty prefix cache misses and stores, and the
     next pass (prefix cache emptied again) resumes every prompt from the tier."""
     conn = llm.engine.scheduler.connector
-    saved = conn.m.saves.get(outcome="done")
-    misses = conn.m.lookups.get(outcome="miss")
+    saved = conn.tier_metrics.saves.get(outcome="done")
+    misses = conn.tier_metrics.lookups.get(outcome="miss")
     llm.engine.reset_prefix_cache()
     out = llm.generate(prompts, GREEDY, on_step=check)
     same_tokens(out, reference)
     assert [o.tier_hit_tokens for o in out] == [0] * len(prompts)
-    assert conn.m.lookups.get(outcome="miss") == misses + len(prompts)  # answered, not lost
+    assert conn.tier_metrics.lookups.get(outcome="miss") == misses + len(
+        prompts
+    )  # answered, not lost
     pump(llm, lambda: settled(llm), "the stores to finish")
-    assert conn.m.saves.get(outcome="done") > saved
+    assert conn.tier_metrics.saves.get(outcome="done") > saved
     llm.engine.reset_prefix_cache()
     out = llm.generate(prompts, GREEDY, on_step=check)
     same_tokens(out, reference)
@@ -77,7 +79,7 @@ def test_sigkill_mid_run_no_wrong_outputs_quarantine_then_recovery(own_server, m
     eng, conn = llm.engine, llm.engine.scheduler.connector
     same_tokens(llm.generate(old, GREEDY, on_step=check), reference[: len(old)])
     pump(llm, lambda: settled(llm), "pass 1's stores")
-    assert conn.m.saves.get(outcome="done") > 0
+    assert conn.tier_metrics.saves.get(outcome="done") > 0
 
     eng.reset_prefix_cache()
     killed: list[int] = []
@@ -95,7 +97,10 @@ def test_sigkill_mid_run_no_wrong_outputs_quarantine_then_recovery(own_server, m
     same_tokens(out2, reference)  # the engine kept serving, and every token is right
     # transfers of unknown fate hold their blocks while the server is dead
     pump(llm, lambda: conn.quarantined_blocks > 0 and not healthy(llm), "a quarantine")
-    assert conn.m.loads.get(outcome="late") + conn.m.saves.get(outcome="late") >= 1
+    assert (
+        conn.tier_metrics.loads.get(outcome="late") + conn.tier_metrics.saves.get(outcome="late")
+        >= 1
+    )
     assert sum(conn.leases().values()) >= conn.quarantined_blocks > 0
 
     own_server.start()  # the same port; its L1 is empty
@@ -129,8 +134,8 @@ def test_sigstop_past_the_deadline_recomputes_then_hits_after_sigcont(own_server
     try:
         out2 = llm.generate(prompts, GREEDY, on_step=check)
         same_tokens(out2, reference)  # late loads were recomputed
-        assert frozen and conn.m.loads.get(outcome="late") >= 1
-        assert conn.m.loads.get(outcome="done") == 0
+        assert frozen and conn.tier_metrics.loads.get(outcome="late") >= 1
+        assert conn.tier_metrics.loads.get(outcome="done") == 0
         assert sum(o.tier_hit_tokens for o in out2) == 0
         assert conn.quarantined_blocks > 0 and conn.leases()  # the late loads' destinations
     finally:
@@ -157,7 +162,7 @@ def test_server_absent_at_start_serves_then_registers_in_the_background(own_serv
     out1 = llm.generate(prompts, GREEDY, on_step=check)
     same_tokens(out1, reference)
     assert [o.tier_hit_tokens for o in out1] == [0] * len(prompts)
-    assert conn.m.saves.total() == 0 and conn.m.loads.total() == 0
+    assert conn.tier_metrics.saves.total() == 0 and conn.tier_metrics.loads.total() == 0
     assert llm.engine.tier_health()["healthy"] is False
 
     own_server.start()
@@ -174,7 +179,7 @@ def test_restarted_server_starts_empty_then_stores_and_hits(own_server, make_llm
     conn = llm.engine.scheduler.connector
     same_tokens(llm.generate(prompts, GREEDY, on_step=check), reference)
     pump(llm, lambda: settled(llm), "pass 1's stores")
-    assert conn.m.saves.get(outcome="done") > 0
+    assert conn.tier_metrics.saves.get(outcome="done") > 0
 
     own_server.stop()
     pump(llm, lambda: not healthy(llm), "the engine to notice the outage")
@@ -191,7 +196,9 @@ def test_restarted_server_gets_prefixes_still_in_hbm_stored_again(own_server, ma
     conn = llm.engine.scheduler.connector
     same_tokens(llm.generate(prompts, GREEDY, on_step=check), reference)
     pump(llm, lambda: settled(llm), "pass 1's stores")
-    saved, misses = conn.m.saves.get(outcome="done"), conn.m.lookups.get(outcome="miss")
+    saved, misses = conn.tier_metrics.saves.get(outcome="done"), conn.tier_metrics.lookups.get(
+        outcome="miss"
+    )
     assert saved > 0
 
     own_server.stop()
@@ -203,10 +210,10 @@ def test_restarted_server_gets_prefixes_still_in_hbm_stored_again(own_server, ma
     same_tokens(out2, reference)
     assert [o.hbm_hit_tokens for o in out2] == [ceiling(len(p)) for p in prompts]
     assert [o.tier_hit_tokens for o in out2] == [0] * len(prompts)
-    assert conn.m.lookups.get(outcome="miss") == misses + len(prompts)
+    assert conn.tier_metrics.lookups.get(outcome="miss") == misses + len(prompts)
     pump(llm, lambda: settled(llm), "the stores to finish")
     # the tier lost what it held, so what pass 2 used is stored again ...
-    assert conn.m.saves.get(outcome="done") > saved
+    assert conn.tier_metrics.saves.get(outcome="done") > saved
     # ... and a pass from an empty prefix cache resumes from the tier
     llm.engine.reset_prefix_cache()
     out3 = llm.generate(prompts, GREEDY, on_step=check)

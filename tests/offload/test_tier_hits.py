@@ -136,7 +136,9 @@ def test_fully_stored_prompt_still_computes_its_tail(lmcache_server, make_llm):
     first = make_llm(**tier(lmcache_server), **per_block)
     out1 = first.generate([prompt], GREEDY, **CHECK)[0]
     first.shutdown()
-    assert first.engine.scheduler.connector.m.saves.get(outcome="done") == 4  # 16, 32, 48, 64
+    assert (
+        first.engine.scheduler.connector.tier_metrics.saves.get(outcome="done") == 4
+    )  # 16, 32, 48, 64
 
     second = make_llm(**tier(lmcache_server), **per_block)
     loads, spans = record_loads(second), record_spans(second)
@@ -191,4 +193,4 @@ def test_a_prefix_being_loaded_is_loaded_once_and_shared_through_hbm(lmcache_ser
     assert twins == [(0, ceiling(100)), (ceiling(100), 0)]
     assert (c.hbm_hit_tokens, c.tier_hit_tokens) == (0, ceiling(77))
     assert a.token_ids == b.token_ids == out1[0].token_ids and c.token_ids == out1[1].token_ids
-    assert second.engine.scheduler.connector.m.loads.get(outcome="done") == 2
+    assert second.engine.scheduler.connector.tier_metrics.loads.get(outcome="done") == 2

@@ -35,7 +35,7 @@ def view(lmcache_server, make_llm):
         llm = make_llm(**tier(lmcache_server))
         llm.generate(prompts_of([40], seed=next(MARKER_SEEDS)), GREEDY)
         llm.shutdown()  # its stores drain before it returns
-        m = llm.engine.scheduler.connector.m
+        m = llm.engine.scheduler.connector.tier_metrics
         return m.saves.get(outcome="done"), m.lookups.total()
 
     v.mark = mark
@@ -51,7 +51,7 @@ def tier_hits(make_llm, server, prompts, **cfg) -> list[int]:
 
 
 def saves_of(llm) -> float:
-    return llm.engine.scheduler.connector.m.saves.total()
+    return llm.engine.scheduler.connector.tier_metrics.saves.total()
 
 
 def test_issue_42_a_load_only_engine_never_writes(lmcache_server, make_llm, view):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from atom import SamplingParams
-from atom.kv_transfer.offload.lmcache_server import probe
+from atom.tier.server.lmcache_server import probe
 
 from .conftest import BLOCK
 

@@ -5,7 +5,7 @@ Nothing in the tier or the engine knows the model: it publishes a StateSpec like
 from __future__ import annotations
 
 from atom import SamplingParams
-from atom.kv_transfer.offload.config import namespace
+from atom.tier.config import namespace
 
 from .conftest import BLOCK
 from .test_two_pass import ceiling, prompts_of, record_logits, tier

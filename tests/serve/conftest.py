@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from atom.kv_transfer.offload.lmcache_server import LMCacheServer, free_port
+from atom.tier.server.lmcache_server import LMCacheServer, free_port
 
 TINY_FLAGS = [
     "--model", "v41-tiny", "--block-size", "16", "--num-blocks", "400",

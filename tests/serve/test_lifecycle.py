@@ -12,7 +12,7 @@ import httpx
 import pytest
 import yaml
 
-from atom.kv_transfer.offload.lmcache_server import probe
+from atom.tier.server.lmcache_server import probe
 
 from .conftest import TINY_FLAGS, ServeProcess
 
@@ -70,7 +70,7 @@ def test_sigterm_with_owned_lmcache_server_exits_cleanly():
 
 
 def test_unreachable_tier_is_reported_not_fatal():
-    from atom.kv_transfer.offload.lmcache_server import free_port
+    from atom.tier.server.lmcache_server import free_port
 
     proc = ServeProcess(
         "--offload",

@@ -26,22 +26,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import wait as wait_connections
 
-from atom.distributed.broadcast_runtime import RankFailure
-from atom.distributed.rank_tier import RankTierSpec, TierPart
-from atom.kv_transfer.offload.operations import OpState, TransferOp
-from atom.kv_transfer.offload.worker import unlink_segment
+from atom.distributed.parallel_state import RankChannels, RankFailure
+from atom.tier.operations import OpState, TransferOp
+from atom.tier.worker_side.layout import unlink_segment
+from atom.tier.worker_side.rank_tier import RankTierSpec, TierPart
 
 log = logging.getLogger("atom.distributed")
-
-
-@dataclass(frozen=True)
-class TierRanks:
-    """What the tier needs from a tensor-parallel runtime (``BroadcastRuntime.tier_ranks``)."""
-
-    world_size: int
-    rank_replicated: bool  # every rank's PAGE blocks and images hold the same bytes
-    send: Callable[..., None]  # an op to every other rank, in order with the forwards
-    conns: list  # conns[r - 1]: rank r's outcome pipe (read end)
 
 
 @dataclass
@@ -89,7 +79,7 @@ class RankedTransfers:
         self,
         *,
         local,
-        ranks: TierRanks,
+        ranks: RankChannels,
         spec: RankTierSpec,
         on_outcome: Callable[[TransferOp], None],
     ):

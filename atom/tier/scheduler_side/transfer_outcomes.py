@@ -1,10 +1,12 @@
 """Loads and saves of the tier's connector: planning saves, and acting on transfer outcomes.
 
-Part of ``OffloadConnector`` (scheduler.py), which supplies pool, store, spec, metrics and the
-op helpers (``_new_op``, ``_launch``, ``_retire``). Everything here runs on the step thread.
+Part of ``OffloadConnector`` (planner.py), which supplies the image store (read only), spec,
+metrics and the op helpers (``_new_op``, ``_launch``, ``_retire``). Everything here runs on the
+step thread, and writes no engine state: it appends outcomes for the engine to apply.
 
-A load's outcome: DONE with an image of this layout at its own boundary -> its pages are
-published and the image is READY (``Loaded``); anything else -> ``LoadFailed``. LATE -> the
+A load's outcome: DONE with an image of this layout at its own boundary -> ``Loaded``, naming
+the pages and the image, which the engine publishes (blocks registered, image READY);
+anything else -> ``LoadFailed`` (the engine drops the image). LATE -> the
 request recomputes at once, the op stays quarantined (its leases held) until it resolves.
 A save's outcome: DONE -> the image is known stored; FAILED -> the span is stored again later.
 
@@ -23,10 +25,10 @@ import logging
 
 from atom.engine.checkpoints import Checkpoint
 from atom.engine.connector import Loaded, LoadFailed
-from atom.kv_transfer.offload.local_load import LocalLoadError
-from atom.kv_transfer.offload.operations import OpState, TransferOp
-from atom.kv_transfer.offload.tier_request import Phase, TierRequest
 from atom.model_api import image_header
+from atom.tier.operations import OpState, TransferOp
+from atom.tier.scheduler_side.tier_request import Phase, TierRequest
+from atom.tier.worker_side.local_load import LocalLoadError
 
 log = logging.getLogger("atom.offload")
 
@@ -43,7 +45,7 @@ class TransferOutcomes:
         if op.state is OpState.LATE:
             if not op.was_late:
                 op.was_late = True  # quarantined until it resolves
-                self.m.loads.inc(outcome="late")
+                self.tier_metrics.loads.inc(outcome="late")
                 self._load_failed(st, op, "deadline passed")
             return
         op.reported = True
@@ -54,7 +56,7 @@ class TransferOutcomes:
         if why is None:
             self._load_done(st, op)
         else:
-            self.m.loads.inc(outcome="failed")
+            self.tier_metrics.loads.inc(outcome="failed")
             self._retire(st, op)
             self._load_failed(st, op, why)
 
@@ -72,29 +74,21 @@ class TransferOutcomes:
         return None
 
     def _load_done(self, st: TierRequest, op: TransferOp) -> None:
-        """Publish the loaded pages and image while the op still holds them, then hand them
-        to the request (or, if it finished meanwhile, to the prefix cache)."""
-        seq, bs = st.seq, self.spec.block_size
-        for i, b in enumerate(op.page_blocks):
-            self.pool.register(b, seq.block_hashes[op.start // bs + i])
-        self.m.loads.inc(outcome="done")
-        self.m.bytes.inc(op.nbytes, direction="load")
+        """The loaded pages and image, named for the engine to publish while the op still
+        holds them (its ``Unlease`` comes after), then the request's (or, if it finished
+        meanwhile, the prefix cache's)."""
+        self.tier_metrics.loads.inc(outcome="done")
+        self.tier_metrics.bytes.inc(op.nbytes, direction="load")
         if not op.local and op.finished_at is not None:
-            self.m.latency.observe(op.finished_at - op.created_at, op="load")
-        image = op.image
-        self._remember_stored(image)  # it came from the tier
-        ready = self.store.mark_ready(image)
+            self.tier_metrics.latency.observe(op.finished_at - op.created_at, op="load")
+        self._remember_stored(op.image)  # it came from the tier
         st.load = None
-        if st.alive and ready:
-            self.store.pin(image)  # the request's own hold, for its restore
-            st.saved_upto = max(st.saved_upto, op.end)
-            self._emitted.append(Loaded(seq, op.end, image, op.start))
+        self._emitted.append(Loaded(st.seq, op.end, op.image, op.start, tuple(op.page_blocks)))
         if not op.local:  # a local op is retired when its copy completed (_local_copied)
             self._retire(st, op)
         if st.alive:
+            st.saved_upto = max(st.saved_upto, op.end)
             st.to(Phase.RUNNING)
-            if not ready:  # its prefix left the pool meanwhile
-                self._recompute(st, op.start)
 
     def _load_locally(self, st: TierRequest, op: TransferOp, located) -> bool:
         """Copy ``op`` from where the lookup located it (``located``, or None: nowhere);
@@ -107,7 +101,7 @@ class TransferOutcomes:
             except LocalLoadError as exc:
                 why = str(exc)
         if plan is None:
-            self.m.local_loads.inc(outcome="via_server")
+            self.tier_metrics.local_loads.inc(outcome="via_server")
             log.debug("load %s through the server: %s", op, why)
             return False
         op.local = True
@@ -116,7 +110,7 @@ class TransferOutcomes:
             st.ops.add(op)
         self.local.copy(located, plan, lambda t, st=st, op=op: self._local_copied(st, op, t))
         op.resolve(True)
-        self.m.local_loads.inc(outcome="copied")
+        self.tier_metrics.local_loads.inc(outcome="copied")
         self._on_load(op)
         return True
 
@@ -135,26 +129,23 @@ class TransferOutcomes:
     def _local_copied(self, st: TierRequest, op: TransferOp, done_at: float) -> None:
         """The copy completed: free the span's read locks, retire the op."""
         self.lookups.free_locks(st.lmc_id, op.token_ids, op.start, op.end)
-        self.m.latency.observe(done_at - op.created_at, op="load")
+        self.tier_metrics.latency.observe(done_at - op.created_at, op="load")
         self._retire(st, op)
 
     def _load_failed(self, st: TierRequest, op: TransferOp, why: str) -> None:
         log.warning("tier load %s failed (%s); recomputing [%d, %d)", op, why, op.start, op.end)
-        self.store.drop(op.image)
         if not op.reached_server:  # else the server releases them as its retrieve ends
             self.lookups.free_locks(st.lmc_id, op.token_ids, op.start, op.end)
         st.load = None
         if st.alive:
             st.to(Phase.RUNNING)
-            self._recompute(st, op.start)
-
-    def _recompute(self, st: TierRequest, start: int) -> None:
-        """The request computes the span itself; it is stored again (the tier lost or refused
-        it)."""
-        st.saved_upto = min(st.saved_upto, start)
-        if st.tier_has is not None:
-            st.tier_has = min(st.tier_has, start)  # what it said it held past start is doubtful
-        self._emitted.append(LoadFailed(st.seq, start))
+            # the request computes the span itself; it is stored again (the tier lost or
+            # refused it), and what the tier said it held past start is doubtful
+            st.saved_upto = min(st.saved_upto, op.start)
+            if st.tier_has is not None:
+                st.tier_has = min(st.tier_has, op.start)
+        # the engine drops the destination image (and, for a running request, recomputes)
+        self._emitted.append(LoadFailed(st.seq, op.start, op.image))
 
     # ---- saves --------------------------------------------------------------------------
 
@@ -166,7 +157,7 @@ class TransferOutcomes:
         seq, bs, chunk = st.seq, self.spec.block_size, self.chunk_size
         b = st.saved_upto + chunk
         while b <= seq.num_computed:
-            image = self.store.get_ready(seq.block_hashes[b // bs - 1])
+            image = self.images.ready_image(seq.block_hashes[b // bs - 1])
             if image is not None:
                 # stored is trusted only where this request's lookup confirmed it: the server
                 # may have evicted or lost what an older save put there
@@ -185,21 +176,34 @@ class TransferOutcomes:
         if op.state is OpState.LATE:
             if not op.was_late:
                 op.was_late = True
-                self.m.saves.inc(outcome="late")
+                self.tier_metrics.saves.inc(outcome="late")
             return
         op.reported = True
         self._retire(st, op)
         if op.state is OpState.DONE:
             self._remember_stored(op.image)
-            self.m.saves.inc(outcome="done")
-            self.m.bytes.inc(op.nbytes, direction="save")
+            self._publish_stored(st, op)
+            self.tier_metrics.saves.inc(outcome="done")
+            self.tier_metrics.bytes.inc(op.nbytes, direction="save")
             if op.latency_s is not None:
-                self.m.latency.observe(op.latency_s, op="save")
+                self.tier_metrics.latency.observe(op.latency_s, op="save")
         else:
             if not op.was_late:
-                self.m.saves.inc(outcome="failed")
+                self.tier_metrics.saves.inc(outcome="failed")
             st.saved_upto = min(st.saved_upto, op.start)  # store it again later
             log.debug("tier save %s failed: %s", op, op.error)
+
+    def _publish_stored(self, st: TierRequest, op: TransferOp) -> None:
+        """Tell the KV-event publisher (``kv_events``, when events are on) that the tier holds
+        the saved blocks [op.start, op.end): their chained hashes, the parent and tokens."""
+        events = self.kv_events
+        if events is None:
+            return
+        bs, hashes = self.spec.block_size, st.seq.block_hashes
+        first, last = op.start // bs, op.end // bs
+        parent = hashes[first - 1] if first else None
+        events.tier_stored(hashes[first:last], token_ids=op.token_ids[op.start : op.end],
+                           parent_block_hash=parent)  # fmt: skip
 
     def _remember_stored(self, image: Checkpoint) -> None:
         self._stored[image.key] = None

@@ -1,9 +1,11 @@
 """Scheduler side of the LMCache tier: lookups, load and save decisions, completions.
 
-The connector answers; the engine scheduler decides. It never changes a ``Sequence``: lookups
-return a ``TierAnswer`` and ``update`` returns outcomes (``Answered``, ``Loaded``,
-``LoadFailed``) that the engine applies. Per request it keeps one ``TierRequest`` (its phase,
-locks, saves and live transfers; ``tier_request.py`` has the phases):
+The connector answers; the engine scheduler decides. It writes no engine state (no
+``Sequence``, no block pool, no image store): lookups return a ``TierAnswer``, and ``update``,
+``start_load``, ``after_step`` and ``shutdown`` return the outcomes they produced (``Answered``,
+``Loaded`` naming the blocks and image a load filled, ``LoadFailed``, and the transfers'
+``Lease`` / ``Unlease``), which the engine applies. Per request it keeps one ``TierRequest``
+(its phase, locks, saves and live transfers; ``tier_request.py`` has the phases):
 
   lookup    at first admission, for tokens[:n-1] (the adapter floors to the chunk grid), so a
             hit always leaves a prefill token and ends where a load can end (a stored image).
@@ -12,8 +14,9 @@ locks, saves and live transfers; ``tier_request.py`` has the phases):
             step). An answer the request waits on is first judged against the concurrent
             lookups of its prefix, and asked again when they show it short (lookup_outcomes.py).
   load      [start, tier_hit) as the engine planned it (start = the resident frontier); the
-            read locks below ``start`` are freed at once. Success -> blocks published, image
-            READY, ``Loaded``. Failure or lateness -> ``LoadFailed``; the span is stored again.
+            read locks below ``start`` are freed at once. Success -> ``Loaded`` (the engine
+            publishes the blocks, the image becomes READY). Failure or lateness ->
+            ``LoadFailed``; the span is stored again.
   saves     every READY image boundary past what the tier holds, each store ending at that
             image, sources leased until terminal; a finished request's stores still complete.
   session   ended once, after the request finished and its last transfer is terminal.
@@ -29,21 +32,19 @@ import uuid
 from collections import OrderedDict, deque
 from threading import Lock
 
-from atom.engine.block_pool import BlockPool
 from atom.engine.checkpoints import Checkpoint, CheckpointStore
 from atom.engine.connector import Answered, Connector, Outcome, TierAnswer
 from atom.engine.sequence import Sequence
-from atom.kv_transfer.offload.config import OffloadConfig
-from atom.kv_transfer.offload.events import EventPool
-from atom.kv_transfer.offload.lookup_outcomes import LookupOutcomes
-from atom.kv_transfer.offload.operations import LookupOp, TransferOp
-from atom.kv_transfer.offload.policy import TierPolicy
-from atom.kv_transfer.offload.tier_metrics import TierMetrics
-from atom.kv_transfer.offload.tier_request import Phase, TierRequest
-from atom.kv_transfer.offload.transfer_outcomes import TransferOutcomes
-from atom.kv_transfer.offload.worker import op_bytes
 from atom.metrics import Registry
 from atom.model_api import StateSpec
+from atom.tier.config import OffloadConfig
+from atom.tier.operations import LookupOp, TransferOp
+from atom.tier.policy import TierPolicy
+from atom.tier.scheduler_side.lookup_outcomes import LookupOutcomes
+from atom.tier.scheduler_side.tier_request import Phase, TierRequest
+from atom.tier.scheduler_side.transfer_outcomes import TransferOutcomes
+from atom.tier.tier_metrics import TierMetrics
+from atom.tier.worker_side.events import EventPool
 
 log = logging.getLogger("atom.offload")
 
@@ -55,8 +56,7 @@ class OffloadConnector(LookupOutcomes, TransferOutcomes, Connector):
         config: OffloadConfig,
         spec: StateSpec,
         chunk_size: int,
-        pool: BlockPool,
-        store: CheckpointStore,
+        images: CheckpointStore,  # read only: which images are READY
         pool_tensor,
         events: EventPool,
         transfers,  # TransferThread (or a test double with the same interface)
@@ -69,8 +69,11 @@ class OffloadConnector(LookupOutcomes, TransferOutcomes, Connector):
         policy: TierPolicy | None = None,  # what it may do (None: the config's, one rank)
     ):
         self.cfg, self.spec, self.chunk_size = config, spec, chunk_size
+        # the engine's KV-event publisher (``atom.kv_events``) when events are on: told of
+        # every save that settled, as blocks the tier now holds
+        self.kv_events = None
         self.policy = policy or TierPolicy.of(config)
-        self.pool, self.store, self.pool_tensor = pool, store, pool_tensor
+        self.images, self.pool_tensor = images, pool_tensor
         self.events, self.transfers, self.lookups = events, transfers, lookups
         self.notify, self.clock = notify_progress, clock
         self._outcomes: deque = deque()  # from the threads
@@ -80,7 +83,7 @@ class OffloadConnector(LookupOutcomes, TransferOutcomes, Connector):
         self._stored: OrderedDict[int, None] = OrderedDict()  # image keys the tier holds
         self._epoch = transfers.epoch
         self.local, self.mappings = local, mappings
-        self.m = TierMetrics(metrics, self)
+        self.tier_metrics = TierMetrics(metrics, self)
 
     # ---- outcomes from the threads (any thread) ---------------------------------------------
 
@@ -142,6 +145,10 @@ class OffloadConnector(LookupOutcomes, TransferOutcomes, Connector):
         self._judge_answers()
         self._end_sessions()
         self.lookups.flush()
+        return self._drain()
+
+    def _drain(self) -> list[Outcome]:
+        """The outcomes produced since the last call returned them, in order."""
         emitted, self._emitted = self._emitted, []
         return emitted
 
@@ -197,7 +204,7 @@ class OffloadConnector(LookupOutcomes, TransferOutcomes, Connector):
 
     def start_load(
         self, seq: Sequence, start: int, end: int, blocks: list[int], image: Checkpoint
-    ) -> None:
+    ) -> list[Outcome]:
         st = self._state(seq)
         if st.phase is not Phase.ANSWERED or end > st.locked:
             raise RuntimeError(f"{st.lmc_id}: load [{start}, {end}) without its lookup's locks")
@@ -207,19 +214,20 @@ class OffloadConnector(LookupOutcomes, TransferOutcomes, Connector):
         if end < st.answer:
             self.lookups.free_locks(st.lmc_id, seq.tokens, end, st.answer)
         op = self._new_op("load", st, start, end, blocks, image)
-        self.store.unpin(image)  # the creation pin passes to the op's lease
         st.load = op
         st.to(Phase.LOADING)
         located, st.located = st.located, None
         if self.local is None or not self._load_locally(st, op, located):
             self._launch(st, op)  # the server copies it
+        return self._drain()
 
-    def after_step(self, seqs: list[Sequence]) -> None:
+    def after_step(self, seqs: list[Sequence]) -> list[Outcome]:
         self.lookups.flush()  # the frees this step's loads queued
         for seq in seqs:
             st = self._requests.get(seq.seq_id)
             if st is not None:
                 self._plan_saves(st)
+        return self._drain()
 
     def request_finished(self, seq: Sequence) -> None:
         st = self._requests.get(seq.seq_id)
@@ -258,7 +266,7 @@ class OffloadConnector(LookupOutcomes, TransferOutcomes, Connector):
             lk = st.lookup
             if st.lookup_pending and now > lk.deadline and lk.mark_late():
                 st.answer = 0  # no answer: neither load nor store (the thread frees locks)
-                self.m.lookups.inc(outcome="late")
+                self.tier_metrics.lookups.inc(outcome="late")
                 if st.phase in (Phase.LOOKING_UP, Phase.CONFIRMING):
                     if st.phase is Phase.LOOKING_UP:
                         self._emitted.append(Answered(st.seq))
@@ -283,8 +291,8 @@ class OffloadConnector(LookupOutcomes, TransferOutcomes, Connector):
             self.clock() + self.cfg.transfer_timeout_s,
             owner=st,
         )
-        op.nbytes = op_bytes(op, self.spec.block_bytes)
-        op.lease(self.pool, self.store)
+        op.nbytes = (len(op.page_blocks) + len(op.units)) * self.spec.block_bytes  # pages + image
+        self._emitted.append(op.lease())
         return op
 
     def _launch(self, st: TierRequest, op: TransferOp) -> None:
@@ -296,7 +304,7 @@ class OffloadConnector(LookupOutcomes, TransferOutcomes, Connector):
     def _retire(self, st: TierRequest, op: TransferOp) -> None:
         """A terminal op gives back its event and leases (once)."""
         if op.leased:
-            op.release(self.pool, self.store)
+            self._emitted.append(op.release())
         if op.event is not None:
             self.events.recycle(op.event)
             op.event = None
@@ -314,13 +322,13 @@ class OffloadConnector(LookupOutcomes, TransferOutcomes, Connector):
             with self._lock:
                 del self._requests[st.seq.seq_id]
 
-    def shutdown(self, timeout_s: float) -> None:
+    def shutdown(self, timeout_s: float) -> list[Outcome]:
         """Stores in flight get ``timeout_s`` to finish; then every lease is released and
         every session ended (a lookup still pending is given up and its locks freed)."""
         self.transfers.stop(timeout_s)
         if self.local is not None:
             self.local.drain()  # local copies complete quickly: their locks are freed below
-        self.update()
+        outcomes = self.update()
         for st in list(self._requests.values()):
             lk = st.lookup
             if st.lookup_pending and lk.mark_late():
@@ -334,5 +342,5 @@ class OffloadConnector(LookupOutcomes, TransferOutcomes, Connector):
                 self._free_locks(st)
                 st.to(Phase.DONE)
         self._end_sessions()
-        self._emitted.clear()
         self.lookups.stop(timeout_s)
+        return outcomes + self._drain()

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import msgspec
 
-from atom.kv_transfer.offload.l1_map import L1Mapping, Mappings, SegmentError, SegmentId
+from atom.tier.worker_side.l1_map import L1Mapping, Mappings, SegmentError, SegmentId
 
 log = logging.getLogger("atom.offload")
 
@@ -91,7 +91,7 @@ class Locator:
             if self._server_answers():  # lmcache 0.5.6 never replies to an unserved method
                 self._unsupported(
                     "the server answers but not atom.locate (start it with --server-module "
-                    '\'{"module_path": "atom.kv_transfer.offload.l1_module"}\' and --shm-name)'
+                    '\'{"module_path": "atom.tier.server.l1_module"}\' and --shm-name)'
                 )
             raise TimeoutError("locate not answered in time")
         resp = fut.result()
@@ -99,7 +99,7 @@ class Locator:
             if "unknown server module method" in resp.error:  # other modules, not atom's
                 self._unsupported(
                     "the server has no atom.locate module (start it with --server-module "
-                    '\'{"module_path": "atom.kv_transfer.offload.l1_module"}\')'
+                    '\'{"module_path": "atom.tier.server.l1_module"}\')'
                 )
             raise RuntimeError(f"locate failed on the server: {resp.error}")
         answer = msgspec.msgpack.decode(resp.payload)
@@ -116,7 +116,7 @@ class Locator:
         return True
 
     def _server_answers(self, timeout_s: float = 0.5) -> bool:
-        from atom.kv_transfer.offload.lmcache_server import probe
+        from atom.tier.server.lmcache_server import probe
 
         return probe(self.url, timeout_s)
 

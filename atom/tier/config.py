@@ -20,8 +20,8 @@ import xxhash
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
 
 from atom.config_errors import EngineConfigError, format_validation_error
-from atom.kv_transfer.offload import l2
 from atom.model_api import StateSpec
+from atom.tier.server import l2
 
 NAMESPACE_FORMAT = "atom.offload.ns/2"
 
@@ -49,7 +49,7 @@ class OffloadConfig(BaseModel):
     # a located answer older than this is loaded through the server, which checks the objects
     # are still there (the server's read locks lapse after its --l1-read-ttl-seconds, 300 s)
     located_max_age_s: float = 120.0
-    # L2 under the owned server's L1 (atom.kv_transfer.offload.l2): a list of LMCache adapter
+    # L2 under the owned server's L1 (atom.tier.server.l2): a list of LMCache adapter
     # specs, e.g. {"type": "fs", "base_path": "/shared/kv"} or {"type": "resp", "host": "redis",
     # "port": 6379}; servers sharing one L2 share their objects. With url set they describe the
     # external server's L2 (for /health) and configure nothing.

@@ -10,20 +10,21 @@ from __future__ import annotations
 import logging
 import time
 
-from atom.kv_transfer.offload.admin import clear_server
-from atom.kv_transfer.offload.config import OffloadConfig, namespace, weights_identity
-from atom.kv_transfer.offload.events import EventPool
-from atom.kv_transfer.offload.l1_map import Mappings
-from atom.kv_transfer.offload.l2 import L2Status, ServerMetrics
-from atom.kv_transfer.offload.lmcache_server import LMCacheServer, LMCacheServerError
-from atom.kv_transfer.offload.local_load import LocalLoads
-from atom.kv_transfer.offload.locator import Locator
-from atom.kv_transfer.offload.lookup_thread import LookupThread
-from atom.kv_transfer.offload.policy import TierPolicy
-from atom.kv_transfer.offload.scheduler import OffloadConnector
-from atom.kv_transfer.offload.supervisor import ServerSupervisor
-from atom.kv_transfer.offload.transfer_thread import TransferThread
-from atom.kv_transfer.offload.worker import SpecShape, share_pool, unlink_segment
+from atom.engine.connector import Outcome
+from atom.tier.config import OffloadConfig, namespace, weights_identity
+from atom.tier.policy import TierPolicy
+from atom.tier.scheduler_side.planner import OffloadConnector
+from atom.tier.server.admin import clear_server
+from atom.tier.server.l2 import L2Status, ServerMetrics
+from atom.tier.server.lmcache_server import LMCacheServer, LMCacheServerError
+from atom.tier.server.supervisor import ServerSupervisor
+from atom.tier.worker_side.events import EventPool
+from atom.tier.worker_side.l1_map import Mappings
+from atom.tier.worker_side.layout import SpecShape, share_pool, unlink_segment
+from atom.tier.worker_side.local_load import LocalLoads
+from atom.tier.worker_side.locator import Locator
+from atom.tier.worker_side.lookup_thread import LookupThread
+from atom.tier.worker_side.transfer_thread import TransferThread
 
 log = logging.getLogger("atom.offload")
 
@@ -39,7 +40,6 @@ class LMCacheTier:
         seed: int,
         spec,
         block_size: int,
-        pool,
         store,
         pool_tensor,
         device,
@@ -47,7 +47,7 @@ class LMCacheTier:
         notify_progress,
         ranks=None,
     ):
-        """``ranks``: a tensor-parallel engine's ``TierRanks`` (None with one rank): every
+        """``ranks``: a tensor-parallel engine's ``RankChannels`` (None with one rank): every
         rank then registers its own pool and moves its own part of each transfer."""
         import zmq
 
@@ -133,8 +133,8 @@ class LMCacheTier:
             server_alive=(lambda: self.server.running) if self.server is not None else None,
         )
         if ranks is not None:
-            from atom.distributed.rank_tier import RankTierSpec
-            from atom.distributed.tier_ranks import RankedTransfers
+            from atom.tier.worker_side.rank_tier import RankTierSpec
+            from atom.tier.worker_side.tier_ranks import RankedTransfers
 
             fields = ("transfer_timeout_s", "heartbeat_s", "rpc_timeout_s", "lookup_timeout_s")
             self.transfers = RankedTransfers(
@@ -168,8 +168,7 @@ class LMCacheTier:
             config=config,
             spec=spec,
             chunk_size=self.chunk,
-            pool=pool,
-            store=store,
+            images=store,
             pool_tensor=pool_tensor,
             events=EventPool(device),
             transfers=self.transfers,
@@ -294,10 +293,12 @@ class LMCacheTier:
         if self.server is not None:
             self.server.stop(timeout_s=2.0)
 
-    def shutdown(self, timeout_s: float) -> None:
+    def shutdown(self, timeout_s: float) -> list[Outcome]:
+        """Drain and detach (``OffloadConnector.shutdown``), stop what this tier owns; returns
+        the connector's last outcomes, for the engine to apply."""
         if self.supervisor is not None:
             self.supervisor.stop()  # the server is stopped on purpose below
-        self.connector.shutdown(timeout_s)
+        outcomes = self.connector.shutdown(timeout_s)
         if self.mappings is not None:
             self.mappings.close_all()  # after the lookup thread stopped (it maps them)
         try:
@@ -307,3 +308,4 @@ class LMCacheTier:
         unlink_segment(self.segment)
         if self.server is not None:
             self.server.stop()
+        return outcomes

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from atom.kv_transfer.offload.l1_module import boot_id
+from atom.tier.server.l1_module import boot_id
 
 log = logging.getLogger("atom.offload")
 

@@ -21,7 +21,7 @@ import signal
 import threading
 import time
 
-from atom.kv_transfer.offload.lmcache_server import LMCacheServer, LMCacheServerError, probe
+from atom.tier.server.lmcache_server import LMCacheServer, LMCacheServerError, probe
 
 log = logging.getLogger("atom.offload")
 

@@ -21,9 +21,9 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from atom.kv_transfer.offload.backoff import ConnectBackoff
-from atom.kv_transfer.offload.config import OffloadConfig
-from atom.kv_transfer.offload.operations import LookupOp, OpState
+from atom.tier.config import OffloadConfig
+from atom.tier.operations import LookupOp, OpState
+from atom.tier.worker_side.backoff import ConnectBackoff
 
 log = logging.getLogger("atom.offload")
 

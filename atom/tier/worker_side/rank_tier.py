@@ -33,12 +33,12 @@ from dataclasses import dataclass
 
 import torch
 
-from atom.kv_transfer.offload.config import OffloadConfig
-from atom.kv_transfer.offload.events import EventPool
-from atom.kv_transfer.offload.operations import OpState, TransferOp
-from atom.kv_transfer.offload.transfer_thread import TransferThread
-from atom.kv_transfer.offload.worker import SpecShape, share_pool, unlink_segment
 from atom.model_api import image_header
+from atom.tier.config import OffloadConfig
+from atom.tier.operations import OpState, TransferOp
+from atom.tier.worker_side.events import EventPool
+from atom.tier.worker_side.layout import SpecShape, share_pool, unlink_segment
+from atom.tier.worker_side.transfer_thread import TransferThread
 
 log = logging.getLogger("atom.distributed")
 
@@ -213,3 +213,79 @@ class RankTier:
                 self.conn.send(msg)
             except (BrokenPipeError, OSError):
                 pass  # rank 0 is gone: this rank exits with it
+
+
+# ---- the tier's ops on a rank: a failing tier never stops the rank (nor so the engine) --------
+
+
+def _tell(conn, msg: tuple) -> None:
+    try:
+        if conn is not None:
+            conn.send(msg)
+    except (OSError, ValueError):
+        pass  # rank 0 is gone: this rank's parent-watch ends it
+
+
+class RankTierOps:
+    """The tier ops of ``broadcast_runtime.serve_ops`` on rank ``rank`` (a ``RankOps``):
+    ``tier_attach`` makes this rank's ``RankTier`` (before ``bind``: ``pool`` is then the pool
+    to bind), ``tier_op`` queues a part, ``tier_stop`` drains it. A tier that failed to attach
+    leaves the rank serving: it reports itself unhealthy (rank 0 then moves nothing through the
+    tier) and fails every part it is sent. ``conn``: this rank's outcome pipe (write end)."""
+
+    names = frozenset({"tier_attach", "tier_op", "tier_stop"})
+
+    def __init__(self, rank: int, conn):
+        self.rank, self.conn = rank, conn
+        self.tier: RankTier | None = None
+        self.error = ""
+
+    @property
+    def pool(self) -> torch.Tensor | None:
+        return self.tier.pool if self.tier is not None else None
+
+    def handle(self, name: str, args: tuple, runtime, device) -> None:
+        if name == "tier_attach":
+            self._attach(args[0], runtime, device)
+        elif name == "tier_op":
+            self._submit(args[0])
+        elif self.tier is None:  # tier_stop
+            _tell(self.conn, ("stopped",))
+        else:
+            self.tier.stop(args[0])
+
+    def close(self) -> None:
+        if self.tier is not None:
+            self.tier.stop(0.0)  # idempotent: unregisters and removes the pool's shm segment
+
+    def _attach(self, spec: RankTierSpec, runtime, device) -> None:
+        tier = None
+        try:
+            tier = RankTier(spec, self.rank, self.conn, runtime.spec)
+            tier.attach(device)
+            self.tier, self.error = tier, ""
+        except Exception as exc:  # noqa: BLE001 - reported to rank 0 as this rank's tier health
+            self.error = f"rank {self.rank}: tier attach failed: {exc!r}"
+            log.exception("%s", self.error)
+            if tier is not None:
+                try:
+                    tier.stop(0.0)  # unregisters and removes its pool's segment, if it got there
+                except Exception:  # noqa: BLE001
+                    log.warning(
+                        "rank %d: cleaning up a failed tier attach", self.rank, exc_info=True
+                    )
+            _tell(self.conn, ("health", False, 0, self.error))
+
+    def _submit(self, part: TierPart) -> None:
+        """Queue this rank's part, or report it failed (no tier here, or the submit raised)."""
+        why = self.error
+        if self.tier is not None:
+            try:
+                self.tier.submit(part)
+                return
+            except Exception as exc:  # noqa: BLE001 - the op fails on every rank, the rank lives
+                why = f"submit raised: {exc!r}"
+                log.exception("tier part %d", part.op_id)
+        _tell(
+            self.conn, ("part", part.op_id, "failed", False, why or "rank tier not attached", None)
+        )

@@ -9,8 +9,9 @@ States (the transfer thread moves them; the step thread reads them and owns the 
 
 A LATE transfer's fate is unknown: the server may still read or write its blocks, so its
 leases stay held (the blocks are quarantined) until it resolves or the server that held it is
-known to be gone. Leases are taken on the step thread when the op is decided and released
-exactly once, on the step thread, by ``release``.
+known to be gone. Leases are decided on the step thread when the op is decided (``lease``) and
+given back exactly once, on the step thread (``release``); the op only names them, as the
+``Lease`` / ``Unlease`` values the engine applies to its pool and image store.
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from atom.engine.block_pool import BlockPool
-from atom.engine.checkpoints import Checkpoint, CheckpointStore
+from atom.engine.checkpoints import Checkpoint
+from atom.engine.connector import Lease, Unlease
 
 
 class OpState(enum.Enum):
@@ -103,21 +104,19 @@ class TransferOp(_Settles):
 
     # ---- step thread: leases ------------------------------------------------------------
 
-    def lease(self, pool: BlockPool, store: CheckpointStore) -> None:
-        """Hold the page blocks and the image until ``release`` (decided -> terminal)."""
+    def lease(self) -> Lease:
+        """The hold on the page blocks and the image from now until ``release`` (decided ->
+        terminal), for the engine to take."""
         assert not self._leased
-        pool.acquire(self.page_blocks)
-        store.pin(self.image)
         self._leased = True
+        return Lease(self.op_id, tuple(self.page_blocks), self.image)
 
-    def release(self, pool: BlockPool, store: CheckpointStore) -> bool:
-        """Give the leases back (once). Returns False if they were already released."""
+    def release(self) -> Unlease | None:
+        """The lease given back (once), for the engine to apply; None if it already was."""
         if not self._leased:
-            return False
+            return None
         self._leased = False
-        pool.release(reversed(self.page_blocks), lease=True)
-        store.unpin(self.image)
-        return True
+        return Unlease(self.op_id)
 
     @property
     def leased(self) -> bool:

@@ -1,7 +1,7 @@
 """Server side of engine-driven loads: an LMCache server module that says where objects sit.
 
 Loaded into the LMCache MP server with ``--server-module '{"module_path":
-"atom.kv_transfer.offload.l1_module"}'`` (the owned server does this when loads are
+"atom.tier.server.l1_module"}'`` (the owned server does this when loads are
 engine-driven). It imports lmcache and msgspec only: it runs inside the server process.
 
 One method, ``atom.locate``: for one request's token range [start, end) it returns, for

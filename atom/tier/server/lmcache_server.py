@@ -13,6 +13,7 @@ are null) and lmcache_driven transfers.
 from __future__ import annotations
 
 import atexit
+import json
 import logging
 import os
 import random
@@ -25,14 +26,14 @@ import tempfile
 import time
 from pathlib import Path
 
-from atom.kv_transfer.offload.l2 import server_args
+from atom.tier.server.l2_resp import plugin_spec
 
 log = logging.getLogger("atom.offload")
 
 TMP_PREFIX = "atom-lmcache-"
 SHM_PREFIX = "lmcache_kv_"  # lmcache's own name for a migrated CPU pool: lmcache_kv_<pid>_<n>
 L1_SHM_PREFIX = "lmcache_l1_pool_atom_"  # an owned server's L1: ..._<engine pid>_<port>_<start>
-L1_MODULE = '{"module_path": "atom.kv_transfer.offload.l1_module"}'  # --server-module
+L1_MODULE = '{"module_path": "atom.tier.server.l1_module"}'  # --server-module
 
 # Run as ``python -c _CHILD <parent pid> <metrics host> <server args...>``: stop the server
 # when its parent is gone (polled: a parent-death signal would follow the starting *thread*),
@@ -188,7 +189,7 @@ class LMCacheServer:
         # its segment, and lmcache refuses to create an existing one) and the locate module
         self.shared_l1 = shared_l1
         self.l1_segment = ""  # the current start's /dev/shm name (lmcache adds its prefix)
-        # L2 adapters under L1 (atom.kv_transfer.offload.l2 validates them)
+        # L2 adapters under L1 (atom.tier.server.l2 validates them)
         self.l2_adapters = tuple(l2_adapters)
         self.l2_store_policy, self.l2_prefetch_policy = l2_store_policy, l2_prefetch_policy
         self.metrics_port = free_port(host)  # LMCache's Prometheus endpoint
@@ -366,3 +367,14 @@ class LMCacheServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def server_args(adapters, store_policy: str, prefetch_policy: str) -> list[str]:
+    """The LMCache server flags for these adapters and policies ([] without adapters)."""
+    if not adapters:
+        return []
+    args = []
+    for d in adapters:
+        spec = plugin_spec(d) if d.get("type") == "resp" else d
+        args += ["--l2-adapter", json.dumps(spec, sort_keys=True, separators=(",", ":"))]
+    return args + ["--l2-store-policy", store_policy, "--l2-prefetch-policy", prefetch_policy]

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from atom.kv_transfer.offload.config import OffloadConfig
+from atom.tier.config import OffloadConfig
 
 
 @dataclass(frozen=True)

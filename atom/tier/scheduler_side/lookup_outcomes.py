@@ -1,7 +1,7 @@
 """Lookups of the tier's connector: acting on their answers, and asking again an answer that
 a concurrent lookup of the same prefix made short (issue 41).
 
-Part of ``OffloadConnector`` (scheduler.py), which supplies the clock, metrics, the lookup
+Part of ``OffloadConnector`` (planner.py), which supplies the clock, metrics, the lookup
 thread, the request table, ``_free_locks`` and ``_plan_saves``. Everything here runs on the
 step thread. An answer for a request that waits on it (LOOKING_UP) is *held* first, judged
 against the other requests' lookups, then settled (``Answered``) or asked again; an answer for
@@ -36,8 +36,8 @@ from collections.abc import Iterable
 from typing import NamedTuple
 
 from atom.engine.connector import Answered
-from atom.kv_transfer.offload.operations import LookupOp, OpState
-from atom.kv_transfer.offload.tier_request import Phase, TierRequest
+from atom.tier.operations import LookupOp, OpState
+from atom.tier.scheduler_side.tier_request import Phase, TierRequest
 
 log = logging.getLogger("atom.offload")
 
@@ -88,12 +88,12 @@ class LookupOutcomes:
     def _on_lookup(self, op: LookupOp) -> None:
         st: TierRequest = op.owner
         if op.finished_at is not None:
-            self.m.lookup_latency.observe(op.finished_at - op.created_at)
+            self.tier_metrics.lookup_latency.observe(op.finished_at - op.created_at)
         if st.lookup is not op or st.answer is not None:
             return  # given up (late): the lookup thread frees what it locked
         st.replied_at = self.clock()
         if op.state is not OpState.DONE:
-            self.m.lookups.inc(outcome="failed")
+            self.tier_metrics.lookups.inc(outcome="failed")
             log.debug("lookup %s: %s", op.lmc_id, op.error)
             self._settle_answer(st, 0, known=False)
             return
@@ -115,7 +115,7 @@ class LookupOutcomes:
             if verdict.wait and in_time:
                 continue
             if verdict.owed > st.held and in_time and st.asks < MAX_ASKS:
-                self.m.lookups.inc(outcome="short")
+                self.tier_metrics.lookups.inc(outcome="short")
                 log.debug("lookup %s: %d of %d; asked again", st.lmc_id, st.held, verdict.owed)
                 st.held = None
                 self._free_locks(st)
@@ -136,7 +136,7 @@ class LookupOutcomes:
         st.answer = hit
         if known:
             st.tier_has = st.saved_upto = hit
-            self.m.lookups.inc(outcome="hit" if hit else "miss")
+            self.tier_metrics.lookups.inc(outcome="hit" if hit else "miss")
         st.locked = hit
         op = st.lookup
         st.located = op.located if op.located is not None and op.located.end == hit else None

@@ -1,4 +1,5 @@
-"""LMCache L2 adapters under the tier: validation, the server's command line, health, metrics.
+"""LMCache L2 adapters under the tier: validation, health, metrics (their server flags:
+``lmcache_server.server_args``).
 
 An L2 adapter sits under an LMCache MP server's L1: every object stored in L1 is written
 through to it, and a lookup that L1 misses asks it and prefetches what it holds into L1 before
@@ -165,19 +166,6 @@ def validate_adapters(items: Any) -> tuple[dict[str, Any], ...]:
                 " and ".join(TESTED_TYPES),
             )
     return out
-
-
-def server_args(adapters, store_policy: str, prefetch_policy: str) -> list[str]:
-    """The LMCache server flags for these adapters and policies ([] without adapters)."""
-    if not adapters:
-        return []
-    from atom.kv_transfer.offload.l2_resp import plugin_spec  # l2_resp imports this module
-
-    args = []
-    for d in adapters:
-        spec = plugin_spec(d) if d.get("type") == "resp" else d
-        args += ["--l2-adapter", json.dumps(spec, sort_keys=True, separators=(",", ":"))]
-    return args + ["--l2-store-policy", store_policy, "--l2-prefetch-policy", prefetch_policy]
 
 
 def target(d: dict) -> str:

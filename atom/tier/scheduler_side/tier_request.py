@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from atom.engine.sequence import Sequence
-from atom.kv_transfer.offload.operations import LookupOp, TransferOp
+from atom.tier.operations import LookupOp, TransferOp
 
 
 class Phase(enum.Enum):

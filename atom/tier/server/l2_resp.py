@@ -9,7 +9,7 @@ import threading
 import time
 from typing import Any
 
-from atom.kv_transfer.offload.l2 import COMMON_KEYS, reachable
+from atom.tier.server.l2 import COMMON_KEYS, reachable
 
 log = logging.getLogger("atom.offload")
 

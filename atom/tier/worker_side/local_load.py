@@ -32,9 +32,9 @@ from dataclasses import dataclass
 
 import torch
 
-from atom.kv_transfer.offload.l1_map import clear_cuda_error
-from atom.kv_transfer.offload.locator import Located
 from atom.model_api import StateSpec, pool_bytes
+from atom.tier.worker_side.l1_map import clear_cuda_error
+from atom.tier.worker_side.locator import Located
 
 log = logging.getLogger("atom.offload")
 

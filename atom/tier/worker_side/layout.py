@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from atom.kv_transfer.offload.operations import TransferOp
+from atom.tier.operations import TransferOp
 
 log = logging.getLogger("atom.offload")
 
@@ -92,7 +92,3 @@ def build_spec(op: TransferOp, shape: SpecShape):
     return AtomMPTransferSpec(
         token_ids=list(op.token_ids[: op.end]), block_ids=block_ids, start=op.start, end=op.end
     )
-
-
-def op_bytes(op: TransferOp, block_bytes: int) -> int:
-    return (len(op.page_blocks) + len(op.units)) * block_bytes

@@ -26,10 +26,10 @@ from collections.abc import Callable
 
 import torch
 
-from atom.kv_transfer.offload.backoff import ConnectBackoff
-from atom.kv_transfer.offload.config import OffloadConfig
-from atom.kv_transfer.offload.operations import OpState, TransferOp
-from atom.kv_transfer.offload.worker import SpecShape, build_spec, group_infos, kv_caches
+from atom.tier.config import OffloadConfig
+from atom.tier.operations import OpState, TransferOp
+from atom.tier.worker_side.backoff import ConnectBackoff
+from atom.tier.worker_side.layout import SpecShape, build_spec, group_infos, kv_caches
 
 log = logging.getLogger("atom.offload")
 

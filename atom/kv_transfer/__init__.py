@@ -1,1 +1,0 @@
-"""External KV tiers. Only this package imports lmcache, and only lazily."""

@@ -1,1 +1,0 @@
-"""The LMCache MP tier: config, server, worker, transfers, scheduler hooks."""
