@@ -19,6 +19,11 @@ INERT = {
     "service_tier": lambda v: v in (None, "auto", "default"),
     "store": lambda v: v in (None, False),
     "metadata": lambda v: v is None or isinstance(v, dict),
+    # what routers add to every request they re-serialize (vllm-router, sglang-router: their
+    # defaults); atom's detokenizer skips special tokens, trims stops, returns no hidden states
+    "skip_special_tokens": lambda v: v in (None, True),
+    "no_stop_trim": lambda v: v in (None, False),
+    "return_hidden_states": lambda v: v in (None, False),
 }
 
 
