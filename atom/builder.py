@@ -12,6 +12,7 @@ from atom import kernels
 from atom.config import EngineConfig
 from atom.engine.engine import LLMEngine
 from atom.model_api import RuntimeCapabilities
+from atom.models.common.moe import configure_grouped_mm
 from atom.models.registry import load_runtime
 
 
@@ -21,6 +22,7 @@ def build_engine(config: EngineConfig, attach_tier=None) -> LLMEngine:
     cfg = config.resolved()
     torch.manual_seed(cfg.seed)
     kernels.configure(cfg.triton_kernels, cfg.triton_off, cfg.triton_on)
+    configure_grouped_mm(cfg.moe_grouped_mm)
     attach = attach_tier
     if attach is None and cfg.offload == "lmcache_mp":
         attach = _lmcache_tier(cfg)

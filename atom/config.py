@@ -20,6 +20,10 @@ from atom.tier.config import OffloadConfig
 __all__ = ["EngineConfig", "EngineConfigError", "OffloadConfig"]
 
 
+# the strings pydantic reads as a bool
+_BOOL_WORDS = frozenset({"0", "1", "true", "false", "t", "f", "yes", "no", "y", "n", "on", "off"})
+
+
 class EngineConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
@@ -46,6 +50,10 @@ class EngineConfig(BaseModel):
     triton_kernels: bool = True
     triton_off: list[str] = []
     triton_on: list[str] = []
+    # the MoE's routed experts as grouped GEMMs (torch._grouped_mm: CUDA bf16, sm90+; no host
+    # sync); False runs the per-expert loop there (one host sync per layer). Same math, other
+    # roundings in bf16 (atom/models/common/moe.py)
+    moe_grouped_mm: bool = True
     # speculative decoding with the model's own drafter (draft layers, or DSpark stages):
     # drafts verified per decode step
     # (0 = off; up to 5). The state gains rows for them, so it is part of the tier namespace
@@ -68,6 +76,16 @@ class EngineConfig(BaseModel):
         if v < 1:
             raise ValueError(f"must be >= 1, got {v}")
         return v
+
+    @field_validator("triton_kernels", "moe_grouped_mm", mode="before")
+    @classmethod
+    def _switch(cls, v: Any) -> Any:
+        # what pydantic reads as a bool passes on; anything else is told what to write
+        if isinstance(v, bool) or (isinstance(v, (int, float)) and v in (0, 1)):
+            return v
+        if isinstance(v, str) and v.lower() in _BOOL_WORDS:
+            return v
+        raise ValueError("use true or false")
 
     @field_validator("triton_off", "triton_on", mode="before")
     @classmethod
@@ -129,6 +147,8 @@ class EngineConfig(BaseModel):
             )
         if self.block_size is not None and self.offload == "lmcache_mp":
             self.lmcache.resolved_chunk(self.block_size)
+        if self.offload == "lmcache_mp":
+            self.lmcache.load_path(self.tensor_parallel_size)  # engine_driven: one rank only
         if self.block_size is not None and self.max_num_batched_tokens < self.block_size:
             raise ValueError(
                 f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= "
@@ -235,11 +255,15 @@ class EngineConfig(BaseModel):
                 f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= "
                 f"block_size={block} (prefill chunks end on the block grid)"
             )
+        lmcache = self.lmcache
         if self.offload == "lmcache_mp":
             try:
                 self.lmcache.resolved_chunk(block)
             except ValueError as exc:
                 raise EngineConfigError(str(exc)) from None
+            # auto decided: engine_driven on one rank, lmcache_driven across ranks
+            load_mode, _ = lmcache.load_path(self.tensor_parallel_size)
+            lmcache = lmcache.model_copy(update=dict(load_mode=load_mode))
         return self.model_copy(
             update=dict(
                 device=device,
@@ -250,5 +274,6 @@ class EngineConfig(BaseModel):
                 num_blocks=num_blocks,
                 pool_memory_gb=None,
                 max_model_len=max_len,
+                lmcache=lmcache,
             )
         )

@@ -30,17 +30,17 @@ def _components():
     """(owner, attribute, label): the functions wrapped in a profiler range."""
     from atom.models.common import layers as common_layers
     from atom.models.common import mhc, moe
-    from atom.models.deepseek_v41 import attention, engram, model, paged_decode
+    from atom.models.deepseek_v41 import attention, block, engram, model, paged_decode
 
     return [
         (model.DeepseekV41ForCausalLM, "_embed", "embed"),
         (model.DeepseekV41ForCausalLM, "_head", "lm head (mHC + norm + head)"),
         (engram.Engram, "forward", "engram"),
         (mhc.HcMixer, "mixes", "mhc mixes (mix, sinkhorn)"),
-        (model, "collapse", "mhc collapse"),
-        (model, "hc_post", "mhc post"),
+        (block, "collapse", "mhc collapse"),
+        (block, "hc_post", "mhc post"),
         (common_layers.RMSNorm, "forward", "rms norm (module)"),
-        (model.DecoderLayer, "block", "layer"),
+        (block.DecoderLayer, "block", "layer"),
         (attention.CSA2Attention, "queries", "attn: q projections + rope"),
         (attention.CSA2Attention, "window_kv", "attn: window kv"),
         (attention.CSA2Attention, "index_query", "attn: index query"),
@@ -70,7 +70,7 @@ def _wrap(fn, label):
 def instrument():
     """Wrap every component; returns a function that undoes it. Module-level functions are
     also rebound where other modules imported them by name."""
-    from atom.models.deepseek_v41 import attention, paged_attention, paged_decode
+    from atom.models.deepseek_v41 import attention, model, paged_attention, paged_decode
 
     undo = []
     for owner, attr, label in _components():
@@ -80,7 +80,7 @@ def instrument():
         new = _wrap(fn, label)
         setattr(owner, attr, staticmethod(new) if is_static else new)
         undo.append((owner, attr, raw))
-        for mod in (attention, paged_attention, paged_decode):
+        for mod in (attention, model, paged_attention, paged_decode):  # model: the head's collapse
             if mod is not owner and getattr(mod, attr, None) is fn:
                 setattr(mod, attr, new)
                 undo.append((mod, attr, fn))

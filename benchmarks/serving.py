@@ -683,10 +683,10 @@ def main() -> None:
     )
     ap.add_argument(
         "--load-mode",
-        choices=("engine_driven", "lmcache_driven"),
-        default="engine_driven",
+        choices=("auto", "engine_driven", "lmcache_driven"),
+        default="auto",
         help="who copies tier loads: the engine, from the server's shared-memory L1, or the "
-        "server (lmcache.load_mode)",
+        "server (lmcache.load_mode; auto: the engine on one rank, the server across ranks)",
     )
     ap.add_argument(
         "--tensor-parallel-size",

@@ -31,6 +31,7 @@ from atom import kernels
 from atom.distributed.broadcast_runtime import BroadcastRuntime, serve_ops
 from atom.distributed.parallel_state import ParallelState
 from atom.distributed.rendezvous import Rendezvous, join, refuse_reimport
+from atom.models.common.moe import configure_grouped_mm
 
 log = logging.getLogger("atom.distributed")
 
@@ -90,6 +91,7 @@ def _rank_main(
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{rank} %(message)s")
     cfg = EngineConfig(**values)
     kernels.configure(cfg.triton_kernels, cfg.triton_off, cfg.triton_on)  # as rank 0's build
+    configure_grouped_mm(cfg.moe_grouped_mm)
     torch.set_num_threads(max(1, torch.get_num_threads() // world))
     start_s = cfg.tensor_parallel_start_timeout_s
     state = ParallelState.init(

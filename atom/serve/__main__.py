@@ -41,6 +41,7 @@ ENGINE_FLAGS: dict[str, type] = {
     "triton-kernels": str,  # true | false
     "triton-off": str,  # name[,name]
     "triton-on": str,  # name[,name]
+    "moe-grouped-mm": str,  # true | false
 }
 OFFLOAD_FLAGS: dict[str, tuple[str, type]] = {
     "lmcache-url": ("url", str),

@@ -12,6 +12,7 @@ import time
 
 from atom.engine.connector import Outcome
 from atom.tier.config import OffloadConfig, namespace, weights_identity
+from atom.tier.operations import SettledOps
 from atom.tier.policy import TierPolicy
 from atom.tier.scheduler_side.planner import OffloadConnector
 from atom.tier.server.admin import clear_server
@@ -53,6 +54,10 @@ class LMCacheTier:
 
         self.cfg = config
         self.chunk = config.resolved_chunk(block_size)
+        self.tp_size = ranks.world_size if ranks is not None else 1
+        self.policy = TierPolicy.of(config, self.tp_size)
+        self.load_mode, why = config.load_path(self.tp_size)
+        log.info("tier loads: %s (%s)", self.load_mode, why)
         self.server: LMCacheServer | None = None
         url = config.url
         if url is None:
@@ -62,7 +67,7 @@ class LMCacheTier:
                 l2_adapters=config.l2_adapters,
                 l2_store_policy=config.l2_store_policy,
                 l2_prefetch_policy=config.l2_prefetch_policy,
-                shared_l1=config.load_mode == "engine_driven",
+                shared_l1=self.load_mode == "engine_driven",
             )
             try:
                 t0 = time.monotonic()
@@ -90,8 +95,6 @@ class LMCacheTier:
         self.server_metrics = ServerMetrics(
             self.server.metrics_url if self.server is not None else config.metrics_url
         )
-        self.tp_size = ranks.world_size if ranks is not None else 1
-        self.policy = TierPolicy.of(config, self.tp_size)
         replicated = ranks.rank_replicated if ranks is not None else True
         self.rank_collapse = config.rank_collapse(self.tp_size, replicated)
         self.world_size = 1 if self.rank_collapse else self.tp_size  # in the keys
@@ -106,6 +109,8 @@ class LMCacheTier:
             rank_collapse=self.rank_collapse,
         )
         self.segment = share_pool(pool_tensor)
+        # the threads post the ops they settle here; the connector takes them in ``update``
+        settled = SettledOps(notify_progress)
         self.ctx = zmq.Context()
         self.ctx.linger = 0
         shape = SpecShape(block_size, self.chunk, spec.units_per_image)
@@ -129,7 +134,7 @@ class LMCacheTier:
             shape=shape,
             config=config,
             zmq_context=self.ctx,
-            on_outcome=self._post,
+            on_outcome=settled.post,
             server_alive=(lambda: self.server.running) if self.server is not None else None,
         )
         if ranks is not None:
@@ -150,7 +155,7 @@ class LMCacheTier:
                     pool_shape=tuple(pool_tensor.shape),
                     pool_dtype=str(pool_tensor.dtype),
                 ),
-                on_outcome=self._post,
+                on_outcome=settled.post,
             )
         self.lookups = LookupThread(
             url=url,
@@ -159,7 +164,7 @@ class LMCacheTier:
             block_size=block_size,
             config=config,
             zmq_context=self.ctx,
-            on_outcome=self._post,
+            on_outcome=settled.post,
             locator=self.locator,
             # with one copy for every rank, each rank's retrieve releases one read lock
             readers=self.tp_size if self.rank_collapse else 1,
@@ -178,6 +183,7 @@ class LMCacheTier:
             local=local,
             mappings=self.mappings,
             policy=self.policy,
+            settled=settled,
         )
         self._l2_metrics(metrics)
         self.supervisor: ServerSupervisor | None = None
@@ -237,9 +243,6 @@ class LMCacheTier:
         clear_server(self.url, self.ctx, self.cfg.rpc_timeout_s)
         self.connector.tier_lost()
 
-    def _post(self, op) -> None:
-        self.connector.post(op)
-
     def health(self) -> dict:
         return {
             "attached": True,
@@ -272,9 +275,10 @@ class LMCacheTier:
         }
 
     def _load_mode(self) -> str:
-        """engine_driven when loads are copied by the engine (lmcache_driven: by the server)."""
+        """engine_driven when loads are copied by the engine (lmcache_driven: by the server;
+        the resolved ``load_mode``, logged at attach with its reason)."""
         if self.locator is None:
-            if self.tp_size > 1 and self.cfg.load_mode == "engine_driven":
+            if self.tp_size > 1:
                 return "lmcache_driven (engine-driven loads run on one rank only)"
             return "lmcache_driven"
         return self.locator.mode

@@ -40,12 +40,14 @@ class OffloadConfig(BaseModel):
     rpc_timeout_s: float = 3.0  # bound on adapter RPCs that block (construction, register)
     save: bool = True
     load: bool = True
-    # engine_driven: the server's L1 lives in /dev/shm, the lookup's answer says where a hit's
-    # objects sit, and the engine copies them into its pool itself (falls back to the server's
-    # retrieve where it cannot: a server without the locate module, on another host, or an
-    # answer older than located_max_age_s). lmcache_driven: the server copies every load.
-    # Saves are lmcache_driven either way.
-    load_mode: Literal["engine_driven", "lmcache_driven"] = "engine_driven"
+    # who copies a load into the pool (``load_path``). engine_driven: the server's L1 lives in
+    # /dev/shm, the lookup's answer says where a hit's objects sit, and the engine copies them
+    # into its pool itself (falls back to the server's retrieve where it cannot: a server
+    # without the locate module, on another host, or an answer older than located_max_age_s);
+    # one rank only. lmcache_driven: the server copies every load. auto: engine_driven with
+    # one rank, lmcache_driven across ranks (EngineConfig.resolved, so --print-config, shows
+    # which). Saves are lmcache_driven either way.
+    load_mode: Literal["auto", "engine_driven", "lmcache_driven"] = "auto"
     # a located answer older than this is loaded through the server, which checks the objects
     # are still there (the server's read locks lapse after its --l1-read-ttl-seconds, 300 s)
     located_max_age_s: float = 120.0
@@ -125,6 +127,35 @@ class OffloadConfig(BaseModel):
                 f"lmcache.chunk_size={chunk} must be a multiple of block_size={block_size}"
             )
         return chunk
+
+    def load_path(self, tp_size: int) -> tuple[str, str]:
+        """(load mode, why) for an engine of ``tp_size`` ranks: ``auto`` resolved, and
+        ``engine_driven`` across ranks refused (its copies are built for one rank: across
+        ranks every rank's part of a load is the server's retrieve)."""
+        mode = self.load_mode
+        if mode == "engine_driven" and tp_size > 1:
+            raise EngineConfigError(
+                f"lmcache.load_mode=engine_driven with tensor_parallel_size={tp_size}: "
+                "engine-driven loads run on one rank only; use load_mode auto (lmcache_driven "
+                "across ranks) or lmcache_driven"
+            )
+        if mode == "auto":
+            mode = "engine_driven" if tp_size == 1 else "lmcache_driven"
+        if tp_size > 1:
+            why = (
+                f"tensor_parallel_size={tp_size}: engine-driven loads run on one rank only, so "
+                "every rank's part of a load is the server's retrieve"
+            )
+        elif mode == "lmcache_driven":
+            why = "lmcache.load_mode=lmcache_driven: the server copies every load"
+        else:
+            why = (
+                "one rank: the engine copies each located hit out of the server's shared-memory "
+                "L1 itself, through the server where it cannot (/health tier.load_mode)"
+            )
+        if not self.load:
+            why = f"lmcache.load=false: nothing is loaded ({why})"
+        return mode, why
 
     def rank_collapse(self, tp_size: int, rank_replicated: bool) -> bool:
         """Whether a tensor-parallel engine stores one copy (rank 0's) that every rank loads.

@@ -11,7 +11,8 @@ A LATE transfer's fate is unknown: the server may still read or write its blocks
 leases stay held (the blocks are quarantined) until it resolves or the server that held it is
 known to be gone. Leases are decided on the step thread when the op is decided (``lease``) and
 given back exactly once, on the step thread (``release``); the op only names them, as the
-``Lease`` / ``Unlease`` values the engine applies to its pool and image store.
+``Lease`` / ``Unlease`` values the engine applies to its pool and image store. Settled ops
+reach the step thread through ``SettledOps``.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ import enum
 import itertools
 import threading
 import time
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -171,3 +174,28 @@ class LookupOp(_Settles):
         the caller knows atomically whether the step thread had given up on it (LATE)."""
         state = OpState.DONE if hit is not None else OpState.FAILED
         return self._settle(state, error, hit=hit)
+
+
+class SettledOps:
+    """Ops on their way back to the step thread: the lookup and transfer threads (and, across
+    ranks, the parts' fan-in) ``post`` each op they settle, which wakes the engine
+    (``notify``); the connector ``take``s them all at its next ``update``. Made before both
+    sides, so each is handed its end (``LMCacheTier``): no relay between them."""
+
+    def __init__(self, notify: Callable[[], None]):
+        self._notify = notify
+        self._ops: deque = deque()
+        self._lock = threading.Lock()
+
+    def post(self, op: TransferOp | LookupOp) -> None:
+        """Any thread: one settled op (or one an op's deadline made late)."""
+        with self._lock:
+            self._ops.append(op)
+        self._notify()
+
+    def take(self) -> list[TransferOp | LookupOp]:
+        """The step thread: every op posted since the last call, in order."""
+        with self._lock:
+            ops = list(self._ops)
+            self._ops.clear()
+        return ops

@@ -13,6 +13,7 @@ LMCache servers: every rank registers its pool and moves its part of every trans
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import time
@@ -48,12 +49,33 @@ def tp_llm(server: LMCacheServer, collapse: str) -> LLM:
     return LLM("v41-tiny", offload="lmcache_mp", lmcache=tier, **TP_KW)
 
 
+class LoadPathLog(logging.Handler):
+    """The tier's ``tier loads:`` lines (rank 0's tier logs it, once, when it attaches)."""
+
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.lines: list[tuple[int, str]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.getMessage().startswith("tier loads:"):
+            self.lines.append((record.levelno, record.getMessage()))
+
+
 def two_pass(collapse: str):
-    """Pass 1 and pass 2 at TP=2 on a fresh server; returns outputs, health and stored bytes."""
+    """Pass 1 and pass 2 at TP=2 on a fresh server; returns outputs, health and stored bytes,
+    and the first engine's ``tier loads:`` log lines."""
     server = LMCacheServer(chunk_size=BLOCK, l1_size_gb=0.2)
     server.start(wait=True)
+    log, tier_log = LoadPathLog(), logging.getLogger("atom.offload")
+    level = tier_log.level
     try:
-        first = tp_llm(server, collapse)
+        tier_log.addHandler(log)
+        tier_log.setLevel(logging.INFO)
+        try:
+            first = tp_llm(server, collapse)
+        finally:
+            tier_log.removeHandler(log)
+            tier_log.setLevel(level)
         out1 = first.generate(PROMPTS, GREEDY)
         health1 = first.engine.tier.health()
         first.shutdown()  # every rank's saves drain before it returns
@@ -70,7 +92,7 @@ def two_pass(collapse: str):
         left = l1_bytes(server)
     finally:
         server.stop()
-    return out1, out2, health1, health2, stored, left
+    return out1, out2, health1, health2, stored, left, log.lines
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +102,12 @@ def runs():
 
 @pytest.mark.parametrize("collapse", ["true", "false"])
 def test_tp2_two_pass_resumes_from_the_tier_on_every_rank(runs, collapse):
-    out1, out2, health1, health2, stored, left = runs[collapse]
+    out1, out2, health1, health2, stored, left, load_log = runs[collapse]
+    # loads across ranks go through the server, said once at start (INFO) and in /health
+    [(level, line)] = load_log
+    assert level == logging.INFO
+    assert line.startswith("tier loads: lmcache_driven (tensor_parallel_size=2: "), line
+    assert health2["load_mode"] == "lmcache_driven (engine-driven loads run on one rank only)"
     tp = health2["tensor_parallel"]
     assert tp["size"] == 2 and tp["rank_collapse"] is (collapse == "true")
     for p, a, b in zip(PROMPTS, out1, out2):

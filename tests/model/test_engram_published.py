@@ -15,15 +15,12 @@ from atom.models.deepseek_v41.ngram_hash import (
     HashLayout,
     NgramHasher,
     build_layout,
+    check_token_map_size,
     initial_state,
     layer_multipliers,
 )
 from atom.models.deepseek_v41.primes import is_prime
-from atom.models.deepseek_v41.token_map import (
-    build_compressed_token_map,
-    check_token_map_size,
-    identity_token_map,
-)
+from atom.models.deepseek_v41.token_map import build_compressed_token_map, identity_token_map
 
 TINY = EngramSpec(
     layer_ids=(0, 1),

@@ -9,10 +9,9 @@ from safetensors import safe_open
 from atom.model_api import DraftRuntime, Span, draft_layers
 from atom.models.deepseek_v4.checkpoint import load_checkpoint
 from atom.models.deepseek_v4.model import DeepseekV4ForCausalLM
-from atom.models.deepseek_v4.mtp import reference_draft_forward
 from atom.models.deepseek_v4.paged import StateMismatchError
 from atom.models.deepseek_v4.presets import PRESETS, preset_config
-from atom.models.deepseek_v4.reference import reference_forward
+from atom.models.deepseek_v4.reference import reference_draft_forward, reference_forward
 from atom.models.deepseek_v4.runtime import V4Runtime
 from atom.models.deepseek_v41.pool_geometry import GeometryError
 

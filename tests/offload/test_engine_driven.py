@@ -184,7 +184,7 @@ class Watch:
         self.copies: list[tuple[int, int, int]] = []  # (runs, blocks, bytes differing from L1)
 
         submit, load_done, free = conn.transfers.submit, conn._load_done, conn.lookups.free_locks
-        post = conn.post
+        take = conn.settled.take  # every op the threads posted, as the step thread takes it
 
         def on_submit(op):
             if op.kind == "save":
@@ -214,15 +214,17 @@ class Watch:
             self.frees.append((lmc_id, start, end))
             return free(lmc_id, token_ids, start, end)
 
-        def on_post(op):
-            if isinstance(op, LookupOp):
-                if op.hit:
-                    self.hits[op.lmc_id] = op.hit // self.chunk * self.chunk
-                self.located_answers += op.located is not None
-            return post(op)
+        def on_take():
+            ops = take()
+            for op in ops:
+                if isinstance(op, LookupOp):
+                    if op.hit:
+                        self.hits[op.lmc_id] = op.hit // self.chunk * self.chunk
+                    self.located_answers += op.located is not None
+            return ops
 
         conn.transfers.submit, conn._load_done = on_submit, on_load_done
-        conn.lookups.free_locks, conn.post = on_free, on_post
+        conn.lookups.free_locks, conn.settled.take = on_free, on_take
         if conn.local is not None:
             copy = conn.local.copy
 

@@ -21,6 +21,8 @@ earlier draft positions.
 
 vLLM zeroes the MTP input embedding at position 0 ("not needed by MTP"); DeepSeek's reference
 ``MTPBlock`` does not, and neither does this block.
+
+The block's oracle (one whole sequence, no caches) is ``reference.reference_draft_forward``.
 """
 
 from __future__ import annotations
@@ -67,33 +69,3 @@ class V4MTPBlock(V4Block):
         """Streams [N, hc, d] -> float32 logits [N, V] through the shared ``head``."""
         h, _, _ = self.hc_head.pre(x)
         return head(self.norm(h)).float()
-
-
-@torch.no_grad()
-def reference_draft_forward(
-    model, next_ids, residual: torch.Tensor, index: int = 0
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The oracle of one draft layer over one whole sequence from position 0, no caches.
-
-    next_ids [S] (the token at p + 1 for each position p), residual [S, hc, d] (the streams at
-    p) -> (float32 logits [S, V] predicting the token at p + 2, output streams [S, hc, d]).
-    """
-    from atom.models.deepseek_v4.reference import reference_attention
-
-    dev = model.device
-    ids = torch.as_tensor(next_ids, dtype=torch.int64, device=dev)
-    if residual.shape != (ids.numel(), model.config.hc_mult, model.config.hidden_size):
-        raise ValueError(
-            f"residual must be [{ids.numel()}, {model.config.hc_mult}, "
-            f"{model.config.hidden_size}], got {list(residual.shape)}"
-        )
-    pos = torch.arange(ids.numel(), device=dev)
-    block = model.mtp[index]
-    attn = block.attn
-    x = block.draft(
-        model.embed(ids),
-        residual.to(dev),
-        ids,
-        lambda u: reference_attention(attn, u, pos, model.index_dtype),
-    )
-    return block.logits(x, model.head), x

@@ -4,7 +4,8 @@ Every compressed row and indexer key is computed from the whole sequence at once
 tokens j*r .. j*r + r - 1, and at ratio 4 the first halves of group j - 1's); every query attends
 its window and its rows directly from those full arrays. Storage rounding is applied at the same
 points as the paged path, so the two agree up to floating-point reduction order. Queries are
-processed in independent tiles only to bound memory.
+processed in independent tiles only to bound memory. ``reference_draft_forward`` is the same
+oracle for one MTP draft layer (``mtp``).
 """
 
 from __future__ import annotations
@@ -98,3 +99,31 @@ def reference_generate(model: DeepseekV4ForCausalLM, prompt, max_tokens: int) ->
         out.append(tok)
         ids.append(tok)
     return out
+
+
+@torch.no_grad()
+def reference_draft_forward(
+    model: DeepseekV4ForCausalLM, next_ids, residual: torch.Tensor, index: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The oracle of one draft layer over one whole sequence from position 0, no caches.
+
+    next_ids [S] (the token at p + 1 for each position p), residual [S, hc, d] (the streams at
+    p) -> (float32 logits [S, V] predicting the token at p + 2, output streams [S, hc, d]).
+    """
+    dev = model.device
+    ids = torch.as_tensor(next_ids, dtype=torch.int64, device=dev)
+    if residual.shape != (ids.numel(), model.config.hc_mult, model.config.hidden_size):
+        raise ValueError(
+            f"residual must be [{ids.numel()}, {model.config.hc_mult}, "
+            f"{model.config.hidden_size}], got {list(residual.shape)}"
+        )
+    pos = torch.arange(ids.numel(), device=dev)
+    block = model.mtp[index]
+    attn = block.attn
+    x = block.draft(
+        model.embed(ids),
+        residual.to(dev),
+        ids,
+        lambda u: reference_attention(attn, u, pos, model.index_dtype),
+    )
+    return block.logits(x, model.head), x

@@ -36,8 +36,8 @@ from atom.model_api import Span
 from atom.models.common.layers import RMSNorm, linear
 from atom.models.common.mhc import collapse, identity_pre
 from atom.models.deepseek_v41.attention import CSA2Attention, window_mask
+from atom.models.deepseek_v41.block import DecoderLayer, hc_mixer
 from atom.models.deepseek_v41.config import V41Config
-from atom.models.deepseek_v41.model import DecoderLayer, hc_mixer
 from atom.models.deepseek_v41.paged import StateMismatchError, StateSlots
 from atom.models.deepseek_v41.pool_geometry import GeometryError
 

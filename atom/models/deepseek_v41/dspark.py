@@ -36,8 +36,8 @@ from torch import nn
 from atom.models.common.layers import RMSNorm, linear
 from atom.models.common.mhc import collapse, identity_pre
 from atom.models.deepseek_v41.attention import CSA2Attention
+from atom.models.deepseek_v41.block import DecoderLayer
 from atom.models.deepseek_v41.config import V41Config
-from atom.models.deepseek_v41.model import DecoderLayer
 
 
 def stage_config(config: V41Config) -> V41Config:

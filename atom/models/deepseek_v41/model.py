@@ -18,73 +18,15 @@ from torch import nn
 from atom.model_api import Span
 from atom.models.common.geometry import COMPUTE_DTYPES, INDEX_DTYPES, KV_DTYPES, GeometryError
 from atom.models.common.layers import RMSNorm
-from atom.models.common.mhc import HcMixer, collapse, hc_post, identity_pre
-from atom.models.common.moe import MoE
-from atom.models.deepseek_v41.attention import CSA2Attention
+from atom.models.common.mhc import collapse, identity_pre
+from atom.models.deepseek_v41.block import DecoderLayer
 from atom.models.deepseek_v41.config import V41Config
-from atom.models.deepseek_v41.engram import Engram, EngramHash
+from atom.models.deepseek_v41.draft import DraftLayer, check_draft_spans, forward_draft_paged
+from atom.models.deepseek_v41.dspark import DSparkStage
+from atom.models.deepseek_v41.engram import EngramHash
 from atom.models.deepseek_v41.forward_plan import ForwardPlan
 from atom.models.deepseek_v41.paged import PagedKV, StateMismatchError, StateSlots
 from atom.models.deepseek_v41.paged_attention import paged_attention
-
-
-def hc_mixer(config: V41Config, head: bool = False) -> HcMixer:
-    c = config
-    return HcMixer(c.hc_mult, c.hidden_size, c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps, head)
-
-
-class DecoderLayer(nn.Module):
-    def __init__(self, config: V41Config, layer: int, dtype: torch.dtype, kv_dtype: str):
-        super().__init__()
-        eps = config.rms_norm_eps
-        self.engram = self.engram_index = None
-        if layer in config.engram_layer_ids:
-            spec = config.engram_spec
-            self.engram_index = config.engram_layer_ids.index(layer)
-            self.engram = Engram(
-                dim=config.hidden_size,
-                hc=config.hc_mult,
-                rows=spec.num_embeddings[self.engram_index],
-                head_dim=spec.head_dim,
-                n_hash_cols=spec.n_hash_cols,
-                eps=config.rms_norm_eps,
-                dtype=dtype,
-                act_fp8=config.act_fp8_sim,
-            )
-        self.attn_hc = hc_mixer(config)
-        self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype)
-        self.self_attn = CSA2Attention(config, layer, dtype, kv_dtype)
-        self.ffn_hc = hc_mixer(config)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype)
-        self.mlp = MoE(config, dtype, gate_temp=config.gate_temp, act_fp8=config.act_fp8_sim)
-
-    def block(
-        self,
-        x: torch.Tensor,
-        pre: torch.Tensor,
-        engram_rows: torch.Tensor | None,
-        attend,
-        tap=None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One layer around an attention callable ``attend(normed input) -> output``.
-
-        x [N, hc, d] streams; ``pre`` [N, hc] the mix its attention collapses them with (the
-        previous layer's, ``identity_pre`` for the first). As published, each sublayer's
-        mixes serve the *next* sublayer's collapse: the FFN collapses with the ``pre`` this
-        attention's mixer computed, and the ``pre`` of this FFN's mixer is returned for the
-        next layer (or the LM head). ``engram_rows`` [N, engram layers, n_hash_cols]: the
-        n-gram row ids (``EngramHash.rows``), read on an engram layer. ``tap``, when given, is
-        called with the layer's input streams after its Engram (what DSpark reads). Returns
-        (streams out, that ``pre``)."""
-        if self.engram is not None:
-            x = self.engram(x, engram_rows[:, self.engram_index])
-        if tap is not None:
-            tap(x)
-        attn_pre, post, comb = self.attn_hc.mixes(x)
-        x = hc_post(x, attend(self.input_layernorm(collapse(x, pre))), post, comb)
-        ffn_pre, post, comb = self.ffn_hc.mixes(x)
-        out = self.mlp(self.post_attention_layernorm(collapse(x, attn_pre)))
-        return hc_post(x, out, post, comb), ffn_pre
 
 
 class V41Model(nn.Module):
@@ -127,14 +69,10 @@ class DeepseekV41ForCausalLM(nn.Module):
                 None if spec is None else EngramHash(spec, config.vocab_size, device or "cpu")
             )
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
-            from atom.models.deepseek_v41.draft import DraftLayer  # draft.py builds on this module
-
             self.mtp = nn.ModuleList(
                 DraftLayer(config, config.num_hidden_layers + i, dtype, kv_dtype)
                 for i in range(config.num_nextn_predict_layers)
             )
-            from atom.models.deepseek_v41.dspark import DSparkStage
-
             self.dspark = nn.ModuleList(
                 DSparkStage(config, i, dtype, kv_dtype) for i in range(config.dspark_stages)
             )
@@ -297,8 +235,6 @@ class DeepseekV41ForCausalLM(nn.Module):
 
     def check_draft_spans(self, spans: list[Span], slots: StateSlots, layer: int) -> None:
         """Refuse draft spans draft layer ``layer``'s state cannot continue (``draft``)."""
-        from atom.models.deepseek_v41.draft import check_draft_spans
-
         check_draft_spans(self, spans, slots, layer)
 
     @torch.no_grad()
@@ -313,8 +249,6 @@ class DeepseekV41ForCausalLM(nn.Module):
         all_logits: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One draft layer over spans (``draft.forward_draft_paged``)."""
-        from atom.models.deepseek_v41.draft import forward_draft_paged
-
         return forward_draft_paged(
             self, token_ids, residual, spans, slots, layer=layer, all_logits=all_logits
         )

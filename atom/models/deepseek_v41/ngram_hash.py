@@ -33,7 +33,6 @@ import numpy as np
 import torch
 
 from atom.models.deepseek_v41.primes import next_prime
-from atom.models.deepseek_v41.token_map import check_token_map_size
 
 DEAD: int = -1
 """Compressed-id sentinel: a position that breaks the look-back (image tokens)."""
@@ -242,6 +241,19 @@ def build_layout(spec: EngramSpec) -> HashLayout:
 def initial_state(max_ngram_size: int) -> tuple[int, ...]:
     """The state of a request at position 0: ``max_ngram_size - 1`` times BEFORE_START."""
     return (BEFORE_START,) * (max_ngram_size - 1)
+
+
+def check_token_map_size(size: int, spec: EngramSpec) -> None:
+    """Refuse a map whose size is not the config's ``engram_compressed_vocab_size``.
+
+    Every multiplier's bound derives from that number, so a different map would silently hash
+    every n-gram into the wrong rows instead of failing.
+    """
+    if size != spec.compressed_vocab_size:
+        raise ValueError(
+            f"compressed token map has {size} ids but engram_compressed_vocab_size is "
+            f"{spec.compressed_vocab_size}"
+        )
 
 
 class NgramHasher:

@@ -40,7 +40,8 @@ class StateSlots:
     reading the device: read once here (binding is not a forward), then kept by whoever writes a
     slot through this object (``reset``, ``advance``, ``refresh`` after an image restore). With
     ``verify`` (``ATOM_VERIFY_CURSORS=1``; on by default for CPU slots, where reading them is
-    not a device synchronization) each check also compares the mirror with the device cursor.
+    not a device synchronization) each check also compares the mirror with the device cursor:
+    a debugging check that reads and raises, and changes nothing that is computed.
     """
 
     def __init__(self, geometry: V41PoolGeometry, data: torch.Tensor):

@@ -1,15 +1,13 @@
 """The compressed token map of DeepSeek-V4.1's Engram: every token id maps to a compressed id,
 and tokens whose text normalises alike (case, accents, whitespace) share one. N-grams are
 hashed over compressed ids (``ngram_hash``), and every hash multiplier derives from the map's
-size, so a map of the wrong size would silently rehash the whole table: it is refused.
+size, so a map of the wrong size would silently rehash the whole table: it is refused
+(``ngram_hash.check_token_map_size``, where the spec and the multipliers live).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from atom.models.deepseek_v41.ngram_hash import EngramSpec
+from typing import Any
 
 _SENTINEL = "\ue000"
 
@@ -65,16 +63,3 @@ def identity_token_map(vocab_size: int) -> tuple[list[int], int]:
     spec's ``compressed_vocab_size`` must then equal ``vocab_size``.
     """
     return list(range(vocab_size)), vocab_size
-
-
-def check_token_map_size(size: int, spec: EngramSpec) -> None:
-    """Refuse a map whose size is not the config's ``engram_compressed_vocab_size``.
-
-    Every multiplier's bound derives from that number, so a different map would silently hash
-    every n-gram into the wrong rows instead of failing.
-    """
-    if size != spec.compressed_vocab_size:
-        raise ValueError(
-            f"compressed token map has {size} ids but engram_compressed_vocab_size is "
-            f"{spec.compressed_vocab_size}"
-        )

@@ -29,7 +29,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from threading import Lock
 
 from atom.engine.checkpoints import Checkpoint, CheckpointStore
@@ -38,7 +38,7 @@ from atom.engine.sequence import Sequence
 from atom.metrics import Registry
 from atom.model_api import StateSpec
 from atom.tier.config import OffloadConfig
-from atom.tier.operations import LookupOp, TransferOp
+from atom.tier.operations import LookupOp, SettledOps, TransferOp
 from atom.tier.policy import TierPolicy
 from atom.tier.scheduler_side.lookup_outcomes import LookupOutcomes
 from atom.tier.scheduler_side.tier_request import Phase, TierRequest
@@ -67,6 +67,7 @@ class OffloadConnector(LookupOutcomes, TransferOutcomes, Connector):
         local=None,  # local_load.LocalLoads: engine-driven loads (None: every load via server)
         mappings=None,  # l1_map.Mappings the locator maps into (closed here when idle)
         policy: TierPolicy | None = None,  # what it may do (None: the config's, one rank)
+        settled: SettledOps | None = None,  # where the threads post ops (None: its own)
     ):
         self.cfg, self.spec, self.chunk_size = config, spec, chunk_size
         # the engine's KV-event publisher (``atom.kv_events``) when events are on: told of
@@ -76,21 +77,16 @@ class OffloadConnector(LookupOutcomes, TransferOutcomes, Connector):
         self.images, self.pool_tensor = images, pool_tensor
         self.events, self.transfers, self.lookups = events, transfers, lookups
         self.notify, self.clock = notify_progress, clock
-        self._outcomes: deque = deque()  # from the threads
+        self.settled = settled if settled is not None else SettledOps(notify_progress)
+        # the threads' end of it (any thread): an op settled, folded in at the next update
+        self.post = self.settled.post
         self._emitted: list[Outcome] = []  # for the engine, returned by update()
-        self._lock = Lock()  # guards _outcomes, and _requests / ops against the metrics thread
+        self._lock = Lock()  # guards _requests / ops against the metrics thread
         self._requests: dict[int, TierRequest] = {}  # seq_id -> alive or with live transfers
         self._stored: OrderedDict[int, None] = OrderedDict()  # image keys the tier holds
         self._epoch = transfers.epoch
         self.local, self.mappings = local, mappings
         self.tier_metrics = TierMetrics(metrics, self)
-
-    # ---- outcomes from the threads (any thread) ---------------------------------------------
-
-    def post(self, op) -> None:
-        with self._lock:
-            self._outcomes.append(op)
-        self.notify()
 
     # ---- computed state (also read by the metrics thread) ----------------------------------
 
@@ -132,9 +128,7 @@ class OffloadConnector(LookupOutcomes, TransferOutcomes, Connector):
             self.local.poll()  # copies that completed: their locks are freed, ops retired
             if self.mappings is not None:
                 self.mappings.close_idle()
-        with self._lock:
-            outcomes, self._outcomes = list(self._outcomes), deque()
-        for op in outcomes:
+        for op in self.settled.take():
             if isinstance(op, LookupOp):
                 self._on_lookup(op)
             elif op.kind == "load":

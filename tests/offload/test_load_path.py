@@ -1,0 +1,75 @@
+"""Who copies a tier load (``lmcache.load_mode``) is decided in the config, not switched
+silently: ``auto`` (the default) resolves to engine_driven on one rank and lmcache_driven across
+ranks, ``--print-config`` prints the resolved mode, the tier logs it once at INFO with the
+reason, and ``engine_driven`` with ``tensor_parallel_size > 1`` is a config error that names
+the value and the fix. (tests/distributed/test_tp_tier.py checks the log line and /health of a
+real TP=2 tier; tests/serve/test_lifecycle.py the command line.)"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from atom.config import EngineConfig, EngineConfigError, OffloadConfig
+from atom.tier.policy import TierPolicy
+
+from .test_two_pass import GREEDY, prompts_of, tier
+
+TIER_KW = dict(model="v41-tiny", device="cpu", num_blocks=64, offload="lmcache_mp")
+
+
+def test_auto_resolves_by_the_number_of_ranks():
+    auto = OffloadConfig()
+    assert auto.load_mode == "auto"
+    mode, why = auto.load_path(1)
+    assert mode == "engine_driven" and why.startswith("one rank")
+    mode, why = auto.load_path(2)
+    assert mode == "lmcache_driven" and "tensor_parallel_size=2" in why
+    mode, why = OffloadConfig(load_mode="lmcache_driven").load_path(1)
+    assert mode == "lmcache_driven" and "lmcache.load_mode=lmcache_driven" in why
+    assert OffloadConfig(load_mode="lmcache_driven").load_path(4)[0] == "lmcache_driven"
+    assert "lmcache.load=false" in OffloadConfig(load=False).load_path(1)[1]
+
+
+def test_the_policy_copies_loads_only_where_the_resolved_mode_is_engine_driven():
+    assert TierPolicy.of(OffloadConfig(), 1).engine_copies
+    assert not TierPolicy.of(OffloadConfig(), 2).engine_copies
+    assert not TierPolicy.of(OffloadConfig(load_mode="lmcache_driven"), 1).engine_copies
+    assert not TierPolicy.of(OffloadConfig(load=False), 1).engine_copies
+    with pytest.raises(EngineConfigError, match="one rank only"):
+        TierPolicy.of(OffloadConfig(load_mode="engine_driven"), 2)
+
+
+def test_the_resolved_config_says_which_mode_runs():
+    one = EngineConfig(**TIER_KW).resolved()
+    assert one.lmcache.load_mode == "engine_driven"
+    two = EngineConfig(**TIER_KW, tensor_parallel_size=2).resolved()
+    assert two.lmcache.load_mode == "lmcache_driven"
+    assert two.resolved().lmcache.load_mode == "lmcache_driven"  # resolving again changes nothing
+    given = EngineConfig(**TIER_KW, lmcache={"load_mode": "lmcache_driven"}).resolved()
+    assert given.lmcache.load_mode == "lmcache_driven"
+    assert EngineConfig(**{**TIER_KW, "offload": "none"}).resolved().lmcache.load_mode == "auto"
+
+
+def test_engine_driven_across_ranks_is_refused_naming_the_value_and_the_fix():
+    with pytest.raises(EngineConfigError) as err:
+        EngineConfig.build(
+            **TIER_KW, tensor_parallel_size=2, lmcache={"load_mode": "engine_driven"}
+        )
+    msg = str(err.value)
+    assert "lmcache.load_mode=engine_driven with tensor_parallel_size=2" in msg
+    assert "use load_mode auto" in msg and "lmcache_driven" in msg
+    # without a tier nothing loads: the tier's settings are not judged
+    EngineConfig.build(**{**TIER_KW, "offload": "none"}, tensor_parallel_size=2,
+                       lmcache={"load_mode": "engine_driven"})  # fmt: skip
+
+
+def test_the_tier_logs_its_load_mode_once_at_start(lmcache_server, make_llm, caplog):
+    with caplog.at_level(logging.INFO, logger="atom.offload"):
+        llm = make_llm(**tier(lmcache_server))
+        llm.generate(prompts_of([40], seed=77), GREEDY)
+    lines = [r for r in caplog.records if r.getMessage().startswith("tier loads:")]
+    assert len(lines) == 1 and lines[0].levelno == logging.INFO
+    assert lines[0].getMessage().startswith("tier loads: engine_driven (one rank: ")
+    assert llm.engine.tier_health()["load_mode"].startswith(("engine_driven", "probing"))
