@@ -42,6 +42,7 @@ def build_engine(config: EngineConfig, attach_tier=None) -> LLMEngine:
         device=cfg.device,
         seed=cfg.seed,
         speculative_tokens=cfg.speculative_tokens,
+        weight_dtype=cfg.weight_dtype,
     )
     graphs = decode_graphs_wanted(cfg)
     enable_graphs = RuntimeCapabilities.of(runtime).enable_decode_graphs
@@ -74,6 +75,7 @@ def _lmcache_tier(cfg: EngineConfig):
             metrics=engine.metrics,
             notify_progress=engine.notify_progress,
             ranks=rank_channels() if rank_channels is not None else None,
+            weight_dtype=cfg.weight_dtype,
         )
 
     return attach

@@ -40,6 +40,11 @@ class EngineConfig(BaseModel):
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     kv_dtype: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
     index_dtype: Literal["auto", "fp8", "bf16", "fp32"] = "auto"
+    # the linear weights a checkpoint stores as FP8 (block-scaled E4M3): fp8 keeps them so and
+    # computes FP8 GEMMs (inputs quantized per block), bf16 dequantizes them to ``dtype`` at
+    # load, auto is as stored on a GPU (fp8 where the model's quantization_config says fp8,
+    # without tensor parallelism) and bf16 on CPU (the dequantized reference path)
+    weight_dtype: Literal["auto", "bf16", "fp8"] = "auto"
     seed: int = 0
     # decode steps replay CUDA graphs captured per batch size (CUDA only; a runtime without
     # them ignores it); False runs every forward eagerly, for debugging
@@ -186,6 +191,7 @@ class EngineConfig(BaseModel):
         max_model_len), as the engine will run it."""
         import torch
 
+        from atom.models.common.fp8_linear import stored_fp8
         from atom.models.common.geometry import GeometryError
         from atom.models.registry import default_block_size, pool_geometry, resolve_config
 
@@ -250,6 +256,15 @@ class EngineConfig(BaseModel):
             self.max_model_len or model_cfg.max_position_embeddings,
             model_cfg.max_position_embeddings,
         )
+        weights = self.weight_dtype
+        if weights == "auto":
+            keep = stored_fp8(model_cfg) and on_gpu and self.tensor_parallel_size == 1
+            weights = "fp8" if keep else "bf16"
+        if weights == "fp8" and self.tensor_parallel_size > 1:
+            raise EngineConfigError(
+                f"weight_dtype=fp8 with tensor_parallel_size={self.tensor_parallel_size}: FP8 "
+                "weights are not sharded across ranks yet; use weight_dtype=bf16 (or auto)"
+            )
         if self.max_num_batched_tokens < block:
             raise EngineConfigError(
                 f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= "
@@ -270,6 +285,7 @@ class EngineConfig(BaseModel):
                 dtype=dtype,
                 kv_dtype=kv,
                 index_dtype=index,
+                weight_dtype=weights,
                 block_size=block,
                 num_blocks=num_blocks,
                 pool_memory_gb=None,

@@ -75,11 +75,18 @@ def md_table(headers: list[str], rows: list[list]) -> str:
 
 
 def bound_runtime(
-    model: str, dtype: torch.dtype, device: str, blocks: int, slots: int, graphs: bool = False
+    model: str,
+    dtype: torch.dtype,
+    device: str,
+    blocks: int,
+    slots: int,
+    graphs: bool = False,
+    weight_dtype: str = "auto",
 ):
     """A model runtime (random weights, seed 0; fp8 index rows, KV stored in the compute dtype)
     bound to a fresh pool of ``blocks`` blocks and ``slots`` state slots; ``graphs``: with
-    decode CUDA graphs for up to ``slots`` sequences (on CUDA; ``rt.cuda_graphs`` toggles)."""
+    decode CUDA graphs for up to ``slots`` sequences (on CUDA; ``rt.cuda_graphs`` toggles);
+    ``weight_dtype`` as ``EngineConfig.weight_dtype`` (auto: as the preset stores them)."""
     from atom.models.registry import default_block_size, load_runtime
 
     rt = load_runtime(
@@ -90,6 +97,7 @@ def bound_runtime(
         block_size=default_block_size(model),
         device=device,
         seed=0,
+        weight_dtype=weight_dtype,
     )
     if graphs and hasattr(rt, "enable_decode_graphs"):
         rt.enable_decode_graphs(slots)

@@ -81,6 +81,19 @@ def lm_head(model):
     return model.lm_head if hasattr(model, "lm_head") else model.head
 
 
+def stored_weights(model):
+    """(name, tensor) of every weight as stored on the device: the parameters, and the FP8
+    linears' E4M3 weights and scales (buffers; ``weight_dtype: fp8``), so floors count the
+    bytes a step really reads."""
+    from atom.models.common.fp8_linear import Fp8Linear
+
+    yield from model.named_parameters()
+    for mod_name, mod in model.named_modules():
+        if isinstance(mod, Fp8Linear):
+            yield f"{mod_name}.weight", mod.weight
+            yield f"{mod_name}.weight_scale", mod.weight_scale
+
+
 def weight_counts(model) -> dict:
     """Bytes and per-token matmul parameters of the model's weights, by kind. Draft layers
     (V4's ``mtp.*``) are left out: a decode step without drafts does not read them."""
@@ -88,7 +101,7 @@ def weight_counts(model) -> dict:
     per_expert_bytes = per_expert_params = 0
     dense_bytes = active = 0
     lookup_bytes_per_row = 0
-    for name, p in model.named_parameters():
+    for name, p in stored_weights(model):
         if name.startswith("mtp."):
             continue
         nbytes = p.numel() * p.element_size()
@@ -101,7 +114,7 @@ def weight_counts(model) -> dict:
             lookup_bytes_per_row += p.shape[1] * p.element_size()  # one row per token
             continue
         dense_bytes += nbytes
-        if p.dim() == 2:
+        if p.dim() == 2 and not name.endswith(".weight_scale"):
             share = 1.0
             if name.endswith("indexer.wk.weight"):  # V4.1: index keys once per group
                 layer = int(name.split(".layers.")[1].split(".")[0])
@@ -178,6 +191,7 @@ def main() -> None:
     ap.add_argument("--model", default="v41-bench")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    ap.add_argument("--weight-dtype", default="auto", choices=["auto", "bf16", "fp8"])
     ap.add_argument("--position", type=int, default=4096)
     ap.add_argument("--chunk", type=int, default=256)
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 16, 32])
@@ -195,7 +209,13 @@ def main() -> None:
     bs = 256
     per_seq = -(-(args.position + steps) // bs)
     rt = bound_runtime(
-        args.model, getattr(torch, args.dtype), args.device, per_seq * max_batch, max_batch, True
+        args.model,
+        getattr(torch, args.dtype),
+        args.device,
+        per_seq * max_batch,
+        max_batch,
+        True,
+        weight_dtype=args.weight_dtype,
     )
     cfg = rt.model.config
     counts = weight_counts(rt.model)

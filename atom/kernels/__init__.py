@@ -6,7 +6,8 @@ everywhere else the torch expression runs. Which kernels may run is the engine c
 ``--triton-off``, ``--triton-on``), applied by ``configure`` when an engine is built:
 ``triton_kernels=False`` turns every kernel off (A/B runs, and a way out if a kernel misbehaves
 on some GPU); ``triton_off`` names kernels to turn off: sink_attention (prefill),
-index_scores; decode_attention and moe_combine run only when named in ``triton_on``
+index_scores, fp8_gemm (FP8 weights then run through the torch expression, which dequantizes
+them at every call); decode_attention and moe_combine run only when named in ``triton_on``
 (``OPT_IN`` says why). The settings are the process's (one engine per process).
 
 Debugging overrides, read at each call and winning over the config when set:
@@ -48,7 +49,9 @@ def interpreting() -> bool:
 OPT_IN = frozenset({"decode_attention", "moe_combine"})
 
 
-KERNELS = frozenset({"sink_attention", "index_scores", "decode_attention", "moe_combine"})
+KERNELS = frozenset(
+    {"sink_attention", "index_scores", "decode_attention", "moe_combine", "fp8_gemm"}
+)
 
 # the engine config's choice (``configure``); the environment overrides it (module doc)
 _CONFIGURED = {"enabled": True, "off": frozenset(), "on": frozenset()}

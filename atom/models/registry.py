@@ -30,6 +30,7 @@ class ModelFamily:
     model: str  # model class: (config, *, dtype, kv_dtype, index_dtype, device)
     runtime: str  # runtime class: (model, *, block_size, speculative_tokens)
     loader: str  # load_weights(model, path)
+    fp8_linears: str  # (model) -> (module names that run as FP8 GEMMs, FP8 weight block)
 
     def get(self, what: str) -> Any:
         module, _, attr = getattr(self, what).partition(":")
@@ -48,6 +49,7 @@ FAMILIES: dict[str, ModelFamily] = {
         model=f"{_V41}.model:DeepseekV41ForCausalLM",
         runtime=f"{_V41}.runtime:V41Runtime",
         loader=f"{_V41}.weights:load_weights",
+        fp8_linears=f"{_V41}.published_weights:fp8_linears",
     ),
     "deepseek_v4": ModelFamily(
         model_type="deepseek_v4",
@@ -57,6 +59,7 @@ FAMILIES: dict[str, ModelFamily] = {
         model=f"{_V4}.model:DeepseekV4ForCausalLM",
         runtime=f"{_V4}.runtime:V4Runtime",
         loader=f"{_V4}.checkpoint:load_checkpoint",
+        fp8_linears=f"{_V4}.checkpoint:fp8_linears",
     ),
 }
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
@@ -141,15 +144,56 @@ def load_runtime(
     device: str | torch.device,
     seed: int,
     speculative_tokens: int = 0,
+    weight_dtype: str = "bf16",
 ):
+    """The model's runtime: weights from the preset's seed or the checkpoint, the linears its
+    checkpoint stores as FP8 kept so when ``weight_dtype`` is "fp8", dequantized when "bf16"
+    ("auto": as the config says they are stored on CUDA, dequantized on CPU, as
+    ``EngineConfig.resolved`` decides it)."""
     config, path = resolve_config(model)
     fam = family(config)
+    if weight_dtype == "auto":
+        from atom.models.common.fp8_linear import stored_fp8
+
+        on_gpu = str(device).startswith("cuda")
+        weight_dtype = "fp8" if stored_fp8(config) and on_gpu else "bf16"
     net = fam.get("model")(
         config, dtype=dtype, kv_dtype=kv_dtype, index_dtype=index_dtype, device=device
     )
     if path is None:
         net.init_weights(seed)
+        set_weight_precision(net, fam, weight_dtype, random=True)
     else:
+        if weight_dtype == "fp8":  # the loader fills them with the stored bytes
+            from atom.models.common.fp8_linear import quantize_linears
+
+            names, block = fam.get("fp8_linears")(net)
+            quantize_linears(net, names, block, empty=True)
         fam.get("loader")(net, path)
     net.eval()
     return fam.get("runtime")(net, block_size=block_size, speculative_tokens=speculative_tokens)
+
+
+def set_weight_precision(net, fam: ModelFamily, weight_dtype: str, *, random: bool) -> int:
+    """Put the model's FP8-stored linears at the precision asked, after its weights are set;
+    returns how many are FP8.
+
+    ``weight_dtype`` "fp8": each becomes an ``Fp8Linear`` holding its weight quantized. "bf16":
+    a preset whose config says FP8 (random weights, ``random``) has them rounded through FP8
+    and back, so both precisions run the same model; other weights are left as they are.
+    (A checkpoint loads its FP8 tensors' bytes directly: ``load_runtime``.)
+    """
+    from atom.models.common.fp8_linear import dequantize_linears, quantize_linears, stored_fp8
+
+    if weight_dtype not in ("bf16", "fp8"):
+        raise ValueError(
+            f"weight_dtype must be 'bf16' or 'fp8' once resolved, got {weight_dtype!r}"
+        )
+    if weight_dtype == "bf16" and not (random and stored_fp8(net.config)):
+        return 0
+    names, block = fam.get("fp8_linears")(net)
+    count = quantize_linears(net, names, block)
+    if weight_dtype == "bf16":
+        dequantize_linears(net)
+        return 0
+    return count

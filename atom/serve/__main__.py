@@ -34,6 +34,7 @@ ENGINE_FLAGS: dict[str, type] = {
     "dtype": str,
     "kv-dtype": str,
     "index-dtype": str,
+    "weight-dtype": str,  # auto | bf16 | fp8
     "seed": int,
     "offload": str,
     "speculative-tokens": int,

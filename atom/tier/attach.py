@@ -47,9 +47,12 @@ class LMCacheTier:
         metrics,
         notify_progress,
         ranks=None,
+        weight_dtype: str = "bf16",
     ):
         """``ranks``: a tensor-parallel engine's ``RankChannels`` (None with one rank): every
-        rank then registers its own pool and moves its own part of each transfer."""
+        rank then registers its own pool and moves its own part of each transfer.
+        ``weight_dtype``: the resolved ``EngineConfig.weight_dtype`` (FP8 weights compute other
+        bytes, so they key other objects)."""
         import zmq
 
         self.cfg = config
@@ -102,7 +105,7 @@ class LMCacheTier:
             model=model,
             revision=config.model_revision,
             spec=spec,
-            weights=weights_identity(model, seed),
+            weights=weights_identity(model, seed, weight_dtype),
             chunk_size=self.chunk,
             world_size=self.world_size,
             tp_size=self.tp_size,

@@ -188,19 +188,25 @@ def model_identity(model: str) -> str:
     return p.resolve().name if p.is_dir() else model
 
 
-def weights_identity(model: str, seed: int) -> str:
+def weights_identity(model: str, seed: int, weight_dtype: str = "bf16") -> str:
     """What distinguishes one set of weights from another under the same model name: the seed
     of a preset's random weights, or the safetensors headers of a directory (tensor names,
-    dtypes, shapes and offsets; values are not read: ``model_revision`` names those)."""
+    dtypes, shapes and offsets; values are not read: ``model_revision`` names those), and
+    ";weights=fp8" when the FP8-stored linears compute in FP8 (``weight_dtype``), whose KV
+    differs from the dequantized model's."""
     p = Path(model)
     if not p.is_dir():
-        return f"seed={seed}"
+        return f"seed={seed}" + _precision(weight_dtype)
     h = xxhash.xxh3_128()
     for f in sorted(p.glob("*.safetensors")):
         with open(f, "rb") as fh:
             n = int.from_bytes(fh.read(8), "little")
             h.update(fh.read(min(n, 1 << 26)))
-    return "safetensors=" + h.hexdigest()
+    return "safetensors=" + h.hexdigest() + _precision(weight_dtype)
+
+
+def _precision(weight_dtype: str) -> str:
+    return ";weights=fp8" if weight_dtype == "fp8" else ""
 
 
 def namespace(

@@ -4,7 +4,7 @@
 #   steps: tests tier forward profile components roofline sweep profile_prefill transfer cuda_ops transfer_native transfer_modes serving
 #          speculative serving_spec tp tp_tests (tp, tp_tests: two GPUs)
 #          tier_only idle
-#          train forward_v4 roofline_v4 serving_v4 speculative_v4
+#          train forward_v4 roofline_v4 serving_v4 speculative_v4 fp8_gemm roofline_fp8
 # cuda_ops builds lmcache.cuda_ops from lmcache's sources against this machine's torch
 # (benchmarks/gpu/build_cuda_ops.py); once built (build/ stays while the machine is warm, or
 # carried back), every later step's LMCache server uses it.
@@ -77,6 +77,15 @@ for s in "$@"; do
         --tensor-parallel-size 2 --rank-collapse true --requests 32 --concurrency 8 \
         --pool-blocks 360 --name serving_tp2_h200 ;;
     serving) step 585 python3 -m benchmarks.serving --preset gpu ;;
+    fp8_gemm) step "${FP8_GEMM_LIMIT:-300}" python3 -m benchmarks.fp8_gemm \
+      --models v4-bench-fp8 v41-bench-fp8 --m 1 16 32 128 4096 ${FP8_GEMM_SWEEP:+--sweep} \
+      --name "${FP8_GEMM_NAME:-fp8_gemm_h200}" ;;
+    roofline_fp8)  # both bench models at stored precision (FP8 linears) and dequantized, side by side
+      for m in v4-bench-fp8 v41-bench-fp8; do for w in fp8 bf16; do
+        step "${ROOFLINE_FP8_LIMIT:-240}" python3 -m benchmarks.roofline --model $m \
+          --weight-dtype $w --device cuda --dtype bfloat16 --position 4096 --batch 1 8 16 32 \
+          --decode-steps 16 --repeats 3 --prefill-repeats 2 --name "roofline_${m//-/_}_$w"
+      done; done ;;
     serving_spec)  # the three arms without / with drafts on v41-bench-draft, 32 requests
       step "${SERVING_SPEC_LIMIT:-585}" python3 -m benchmarks.serving --preset gpu \
         --arms speculative --speculative-tokens "${SERVING_SPEC_K:-1}" ;;

@@ -20,15 +20,16 @@ from .published_quant import quant_fp4, quant_fp8, save_shards
 from .test_v4_paged import Harness, assert_matches, one_thread_fixture, tokens  # noqa: F401
 
 
-def write_checkpoint(directory, seed=0, extra=None, drop=(), config=None):
-    """A reduced V4 checkpoint as published; returns the exact weights it holds (by param)."""
+def write_checkpoint(directory, seed=0, extra=None, drop=(), config=None, block=(128, 128)):
+    """A reduced V4 checkpoint as published (FP8 in ``block`` tiles); returns the exact weights
+    it holds (by param)."""
     model = DeepseekV4ForCausalLM(preset_config("v4-tiny")).init_weights(seed)
     params = model.state_dict()
     shards, exact = ({}, {}), {}
     for name, (param, fmt) in expected_names(model).items():
         w = params[param].float()
         if fmt == FP8:
-            q, s, exact[param] = quant_fp8(w)
+            q, s, exact[param] = quant_fp8(w, block)
         elif fmt == FP4:
             q, s, exact[param] = quant_fp4(w)
         else:

@@ -21,7 +21,10 @@ Formats:
 Scales are E8M0 exponent bytes (``float8_e8m0fnu`` or uint8) or float multipliers.
 
 The whole check runs before anything is copied: a refused checkpoint leaves the model as it was.
-Values are dequantized at load to the parameter's dtype (no FP8 / FP4 kernel reads them yet).
+Values are dequantized at load to the parameter's dtype, except into an FP8 target (an
+``Fp8Linear``'s ``float8_e4m3fn`` weight, its scale beside it as ``X.weight_scale``): an FP8
+tensor stored in the layout's block goes there byte for byte with its scale; any other stored
+format is decoded and quantized (``fp8_weight_quant``).
 """
 
 from __future__ import annotations
@@ -38,8 +41,10 @@ from atom.models.common.formats import (
     FP4_GROUP,
     dequant_fp4,
     dequant_fp8,
+    e8m0_to_float,
     fp4_shapes,
     fp8_scale_shape,
+    fp8_weight_quant,
 )
 from atom.models.common.weights import WeightLoadError
 
@@ -98,7 +103,13 @@ def expected_names(
             name = param.format(**{k: c[k] for k in keys}) if keys else param
             if name in params:
                 out[ckpt.format(**{k: c[k] for k in keys}) if keys else ckpt] = (name, fmt)
-    unmapped = set(params) - {p for p, _ in out.values()}
+    mapped = {p for p, _ in out.values()}
+    # an FP8 linear kept as stored (``Fp8Linear``) has its scale beside its weight: loaded with it
+    unmapped = {
+        p
+        for p in set(params) - mapped
+        if not (p.endswith(".weight_scale") and p.removesuffix("_scale") in mapped)
+    }
     if unmapped:
         raise WeightLoadError(f"no published name for parameters {sorted(unmapped)[:5]}")
     return out
@@ -216,6 +227,12 @@ def load_published(
         with safe_open(str(f), framework="pt") as sf:
             for name in names:
                 param, fmt = expected[name]
+                target = params[param]
+                if target.dtype == torch.float8_e4m3fn:
+                    if param in shards:
+                        raise WeightLoadError(f"{param}: FP8 weights are not sharded across ranks")
+                    _load_fp8(layout, sf, f, name, found, target, params[param + "_scale"])
+                    continue
                 value = _decode(layout, sf, f, name, fmt, found)
                 if param in shards:
                     dim, index, parts = shards[param]
@@ -223,6 +240,35 @@ def load_published(
                 target = params[param]
                 target.copy_(value.to(device=target.device, dtype=target.dtype))
     return unread
+
+
+def _scale_of(sf, file: Path, name: str, found: dict) -> torch.Tensor:
+    sname = scale_name(name)
+    if found[sname][0] == file:
+        return sf.get_tensor(sname)
+    with safe_open(str(found[sname][0]), framework="pt") as other:
+        return other.get_tensor(sname)
+
+
+def _load_fp8(layout, sf, file: Path, name: str, found: dict, weight, scale) -> None:
+    """Fill an FP8 target (``weight`` e4m3, ``scale`` float32 per block) from tensor ``name``:
+    the stored bytes when it is FP8 in the target's block, else its value quantized."""
+    block = layout.fp8_block
+    if _STORED.get(found[name][1], BF16) == FP8 and tuple(scale.shape) == fp8_scale_shape(
+        tuple(weight.shape), block
+    ):
+        weight.copy_(sf.get_tensor(name).view(torch.float8_e4m3fn).to(weight.device))
+        scale.copy_(e8m0_to_float(_scale_of(sf, file, name, found)).to(scale.device))
+        return
+    value = _decode(layout, sf, file, name, FP8, found).float()
+    q, s = fp8_weight_quant(value, block)
+    if tuple(s.shape) != tuple(scale.shape):
+        raise WeightLoadError(
+            f"tensor {name}: the FP8 linear's scales are {list(scale.shape)}, the layout's "
+            f"{list(block)} blocks give {list(s.shape)}"
+        )
+    weight.copy_(q.to(weight.device))
+    scale.copy_(s.to(scale.device))
 
 
 def _decode(layout, sf, file: Path, name: str, fmt: str, found: dict) -> torch.Tensor:

@@ -315,3 +315,26 @@ def fp8_linear_sim(x: torch.Tensor, weight: torch.Tensor, block: int = 32) -> to
     is dequantised in float32 here (not in x's dtype), as the kernel never rounds it back.
     """
     return F.linear(fp8_act_sim(x.float(), block), weight.float())
+
+
+def fp8_weight_quant(
+    weight: torch.Tensor, block: tuple[int, int] = (FP8_TILE, FP8_TILE)
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A dense [out, in] weight -> (``float8_e4m3fn`` [out, in], float32 scales
+    [ceil(out/bo), ceil(in/bi)]), the inverse of ``dequant_fp8`` up to the rounding.
+
+    Per (bo, bi) block (the last ones may be partial): amax floored at 1e-4,
+    s = ``ue8m0_scale(amax, 448)`` (a power of two, so ``dequant_fp8`` of the result is
+    q * s exactly), q = clamp(w / s, -448, 448) cast to E4M3 (round to nearest even).
+    Quantizing a dequantized weight again gives the same values back.
+    """
+    out, inp = weight.shape
+    so, si = fp8_scale_shape((out, inp), block)
+    w = weight.float()
+    padded = w.new_zeros(so * block[0], si * block[1])
+    padded[:out, :inp] = w
+    tiles = padded.view(so, block[0], si, block[1])
+    amax = tiles.abs().amax(dim=(1, 3)).clamp(min=FP8_ACT_AMAX_MIN)
+    s = ue8m0_scale(amax, FP8_MAX)
+    q = (tiles / s[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q.view(so * block[0], si * block[1])[:out, :inp].contiguous(), s

@@ -125,7 +125,7 @@ class V4Attention(nn.Module):
         self.layer, self.ratio = layer, c.layer_ratio(layer)
         self.heads, self.head_dim, self.window = c.num_attention_heads, c.head_dim, c.sliding_window
         self.groups, self.o_lora_rank = c.o_groups, c.o_lora_rank
-        self.kv_dtype, self.eps = kv_dtype, c.rms_norm_eps
+        self.kv_dtype, self.eps, self.dtype = kv_dtype, c.rms_norm_eps, dtype
         self.rope_dim, self.fp8 = c.qk_rope_head_dim, c.kv_fp8_sim
         theta, scaling = c.layer_rope(layer)
         self.rope = InterleavedRope(c.qk_rope_head_dim, theta, scaling)
@@ -162,7 +162,7 @@ class V4Attention(nn.Module):
 
     def main_rows(self, pooled: torch.Tensor, cs) -> torch.Tensor:
         """Finished compressed rows as stored in PAGE (storage-rounded), float32 -> dtype."""
-        rows = self.compressor.rows(pooled, self.rope, cs).to(self.wkv.weight.dtype)
+        rows = self.compressor.rows(pooled, self.rope, cs).to(self.dtype)
         return kv_roundtrip(rows, self.kv_dtype)
 
     def attend(

@@ -22,6 +22,7 @@ import torch
 from atom.models.common.checkpoint import BF16, F32, FP4, FP8, I64, Layout, load_published
 from atom.models.common.checkpoint import expected_names as common_expected
 from atom.models.common.formats import FP8_TILE
+from atom.models.common.fp8_linear import fp8_block, fp8_module_names
 from atom.models.deepseek_v4.model import DeepseekV4ForCausalLM
 
 # Tensors outside the layers: (published name, parameter name, published format).
@@ -110,7 +111,20 @@ def _layout(model: DeepseekV4ForCausalLM) -> Layout:
             return f"MTP block {m.group(1)}: the config builds {num_mtp}"
         return None
 
-    return Layout(rows=NAMES, fp8_block=LAYOUT.fp8_block, unread=unread)
+    block = fp8_block(model.config, LAYOUT.fp8_block)
+    return Layout(rows=NAMES, fp8_block=block, unread=unread)
+
+
+# FP8 in the checkpoint but read directly by the forward (a grouped projection: the weight is
+# viewed per group), so kept dense; DeepSeek's own converter dequantizes it too
+FP8_READ_DENSE = ("attn.wo_a",)
+
+
+def fp8_linears(model: DeepseekV4ForCausalLM) -> tuple[list[str], tuple[int, int]]:
+    """(the linears that run as FP8 GEMMs at stored precision, their weight block): the
+    published FP8 rows less ``FP8_READ_DENSE``; the block from the config, else 128 x 128."""
+    names = fp8_module_names(model, NAMES, exclude=FP8_READ_DENSE)
+    return names, fp8_block(model.config, LAYOUT.fp8_block)
 
 
 @torch.no_grad()

@@ -44,6 +44,7 @@ class V4MTPBlock(V4Block):
         super().__init__(config, layer, dtype, kv_dtype)
         d, eps = config.hidden_size, config.rms_norm_eps
         self.layer, self.index = layer, index
+        self.dtype = dtype
         self.e_proj = linear(d, d, dtype)
         self.h_proj = linear(d, d, dtype)
         self.enorm = RMSNorm(d, eps, dtype)
@@ -54,7 +55,7 @@ class V4MTPBlock(V4Block):
     def draft_input(self, embedded: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """embedded [N, d] (the main embedding of the next tokens), residual [N, hc, d] -> the
         block's input streams [N, hc, d]."""
-        dtype = self.e_proj.weight.dtype
+        dtype = self.dtype
         e = self.e_proj(self.enorm(embedded.to(dtype)))
         return e[:, None, :] + self.h_proj(self.hnorm(residual.to(dtype)))
 

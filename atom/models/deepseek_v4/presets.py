@@ -2,7 +2,9 @@
 
 v4-flash is the published DeepSeek-V4-Flash config.json (geometry checks; far too large to
 instantiate here). v4-bench keeps Flash's per-layer dimensions with 10 layers and 8 experts
-(bf16 on the H200 benchmarks). v4-tiny runs CPU unit tests in seconds; v4-mini keeps the real
+(bf16 on the H200 benchmarks; v4-bench-fp8 is the same model with its linears stored as FP8 in
+128 x 128 blocks, as Flash ships them; v4-tiny-fp8 likewise in 32 x 32 blocks, for CPU tests).
+v4-tiny runs CPU unit tests in seconds; v4-mini keeps the real
 block (256), window (128) and HCA ratio (128) at small widths, with the FP8/FP4 simulations on,
 for CPU integration. Both small shapes have every layer kind: window-only, CSA (ratio 4) and HCA
 layers, and hash-routed MoE layers first, as in Flash.
@@ -125,13 +127,26 @@ _BENCH: dict[str, Any] = dict(
     compress_ratios=[0, 0] + [4, 128] * 4 + [0],
     n_routed_experts=8,
     num_experts_per_tok=2,
+    quantization_config=None,  # random bf16 weights; v4-bench-fp8 is the FP8 one
 )
+
+
+def _fp8(base: dict[str, Any], block: list[int]) -> dict[str, Any]:
+    """``base`` whose checkpoint stores its linears as FP8 in ``block`` blocks: its random
+    weights are ``base``'s rounded through FP8 (both ``weight_dtype`` settings run that one
+    model; "fp8", the default for it, keeps the FP8 bytes)."""
+    return dict(
+        base, quantization_config=dict(_FLASH["quantization_config"], weight_block_size=block)
+    )
+
 
 PRESETS: dict[str, dict[str, Any]] = {
     "v4-flash": _FLASH,
     "v4-tiny": _TINY,
     "v4-mini": _MINI,
     "v4-bench": _BENCH,
+    "v4-tiny-fp8": _fp8(_TINY, [32, 32]),
+    "v4-bench-fp8": _fp8(_BENCH, [128, 128]),
 }
 
 # Block size each preset is meant to run with (the engine's default for it).
@@ -140,6 +155,8 @@ PRESET_BLOCK_SIZE: dict[str, int] = {
     "v4-tiny": 16,
     "v4-mini": 256,
     "v4-bench": 256,
+    "v4-tiny-fp8": 16,
+    "v4-bench-fp8": 256,
 }
 
 

@@ -100,7 +100,7 @@ class CSA2Attention(nn.Module):
         self.heads, self.head_dim = c.num_attention_heads, c.head_dim
         self.window, self.topk = c.sliding_window, c.index_topk
         self.cand_blocks, self.cand_block_size = c.candidate_topk_blocks, c.candidate_block_size
-        self.groups, self.kv_dtype = c.o_groups, kv_dtype
+        self.groups, self.kv_dtype, self.dtype = c.o_groups, kv_dtype, dtype
         self.kv_fp8_sim, self.compressed_fp4_sim = c.kv_fp8_sim, c.compressed_fp4_sim
         self.index_fp4_sim, self.act_fp8_sim = c.index_fp4_sim, c.act_fp8_sim
         self.build_ropes(c)
@@ -153,7 +153,7 @@ class CSA2Attention(nn.Module):
         """Latents [G, hd] float32 of groups j, cs at positions j*ratio -> (main rows [G, hd]
         rounded as stored, index keys [G, D] float32 *before* index quantization: the paged
         path packs them into PAGE, the reference applies ``index_roundtrip``)."""
-        dtype = self.q_b_proj.weight.dtype
+        dtype = self.dtype
         main = self.rope.apply(latents.to(dtype), cs)
         if self.compressed_fp4_sim:
             main = fp4_act_sim(main, 16, "e4m3")

@@ -91,7 +91,7 @@ class Engram(nn.Module):
     ) -> None:
         super().__init__()
         self.dim, self.hc, self.head_dim, self.n_hash_cols = dim, hc, head_dim, n_hash_cols
-        self.eps, self.act_fp8 = eps, act_fp8
+        self.eps, self.act_fp8, self.dtype = eps, act_fp8, dtype
         self.embed = nn.Embedding(rows, head_dim, dtype=dtype, device=device)
         self.wkv = nn.Linear(
             n_hash_cols * head_dim, (hc + 1) * dim, bias=False, dtype=dtype, device=device
@@ -117,7 +117,7 @@ class Engram(nn.Module):
         n = x.shape[0]
         if x.shape[1:] != (self.hc, self.dim) or row_ids.shape != (n, self.n_hash_cols):
             raise ValueError(f"x {tuple(x.shape)} / row_ids {tuple(row_ids.shape)} mismatch")
-        e = self.embed(row_ids).flatten(1).to(self.wkv.weight.dtype)
+        e = self.embed(row_ids).flatten(1).to(self.dtype)
         kv = self.wkv(self.wkv_input(e))
         key, value = kv.split([self.hc * self.dim, self.dim], dim=-1)
         key = key.float().view(n, self.hc, self.dim)

@@ -250,6 +250,15 @@ _TINY_DSPARK: dict[str, Any] = dict(
 # counts as weight bytes)
 _BENCH_DRAFT: dict[str, Any] = dict(_BENCH, num_nextn_predict_layers=1)
 
+
+def _fp8(base: dict[str, Any]) -> dict[str, Any]:
+    """``base`` whose checkpoint stores its linears as FP8 in 32 x 32 blocks, as V4.1-Flash
+    ships them: its random weights are ``base``'s rounded through FP8 (both ``weight_dtype``
+    settings run that one model; "fp8", the default for it, keeps the FP8 bytes)."""
+    quant = dict(quant_method="fp8", activation_scheme="dynamic", weight_block_size=[32, 32])
+    return dict(base, quantization_config=dict(quant, scale_fmt="ue8m0"))
+
+
 PRESETS: dict[str, dict[str, Any]] = {
     "v41-flash": _FLASH_PUBLISHED,
     "v41-tiny": _TINY,
@@ -259,6 +268,8 @@ PRESETS: dict[str, dict[str, Any]] = {
     "v41-tiny-draft": _TINY_DRAFT,
     "v41-tiny-dspark": _TINY_DSPARK,
     "v41-bench-draft": _BENCH_DRAFT,
+    "v41-tiny-fp8": _fp8(_TINY),
+    "v41-bench-fp8": _fp8(_BENCH),
 }
 
 # Block size each preset is meant to run with (the engine's default for it).
@@ -271,6 +282,8 @@ PRESET_BLOCK_SIZE: dict[str, int] = {
     "v41-tiny-draft": 16,
     "v41-tiny-dspark": 16,
     "v41-bench-draft": 256,
+    "v41-tiny-fp8": 16,
+    "v41-bench-fp8": 256,
 }
 
 

@@ -31,6 +31,7 @@ from atom.models.common.checkpoint import (
     expected_names,
     load_published,
 )
+from atom.models.common.fp8_linear import fp8_module_names
 from atom.models.common.weights import WeightLoadError
 from atom.models.deepseek_v41.model import DeepseekV41ForCausalLM
 
@@ -145,6 +146,13 @@ def layout_of(model: DeepseekV41ForCausalLM) -> Layout:
         fp8_block=(int(block[0]), int(block[1])),
         unread=lambda name: _unread(name, stages),
     )
+
+
+def fp8_linears(model: DeepseekV41ForCausalLM) -> tuple[list[str], tuple[int, int]]:
+    """(the linears that run as FP8 GEMMs at stored precision, their weight block): every
+    published FP8 linear (the Engram table, an embedding, stays dequantized); the block from
+    the config, else 32 x 32."""
+    return fp8_module_names(model, LAYOUT.rows), layout_of(model).fp8_block
 
 
 def published_names(model: DeepseekV41ForCausalLM) -> dict[str, tuple[str, str]]:

@@ -1,0 +1,155 @@
+"""Weights at the precision a checkpoint ships (``weight_dtype: fp8``), on CPU.
+
+The FP8 linears (``Fp8Linear``) compute the torch expression of the FP8 GEMM here: inputs
+rounded to E4M3 per block, times the dequantized weight. So the stored-precision forward must
+equal, bit for bit, the dequantized model whose same linears get their inputs rounded the same
+way: that proves every FP8 linear is wired (a call site that read the E4M3 bytes as numbers,
+or skipped a module, would part). The engine's paged path at stored precision must match the
+reference forward of the same FP8 model, and a published FP8 checkpoint keeps its bytes.
+"""
+
+import pytest
+import torch
+from torch import nn
+
+from atom import LLM, SamplingParams
+from atom.config import EngineConfig, EngineConfigError
+from atom.models.common.formats import e8m0_to_float, fp8_act_sim
+from atom.models.common.fp8_linear import Fp8Linear, dequantize_linears, quantize_linears
+from atom.models.deepseek_v4.model import DeepseekV4ForCausalLM
+from atom.models.deepseek_v4.presets import preset_config as v4_preset
+from atom.models.deepseek_v4.reference import reference_forward as v4_reference
+from atom.models.deepseek_v41.model import DeepseekV41ForCausalLM
+from atom.models.deepseek_v41.presets import preset_config as v41_preset
+from atom.models.deepseek_v41.reference import reference_forward as v41_reference
+from atom.models.registry import FAMILIES, set_weight_precision
+
+FAMS = {
+    "v4-tiny-fp8": (DeepseekV4ForCausalLM, v4_preset, v4_reference, FAMILIES["deepseek_v4"]),
+    "v41-tiny-fp8": (DeepseekV41ForCausalLM, v41_preset, v41_reference, FAMILIES["deepseek_v41"]),
+}
+
+
+def build(preset: str, weight_dtype: str):
+    cls, preset_config, _, fam = FAMS[preset]
+    net = cls(preset_config(preset), dtype=torch.float32, kv_dtype="fp32", index_dtype="fp32")
+    net.init_weights(0)
+    count = set_weight_precision(net, fam, weight_dtype, random=True)
+    return net.eval(), count
+
+
+def prompt(n=70, seed=0):
+    return torch.randint(5, 300, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def test_the_published_fp8_linears_are_the_ones_converted():
+    v4, n4 = build("v4-tiny-fp8", "fp8")
+    kinds = {type(m).__name__ for n, m in v4.named_modules() if n.endswith(".attn.wq_b")}
+    assert kinds == {"Fp8Linear"}
+    # V4's grouped wo_a is read as a weight view, as DeepSeek's converter dequantizes it
+    assert all(type(m) is nn.Linear for n, m in v4.named_modules() if n.endswith("wo_a"))
+    compressors = [m for n, m in v4.named_modules() if n.endswith(("compressor.wkv", "wgate"))]
+    assert compressors and all(type(m) is nn.Linear for m in compressors)
+    shared = [m for n, m in v4.named_modules() if "shared_experts.gate_proj" in n]
+    assert shared and all(isinstance(m, Fp8Linear) for m in shared)
+    assert n4 == sum(isinstance(m, Fp8Linear) for m in v4.modules())
+    v41, n41 = build("v41-tiny-fp8", "fp8")
+    assert any(n.endswith("engram.wkv") for n, m in v41.named_modules() if isinstance(m, Fp8Linear))
+    assert all(type(m) is nn.Linear for n, m in v41.named_modules() if n.endswith("o_a_proj"))
+    assert n41 > 0 and v41.lm_head.__class__ is nn.Linear
+    # the routed experts are FP4 as published: not FP8 linears
+    assert not any(".experts." in n for n, m in v41.named_modules() if isinstance(m, Fp8Linear))
+
+
+@pytest.mark.parametrize("preset", list(FAMS))
+def test_stored_precision_equals_the_dequantized_model_with_inputs_rounded(preset):
+    fp8, count = build(preset, "fp8")
+    dense, zero = build(preset, "bf16")
+    assert count > 0 and zero == 0
+    names = [n for n, m in fp8.named_modules() if isinstance(m, Fp8Linear)]
+    block = fp8.get_submodule(names[0]).block
+    for name in names:  # same weights, exactly
+        q = fp8.get_submodule(name)
+        assert torch.equal(dense.get_submodule(name).weight, q.dequantized())
+    ref = FAMS[preset][2]
+    seq = prompt()
+    with torch.no_grad():
+        got = ref(fp8, seq)
+        plain = ref(dense, seq)
+        hooks = [
+            dense.get_submodule(n).register_forward_pre_hook(
+                lambda mod, args: (fp8_act_sim(args[0], block[1]),)
+            )
+            for n in names
+        ]
+        want = ref(dense, seq)
+    for h in hooks:
+        h.remove()
+    assert torch.equal(got, want)
+    assert not torch.equal(got, plain)  # the input rounding is what separates them
+
+
+def test_quantize_then_dequantize_gives_the_same_model_and_refuses_bad_blocks():
+    net, _ = build("v4-tiny-fp8", "bf16")
+    before = {k: v.clone() for k, v in net.state_dict().items()}
+    names, block = FAMILIES["deepseek_v4"].get("fp8_linears")(net)
+    assert block == (32, 32)
+    assert quantize_linears(net, names, block) == len(names)
+    assert dequantize_linears(net) == len(names)
+    after = net.state_dict()
+    assert set(after) == set(before)
+    assert all(torch.equal(after[k], v) for k, v in before.items())  # rounded once already
+    with pytest.raises(ValueError, match=r"divisible by 48; not so for .*\(64\)"):
+        quantize_linears(net, names, (48, 48))
+    assert all(type(net.get_submodule(n)) is nn.Linear for n in names)  # nothing changed
+
+
+@pytest.mark.parametrize("preset", list(FAMS))
+def test_the_engine_at_stored_precision_matches_its_oracle(preset):
+    llm = LLM(model=preset, weight_dtype="fp8", device="cpu", max_num_batched_tokens=64)
+    assert llm.config.weight_dtype == "fp8"
+    model = llm.engine.runtime.model
+    assert any(isinstance(m, Fp8Linear) for m in model.modules())
+    prompts = [prompt(40 + 17 * i, seed=i) for i in range(3)]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0))
+    ref = FAMS[preset][2]
+    for p, out in zip(prompts, outs):
+        ids = p + out.token_ids[:-1]
+        with torch.no_grad():
+            predicted = ref(model, ids)[len(p) - 1 :].argmax(-1).tolist()
+        assert predicted == out.token_ids
+
+
+def test_weight_dtype_resolution_and_errors():
+    assert EngineConfig(model="v4-tiny-fp8", device="cpu").resolved().weight_dtype == "bf16"
+    assert EngineConfig(model="v4-tiny", device="cpu").resolved().weight_dtype == "bf16"
+    forced = EngineConfig(model="v41-tiny", device="cpu", weight_dtype="fp8").resolved()
+    assert forced.weight_dtype == "fp8"
+    with pytest.raises(EngineConfigError, match="weight_dtype=fp8 with tensor_parallel_size=2"):
+        EngineConfig(model="v4-tiny-fp8", weight_dtype="fp8", tensor_parallel_size=2).resolved()
+    with pytest.raises(EngineConfigError, match="weight_dtype"):
+        EngineConfig.build(model="v4-tiny", weight_dtype="int4")
+
+
+def test_a_published_fp8_checkpoint_keeps_its_bytes(tmp_path):
+    from safetensors import safe_open
+
+    from .test_v4_checkpoint import write_checkpoint
+
+    cfg = dict(
+        __import__("atom.models.deepseek_v4.presets", fromlist=["PRESETS"]).PRESETS["v4-tiny"],
+        expert_dtype="fp4",
+        quantization_config=dict(quant_method="fp8", weight_block_size=[32, 32]),
+    )
+    write_checkpoint(tmp_path / "ckpt", config=cfg, block=(32, 32))
+    llm = LLM(model=str(tmp_path / "ckpt"), weight_dtype="fp8", device="cpu")
+    model = llm.engine.runtime.model
+    stored = {}
+    for f in sorted((tmp_path / "ckpt").glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as sf:
+            stored.update({k: sf.get_tensor(k) for k in sf.keys()})
+    q = model.get_submodule("layers.2.attn.wq_b")
+    assert isinstance(q, Fp8Linear)
+    raw = stored["layers.2.attn.wq_b.weight"]
+    assert torch.equal(q.weight.view(torch.uint8), raw.view(torch.uint8))
+    assert torch.equal(q.weight_scale, e8m0_to_float(stored["layers.2.attn.wq_b.scale"]))
