@@ -73,3 +73,20 @@ def test_the_coverage_check_sees_a_family_without_gpu_tests(monkeypatch):
         assert "nobody (atom.models.no_such_family)" in str(e)
     else:
         raise AssertionError("a family without GPU tests passed the coverage check")
+
+
+def test_every_family_runs_its_fp8_weights_in_the_gate():
+    """Each family with FP8-stored presets has one of them in tests/gpu/test_fp8_cuda.py, so
+    the gate runs that family's FP8 linears through the CUDA kernel."""
+    from atom.models.common.fp8_linear import stored_fp8
+    from atom.models.registry import all_presets, resolve_config
+
+    text = (GPU_TESTS / "test_fp8_cuda.py").read_text()
+    gated = {}
+    for name in all_presets():
+        cfg, _ = resolve_config(name)
+        if stored_fp8(cfg):
+            gated.setdefault(type(cfg).__name__, []).append(name)
+    assert len(gated) == len(FAMILIES), gated
+    missing = {f: names for f, names in gated.items() if not any(f'"{n}"' in text for n in names)}
+    assert not missing, f"no FP8 preset of {missing} in tests/gpu/test_fp8_cuda.py"
