@@ -54,7 +54,24 @@ def candidates(m: int) -> list[dict]:
     if m > 128:
         out.append(dict(BM=128, BN=256, num_warps=8, num_stages=3, SPLIT=1, QUANT_IN_KERNEL=False))
         out.append(dict(METHOD="dequant"))
-    return out
+    # both operands dequantized in registers, bf16 dots (atom/kernels/_fp8_dq_triton.py)
+    for bm in (16,) if m <= 16 else (32, 64) if m <= 64 else (64, 128):
+        for bn in (32, 64, 128) if m <= 64 else (64, 128):
+            for kt in (128, 256):
+                for split in (1, 2, 4, 8) if m <= 64 else (1,):
+                    warps = 8 if bm * bn >= 128 * 128 else 4
+                    out.append(
+                        dict(
+                            METHOD="dq",
+                            BM=bm,
+                            BN=bn,
+                            KT=kt,
+                            SPLIT=split,
+                            num_warps=warps,
+                            num_stages=3,
+                        )
+                    )
+    return [c if "METHOD" in c else {"METHOD": "tiles", **c} for c in out]
 
 
 def linear_shapes(models: list[str]) -> list[tuple[str, int, int, tuple[int, int]]]:

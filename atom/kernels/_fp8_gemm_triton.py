@@ -12,7 +12,9 @@ loaded per loop iteration (more loads in flight, the same sums). With ``SPLIT`` 
 blocks are split into that many contiguous ranges, each program writes its float32 partial
 sum, and one reduction adds them (no atomics: the same bits every run). Above ``DEQUANT_M``
 rows ``_fp8_act_quant_kernel`` (``SIM``) and ``_fp8_dequant_kernel`` write both operands out
-exactly in the compute dtype for one cuBLAS GEMM (``tile_config`` says which path runs).
+exactly in the compute dtype for one cuBLAS GEMM; ``METHOD="dq"`` is the kernel of
+``_fp8_dq_triton`` (both operands dequantized in registers, bf16 dots). ``tile_config`` says
+which path runs.
 
 The launch configuration depends only on M's size class and the weight's shape, never on the
 values, so a row's result does not depend on the other rows of its class.
@@ -127,6 +129,8 @@ DEQUANT_M = 64
 
 @functools.lru_cache(maxsize=8)
 def _sm_count(device: int) -> int:
+    if not torch.cuda.is_available():  # Triton's interpreter (tests)
+        return 8
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
@@ -227,11 +231,19 @@ def fp8_linear_triton(
     m, k = x.shape
     n = weight.shape[0]
     dtype = out_dtype or x.dtype
-    if config is not None and "METHOD" not in config:
-        config = {"METHOD": "tiles", **config}
-    cfg = {**tile_config(m, n, k, block[1], x.device.index or 0), **(config or {})}
-    if cfg.pop("METHOD", "tiles") == "dequant":
+    if config is not None and "METHOD" in config:
+        cfg = dict(config)  # a whole plan (benchmarks, tests): nothing taken from tile_config
+    else:
+        cfg = {**tile_config(m, n, k, block[1], x.device.index or 0), **(config or {})}
+        if config is not None:
+            cfg["METHOD"] = "tiles"
+    method = cfg.pop("METHOD", "tiles")
+    if method == "dequant":
         return _dequant_linear(x, weight, scale, block, dtype)
+    if method == "dq":
+        from atom.kernels._fp8_dq_triton import fp8_dq_linear
+
+        return fp8_dq_linear(x, weight, scale, block, dtype, cfg)
     defaults = dict(BM=16, BN=64, num_warps=4, num_stages=4, SPLIT=1, GROUP=1)
     cfg = {**defaults, "QUANT_IN_KERNEL": True, **cfg}
     bm, bn, split, group, in_kernel = (

@@ -77,7 +77,7 @@ for s in "$@"; do
         --tensor-parallel-size 2 --rank-collapse true --requests 32 --concurrency 8 \
         --pool-blocks 360 --name serving_tp2_h200 ;;
     serving) step 585 python3 -m benchmarks.serving --preset gpu ;;
-    fp8_gemm) step "${FP8_GEMM_LIMIT:-300}" python3 -m benchmarks.fp8_gemm \
+    fp8_gemm) step "${FP8_GEMM_LIMIT:-540}" python3 -m benchmarks.fp8_gemm \
       --models v4-bench-fp8 v41-bench-fp8 --m 1 16 32 64 256 4096 ${FP8_GEMM_SWEEP:+--sweep} \
       --name "${FP8_GEMM_NAME:-fp8_gemm_h200}" ;;
     roofline_fp8)  # both bench models at stored precision (FP8 linears) and dequantized, side by side

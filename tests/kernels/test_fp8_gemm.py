@@ -13,7 +13,7 @@ from atom.models.common.formats import (
     fp8_act_sim,
     fp8_weight_quant,
 )
-from tests.kernels.runnable import needs_kernel
+from tests.kernels.runnable import DEVICE, needs_kernel
 
 CUDA = torch.cuda.is_available()
 
@@ -150,3 +150,32 @@ def test_the_launch_plan_is_a_function_of_the_size_class_and_fills_the_gpu_at_de
         assert tiles >= 2 * sms or k // bk // small["SPLIT"] < 8, (n, k, small)
         assert tile_config(DEQUANT_M + 1, n, k, bk) == dict(METHOD="dequant")
         assert max(tile_config(m, n, k, bk)["BM"] for m in range(1, SMALL_M + 1)) <= 32
+
+
+@needs_kernel
+@pytest.mark.parametrize("block", [(32, 32), (128, 128)])
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        dict(BM=16, BN=32, KT=128, SPLIT=1),
+        dict(BM=32, BN=64, KT=256, SPLIT=2),
+        dict(BM=64, BN=16, KT=64, SPLIT=4),  # KT below a 128 block: one block a tile
+    ],
+)
+def test_the_dq_kernel_is_the_rounded_input_times_the_dequantized_weight(block, cfg):
+    """METHOD="dq": both operands dequantized in registers, bf16 dots of exact values summed
+    in float32: the torch expression to float32 rounding. The reference rounds the input with
+    ``fp8_act_quant_triton`` (under Triton's interpreter its E4M3 cast rounds otherwise than
+    the GPU's, which equals ``fp8_act_quant``: test_every_kernel_variant_computes_the_same)."""
+    from atom.kernels._fp8_gemm_triton import fp8_act_quant_triton, fp8_linear_triton
+
+    for n, k, m in [(96, 256, 5), (200, 512, 33), (130, 1280, 1)]:
+        x, q, s = _case(n, k, block, m, seed=n + m, device=DEVICE)
+        xq, xs = fp8_act_quant_triton(x, block[1])
+        x_round = (xq.float().unflatten(-1, (-1, block[1])) * xs[..., None]).flatten(-2)
+        want = F.linear(x_round, dequant_fp8(q, s, block))
+        config = dict(METHOD="dq", num_warps=4, num_stages=1 if DEVICE == "cpu" else 3, **cfg)
+        with torch.no_grad():
+            got = fp8_linear_triton(x, q, s, block, torch.float32, config=config)
+        assert ((got - want).abs().max() / want.abs().max()) < 2e-6, (n, k, m)
+        assert torch.equal(fp8_linear_triton(x, q, s, block, torch.float32, config=config), got)
