@@ -18,6 +18,14 @@ always where the draft contract wants it, ``[s, s + k]`` of the next call's star
   ``e + 1``, ...; the next step starts that layer at its next committed span again, at most
   ``k - m`` positions back, which the contract allows.
 
+Each depth's proposal is made from the draft layer's logits at the item's last index: a greedy
+request's is their argmax (the raw logits, as before sampled drafts existed); a sampling
+request's is drawn from q, those logits through the request's own sampling transform
+(``Sampler.propose``: penalties and min_tokens with the chain so far counted as generated, then
+temperature, top-k, top-p: the transform the target's p gets at that position), with the
+request's proposal stream. Such a chain comes back as a ``Proposal`` carrying each token's q,
+which ``Sampler.verify`` needs for the exact rule; argmax chains carry none (one-hot q).
+
 Draft rows computed from proposals or placeholders stay in the rings and in checkpoint images:
 they steer later proposals only. The target verifies every proposal, so no output depends on a
 draft row.
@@ -29,8 +37,29 @@ from dataclasses import dataclass
 
 import torch
 
+from atom.engine.sampler import Sampler
 from atom.engine.sequence import Sequence
 from atom.model_api import Span
+
+
+class Proposal(list):
+    """A sequence's proposed tokens (a ``list`` of ints, what ``Sequence.draft`` holds) and
+    ``q``: float32 [len(self), V] on the drafter's device, row i the distribution token i was
+    sampled from (given the tokens before it), or None: one-hot proposals (argmax). Tokens and
+    q travel as one object so that whoever replaces the tokens (a plain list) drops q with them:
+    a token verified against a q it was not drawn from would bias the output."""
+
+    __slots__ = ("q",)
+
+    def __init__(self, tokens=(), q: torch.Tensor | None = None):
+        super().__init__(tokens)
+        self.q = q
+
+
+def proposal_q(draft: list[int]) -> torch.Tensor | None:
+    """The q rows of ``draft`` (a ``Sequence.draft``): None unless it is a sampled
+    ``Proposal``."""
+    return draft.q if isinstance(draft, Proposal) else None
 
 
 @dataclass
@@ -45,25 +74,35 @@ class DraftItem:
 
 
 class Drafter:
-    def __init__(self, runtime, speculative_tokens: int, num_layers: int):
+    def __init__(
+        self, runtime, speculative_tokens: int, num_layers: int, sampler: Sampler | None = None
+    ):
+        """``sampler``: the engine's, whose ``propose`` samples sampling requests' drafts;
+        None proposes the argmax for every request."""
         if num_layers < 1:
             raise ValueError("speculative decoding needs a runtime with draft layers")
         self.runtime, self.k, self.num_layers = runtime, speculative_tokens, num_layers
+        self.sampler = sampler
         self._no_blocks = torch.empty(0, dtype=torch.int64)
 
     def propose(self, items: list[DraftItem]) -> dict[int, list[int]]:
         """Run the draft layers over every item; returns each proposing item's proposals
-        (by seq_id; ``want`` of them, fewer only past ``k``)."""
+        (by seq_id; ``want`` of them, fewer only past ``k``): a ``Proposal`` with each token's
+        q for a sampling request (with a sampler), a plain list of argmax tokens otherwise."""
         chains: dict[int, list[int]] = {it.seq.seq_id: [] for it in items if it.want > 0}
         if not items:
             return chains
+        # q rows of the sampling requests' chains
+        qs: dict[int, list[torch.Tensor]] = {
+            it.seq.seq_id: [] for it in items if it.want > 0 and self._samples(it.seq)
+        }
         residual = [it.residual for it in items]
         for d in range(1, min(self.k, self.num_layers) + 1):
             ids = [self._token(it, j + d, chains) for it in items for j in range(it.start, it.end)]
             spans = [Span(it.start, it.end, it.seq.slot, self._no_blocks) for it in items]
             logits, out = self._call(ids, torch.cat(residual), spans, d - 1)
             residual = list(out.split([it.end - it.start for it in items]))
-            self._extend(items, logits, chains, d)
+            self._extend(items, logits, chains, qs, d)
         last = [i for i, it in enumerate(items) if it.want > self.num_layers]
         for d in range(self.num_layers + 1, self.k + 1):
             last = [i for i in last if items[i].want >= d]
@@ -77,7 +116,9 @@ class Drafter:
             logits, out = self._call(ids, res, spans, self.num_layers - 1)
             for n, i in enumerate(last):
                 residual[i] = out[n : n + 1]
-            self._extend(picked, logits, chains, d)
+            self._extend(picked, logits, chains, qs, d)
+        for sid, rows in qs.items():
+            chains[sid] = Proposal(chains[sid], torch.stack(rows) if rows else None)
         return chains
 
     def _call(self, ids: list[int], residual: torch.Tensor, spans: list[Span], layer: int):
@@ -92,11 +133,32 @@ class Drafter:
         chain = chains.get(it.seq.seq_id, ())
         return chain[q - len(tokens)] if q - len(tokens) < len(chain) else tokens[-1]
 
-    @staticmethod
-    def _extend(items, logits: torch.Tensor, chains: dict[int, list[int]], d: int) -> None:
-        """Append depth ``d``'s proposal (the argmax at each item's last index) to the chains
-        of the items that still want one."""
-        best = logits.argmax(-1).tolist()
-        for it, tok in zip(items, best):
-            if it.want >= d:
-                chains[it.seq.seq_id].append(int(tok))
+    def _samples(self, seq: Sequence) -> bool:
+        """``seq``'s drafts are sampled from q (else: the argmax)."""
+        return self.sampler is not None and not seq.params.greedy
+
+    def _extend(
+        self,
+        items,
+        logits: torch.Tensor,
+        chains: dict[int, list[int]],
+        qs: dict[int, list[torch.Tensor]],
+        d: int,
+    ) -> None:
+        """Append depth ``d``'s proposal (from each item's row of ``logits``, its last index)
+        to the chains of the items that still want one: the argmax, or for a sampling request
+        (in ``qs``) a token drawn from q, whose row goes to ``qs``. One host copy reads them
+        all."""
+        best = logits.argmax(-1)
+        wanting = [n for n, it in enumerate(items) if it.want >= d]
+        drawn = [n for n in wanting if items[n].seq.seq_id in qs]
+        if drawn:
+            best = best.clone()
+            for n in drawn:
+                seq = items[n].seq
+                tok, q = self.sampler.propose(logits[n], seq, chains[seq.seq_id])
+                best[n] = tok[0]
+                qs[seq.seq_id].append(q)
+        best = best.tolist()
+        for n in wanting:
+            chains[items[n].seq.seq_id].append(int(best[n]))

@@ -6,12 +6,17 @@ from __future__ import annotations
 from atom.config import EngineConfig
 from atom.engine.block_drafter import BlockDrafter
 from atom.engine.drafter import Drafter
+from atom.engine.sampler import Sampler
 from atom.model_api import ModelRuntime, RuntimeCapabilities, block_draft_size, draft_layers
 
 
-def make_drafter(cfg: EngineConfig, runtime: ModelRuntime) -> Drafter | BlockDrafter:
+def make_drafter(
+    cfg: EngineConfig, runtime: ModelRuntime, sampler: Sampler | None = None
+) -> Drafter | BlockDrafter:
     """The runtime's drafter (its DSpark block drafter, or its draft layers), or a clear error
-    when it cannot decode speculatively."""
+    when it cannot decode speculatively. ``sampler`` (the engine's) samples sampling requests'
+    drafts from the draft layers' q (``Drafter``); the block drafter proposes its argmax
+    blocks for every request (verified as one-hot proposals)."""
     block, layers = block_draft_size(runtime), draft_layers(runtime)
     if not block and layers < 1:
         raise ValueError(
@@ -27,4 +32,4 @@ def make_drafter(cfg: EngineConfig, runtime: ModelRuntime) -> Drafter | BlockDra
         )
     if block:
         return BlockDrafter(runtime, cfg.speculative_tokens, block)
-    return Drafter(runtime, cfg.speculative_tokens, layers)
+    return Drafter(runtime, cfg.speculative_tokens, layers, sampler)

@@ -103,7 +103,7 @@ class LLMEngine:
         self.sampler = Sampler(cfg.seed)
         self.drafter = self.spec_stats = None
         if cfg.speculative_tokens:
-            self.drafter = make_drafter(cfg, runtime)
+            self.drafter = make_drafter(cfg, runtime, self.sampler)
             self.spec_stats = SpecStats(self.metrics)
         self.requests: dict[str, Sequence] = {}
         self.steps = 0

@@ -4,6 +4,11 @@ Before either, per request and in vLLM's order: ``min_tokens`` masks EOS and the
 ids, then the repetition penalty (prompt + output tokens), then the frequency and presence
 penalties (output tokens). A request with none of these samples from the logits as they came.
 Log-probabilities (``token_logprobs``) are of the model's raw distribution, before any of it.
+
+Speculative decoding: ``Sampler.propose`` samples a sampling request's draft token from the
+draft distribution q (the draft logits through the same transform as the target's p, with the
+tokens drafted before it counted as generated), ``Sampler.verify`` applies the speculative
+sampling rule (``speculative_accept``), so every emitted token is distributed exactly as p.
 """
 
 from __future__ import annotations
@@ -17,6 +22,9 @@ class Sampler:
     def __init__(self, seed: int):
         self.seed = seed
         self._gens: dict[int, torch.Generator] = {}
+        # proposals' own streams (never the verify stream: the draft token and the acceptance
+        # draw must be independent), on the device of the drafter's logits
+        self._draft_gens: dict[int, torch.Generator] = {}
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         """logits float32 [len(seqs), V] -> one token per sequence. When every sequence is
@@ -38,29 +46,56 @@ class Sampler:
             out[i] = int(torch.multinomial(probs, 1, generator=self._gen(seq)))
         return out
 
-    def verify(self, row: torch.Tensor, seq: Sequence, draft: int | None) -> tuple[int, bool]:
+    def verify(
+        self,
+        row: torch.Tensor,
+        seq: Sequence,
+        draft: int | None,
+        q: torch.Tensor | None = None,
+    ) -> tuple[int, bool]:
         """One verify position: ``row`` (float32 [V], the target's logits for ``seq``'s next
-        token, with every token accepted before it already in ``seq.tokens``) and the draft
-        proposed there (None past the drafts). Returns (token, the draft was accepted).
+        token, with every token accepted before it already in ``seq.tokens``), the draft
+        proposed there (None past the drafts: the bonus position) and ``q``, the distribution
+        the draft was sampled from (float32 [V] on the host, from ``propose``; None: a one-hot
+        proposal, e.g. an argmax draft). Returns (token, the draft was accepted).
 
-        Greedy: the draft is accepted when it is the argmax; otherwise the argmax is the token.
-        Sampling: the drafts are greedy (a one-hot proposal q), so the standard rejection rule
-        accepts with probability p(draft) and otherwise samples from p without the draft,
-        renormalised (max(0, p - q) normalised): the token is distributed exactly as p."""
+        Greedy: the draft is accepted when it is the argmax; otherwise the argmax is the token
+        (``q`` is not read). Sampling: p is ``row`` through ``adjust_logits`` and
+        ``sampling_probs``, and ``speculative_accept`` decides with the request's generator:
+        accept with probability min(1, p(draft) / q(draft)), else sample normalize(max(0,
+        p - q)); the bonus position samples p. The token is distributed exactly as p."""
         raw = row.float().cpu()
         adjusted = adjust_logits(raw, seq)
         if seq.params.greedy:
             token = int(adjusted.argmax())
             return token, token == draft
         probs = sampling_probs(adjusted, seq.params)
-        gen = self._gen(seq)
-        if draft is not None:
-            if float(torch.rand((), generator=gen)) < float(probs[draft]):
-                return draft, True
-            probs = probs.clone()
-            probs[draft] = 0.0
-            probs = probs / probs.sum()
-        return int(torch.multinomial(probs, 1, generator=gen)), False
+        return speculative_accept(probs, draft, q, self._gen(seq))
+
+    def propose(
+        self, row: torch.Tensor, seq: Sequence, ahead: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A sampling request's draft for the position after ``seq.tokens + ahead`` (``ahead``:
+        the tokens drafted before it this step). ``row`` (float32 [V], the draft layer's logits
+        there, on any device) goes through the transform the target's p goes through at that
+        position (``adjust_logits`` with ``ahead`` counted as generated, then
+        ``sampling_probs``), giving q, and the token is drawn from q with the request's
+        proposal stream (``draft_generator``). Returns (token: int64 [1], q: float32 [V]),
+        both on ``row``'s device (no host sync: the caller reads every row's token in one
+        copy)."""
+        q = sampling_probs(adjust_logits(row.float(), seq, ahead), seq.params)
+        return torch.multinomial(q, 1, generator=self.draft_generator(seq, q.device)), q
+
+    def draft_generator(self, seq: Sequence, device: torch.device) -> torch.Generator:
+        """``seq``'s proposal stream on ``device``: seeded from the request's seed (or the
+        engine's seed and seq_id) through ``DRAFT_SEED_SALT``, so proposals are reproducible
+        and independent of the verify stream."""
+        gen = self._draft_gens.get(seq.seq_id)
+        if gen is None:
+            seed = seq.params.seed if seq.params.seed is not None else self.seed + seq.seq_id
+            gen = torch.Generator(device=device).manual_seed((seed + DRAFT_SEED_SALT) % 2**63)
+            self._draft_gens[seq.seq_id] = gen
+        return gen
 
     def _gen(self, seq: Sequence) -> torch.Generator:
         gen = self._gens.get(seq.seq_id)
@@ -71,6 +106,43 @@ class Sampler:
 
     def forget(self, seq: Sequence) -> None:
         self._gens.pop(seq.seq_id, None)
+        self._draft_gens.pop(seq.seq_id, None)
+
+
+# added to a request's seed for its proposal stream (any constant that is not 0 works)
+DRAFT_SEED_SALT = 0x5EED_D4A7_F000_0001
+
+
+def speculative_accept(
+    probs: torch.Tensor, draft: int | None, q: torch.Tensor | None, gen: torch.Generator
+) -> tuple[int, bool]:
+    """The speculative sampling rule (Leviathan et al. 2023, Chen et al. 2023) at one position:
+    ``probs`` is the target's p (float32 [V], sums to 1), ``draft`` the proposed token (None:
+    the bonus position, past the drafts), ``q`` the distribution it was drawn from (float32 [V]
+    on ``probs``' device; None: one-hot at ``draft``). Returns (token, accepted): accept with
+    probability min(1, p(draft) / q(draft)); on rejection sample normalize(max(0, p - q)), or
+    p itself where that is 0 everywhere (q >= p up to rounding: a rejection then only follows
+    rounding); the bonus position samples p. With ``draft`` ~ q the token is distributed as p,
+    and the acceptance probability is sum_x min(p(x), q(x)).
+
+    Draws from ``gen``: one uniform per draft, then one ``multinomial`` on rejection or at the
+    bonus position (with q None exactly the draws of the one-hot rule before q existed)."""
+    if draft is None:
+        return int(torch.multinomial(probs, 1, generator=gen)), False
+    u = float(torch.rand((), generator=gen))
+    px = float(probs[draft])
+    if q is None:
+        if u < px:
+            return draft, True
+        residual = probs.clone()
+        residual[draft] = 0.0
+    else:
+        if u * float(q[draft]) < px:  # u < p/q without dividing (q(draft) > 0 when drawn)
+            return draft, True
+        residual = torch.clamp(probs - q, min=0.0)
+    if not float(residual.sum()) > 0.0:
+        residual = probs
+    return int(torch.multinomial(residual, 1, generator=gen)), False
 
 
 def plain_greedy(seq: Sequence) -> bool:
@@ -98,15 +170,19 @@ def sampling_probs(row: torch.Tensor, p) -> torch.Tensor:
     return probs
 
 
-def adjust_logits(row: torch.Tensor, seq: Sequence) -> torch.Tensor:
-    """``row`` (float32 [V], the model's logits for ``seq``'s next token) after min_tokens and
-    the penalties; ``row`` itself (not a copy) when none of them applies."""
+def adjust_logits(
+    row: torch.Tensor, seq: Sequence, ahead: list[int] | tuple[int, ...] = ()
+) -> torch.Tensor:
+    """``row`` (float32 [V], the model's logits for the token after ``seq.tokens + ahead``, on
+    any device) after min_tokens and the penalties, ``ahead`` (tokens drafted after
+    ``seq.tokens``) counted as generated; ``row`` itself (not a copy) when none of them
+    applies."""
     p = seq.params
-    generated = seq.output
+    generated = seq.output + list(ahead)
     masked = len(generated) < p.min_tokens
     if not (masked or p.penalized):
         return row
-    row, vocab = row.clone(), row.numel()
+    row, vocab, dev = row.clone(), row.numel(), row.device
     if masked:
         stops = list(p.stop_token_ids)
         if not p.ignore_eos and seq.eos_token_id is not None:
@@ -115,12 +191,13 @@ def adjust_logits(row: torch.Tensor, seq: Sequence) -> torch.Tensor:
         if stops:
             row[stops] = float("-inf")
     if p.repetition_penalty != 1.0:
-        seen = torch.zeros(vocab, dtype=torch.bool)
-        seen[torch.tensor(seq.tokens, dtype=torch.int64)] = True
+        seen = torch.zeros(vocab, dtype=torch.bool, device=dev)
+        seen[torch.tensor(seq.tokens + list(ahead), dtype=torch.int64, device=dev)] = True
         r = p.repetition_penalty
         row = torch.where(seen, torch.where(row > 0, row / r, row * r), row)
     if generated and (p.frequency_penalty or p.presence_penalty):
-        counts = torch.bincount(torch.tensor(generated, dtype=torch.int64), minlength=vocab)
+        ids = torch.tensor(generated, dtype=torch.int64, device=dev)
+        counts = torch.bincount(ids, minlength=vocab)
         counts = counts[:vocab].to(row.dtype)
         row = row - p.frequency_penalty * counts - p.presence_penalty * (counts > 0).to(row.dtype)
     return row

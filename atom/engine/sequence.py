@@ -96,7 +96,8 @@ class Sequence:
     block_hashes: list[int] = field(default_factory=list)  # chained hash of each full block
     num_computed: int = 0  # tokens whose KV and state are committed
     # speculative decoding: proposed tokens for positions [num_tokens, ...), verified by the
-    # next decode span (cleared when the sequence leaves the running set)
+    # next decode span (cleared when the sequence leaves the running set); sampled ones are an
+    # ``atom.engine.drafter.Proposal``, a list that also holds the q each was drawn from
     draft: list[int] = field(default_factory=list)
     slot: int | None = None
     prepared: Prepared | None = None

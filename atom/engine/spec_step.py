@@ -7,14 +7,17 @@ Order, and why:
    need prompt logprobs in another (every token's logits);
 2. tokens: a prefill chunk's last token is sampled as without drafts; a verify span walks its
    positions: each draft is accepted or the position's own token is taken and the walk stops
-   (``Sampler.verify``); after every accepted draft the bonus position is sampled. A stop token
-   or a length limit ends the walk too. Tokens are appended as they are decided (penalties of
-   the next position see them), each one's logprobs recorded before it;
+   (``Sampler.verify``: greedy compares with the argmax; sampling applies the speculative
+   sampling rule with the q each draft was drawn from, one-hot for argmax drafts); after every
+   accepted draft the bonus position is sampled. A stop token or a length limit ends the walk
+   too. Tokens are appended as they are decided (penalties of the next position see them),
+   each one's logprobs recorded before it;
 3. the committed end of each span: ``start +`` the tokens appended (a verify span's positions
    past it ran on rejected drafts; the model re-runs them on the next forward, which may start
    up to k positions behind its slot's cursor);
 4. the draft layers over every committed span (``Drafter``), proposing the next k tokens of
-   each sequence that continues;
+   each sequence that continues: a greedy request's argmax, a sampling request's tokens drawn
+   from q (kept with them in ``seq.draft``, a ``Proposal``, for the next step's verify);
 5. images: a span ending on a block boundary stores its image only if its end is committed,
    i.e. every draft was accepted (the scheduler cuts a verify span at the next boundary, so a
    boundary is never inside one), and only now, after the draft layers, so that the image holds
@@ -29,7 +32,7 @@ import time
 
 import torch
 
-from atom.engine.drafter import DraftItem
+from atom.engine.drafter import DraftItem, proposal_q
 from atom.engine.sampler import (
     needs_prompt_logits,
     plain_greedy,
@@ -73,16 +76,17 @@ def speculative_step(engine, out) -> list:
     }
     host = _rows(runner, sorted(best), lambda x: x.argmax(-1).tolist())
     host.update(_rows(runner, [i for i in drafted if i not in host], lambda x: x.float().cpu()))
+    qs = _draft_q(spans, drafted)
     for i in drafted:
         sp = spans[i]
-        seq, rows = sp.seq, host[i]
+        seq, rows, q = sp.seq, host[i], qs[i]
         new[i], accepted = 0, 0
         for j in range(len(sp.drafts) + 1):
             draft = sp.drafts[j] if j < len(sp.drafts) else None
             if i in best:  # rows: each position's argmax
                 tok, ok = rows[j], rows[j] == draft
             else:
-                tok, ok = sampler.verify(rows[j], seq, draft)
+                tok, ok = sampler.verify(rows[j], seq, draft, q[j] if draft is not None else None)
             _append(seq, rows[j : j + 1], tok)  # (the row is read only for logprobs)
             new[i] += 1
             accepted += ok
@@ -137,6 +141,23 @@ def _rows(runner, spans: list[int], fetch) -> dict:
         n = runner.span_logits[i].shape[0]
         out[i] = got[lo : lo + n]
         lo += n
+    return out
+
+
+def _draft_q(spans, drafted: list[int]) -> dict:
+    """The host copy of q for each drafted span whose drafts were sampled (their
+    ``Proposal``'s rows, one per draft the span verifies; the span's drafts are a prefix of
+    ``seq.draft``), in one copy for all of them; a span with one-hot drafts gets None rows."""
+    sampled = [i for i in drafted if proposal_q(spans[i].seq.draft) is not None]
+    out: dict = {i: [None] * len(spans[i].drafts) for i in drafted}
+    if not sampled:
+        return out
+    rows = [proposal_q(spans[i].seq.draft)[: len(spans[i].drafts)] for i in sampled]
+    got = torch.cat(rows).float().cpu()
+    lo = 0
+    for i, r in zip(sampled, rows):
+        out[i] = got[lo : lo + r.shape[0]]
+        lo += r.shape[0]
     return out
 
 

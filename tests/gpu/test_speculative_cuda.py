@@ -53,3 +53,25 @@ def test_speculative_greedy_on_cuda_equals_plain(dtype, eps, model):
             assert (graphs.replays["draft"] > 0) == (model == MODEL), graphs.replays
         if scripted:
             assert stats["acceptance_rate"] > 0.5, stats
+
+
+def test_sampled_drafts_on_cuda_are_accepted_reproducibly():
+    """Sampling requests propose drafts drawn from q on the GPU (per-request generators on the
+    device, q from the draft graphs' outputs) and verify them with the exact rule: the run
+    completes, some sampled drafts are accepted (the random draft layer's q and the target's
+    p are both near uniform at temperature 1: acceptance about 0.5 on CPU), greedy requests
+    in the same batches equal plain decoding, and the same seeds give the same tokens."""
+    prompts = prompts_of([5, 17, 33, 40], seed=22)
+    sampled = [SamplingParams(max_tokens=24, temperature=1.0, seed=100 + i) for i in range(4)]
+    greedy = SamplingParams(max_tokens=24, ignore_eos=True)
+    kw = dict(device="cuda", dtype="float32", kv_dtype="fp32", index_dtype="fp32", **KW)
+    plain = LLM(MODEL, **kw).generate(prompts, greedy)
+    runs = []
+    for _ in range(2):
+        llm = LLM(MODEL, speculative_tokens=2, **kw)
+        outs = llm.generate(prompts + prompts, sampled + [greedy] * 4)
+        runs.append([o.token_ids for o in outs])
+        stats = llm.engine.stats()["speculative"]
+        assert stats["acceptance_rate"] > 0.1, stats
+        assert [o.token_ids for o in outs[4:]] == [o.token_ids for o in plain]
+    assert runs[0] == runs[1]
