@@ -108,3 +108,34 @@ def bound_runtime(
     state = torch.zeros(slots + extra_slots, spec.state_bytes, dtype=torch.uint8, device=device)
     rt.bind(pool, state)
     return rt
+
+
+def graph_timer(fn, calls: int):
+    """Capture ``fn(i)`` for i in range(calls) in one CUDA graph (after a warm-up of each call
+    and one on a side stream: the compiles); returns a function that replays it once and gives
+    the device ms per call (a small kernel timed eagerly measures its launch, not itself)."""
+    for i in range(calls):
+        fn(i)
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn(0)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            fn(i)
+    graph.replay()
+    torch.cuda.synchronize()
+
+    def replay() -> float:
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        return a.elapsed_time(b) / calls
+
+    replay.graph = graph  # kept alive with the timer
+    return replay

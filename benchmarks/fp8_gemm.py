@@ -21,7 +21,7 @@ import statistics
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common import command_line, md_table, write_results
+from benchmarks.common import command_line, graph_timer, md_table, write_results
 
 
 def candidates(m: int) -> list[dict]:
@@ -100,32 +100,8 @@ def timed(fn, copies: int, iters: int, repeats: int) -> tuple[float, float, floa
     replays of one CUDA graph that calls ``fn(i)`` once for each weight copy i (the engine's
     decode steps run in graphs: launch costs are not the kernel's; the copies exceed the L2,
     so every call streams its weight from HBM, as a decode step's layers do)."""
-    for i in range(copies):
-        fn(i)  # compile, warm
-    torch.cuda.synchronize()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn(0)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(copies):
-            fn(i)
-    graph.replay()
-    torch.cuda.synchronize()
-    meds = []
-    for _ in range(repeats):
-        times = []
-        for _ in range(iters):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            graph.replay()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b) / copies)
-        meds.append(statistics.median(times))
-    del graph
+    replay = graph_timer(fn, copies)
+    meds = [statistics.median(replay() for _ in range(iters)) for _ in range(repeats)]
     return statistics.median(meds), min(meds), max(meds)
 
 

@@ -23,7 +23,7 @@ import statistics
 import torch
 
 from atom.kernels.attention import DECODE_SPLITS
-from benchmarks.common import command_line, md_table, write_results
+from benchmarks.common import command_line, graph_timer, md_table, write_results
 
 SINK_CONFIGS = [
     dict(BH=64, BN=64, num_warps=8, num_stages=2),
@@ -76,21 +76,8 @@ def _time(fn, repeats: int, calls: int = 10) -> float | str:
         fn()
     except Exception as e:  # noqa: BLE001 - reported in the table, the sweep goes on
         return f"{type(e).__name__}: {str(e).splitlines()[0][:80]}"
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    out = []
-    for _ in range(repeats):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        out.append(a.elapsed_time(b) / calls)
-    return statistics.median(out)
+    replay = graph_timer(lambda i: fn(), calls)
+    return statistics.median(replay() for _ in range(repeats))
 
 
 def _round(ms: float | str, digits: int) -> float | str:

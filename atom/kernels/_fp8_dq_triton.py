@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from atom.kernels import interpreting
-from atom.kernels._fp8_gemm_triton import _ue8m0
+from atom.kernels._fp8_gemm_triton import _split_range, _ue8m0, reduce_splits, split_buffer
 
 
 @triton.jit
@@ -51,10 +51,7 @@ def _fp8_dq_kernel(
     offs_k = tl.arange(0, KT)
     m_ok = offs_m < M
     n_ok = offs_n < N
-    n_kt = K // KT
-    per = tl.cdiv(n_kt, SPLIT)
-    kt0 = split * per
-    kt1 = tl.minimum(kt0 + per, n_kt)
+    kt0, kt1 = _split_range(K // KT, split, SPLIT)
     x_ptrs = x_ptr + offs_m[:, None] * stride_xm + kt0 * KT + offs_k[None, :]
     w_ptrs = w_ptr + offs_n[:, None] * K + kt0 * KT + offs_k[None, :]  # [BN, KT], K contiguous
     s_ptrs = s_ptr + (offs_n // BO)[:, None] * (K // BK) + kt0 * NB + tl.arange(0, NB)[None, :]
@@ -99,11 +96,7 @@ def fp8_dq_linear(x, weight, scale, block, dtype, cfg: dict) -> torch.Tensor:
     split = max(1, min(cfg.pop("SPLIT", 1), k // kt))
     cfg.pop("GROUP", None)
     cfg.pop("QUANT_IN_KERNEL", None)
-    out = torch.empty(
-        (split, m, n) if split > 1 else (m, n),
-        dtype=torch.float32 if split > 1 else dtype,
-        device=x.device,
-    )
+    out = split_buffer(split, m, n, dtype, x.device)
     grid = (triton.cdiv(n, bn), triton.cdiv(m, bm), split)
     _fp8_dq_kernel[grid](
         x,
@@ -124,6 +117,4 @@ def fp8_dq_linear(x, weight, scale, block, dtype, cfg: dict) -> torch.Tensor:
         DOT=tl.float32 if interpreting() else tl.bfloat16,
         **cfg,
     )
-    if split > 1:  # a fixed-order reduction over the splits: the same bits every run
-        return out.sum(0).to(dtype)
-    return out
+    return reduce_splits(out, split, dtype)

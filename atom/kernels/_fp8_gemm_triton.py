@@ -42,6 +42,14 @@ def _ue8m0(amax):
     )
 
 
+@triton.jit
+def _split_range(n, split, SPLIT: tl.constexpr):
+    """[start, end) of split ``split``'s share of ``n`` steps: contiguous, in order."""
+    per = tl.cdiv(n, SPLIT)
+    start = split * per
+    return start, tl.minimum(start + per, n)
+
+
 # K blocks per program of the activation kernels (one row each)
 _NB = 16
 
@@ -96,9 +104,7 @@ def _fp8_linear_kernel(
     m_ok = offs_m < M
     n_ok = offs_n < N
     n_kb = K // BK
-    per = tl.cdiv(n_kb, SPLIT)
-    kb0 = split * per
-    kb1 = tl.minimum(kb0 + per, n_kb)
+    kb0, kb1 = _split_range(n_kb, split, SPLIT)
     x_ptrs = x_ptr + offs_m[:, None] * stride_xm + kb0 * BK + offs_k[None, :]
     w_ptrs = w_ptr + offs_n[None, :] * K + kb0 * BK + offs_k[:, None]  # [BK, BN]
     s_ptrs = s_ptr + (offs_n // BO) * n_kb
@@ -204,6 +210,20 @@ def _dequant_linear(x, weight, scale, block, dtype):
     return torch.nn.functional.linear(xs, wd).to(dtype)
 
 
+def split_buffer(split: int, m: int, n: int, dtype, device) -> torch.Tensor:
+    """Where a kernel of ``split`` K ranges writes: float32 partials [split, M, N], or the
+    output [M, N] itself with one range."""
+    if split > 1:
+        return torch.empty(split, m, n, dtype=torch.float32, device=device)
+    return torch.empty(m, n, dtype=dtype, device=device)
+
+
+def reduce_splits(out: torch.Tensor, split: int, dtype) -> torch.Tensor:
+    """The output from ``split_buffer``'s partials: one fixed-order reduction over the splits
+    (no atomics: the same bits every run)."""
+    return out.sum(0).to(dtype) if split > 1 else out
+
+
 def fp8_act_quant_triton(x: torch.Tensor, bk: int) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] (unit column stride) -> (E4M3 [M, K], float32 scales [M, K/bk]), equal to
     ``fp8_act_quant`` bit for bit."""
@@ -262,11 +282,7 @@ def fp8_linear_triton(
     else:
         xq, xs = fp8_act_quant_triton(x, block[1])
         stride = k
-    out = torch.empty(
-        (split, m, n) if split > 1 else (m, n),
-        dtype=torch.float32 if split > 1 else dtype,
-        device=x.device,
-    )
+    out = split_buffer(split, m, n, dtype, x.device)
     grid = (triton.cdiv(n, bn), triton.cdiv(m, bm), split)
     _fp8_linear_kernel[grid](
         xq,
@@ -288,6 +304,4 @@ def fp8_linear_triton(
         QUANT_IN_KERNEL=in_kernel,
         **cfg,
     )
-    if split > 1:  # a fixed-order reduction over the splits: the same bits every run
-        return out.sum(0).to(dtype)
-    return out
+    return reduce_splits(out, split, dtype)
