@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from atom.kernels import interpreting
-from atom.kernels._fp8_gemm_triton import _split_range, _ue8m0, reduce_splits, split_buffer
+from atom.kernels._fp8_common_triton import _split_range, _ue8m0, reduce_splits, split_buffer
 
 
 @triton.jit
