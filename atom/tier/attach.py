@@ -189,6 +189,14 @@ class LMCacheTier:
             settled=settled,
         )
         self._l2_metrics(metrics)
+        metrics.gauge(
+            "tier_lookup_server_calls_total",
+            "Round-trips to the LMCache server on the lookup path, by kind: lookup, query and "
+            "locate (LMCache's lookup, its status polls, atom.locate), lookup_locate and "
+            "lookup_poll (atom.lookup_locate: one call per lookup).",
+            lambda: {(("kind", k),): n for k, n in sorted(self.lookups.calls.items())},
+            kind="counter",
+        )
         self.supervisor: ServerSupervisor | None = None
         if self.server is not None:
             self.supervisor = ServerSupervisor(self.server).start()

@@ -17,9 +17,15 @@ Wire format (msgpack maps, both ways), version ``LOCATE_VERSION``:
   request  {v, model_name, world_size, worker_id, request_id, token_ids, start, end, groups}
            groups: [[object_group_id, last_n]] -- last_n < 0: every chunk, else the last n
   answer   {v, found, error, shm_name, shm_size, shm_dev, shm_ino, boot_id, server_id,
-            objects: [[[offset, length], ...] per asked group]}
+            lookup_locate, objects: [[[offset, length], ...] per asked group]}
 The segment's device and inode and the host's boot id let the engine prove that the file it
-maps is this server's segment on this host (a name alone could be another server's).
+maps is this server's segment on this host (a name alone could be another server's). Every
+answer also carries ``lookup_locate``: the version of ``atom.lookup_locate`` this server serves
+(``lookup_locate.py``: LMCache's lookup and this locate in one call), 0 for none; a module
+without the key (older) serves none.
+
+The factory composes both methods; with ``"config": {"lookup_locate": false}`` in the
+``--server-module`` spec it composes ``atom.locate`` alone (as an older module did).
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ class L1Locator:
         self.server_id = f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
         self.calls = 0
         self.misses = 0
+        self.lookup_locate = 0  # the atom.lookup_locate version served beside (the factory's)
         self._segment: dict | None = None
 
     def _segment_identity(self) -> dict:
@@ -75,6 +82,14 @@ class L1Locator:
             self.misses += 1
         return msgspec.msgpack.encode(answer)
 
+    def locate_request(self, req: dict) -> dict:
+        """The answer ``atom.locate`` gives ``req`` (any ``v`` in it is replaced by this
+        module's), for a caller inside the server (``atom.lookup_locate``)."""
+        answer = self._locate({**req, "v": LOCATE_VERSION})
+        if not answer["found"]:
+            self.misses += 1
+        return answer
+
     def _locate(self, req: dict) -> dict:
         from lmcache.v1.multiprocess.custom_types import IPCCacheServerKey
 
@@ -84,6 +99,7 @@ class L1Locator:
             "error": "",
             **self._segment_identity(),
             "server_id": self.server_id,
+            "lookup_locate": self.lookup_locate,
             "objects": [],
         }
         if req.get("v") != LOCATE_VERSION:
@@ -140,6 +156,15 @@ def boot_id() -> str:
         return ""
 
 
-def build_server_modules(build_context) -> L1Locator:
-    """The factory ``--server-module`` names (lmcache's default factory name)."""
-    return L1Locator(build_context.server_context)
+def build_server_modules(build_context) -> list:
+    """The factory ``--server-module`` names (lmcache's default factory name): ``atom.locate``
+    and, unless the spec's config says ``"lookup_locate": false``, ``atom.lookup_locate``."""
+    from atom.tier.server.lookup_locate import LookupLocator, lookup_handlers
+
+    locator = L1Locator(build_context.server_context)
+    if not build_context.config.get("lookup_locate", True):
+        return [locator]
+    handlers = lookup_handlers(build_context.modules)
+    combined = LookupLocator(build_context.server_context, handlers, locator)
+    locator.lookup_locate = combined.version
+    return [locator, combined]

@@ -1,4 +1,5 @@
-"""Where a lookup's hit sits in the server's L1: asked right after the lookup answers.
+"""The client of atom's server module: where a lookup's hit sits in the server's L1, and
+lookups that bring that answer with them (one round-trip per lookup).
 
 Runs on the lookup thread (the step thread already waits for that answer), so the load that
 follows is a local copy with no RPC on its path. One ``atom.locate`` call to the server module
@@ -13,6 +14,18 @@ deadline. Until the probe has its answer (``mode`` says "probing") every hit loa
 server. A server without the module (or without its L1 in shared memory, or on another host)
 then has every load go through the server (lmcache_driven), with one warning that says how to
 enable engine-driven loads.
+
+The probe's answer also says whether the server serves ``atom.lookup_locate``
+(``atom/tier/server/lookup_locate.py``): LMCache's own lookup (its LOOKUP, then
+QUERY_PREFETCH_STATUS) and this locate in one call, where they take three. ``combined`` is True
+from then on, until a server declines the call or leaves one unanswered while it answers a
+noop (``decline_combined``, ``lookup_unanswered``). The read locks the call
+takes are LMCache's (the same objects, for the same request id, recorded on the same session),
+so the lookup thread frees them and ends the session with LMCache's own calls, unchanged. The
+lookup thread sends it (``send_lookup``) on its scheduler adapter's own connection: the server
+reads one connection in order and runs the lookup path's calls on one worker, so a free or a
+session end sent after a lookup is applied after it, as with LMCache's own calls.
+``read_lookup`` reads a reply without blocking; ``located_of`` reads the locate part of it.
 """
 
 from __future__ import annotations
@@ -21,15 +34,20 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 
+from atom.tier.operations import LookupOp, OpState
 from atom.tier.worker_side.l1_map import L1Mapping, Mappings, SegmentError, SegmentId
 
 log = logging.getLogger("atom.offload")
 
 LOCATE_METHOD = "atom.locate"  # the server module's method (l1_module.LOCATE_METHOD)
 LOCATE_VERSION = 1
+LOOKUP_LOCATE_METHOD = "atom.lookup_locate"  # (lookup_locate.LOOKUP_LOCATE_METHOD)
+LOOKUP_LOCATE_VERSION = 1  # the atom.lookup_locate version this engine speaks
+UNKNOWN_METHOD = "unknown server module method"  # lmcache's router, for a method not served
 PAGES_GROUP, IMAGE_GROUP = 0, 1  # lmcache's object groups: full-attention pages, the images
 
 
@@ -44,6 +62,29 @@ class Located:
     at: float  # monotonic time of the answer (the read locks lapse after the server's TTL)
 
 
+@dataclass
+class Call:
+    """One ``atom.lookup_locate`` call in flight for ``op``; ``poll``: a poll of a lookup the
+    server already runs (LMCache's prefetch from L2)."""
+
+    op: LookupOp
+    fut: Any
+    poll: bool
+    give_up_at: float  # monotonic: not answered by then, the call failed
+
+
+@dataclass(frozen=True)
+class Reply:
+    """A call's answer. ``kind``: "hit" (``hit`` tokens, 0 for a miss; ``located`` or None),
+    "pending" (the lookup runs: poll), "declined" (nothing was looked up: use LMCache's own
+    lookup) or "failed" (``error``; whether the lookup ran is unknown)."""
+
+    kind: str
+    hit: int = 0
+    located: Any = None
+    error: str = ""
+
+
 class Locator:
     def __init__(
         self, *, url: str, zmq_context, namespace: str, world_size: int, chunk: int, mappings
@@ -53,7 +94,10 @@ class Locator:
         self.mappings: Mappings = mappings
         self._client = None  # the lookup thread's (the probe has its own)
         self.unsupported = ""  # why this server cannot serve engine-driven loads
+        self.lookup_locate = 0  # the atom.lookup_locate version the probe found (0: none)
+        self.declined = ""  # why the server declined atom.lookup_locate (then never sent again)
         self.calls = 0
+        self.locates = 0  # locate calls sent for hits (the probe's excluded)
         self._known = threading.Event()  # a probe found out (module or not)
         self._closing = threading.Event()
         self._probe_thread: threading.Thread | None = None
@@ -67,6 +111,24 @@ class Locator:
         if not self._known.is_set():
             return "probing (hits load through the server until the server's module answers)"
         return "engine_driven"
+
+    @property
+    def combined(self) -> bool:
+        """True when lookups may go as one ``atom.lookup_locate`` call: the probe found this
+        engine's version, engine-driven loads are on, and the server has not declined it."""
+        return (
+            self._known.is_set()
+            and not self.unsupported
+            and not self.declined
+            and self.lookup_locate == LOOKUP_LOCATE_VERSION
+        )
+
+    def decline_combined(self, why: str) -> None:
+        """The server did not handle ``atom.lookup_locate``: lookups use LMCache's own calls
+        and ``atom.locate`` from now on (logged once)."""
+        if not self.declined:
+            self.declined = why or "declined"
+            log.info("lookups against %s use two calls: %s", self.url, self.declined)
 
     def _send(self, payload: dict, client=None):
         """Send one locate call (on the lookup thread's client, or ``client``); its future."""
@@ -168,6 +230,7 @@ class Locator:
             client = RequestClientFactory.create(self.url, context=ctx)
             fut = self._send(self._request("atom-locate-probe", [], 0, 0, []), client)
             answer = self._answer(fut, time.monotonic() + timeout_s, reset=lambda: None)
+            self.lookup_locate = int(answer.get("lookup_locate", 0))  # absent: an older module
             self._known.set()
             self.mappings.for_answer(SegmentId.of_answer(answer))
         except SegmentError as exc:
@@ -200,6 +263,7 @@ class Locator:
                 hit = hit // self.chunk * self.chunk  # as the connector floors it
                 req = self._request(lmc_id, tokens, 0, hit, groups)
                 sent.append((hit, self._send(req) if hit > 0 else None))
+                self.locates += hit > 0
         except Exception as exc:
             log.debug("locate: %s", exc)
             self._reset_client()
@@ -210,6 +274,20 @@ class Locator:
     def _collect(self, hit: int, fut, deadline: float) -> Located | None:
         try:
             answer = self._answer(fut, deadline)
+        except Exception as exc:
+            log.debug("locate [0, %d): %s", hit, exc)
+            return None
+        return self.located_of(answer, hit)
+
+    def located_of(self, answer: dict, hit: int) -> Located | None:
+        """The ``Located`` of an ``atom.locate`` answer for [0, ``hit``) (``hit`` on this
+        engine's chunk grid), or None (then that load goes through the server). An answer
+        without a shared-memory segment, or naming a segment this engine cannot map, turns
+        engine-driven loads off."""
+        try:
+            if not answer.get("shm_name"):
+                self._unsupported(answer.get("error") or "the server's L1 is not in shared memory")
+                raise RuntimeError(self.unsupported)
             if not answer.get("found"):
                 raise RuntimeError(answer.get("error") or "not found")
             mapping = self.mappings.for_answer(SegmentId.of_answer(answer))
@@ -231,6 +309,68 @@ class Locator:
             hit,
             time.monotonic(),
         )
+
+    def lookup_request(self, op: LookupOp, poll: bool, readers: int, chunk: int) -> dict:
+        """The ``atom.lookup_locate`` request for ``op`` (``chunk``: LMCache's, by which the
+        adapter aligns a lookup's end). A poll asks for the located objects only while the
+        step thread still waits for the op."""
+        return {
+            "v": LOOKUP_LOCATE_VERSION,
+            "op": "poll" if poll else "lookup",
+            "model_name": self.namespace,
+            "world_size": self.world_size,
+            "request_id": op.lmc_id,
+            "token_ids": list(op.token_ids),
+            "end": len(op.token_ids) // chunk * chunk,
+            "readers": readers,
+            "grid": self.chunk,
+            "locate": op.state is not OpState.LATE,
+        }
+
+    def send_lookup(self, adapter, op: LookupOp, poll: bool, readers: int, timeout_s) -> Call:
+        """Send ``op``'s lookup (or a poll of it) on ``adapter``'s connection, without waiting
+        (``scheduler_adapter_class``'s ``module_call``); raises if it cannot be sent."""
+        req = self.lookup_request(op, poll, readers, adapter.lmcache_tokens_per_chunk)
+        fut = adapter.module_call(LOOKUP_LOCATE_METHOD, msgspec.msgpack.encode(req))
+        return Call(op, fut, poll, time.monotonic() + timeout_s)
+
+    def read_lookup(self, call: Call) -> Reply | None:
+        """``call``'s reply, or None while it is unanswered (never blocks)."""
+        if not call.fut.query():
+            return None
+        try:
+            resp = call.fut.result(0)
+        except Exception as exc:
+            return Reply("failed", error=f"lookup_locate failed: {exc!r}")
+        if not resp.success:
+            if UNKNOWN_METHOD in resp.error:  # a module without the method
+                return self._declined(resp.error)
+            return Reply("failed", error=f"lookup_locate failed on the server: {resp.error}")
+        try:
+            answer = msgspec.msgpack.decode(resp.payload)
+            if not answer.get("handled"):
+                return self._declined(answer.get("error") or "not handled")
+            if answer.get("pending"):
+                return Reply("pending")
+            hit = int(answer["hit"])
+        except Exception as exc:
+            return Reply("failed", error=f"lookup_locate answer unreadable: {exc!r}")
+        located = None
+        if answer.get("located") is not None:
+            end = hit // self.chunk * self.chunk  # as the connector floors it
+            located = self.located_of(answer["located"], end)
+        return Reply("hit", hit=hit, located=located)
+
+    def lookup_unanswered(self) -> None:
+        """A lookup call went unanswered: if the server answers otherwise, it does not serve
+        the method (lmcache 0.5.6 never replies to a method no module serves: a server
+        replaced by one without the module), so lookups go LMCache's way from now on."""
+        if not self.declined and self._server_answers():
+            self.decline_combined(f"the server answers but not {LOOKUP_LOCATE_METHOD}")
+
+    def _declined(self, why: str) -> Reply:
+        self.decline_combined(f"the server declined {LOOKUP_LOCATE_METHOD}: {why}")
+        return Reply("declined", error=why)
 
     def locate(self, lmc_id: str, tokens: list[int], hit: int, timeout_s: float):
         """One hit's ``Located`` or None."""

@@ -5,6 +5,15 @@ A hit is located before it is answered when a ``Locator`` is given (engine-drive
 answer then carries where its objects sit in the server's L1, so the load is a local copy.
 The locator's capability probe runs on a thread of its own: the first lookup is sent at once.
 
+A lookup costs one round-trip when the probe found ``atom.lookup_locate`` on the server
+(``locator.py``: LMCache's lookup and the locate in one call, sent without waiting for the
+answer); otherwise LMCache's own calls (its lookup, acknowledged, then a status query per
+poll) and, for a hit, one ``atom.locate`` call. ``calls`` counts the lookup path's round-trips
+by kind ("lookup", "query", "locate"; "lookup_locate", "lookup_poll"). A combined call the
+server declines is sent again as LMCache's lookup, and the combined call is not used again; one
+unanswered within ``rpc_timeout_s`` is a miss, its locks freed by id (and if the server answers
+otherwise, the combined call is not used again either).
+
 Commands run in the order given: lookups, frees of lookup read locks, session ends (the last
 two are fire-and-forget on the server's normal pool, which is FIFO with one worker, so a free
 sent before an end_session is applied before it). Pending lookups are polled on a timer only
@@ -18,35 +27,43 @@ import dataclasses
 import logging
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 
 from atom.tier.config import OffloadConfig
 from atom.tier.operations import LookupOp, OpState
 from atom.tier.worker_side.backoff import ConnectBackoff
+from atom.tier.worker_side.locator import Call
 
 log = logging.getLogger("atom.offload")
 
 
 def scheduler_adapter_class(readers: int):
-    """lmcache's scheduler adapter, whose keys declare ``readers`` readers per object.
+    """lmcache's scheduler adapter, whose keys declare ``readers`` readers per object, with
+    ``module_call``: a server-module call on the adapter's own connection.
 
     The stock adapter declares one (each rank reads its own object). When every rank loads
     the one copy rank 0 stored (rank collapse), each rank's retrieve releases one read lock,
     so the lookup must take one per rank: fewer would unpin an object while a rank still
-    copies it.
+    copies it. A module call shares the connection of the adapter's frees and session ends,
+    so the server applies them in the order they were sent.
     """
     from lmcache.integration.atom import AtomMPSchedulerAdapter
 
-    if readers == 1:
-        return AtomMPSchedulerAdapter
-
-    class ReadersSchedulerAdapter(AtomMPSchedulerAdapter):
+    class SchedulerAdapter(AtomMPSchedulerAdapter):
         def _create_key(self, *args, **kwargs):
             key = super()._create_key(*args, **kwargs)
-            return dataclasses.replace(key, num_kv_readers=readers)
+            return key if readers == 1 else dataclasses.replace(key, num_kv_readers=readers)
 
-    return ReadersSchedulerAdapter
+        def module_call(self, method: str, payload: bytes):
+            """Send one server-module call; its future (a ``ServerModuleCallResponse``)."""
+            from lmcache.v1.multiprocess.protocols.server_module import (
+                ServerModuleCallRequest,
+            )
+
+            return self._client.server_module_call(ServerModuleCallRequest(method, payload))
+
+    return SchedulerAdapter
 
 
 class LookupThread:
@@ -76,6 +93,9 @@ class LookupThread:
         self._backoff = ConnectBackoff(config.heartbeat_s)
         self._stop = False
         self._ends_after_answer: set[str] = set()  # session ends waiting for a lookup
+        self._calls: dict[int, Call] = {}  # id(op) -> its combined call in flight
+        self._queried: set[int] = set()  # id(op) of LMCache lookups that poll the server
+        self.calls: Counter = Counter()  # the lookup path's round-trips, by kind
         self.sessions_ended = 0
         self.locks_freed = 0
         self.thread = threading.Thread(target=self._run, name="atom-lmcache-lookup", daemon=True)
@@ -104,6 +124,11 @@ class LookupThread:
 
     def end_session(self, lmc_id: str) -> None:
         self._put("end", (lmc_id,))
+
+    @property
+    def server_calls(self) -> int:
+        """Round-trips to the server on the lookup path so far (frees and ends excluded)."""
+        return sum(self.calls.values())
 
     def stop(self, timeout_s: float) -> None:
         with self._cond:
@@ -189,15 +214,60 @@ class LookupThread:
         if adapter is None:
             self._finish(op, None, "tier unavailable")
             return
+        if self.locator is not None and self.locator.combined:
+            if len(op.token_ids) < adapter.lmcache_tokens_per_chunk:
+                self._finish(op, 0)  # nothing to look up: the adapter answers 0 without a call
+                return
+            sent = self._send_combined(adapter, op, poll=False)
+        else:
+            sent = self._submit(adapter, op)
+        if sent:
+            op.mark_in_flight()
+            self._pending.append(op)
+
+    def _submit(self, adapter, op: LookupOp) -> bool:
+        """LMCache's own lookup (acknowledged before it returns); False when it failed (the
+        op is then resolved)."""
         try:
             adapter.maybe_submit_lookup_request(op.lmc_id, op.token_ids)
         except Exception as exc:
-            # the server may still run it later and take locks: free them by id when it can
+            # the server may still run it later and take locks: free them by id, after it
+            self._free_by_id(op)
             self._finish(op, None, f"lookup not acknowledged: {exc!r}")
-            self._put("free", (op.lmc_id, op.token_ids, 0, len(op.token_ids)))
-            return
-        op.mark_in_flight()
-        self._pending.append(op)
+            return False
+        if len(op.token_ids) >= getattr(adapter, "lmcache_tokens_per_chunk", 1):
+            self.calls["lookup"] += 1  # (a shorter one the adapter answers itself)
+            self._queried.add(id(op))
+        return True
+
+    def _send_combined(self, adapter, op: LookupOp, poll: bool) -> bool:
+        """Send ``op``'s combined lookup (or a poll of it) without waiting; False when it
+        could not be sent (the op is then resolved, its locks freed by id)."""
+        try:
+            self._calls[id(op)] = self.locator.send_lookup(
+                adapter, op, poll, self.readers, self.cfg.rpc_timeout_s
+            )
+        except Exception as exc:
+            self._fail_combined(op, f"lookup not sent: {exc!r}")
+            return False
+        self.calls["lookup_poll" if poll else "lookup_locate"] += 1
+        return True
+
+    def _fail_combined(self, op: LookupOp, error: str) -> None:
+        """A combined call without an answer: a miss for the engine. The server may have run
+        the lookup (or may still): its locks are freed by id, after it on the connection."""
+        self._free_by_id(op)
+        self._finish(op, None, error)
+
+    def _free_by_id(self, op: LookupOp) -> None:
+        """Free whatever ``op``'s lookup locked, sent now: before the op resolves, so before
+        any session end (the one its resolution lets the step thread send, or one waiting in
+        ``_ends_after_answer``). Ended first, the free would find no lookup to release and
+        leave the locks to LMCache's read-lock TTL."""
+        try:
+            self._do_free(op.lmc_id, op.token_ids, 0, len(op.token_ids))
+        except Exception:
+            log.warning("freeing the locks of lookup %s failed", op.lmc_id, exc_info=True)
 
     def _do_free(self, lmc_id: str, token_ids: list[int], start: int, end: int) -> None:
         adapter = self._get_adapter()
@@ -221,28 +291,68 @@ class LookupThread:
         if not self._pending:
             return
         adapter = self._adapter
-        still, answered = [], []
+        still, answered, combined = [], [], []
         for op in self._pending:
+            call = self._calls.pop(id(op), None)
+            if call is not None:
+                got = self._poll_combined(adapter, call)
+                if got is None:
+                    still.append(op)
+                elif got is not False:
+                    combined.append((op, got))
+                continue
+            if id(op) in self._queried:
+                self.calls["query"] += 1
             try:
                 hit = adapter.check_lookup_result(op.lmc_id)
             except Exception as exc:
+                self._queried.discard(id(op))
                 self._finish(op, None, f"lookup poll failed: {exc!r}")
                 continue
             if hit is None:
                 still.append(op)
                 continue
+            self._queried.discard(id(op))
             adapter.cleanup_lookup_result(op.lmc_id)
             answered.append((op, int(hit)))
         self._pending = still
-        self._locate(answered)
-        for op, hit in answered:
+        if answered:
+            self._locate(answered)
+        for op, hit in answered + combined:
             before = self._finish(op, hit)
             if before is OpState.LATE and hit:  # nobody will load it: release its locks
                 self._do_free(op.lmc_id, op.token_ids, 0, hit)
+        if not self._ends_after_answer:
+            return
         answering = {o.lmc_id for o in still}
         for lmc_id in self._ends_after_answer - answering:
             self._ends_after_answer.discard(lmc_id)
             self._do_end(lmc_id)
+
+    def _poll_combined(self, adapter, call: Call):
+        """Read ``call``'s answer: None while the op still waits (unanswered, or a poll sent),
+        False when the op was resolved here, else the hit (``op.located`` set)."""
+        op = call.op
+        reply = self.locator.read_lookup(call)
+        if reply is None:
+            if time.monotonic() < call.give_up_at:
+                self._calls[id(op)] = call
+                return None
+            self._fail_combined(op, "lookup not answered in time")
+            self.locator.lookup_unanswered()
+            return False
+        if reply.kind == "pending":  # LMCache's prefetch runs (from L2): ask again
+            return None if self._send_combined(adapter, op, poll=True) else False
+        if reply.kind == "declined" and not call.poll:  # nothing looked up: LMCache's way
+            if op.state is OpState.LATE:
+                self._finish(op, None, "given up before it was sent")
+                return False
+            return None if self._submit(adapter, op) else False
+        if reply.kind != "hit":
+            self._fail_combined(op, reply.error or reply.kind)
+            return False
+        op.located = reply.located
+        return reply.hit
 
     def _locate(self, answered: list[tuple[LookupOp, int]]) -> None:
         """Attach where each hit sits (one round of locate calls for all of them)."""
@@ -250,10 +360,12 @@ class LookupThread:
         if self.locator is None or not want:
             return
         left = min(op.deadline for op, _ in want) - time.monotonic()
+        before = self.locator.locates
         found = self.locator.locate_many(
             [(op.lmc_id, op.token_ids, hit) for op, hit in want],
             min(self.cfg.rpc_timeout_s, max(left, 0.05)),
         )
+        self.calls["locate"] += self.locator.locates - before
         for (op, _), located in zip(want, found):
             op.located = located
 
