@@ -308,6 +308,35 @@ def two_pass(server, make_llm, prompts, mode: str, **extra):
 # ---- 1. both modes: outputs, hits, byte-exact loads, locks -----------------------------------
 
 
+def loads_hold_their_locks(llm, probe, prompts, lengths) -> list:
+    """Pass 3 on ``llm`` with its prefix cache emptied: as each load starts, every object it
+    reads (its pages and the image at its hit) must be read-locked on the server; returns the
+    pass's outputs once its tier work settled."""
+    conn = llm.engine.scheduler.connector
+    seen, inner = [], conn.start_load
+
+    def start_load(seq, start, end, blocks, image):
+        i = next(k for k, p in enumerate(prompts) if seq.tokens[: len(p)] == p)
+        upto = [0] * len(prompts)
+        upto[i] = end
+        seen.append((i, end, set(probe.locked(prompts, upto))))
+        return inner(seq, start, end, blocks, image)
+
+    conn.start_load = start_load
+    llm.engine.reset_prefix_cache()
+    try:
+        out = llm.generate(prompts, GREEDY, on_step=check)
+    finally:
+        conn.start_load = inner
+    pump(llm, lambda: settled(llm), "pass 3 to settle")
+    assert sorted(i for i, _, _ in seen) == list(range(len(prompts)))
+    for i, end, locked in seen:
+        assert end == ceiling(lengths[i])
+        want = {(i, b, "pages") for b in range(BLOCK, end + 1, BLOCK)} | {(i, end, "image")}
+        assert want <= locked, sorted(want - locked)
+    return out
+
+
 @pytest.mark.parametrize("mode", ["engine_driven", "lmcache_driven"])
 def test_two_pass_in_both_load_modes_is_exact_and_releases_every_lock(
     lmcache_server, make_llm, mode
@@ -346,27 +375,7 @@ def test_two_pass_in_both_load_modes_is_exact_and_releases_every_lock(
         assert probe.locked(prompts) == [], "read locks left on the server"
         # the probe does see locks: pass 3 on the same engine, empty prefix cache, checks the
         # whole load's objects are locked as each load starts
-        seen = []
-        inner = conn.start_load
-
-        def start_load(seq, start, end, blocks, image):
-            i = next(k for k, p in enumerate(prompts) if seq.tokens[: len(p)] == p)
-            up = [0] * len(prompts)
-            up[i] = end
-            seen.append((i, end, set(probe.locked(prompts, up))))
-            return inner(seq, start, end, blocks, image)
-
-        conn.start_load = start_load
-        llm.engine.reset_prefix_cache()
-        out3 = llm.generate(prompts, GREEDY, on_step=check)
-        conn.start_load = inner
-        pump(llm, lambda: settled(llm), "pass 3 to settle")
-        same_tokens(out3, out1)
-        assert sorted(i for i, _, _ in seen) == list(range(len(prompts)))
-        for i, end, locked in seen:  # every object the load reads: its pages and its image
-            assert end == ceiling(LENGTHS[i])
-            want = {(i, b, "pages") for b in range(BLOCK, end + 1, BLOCK)} | {(i, end, "image")}
-            assert want <= locked, sorted(want - locked)
+        same_tokens(loads_hold_their_locks(llm, probe, prompts, LENGTHS), out1)
         assert probe.locked(prompts) == [], "read locks left on the server after pass 3"
     w.check_locks_freed_once()
     assert double_frees(lmcache_server) == freed_twice, "a read lock was released twice"

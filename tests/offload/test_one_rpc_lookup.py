@@ -27,6 +27,7 @@ from .test_engine_driven import (
     LockProbe,
     Watch,
     double_frees,
+    loads_hold_their_locks,
     mapped,
     no_l1_left_behind,  # noqa: F401  (autouse fixture)
     two_pass,
@@ -95,29 +96,9 @@ def test_a_two_pass_run_costs_one_server_call_per_lookup_and_releases_its_locks(
 
     # (b) pass 3 on the same engine, prefix cache emptied: as each load starts, the combined
     # lookup's read locks hold every object it reads; after the loads none is left
-    conn = llm.engine.scheduler.connector
     with LockProbe(lmcache_server.url, llm.engine.tier.namespace) as probe:
         assert released(probe, prompts) == [], "read locks left on the server after pass 2"
-        seen, inner = [], conn.start_load
-
-        def start_load(seq, start, end, blocks, image):
-            i = next(k for k, p in enumerate(prompts) if seq.tokens[: len(p)] == p)
-            upto = [0] * len(prompts)
-            upto[i] = end
-            seen.append((i, end, set(probe.locked(prompts, upto))))
-            return inner(seq, start, end, blocks, image)
-
-        conn.start_load = start_load
-        llm.engine.reset_prefix_cache()
-        out3 = llm.generate(prompts, GREEDY, on_step=check)
-        conn.start_load = inner
-        pump(llm, lambda: settled(llm), "pass 3 to settle")
-        same_tokens(out3, reference)
-        assert sorted(i for i, _, _ in seen) == list(range(len(prompts)))
-        for i, end, locked in seen:
-            assert end == ceiling(LENGTHS[i])
-            want = {(i, b, "pages") for b in range(BLOCK, end + 1, BLOCK)} | {(i, end, "image")}
-            assert want <= locked, sorted(want - locked)
+        same_tokens(loads_hold_their_locks(llm, probe, prompts, LENGTHS), reference)
         assert released(probe, prompts) == [], "read locks left on the server after pass 3"
     assert lt.calls == {"lookup_locate": 2 * len(prompts)}, lt.calls
     w.check_locks_freed_once()
