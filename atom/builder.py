@@ -6,14 +6,19 @@ the model registry and the tier package (atom.tier); the ranks and the tier's pe
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from atom import kernels
 from atom.config import EngineConfig
 from atom.engine.engine import LLMEngine
+from atom.kernels import invariant
 from atom.model_api import RuntimeCapabilities
 from atom.models.common.moe import configure_grouped_mm
 from atom.models.registry import load_runtime
+
+log = logging.getLogger("atom.engine")
 
 
 def build_engine(config: EngineConfig, attach_tier=None) -> LLMEngine:
@@ -23,6 +28,12 @@ def build_engine(config: EngineConfig, attach_tier=None) -> LLMEngine:
     torch.manual_seed(cfg.seed)
     kernels.configure(cfg.triton_kernels, cfg.triton_off, cfg.triton_on)
     configure_grouped_mm(cfg.moe_grouped_mm)
+    invariant.configure(cfg.batch_invariant)
+    if cfg.batch_invariant:
+        log.info(
+            "batch-invariant mode: row-tiled GEMMs, per-expert MoE, chunked attention, no "
+            "Triton kernels (a request's bits do not depend on its batch or chunking)"
+        )
     attach = attach_tier
     if attach is None and cfg.offload == "lmcache_mp":
         attach = _lmcache_tier(cfg)
@@ -53,8 +64,9 @@ def build_engine(config: EngineConfig, attach_tier=None) -> LLMEngine:
 
 def decode_graphs_wanted(cfg: EngineConfig) -> bool:
     """Whether the engine replays CUDA graphs for decode forwards (``cuda_graphs``; with
-    drafts, for the verify and draft forwards too: ``span_graphs``)."""
-    return bool(cfg.cuda_graphs)
+    drafts, for the verify and draft forwards too: ``span_graphs``). Not in the batch-invariant
+    mode: its MoE runs the per-expert loop, whose expert counts are read on the host."""
+    return bool(cfg.cuda_graphs) and not cfg.batch_invariant
 
 
 def _lmcache_tier(cfg: EngineConfig):
@@ -76,6 +88,7 @@ def _lmcache_tier(cfg: EngineConfig):
             notify_progress=engine.notify_progress,
             ranks=rank_channels() if rank_channels is not None else None,
             weight_dtype=cfg.weight_dtype,
+            batch_invariant=cfg.batch_invariant,
         )
 
     return attach

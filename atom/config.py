@@ -59,6 +59,12 @@ class EngineConfig(BaseModel):
     # sync); False runs the per-expert loop there (one host sync per layer). Same math, other
     # roundings in bf16 (atom/models/common/moe.py)
     moe_grouped_mm: bool = True
+    # batch-invariant arithmetic (atom/kernels/invariant.py): each token's logits and KV bytes
+    # depend only on its own tokens, not on the other requests of its batch nor on how its
+    # prompt was chunked, so a tier-resumed request computes bit for bit what recomputation
+    # computes. Costs speed (row-tiled GEMMs, the per-expert MoE, no Triton kernels); one rank
+    # only. Its tier objects are kept apart from the default mode's (other bits)
+    batch_invariant: bool = False
     # speculative decoding with the model's own drafter (draft layers, or DSpark stages):
     # drafts verified per decode step
     # (0 = off; up to 5). The state gains rows for them, so it is part of the tier namespace
@@ -82,7 +88,7 @@ class EngineConfig(BaseModel):
             raise ValueError(f"must be >= 1, got {v}")
         return v
 
-    @field_validator("triton_kernels", "moe_grouped_mm", mode="before")
+    @field_validator("triton_kernels", "moe_grouped_mm", "batch_invariant", mode="before")
     @classmethod
     def _switch(cls, v: Any) -> Any:
         # what pydantic reads as a bool passes on; anything else is told what to write
@@ -149,6 +155,12 @@ class EngineConfig(BaseModel):
             raise ValueError(
                 f"tensor_parallel_size={self.tensor_parallel_size} with speculative_tokens="
                 f"{self.speculative_tokens}: speculative decoding does not run across ranks yet"
+            )
+        if self.tensor_parallel_size > 1 and self.batch_invariant:
+            raise ValueError(
+                f"tensor_parallel_size={self.tensor_parallel_size} with batch_invariant=true: "
+                "the ranks' partial sums are reduced in an order that depends on the batch; "
+                "use tensor_parallel_size=1 or batch_invariant=false"
             )
         if self.block_size is not None and self.offload == "lmcache_mp":
             self.lmcache.resolved_chunk(self.block_size)

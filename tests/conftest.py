@@ -24,3 +24,15 @@ def fake_engine_graphs(monkeypatch):
 
     monkeypatch.setattr(builder, "load_runtime", load)
     return made
+
+
+@pytest.fixture(autouse=True)
+def _default_arithmetic():
+    """Each test starts in the default arithmetic: an engine built with ``batch_invariant``
+    turns the process's mode on (``atom.kernels.invariant.configure``), and model code run
+    directly by a later test must not inherit it."""
+    from atom.kernels import invariant
+
+    invariant.configure(False)
+    yield
+    invariant.configure(False)

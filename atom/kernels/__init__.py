@@ -77,7 +77,12 @@ def _names(var: str, configured: frozenset[str]) -> set[str] | frozenset[str]:
 def use_triton(t: torch.Tensor, name: str | None = None) -> bool:
     """Whether kernel ``name`` runs for a tensor like ``t``: off everywhere when the config
     (or ``ATOM_TRITON=0``) turns kernels off, off by name in ``triton_off`` (side-by-side
-    benchmarks of one kernel); an ``OPT_IN`` kernel only when named in ``triton_on``."""
+    benchmarks of one kernel); an ``OPT_IN`` kernel only when named in ``triton_on``. None
+    runs in the batch-invariant mode (``atom.kernels.invariant``): none is shown invariant."""
+    from atom.kernels import invariant
+
+    if invariant.enabled():
+        return False
     enabled = os.environ.get("ATOM_TRITON")
     if not (_CONFIGURED["enabled"] if enabled is None else enabled != "0"):
         return False

@@ -16,9 +16,8 @@ weight, which is what a decode step streams.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from atom.kernels import use_triton
+from atom.kernels import invariant, use_triton
 from atom.models.common.formats import dequant_fp8, fp8_act_sim
 
 __all__ = ["fp8_linear", "fp8_linear_torch", "fp8_linear_usable", "check_fp8_operands"]
@@ -54,7 +53,7 @@ def fp8_linear_torch(
     """x [..., K] -> [..., N] in ``out_dtype`` (x's dtype by default):
     F.linear(fp8_act_sim(x, bk) in float32, dequant_fp8(weight, scale, block))."""
     xs = fp8_act_sim(x.float(), block[1])
-    return F.linear(xs, dequant_fp8(weight, scale, block)).to(out_dtype or x.dtype)
+    return invariant.linear(xs, dequant_fp8(weight, scale, block)).to(out_dtype or x.dtype)
 
 
 def fp8_linear_usable(x: torch.Tensor) -> bool:

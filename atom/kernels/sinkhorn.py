@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import torch
 
-from atom.kernels import use_triton
+from atom.kernels import invariant, use_triton
 
 
 def sinkhorn_torch(logits: torch.Tensor, hc: int, iters: int, eps: float) -> torch.Tensor:
     """logits [N, hc * hc] float32 -> C [N, hc, hc] float32 (the reference expression)."""
-    c = torch.softmax(logits.reshape(-1, hc, hc), dim=-1) + eps
+    c = invariant.softmax(logits.reshape(-1, hc, hc), dim=-1) + eps
     c = c / (c.sum(1, keepdim=True) + eps)
     for _ in range(iters - 1):
         c = c / (c.sum(2, keepdim=True) + eps)

@@ -43,6 +43,7 @@ ENGINE_FLAGS: dict[str, type] = {
     "triton-off": str,  # name[,name]
     "triton-on": str,  # name[,name]
     "moe-grouped-mm": str,  # true | false
+    "batch-invariant": str,  # true | false
 }
 OFFLOAD_FLAGS: dict[str, tuple[str, type]] = {
     "lmcache-url": ("url", str),

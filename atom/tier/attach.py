@@ -48,11 +48,13 @@ class LMCacheTier:
         notify_progress,
         ranks=None,
         weight_dtype: str = "bf16",
+        batch_invariant: bool = False,
     ):
         """``ranks``: a tensor-parallel engine's ``RankChannels`` (None with one rank): every
         rank then registers its own pool and moves its own part of each transfer.
         ``weight_dtype``: the resolved ``EngineConfig.weight_dtype`` (FP8 weights compute other
-        bytes, so they key other objects)."""
+        bytes, so they key other objects); ``batch_invariant``: the engine's
+        ``EngineConfig.batch_invariant`` (its objects are kept apart, computed in other bits)."""
         import zmq
 
         self.cfg = config
@@ -105,7 +107,7 @@ class LMCacheTier:
             model=model,
             revision=config.model_revision,
             spec=spec,
-            weights=weights_identity(model, seed, weight_dtype),
+            weights=weights_identity(model, seed, weight_dtype, batch_invariant),
             chunk_size=self.chunk,
             world_size=self.world_size,
             tp_size=self.tp_size,

@@ -188,25 +188,30 @@ def model_identity(model: str) -> str:
     return p.resolve().name if p.is_dir() else model
 
 
-def weights_identity(model: str, seed: int, weight_dtype: str = "bf16") -> str:
+def weights_identity(
+    model: str, seed: int, weight_dtype: str = "bf16", batch_invariant: bool = False
+) -> str:
     """What distinguishes one set of weights from another under the same model name: the seed
     of a preset's random weights, or the safetensors headers of a directory (tensor names,
     dtypes, shapes and offsets; values are not read: ``model_revision`` names those), and
     ";weights=fp8" when the FP8-stored linears compute in FP8 (``weight_dtype``), whose KV
-    differs from the dequantized model's."""
+    differs from the dequantized model's, and ";arith=batch_invariant" in the batch-invariant
+    mode (``EngineConfig.batch_invariant``), whose bits differ from the default mode's: a
+    resumed request of that mode must load only what that mode computed."""
     p = Path(model)
     if not p.is_dir():
-        return f"seed={seed}" + _precision(weight_dtype)
+        return f"seed={seed}" + _precision(weight_dtype, batch_invariant)
     h = xxhash.xxh3_128()
     for f in sorted(p.glob("*.safetensors")):
         with open(f, "rb") as fh:
             n = int.from_bytes(fh.read(8), "little")
             h.update(fh.read(min(n, 1 << 26)))
-    return "safetensors=" + h.hexdigest() + _precision(weight_dtype)
+    return "safetensors=" + h.hexdigest() + _precision(weight_dtype, batch_invariant)
 
 
-def _precision(weight_dtype: str) -> str:
-    return ";weights=fp8" if weight_dtype == "fp8" else ""
+def _precision(weight_dtype: str, batch_invariant: bool) -> str:
+    fp8 = ";weights=fp8" if weight_dtype == "fp8" else ""
+    return fp8 + (";arith=batch_invariant" if batch_invariant else "")
 
 
 def namespace(

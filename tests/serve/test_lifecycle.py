@@ -190,6 +190,16 @@ def test_moe_grouped_mm_flag_sets_the_config_and_refuses_a_bad_value():
     assert r.returncode == 2 and "moe_grouped_mm='maybe': use true or false" in r.stderr
 
 
+def test_batch_invariant_flag_sets_the_config_and_refuses_tensor_parallelism():
+    r = run_cli(*TINY_FLAGS[:2], "--batch-invariant", "true", "--print-config")
+    assert r.returncode == 0, r.stderr
+    assert yaml.safe_load(r.stdout)["batch_invariant"] is True
+    flags = ("--batch-invariant", "true", "--tensor-parallel-size", "2", "--print-config")
+    r = run_cli(*TINY_FLAGS[:2], *flags)
+    assert r.returncode == 2 and "tensor_parallel_size=2 with batch_invariant=true" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
 @pytest.mark.parametrize(
     "flags, needle",
     [

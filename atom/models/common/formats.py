@@ -36,7 +36,8 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
+
+from atom.kernels import invariant
 
 FP8_MAX = 448.0
 FP4_MAX = 6.0
@@ -243,6 +244,8 @@ def hadamard(x: torch.Tensor) -> torch.Tensor:
         while h.shape[0] < n:
             h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
         h = _HADAMARD.setdefault(key, (h / math.sqrt(n)).to(x.device))
+    if invariant.enabled():  # h is symmetric: x @ h, row-tiled
+        return invariant.linear(x.float(), h)
     return x.float() @ h
 
 
@@ -314,7 +317,7 @@ def fp8_linear_sim(x: torch.Tensor, weight: torch.Tensor, block: int = 32) -> to
     scales, so this is what it computes up to the order of float32 summation. The activation
     is dequantised in float32 here (not in x's dtype), as the kernel never rounds it back.
     """
-    return F.linear(fp8_act_sim(x.float(), block), weight.float())
+    return invariant.linear(fp8_act_sim(x.float(), block), weight.float())
 
 
 def fp8_weight_quant(

@@ -25,6 +25,7 @@ from torch import nn
 
 from atom.kernels.fp8_gemm import check_fp8_operands, fp8_linear
 from atom.models.common.formats import dequant_fp8, fp8_scale_shape, fp8_weight_quant
+from atom.models.common.layers import Linear
 
 __all__ = [
     "Fp8Linear",
@@ -114,7 +115,7 @@ def fp8_module_names(
     return [
         name
         for name, module in model.named_modules()
-        if type(module) is nn.Linear
+        if type(module) in (nn.Linear, Linear)
         and any(p.match(name) for p in pats)
         and not (skip and name.endswith(skip))
     ]
@@ -154,11 +155,11 @@ def quantize_linears(
 
 @torch.no_grad()
 def dequantize_linears(model: nn.Module) -> int:
-    """Replace every ``Fp8Linear`` by an ``nn.Linear`` of its compute dtype holding the
+    """Replace every ``Fp8Linear`` by a ``Linear`` of its compute dtype holding the
     dequantized weight (exact: E4M3 times a power of two fits bf16 and float32)."""
     found = [(n, m) for n, m in model.named_modules() if isinstance(m, Fp8Linear)]
     for name, module in found:
-        dense = nn.Linear(
+        dense = Linear(
             module.in_features,
             module.out_features,
             bias=False,

@@ -10,9 +10,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from atom.kernels import invariant
 from atom.kernels.norm import hc_post, rms_norm
 
-__all__ = ["rms_norm", "hc_post", "RMSNorm", "linear"]
+__all__ = ["rms_norm", "hc_post", "RMSNorm", "Linear", "linear"]
 
 
 class RMSNorm(nn.Module):
@@ -25,5 +26,13 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps)
 
 
-def linear(in_f: int, out_f: int, dtype: torch.dtype) -> nn.Linear:
-    return nn.Linear(in_f, out_f, bias=False, dtype=dtype)
+class Linear(nn.Linear):
+    """``nn.Linear`` (same parameters and state dict) whose product is row-tiled in the
+    batch-invariant mode (``atom.kernels.invariant.linear``)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return invariant.linear(x, self.weight, self.bias)
+
+
+def linear(in_f: int, out_f: int, dtype: torch.dtype) -> Linear:
+    return Linear(in_f, out_f, bias=False, dtype=dtype)

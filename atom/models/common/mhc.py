@@ -15,10 +15,12 @@ attention with the one-hot ``identity_pre``) and the LM head with the last FFN's
 
 from __future__ import annotations
 
+import functools
+
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from atom.kernels import invariant
 from atom.kernels.norm import hc_post, hc_pre, rms_norm
 from atom.kernels.sinkhorn import sinkhorn
 
@@ -57,10 +59,11 @@ class HcMixer(nn.Module):
         """x [N, hc, d] -> (pre [N, hc], post [N, hc], C [N, hc, hc]), float32; (pre, None,
         None) for a head mixer."""
         hc = self.hc
-        mix = F.linear(rms_norm(x.flatten(1).float(), None, self.norm_eps), self.fn)
-        pre = torch.sigmoid(mix[:, :hc] * self.scale[0] + self.base[:hc]) + self.eps
+        mix = invariant.linear(rms_norm(x.flatten(1).float(), None, self.norm_eps), self.fn)
+        sigmoid = functools.partial(invariant.pointwise, torch.sigmoid)
+        pre = sigmoid(mix[:, :hc] * self.scale[0] + self.base[:hc]) + self.eps
         if self.head:
             return pre, None, None
-        post = 2 * torch.sigmoid(mix[:, hc : 2 * hc] * self.scale[1] + self.base[hc : 2 * hc])
+        post = 2 * sigmoid(mix[:, hc : 2 * hc] * self.scale[1] + self.base[hc : 2 * hc])
         comb = mix[:, 2 * hc :] * self.scale[2] + self.base[2 * hc :]
         return pre, post, sinkhorn(comb, hc, self.iters, self.eps)

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from atom.kernels import invariant
 from atom.kernels.moe_combine import moe_combine
 from atom.models.common.formats import fp8_act_sim
 from atom.models.common.layers import linear
@@ -53,7 +54,7 @@ class Expert(nn.Module):
         x = self.act(x)
         g = self.gate_proj(x).float().clamp(max=self.limit)
         u = self.up_proj(x).float().clamp(-self.limit, self.limit)
-        h = F.silu(g) * u
+        h = invariant.pointwise(F.silu, g) * u
         if w is not None:
             h = h * w
         return self.down_proj(self.act(h.to(dtype)))
@@ -111,8 +112,8 @@ class MoE(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(expert ids [N, top_k], weights [N, top_k] float32) of each token."""
-        logits = F.linear(x.float(), self.gate.weight.float()) / self.gate_temp
-        scores = torch.sqrt(F.softplus(logits))
+        logits = invariant.linear(x.float(), self.gate.weight.float()) / self.gate_temp
+        scores = torch.sqrt(invariant.pointwise(F.softplus, logits))
         biased = scores + self.gate.e_score_correction_bias
         # ties go to the smaller expert id, identically in every path
         idx = torch.sort(biased, dim=-1, descending=True, stable=True).indices[:, : self.top_k]
@@ -123,7 +124,11 @@ class MoE(nn.Module):
 
     def path(self, n: int, x: torch.Tensor) -> str:
         """How ``mix`` runs the routed experts of ``n`` tokens like ``x`` (dtype, device):
-        "dense", "grouped" (both without host sync) or "loop" (one host sync per layer)."""
+        "dense", "grouped" (both without host sync) or "loop" (one host sync per layer). The
+        batch-invariant mode (``atom.kernels.invariant``) runs the loop whatever ``n``: each
+        token's expert outputs are then added in expert order, each product row-tiled."""
+        if invariant.enabled():
+            return "loop"
         if n * self.top_k >= len(self.experts) and n <= self.DENSE_MAX_TOKENS:
             return "dense"
         return "grouped" if _grouped_mm_usable(x) else "loop"

@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
+from atom.kernels import invariant
+
 MAX_TILE = 64
 
 
@@ -136,6 +138,8 @@ class PrefillHost:
         q = 1
         while q < min(longest, MAX_TILE):
             q *= 2
+        if invariant.enabled():  # one tile shape whatever the batch's longest span
+            q = MAX_TILE
         # window keys per tile: w - 1 + q, rounded up to a multiple of 64 (aligned matmul
         # operands; the extra keys are earlier than any query's window: masked)
         self.q, lk = q, -(-(w - 1 + q) // 64) * 64

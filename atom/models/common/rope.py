@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from atom.kernels import invariant
+
 
 def _yarn_inv_freq(dim: int, base: float, scaling: dict[str, Any]) -> tuple[torch.Tensor, float]:
     factor = float(scaling["factor"])
@@ -54,7 +56,7 @@ class Rope:
         if inv is None:
             inv = self._cache.setdefault(positions.device, self.inv_freq.to(positions.device))
         angles = positions.to(torch.float32)[:, None] * inv[None, :]
-        return torch.cos(angles), torch.sin(angles)
+        return invariant.pointwise(torch.cos, angles), invariant.pointwise(torch.sin, angles)
 
     def apply(
         self, x: torch.Tensor, cs: tuple[torch.Tensor, torch.Tensor], inverse: bool = False

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from atom.kernels import invariant
+
 NEG_INF = float("-inf")
 
 
@@ -48,7 +50,10 @@ def select_topk(
         scores = torch.nn.functional.pad(scores, (0, k - scores.shape[1]), value=NEG_INF)
     k = min(k, scores.shape[1])
     ranked = torch.sort(scores, dim=-1, descending=True, stable=True)
-    return ranked.indices[:, :k], ranked.values[:, :k] > NEG_INF
+    ids, valid = ranked.indices[:, :k], ranked.values[:, :k] > NEG_INF
+    if invariant.enabled():  # picks in row order (``atom.kernels.invariant``)
+        return invariant.order_selection(ids, valid)
+    return ids, valid
 
 
 def mask_invisible(scores: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:

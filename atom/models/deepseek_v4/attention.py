@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from atom.kernels import invariant
 from atom.models.common.layers import RMSNorm, linear, rms_norm
 from atom.models.common.storage import kv_roundtrip
 from atom.models.deepseek_v4.config import CSA_RATIO, FP4_SIM_BLOCK, FP8_SIM_BLOCK, V4Config
@@ -48,8 +49,8 @@ class V4Compressor(nn.Module):
 
     def raw(self, u: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-token (kv, score) float32 [N, width], the values a partial group keeps."""
-        kv = torch.nn.functional.linear(u.float(), self.wkv.weight.float())
-        score = torch.nn.functional.linear(u.float(), self.wgate.weight.float())
+        kv = invariant.linear(u.float(), self.wkv.weight.float())
+        score = invariant.linear(u.float(), self.wgate.weight.float())
         return kv, score + self.ape[positions % self.ratio]
 
     def pool(
@@ -65,7 +66,7 @@ class V4Compressor(nn.Module):
             d = self.dim
             kv = torch.cat([prev_kv, kv[..., d:]], dim=1)
             score = torch.cat([prev_score, score[..., d:]], dim=1)
-        return (kv * torch.softmax(score, dim=1)).sum(1)
+        return (kv * invariant.softmax(score, dim=1)).sum(1)
 
     def rows(self, pooled: torch.Tensor, rope: InterleavedRope, cs) -> torch.Tensor:
         """Pooled [G, dim] at positions j*r (cs) -> finished rows [G, dim] float32."""
@@ -115,6 +116,8 @@ class V4Indexer(nn.Module):
     @staticmethod
     def scores(qi: torch.Tensor, w: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
         """qi [T, Hi, D], w [T, Hi], keys [R, D] -> [T, R] = sum_h w_h ReLU(q_h . k)."""
+        if invariant.enabled():
+            return invariant.index_scores(qi, w, keys)
         return torch.einsum("th,thr->tr", w, torch.relu(torch.einsum("thd,rd->thr", qi, keys)))
 
 
@@ -176,6 +179,10 @@ class V4Attention(nn.Module):
         """q [T, H, hd]; window keys [Nw, hd] shared or [T, Nw, hd] per query, with mask
         [T, Nw]; compressed rows [R, hd] shared or [T, K, hd] per query, with mask [T, R] /
         [T, K]. The sink joins the denominator."""
+        if invariant.enabled():
+            return invariant.sink_attention_rows(
+                q, win_k, win_mask, comp, comp_mask, self.attn_sink, self.scale
+            )
         win_eq = "thd,tnd->thn" if win_k.dim() == 3 else "thd,nd->thn"
         logits = [torch.einsum(win_eq, q, win_k).float() * self.scale]
         logits[0] = logits[0].masked_fill(~win_mask[:, None, :], NEG_INF)
@@ -199,5 +206,5 @@ class V4Attention(nn.Module):
         o = self.rope.apply(o, cs, inverse=True)
         n = o.shape[0]
         w = self.wo_a.weight.view(self.groups, self.o_lora_rank, -1)
-        mid = torch.einsum("ngi,goi->ngo", o.reshape(n, self.groups, -1), w).reshape(n, -1)
+        mid = invariant.grouped_linear(o.reshape(n, self.groups, -1), w).reshape(n, -1)
         return self.wo_b(mid)

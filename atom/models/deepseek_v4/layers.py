@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from atom.kernels import invariant
 from atom.models.common.mhc import HcMixer, collapse, hc_post
 from atom.models.common.moe import MoE
 from atom.models.common.rope import InterleavedRope  # noqa: F401  (re-exported)
@@ -69,7 +70,8 @@ class V4MoE(MoE):
     def route_ids(self, x: torch.Tensor, token_ids: torch.Tensor):
         """(expert ids [N, top_k], weights [N, top_k] float32): weights are the chosen experts'
         sqrt(softplus) scores, normalized, times ``routed_scaling_factor``."""
-        scores = torch.sqrt(F.softplus(F.linear(x.float(), self.gate.weight.float())))
+        logits = invariant.linear(x.float(), self.gate.weight.float())
+        scores = torch.sqrt(invariant.pointwise(F.softplus, logits))
         if self.gate.bias is None:
             idx = self.gate.tid2eid[token_ids]
         else:

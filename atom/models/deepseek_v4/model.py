@@ -17,7 +17,7 @@ from torch import nn
 
 from atom.model_api import Span
 from atom.models.common.geometry import COMPUTE_DTYPES, INDEX_DTYPES, KV_DTYPES, GeometryError
-from atom.models.common.layers import RMSNorm
+from atom.models.common.layers import Linear, RMSNorm
 from atom.models.deepseek_v4.block import V4Block
 from atom.models.deepseek_v4.config import V4Config
 from atom.models.deepseek_v4.forward_plan import V4ForwardPlan
@@ -58,7 +58,7 @@ class DeepseekV4ForCausalLM(nn.Module):
             )
             self.hc_head = V4HyperConnection(c, head=True)
             self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
-            self.head = nn.Linear(c.hidden_size, c.vocab_size, bias=False, dtype=dtype)
+            self.head = Linear(c.hidden_size, c.vocab_size, bias=False, dtype=dtype)
             self.mtp = nn.ModuleList(
                 V4MTPBlock(c, i, dtype, kv_dtype) for i in range(c.num_nextn_predict_layers)
             )

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from atom.kernels import invariant
 from atom.model_api import Span
 from atom.models.common.selection import select_topk
 from atom.models.common.storage import pack_index, unpack_index
@@ -288,7 +289,10 @@ def _compressed(attn: V4Attention, u, qr, cs, batch: DecodeBatch, kv, slots: V4S
     payload, scale = kv.read_index_rows(layer, batch.tables, ri.ids.shape[1])
     qi, w = ix.query(qr, u, attn.rope, cs)
     keys = unpack_index(payload, scale)  # [B, C, D]
-    scores = torch.einsum("th,thr->tr", w, torch.relu(torch.einsum("thd,trd->thr", qi, keys)))
+    if invariant.enabled():
+        scores = invariant.index_scores(qi, w, keys)
+    else:
+        scores = torch.einsum("th,thr->tr", w, torch.relu(torch.einsum("thd,trd->thr", qi, keys)))
     sel = select_topk(scores.masked_fill(~ri.valid, NEG_INF), ix.topk, fixed=True)
     picked = torch.where(sel[1], sel[0], torch.zeros_like(sel[0]))
     return kv.gather_rows(layer, batch.tables, picked), sel[1]

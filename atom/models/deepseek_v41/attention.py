@@ -17,6 +17,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from atom.kernels import invariant
 from atom.models.common.formats import fp4_act_sim, fp8_act_sim
 from atom.models.common.layers import RMSNorm, linear, rms_norm
 from atom.models.common.prefill_tiles import tile_attention
@@ -52,15 +53,15 @@ class Compressor(nn.Module):
             return self.wkv(u).float(), None
         # the pooling compressors project in float32, as published (weights promoted)
         x = u.float()
-        values = torch.nn.functional.linear(x, self.wkv.weight.float())
-        return values, torch.nn.functional.linear(x, self.wgate.weight.float())
+        values = invariant.linear(x, self.wkv.weight.float())
+        return values, invariant.linear(x, self.wgate.weight.float())
 
     def pool(self, values: torch.Tensor, scores: torch.Tensor | None) -> torch.Tensor:
         """values/scores [G, ratio, hd] float32 -> normalized latents [G, hd] float32."""
         if scores is None:
             pooled = values[:, 0]
         else:
-            pooled = (torch.softmax(scores, dim=1) * values).sum(1)
+            pooled = (invariant.softmax(scores, dim=1) * values).sum(1)
         return rms_norm(pooled, self.norm.weight, self.norm.eps)
 
 
@@ -82,6 +83,8 @@ class Indexer(nn.Module):
         itself (``index_scores(qi, w)``: the paged prefill's keys, one set per sequence)."""
         if not isinstance(keys, torch.Tensor):
             return keys.index_scores(qi, w)
+        if invariant.enabled():
+            return invariant.index_scores(qi, w, keys)
         dots = torch.einsum("thd,trd->thr" if keys.dim() == 3 else "thd,rd->thr", qi, keys)
         return torch.einsum("th,thr->tr", w, torch.relu(dots))
 
@@ -190,6 +193,10 @@ class CSA2Attention(nn.Module):
         """q [T, H, hd]; window keys [Nw, hd] shared (or [T, Nw, hd] per query) with mask
         [T, Nw]; selected compressed rows [T, K, hd] with validity [T, K]. K = V (MQA); the
         sink joins the denominator."""
+        if invariant.enabled():
+            return invariant.sink_attention_rows(
+                q, win_k, win_mask, comp, comp_valid, self.attn_sink, self.scale
+            )
         per_query = win_k.dim() == 3
         win = torch.einsum("thd,tnd->thn" if per_query else "thd,nd->thn", q, win_k).float()
         parts = [(win * self.scale).masked_fill(~win_mask[:, None, :], NEG_INF)]
@@ -225,7 +232,7 @@ class CSA2Attention(nn.Module):
         n = o.shape[0]
         grouped = o.reshape(n, self.groups, -1)
         w = self.o_a_proj.weight.view(self.groups, self.o_lora_rank, -1)
-        mid = torch.einsum("ngi,goi->ngo", grouped, w).reshape(n, -1)
+        mid = invariant.grouped_linear(grouped, w).reshape(n, -1)
         y = self.o_b_proj(self.act(mid))
         if self.reduce_output is None:
             return y

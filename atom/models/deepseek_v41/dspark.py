@@ -30,10 +30,10 @@ path keeps each stage's window of target KV in the request's state instead.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from atom.models.common.layers import RMSNorm, linear
+from atom.kernels import invariant
+from atom.models.common.layers import Linear, RMSNorm, linear
 from atom.models.common.mhc import collapse, identity_pre
 from atom.models.deepseek_v41.attention import CSA2Attention
 from atom.models.deepseek_v41.block import DecoderLayer
@@ -71,8 +71,8 @@ class DSparkStage(DecoderLayer):
             self.norm = RMSNorm(d, c.rms_norm_eps, dtype)
             self.markov_embed = nn.Embedding(c.vocab_size, rank, dtype=dtype)
             # float32, as published (its logits are added to the head's float32 logits)
-            self.markov_head = nn.Linear(rank, c.vocab_size, bias=False, dtype=torch.float32)
-            self.confidence = nn.Linear(d + rank, 1, bias=False, dtype=torch.float32)
+            self.markov_head = Linear(rank, c.vocab_size, bias=False, dtype=torch.float32)
+            self.confidence = Linear(d + rank, 1, bias=False, dtype=torch.float32)
 
     def main_x(self, main_hidden: torch.Tensor) -> torch.Tensor:
         """Stage 0: target hidden [Q, targets * d] -> main_x [Q, d]."""
@@ -130,7 +130,7 @@ def draft_block(
         x, pre = st.block(x, pre, None, lambda u, s=st, r=ring: s.attend(u, r, block_pos))
     last = stages[-1]
     h = collapse(x, pre)
-    logits = F.linear(last.norm(h).float(), model.lm_head.weight.float())
+    logits = invariant.linear(last.norm(h).float(), model.lm_head.weight.float())
     out = [token]
     embeds = []
     for i in range(b):

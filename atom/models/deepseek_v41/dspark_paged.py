@@ -19,8 +19,8 @@ reference, from whole arrays) for the same target hidden.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
+from atom.kernels import invariant
 from atom.model_api import Span
 from atom.models.common.mhc import collapse, identity_pre
 from atom.models.deepseek_v41.paged import StateMismatchError, StateSlots
@@ -133,7 +133,7 @@ def draft_blocks(
         )
     last = model.dspark[-1]
     h = collapse(x, pre)
-    logits = F.linear(last.norm(h).float(), model.lm_head.weight.float()).view(n, b, -1)
+    logits = invariant.linear(last.norm(h).float(), model.lm_head.weight.float()).view(n, b, -1)
     out = [ids[:, 0]]
     embeds = []
     for i in range(b):

@@ -22,7 +22,9 @@ import math
 import torch
 from torch import nn
 
+from atom.kernels import invariant
 from atom.models.common.formats import fp8_act_sim
+from atom.models.common.layers import Linear
 from atom.models.deepseek_v41.ngram_hash import (
     BEFORE_START,
     SCALE_BLOCK,
@@ -93,7 +95,7 @@ class Engram(nn.Module):
         self.dim, self.hc, self.head_dim, self.n_hash_cols = dim, hc, head_dim, n_hash_cols
         self.eps, self.act_fp8, self.dtype = eps, act_fp8, dtype
         self.embed = nn.Embedding(rows, head_dim, dtype=dtype, device=device)
-        self.wkv = nn.Linear(
+        self.wkv = Linear(
             n_hash_cols * head_dim, (hc + 1) * dim, bias=False, dtype=dtype, device=device
         )
         self.q_weight = nn.Parameter(torch.ones(hc, dim, dtype=torch.float32, device=device))
@@ -127,7 +129,9 @@ class Engram(nn.Module):
             key.square().mean(-1) + self.eps
         )
         dot = (h * weight * key).sum(-1) * rstd * self.dim**-0.5
-        gate = torch.sigmoid(torch.copysign(dot.abs().clamp_min(GATE_DOT_FLOOR).sqrt(), dot))
+        gate = invariant.pointwise(
+            torch.sigmoid, torch.copysign(dot.abs().clamp_min(GATE_DOT_FLOOR).sqrt(), dot)
+        )
         if token_mask is not None:
             gate = gate.masked_fill(~token_mask.bool()[:, None], 0.0)
         return (h + gate[..., None] * value.float()[:, None, :]).to(x.dtype)

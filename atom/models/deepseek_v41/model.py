@@ -17,7 +17,7 @@ from torch import nn
 
 from atom.model_api import Span
 from atom.models.common.geometry import COMPUTE_DTYPES, INDEX_DTYPES, KV_DTYPES, GeometryError
-from atom.models.common.layers import RMSNorm
+from atom.models.common.layers import Linear, RMSNorm
 from atom.models.common.mhc import collapse, identity_pre
 from atom.models.deepseek_v41.block import DecoderLayer
 from atom.models.deepseek_v41.config import V41Config
@@ -68,7 +68,7 @@ class DeepseekV41ForCausalLM(nn.Module):
             self.engram_hash = (
                 None if spec is None else EngramHash(spec, config.vocab_size, device or "cpu")
             )
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
             self.mtp = nn.ModuleList(
                 DraftLayer(config, config.num_hidden_layers + i, dtype, kv_dtype)
                 for i in range(config.num_nextn_predict_layers)

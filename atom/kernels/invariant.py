@@ -1,0 +1,289 @@
+"""Batch-invariant arithmetic: each token's result computed in an order that depends only on
+that token's own inputs, never on how many other tokens share its forward or where it sits.
+
+``EngineConfig.batch_invariant`` (``--batch-invariant``) turns the mode on for the process
+(``configure``, applied when an engine is built, like the Triton switches). Off, every function
+here is the plain torch call it replaces, so the default path is unchanged.
+
+Why the default is not invariant (measured on CPU, float32): a GEMM's row 0 for the same input
+row comes out in other bits when only the number of rows M changes (MKL runs M = 1 to 3 through
+other kernels than M >= 4); the MoE runs its experts densely for small batches and per expert
+otherwise, so a token's expert outputs are summed in another order; and an attention over every
+visible compressed row (V4's HCA layers) scans the batch's largest row count, so a token's
+softmax and value sums change length with the other sequences. On the GPU the same holds, and
+more so (cuBLAS picks tiles and split-K by M).
+
+In the mode:
+
+- ``linear``: the rows go through the GEMM in tiles of ``ROW_TILE`` rows (the last padded with
+  zero rows), all tiles as one batched GEMM of one shape: every row meets the same kernel, in
+  the same position class, whatever M is. ``grouped_linear`` does the same for the grouped
+  output projection ([n, g, i] x [g, o, i]).
+- ``sink_attention``: the keys of each query are reduced in a fixed order of fixed-size parts:
+  its window keys (one part), then its compressed rows in chunks of ``KEY_CHUNK`` from row 0,
+  then the sink, by an online softmax. A chunk of masked (padding) rows is an exact no-op (its
+  maximum is -inf, so the running maximum, sum and output are multiplied by exp(0) = 1 and
+  added 0), so scanning more padding rows for a longer sequence in the batch changes no bit.
+- the MoE runs every token through the per-expert path (``atom.models.common.moe``), each
+  token's expert outputs added in expert order.
+
+A token's window part and its chunking depend on its tile (prefill) or on the window (decode),
+so a token computed in a prefill chunk and the same token computed by a decode step may still
+differ in the last bits: the mode promises invariance to the batch and to the chunking of
+prefill (tiles are aligned to positions), which is what a tier-resumed request needs (its
+prefix is loaded and its tail prefilled, as the first pass prefilled it).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+NEG_INF = float("-inf")
+
+# rows per GEMM tile in the mode (CPU: MKL is invariant from 4 rows on; CUDA: one wgmma M tile)
+ROW_TILE = {"cpu": 16, "cuda": 64}
+# compressed rows per attention chunk in the mode
+KEY_CHUNK = 64
+
+_MODE = {"on": False}
+
+
+def configure(enabled: bool = False) -> None:
+    """Turn the mode on or off for this process (``EngineConfig.batch_invariant``)."""
+    _MODE["on"] = bool(enabled)
+
+
+def enabled() -> bool:
+    """Whether the forward runs batch-invariant (``configure``)."""
+    return _MODE["on"]
+
+
+# elements per padded block of a pointwise op in the mode (a multiple of every SIMD width)
+POINTWISE_BLOCK = 64
+
+
+def pointwise(fn, *xs: torch.Tensor) -> torch.Tensor:
+    """``fn(*xs)`` for an element-wise ``fn`` (exp, sigmoid, silu, softplus, cos, ...); in the
+    mode, evaluated on contiguous copies padded to a multiple of ``POINTWISE_BLOCK`` elements.
+    On CPU torch computes such functions with SIMD approximations in a loop's body and with the
+    scalar library function in its tail, which round differently: without the padding, an
+    element's bits would depend on where it falls in the tensor, i.e. on the batch."""
+    if not _MODE["on"]:
+        return fn(*xs)
+    shape = torch.broadcast_shapes(*(x.shape for x in xs))
+    flat = [x.expand(shape).contiguous().view(-1) for x in xs]
+    n = flat[0].numel()
+    pad = -n % POINTWISE_BLOCK
+    if pad:
+        flat = [torch.cat([f, f.new_zeros(pad)]) for f in flat]
+    return fn(*flat)[:n].view(shape)
+
+
+def softmax(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """``torch.softmax(x, dim)``; in the mode, max-subtracted ``exp`` through ``pointwise`` and
+    a sum along ``dim`` (each output's own elements, in order)."""
+    if not _MODE["on"]:
+        return torch.softmax(x, dim)
+    e = pointwise(torch.exp, x - x.amax(dim, keepdim=True))
+    return e / e.sum(dim, keepdim=True)
+
+
+def row_tile(device: torch.device) -> int:
+    return ROW_TILE.get(device.type, 16)
+
+
+# operand alignment (bytes) in the mode: BLAS kernels pick other code paths (and sums) for
+# operands that start unaligned or have odd leading dimensions, so each operand is a fresh
+# contiguous tensor starting on this boundary
+ALIGN = 64
+# key columns of a GEMM are padded to a multiple of this (masked keys)
+KEY_PAD = 16
+
+
+def _aligned(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as a contiguous tensor whose data starts on an ``ALIGN``-byte boundary."""
+    if x.is_contiguous() and x.data_ptr() % ALIGN == 0:
+        return x
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    if out.data_ptr() % ALIGN:  # the allocator aligns far more than this; never seen
+        raise RuntimeError("an unaligned allocation in the batch-invariant mode")
+    return out.copy_(x)
+
+
+def _tiles(x: torch.Tensor, tile: int) -> torch.Tensor:
+    """x [M, ...] -> [ceil(M / tile), tile, ...], padded with zero rows, aligned."""
+    pad = -x.shape[0] % tile
+    if pad:
+        x = torch.cat([x, x.new_zeros(pad, *x.shape[1:])])
+    return _aligned(x).view(-1, tile, *x.shape[1:])
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    """``F.linear(x, weight, bias)``; in the mode, row-tiled (module doc)."""
+    if not _MODE["on"]:
+        return F.linear(x, weight, bias)
+    lead, k = x.shape[:-1], x.shape[-1]
+    rows = x.reshape(-1, k)
+    m = rows.shape[0]
+    if m == 0:
+        return F.linear(x, weight, bias)
+    if k % KEY_PAD:  # rows of a length that leaves each row of a tile otherwise aligned
+        pad = KEY_PAD - k % KEY_PAD
+        rows = torch.cat([rows, rows.new_zeros(m, pad)], 1)
+        weight = torch.cat([weight, weight.new_zeros(weight.shape[0], pad)], 1)
+    tiled = _tiles(rows, row_tile(x.device))
+    y = torch.matmul(tiled, _aligned(weight).t()).reshape(-1, weight.shape[0])[:m]
+    if bias is not None:
+        y = y + bias
+    return y.view(*lead, weight.shape[0])
+
+
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [n, g, i], weight [g, o, i] -> [n, g, o] (``einsum("ngi,goi->ngo")``); in the mode,
+    row-tiled over n (module doc)."""
+    if not _MODE["on"] or x.shape[0] == 0:
+        return torch.einsum("ngi,goi->ngo", x, weight)
+    n, g, _ = x.shape
+    tiled = _tiles(x, row_tile(x.device)).permute(2, 0, 1, 3)  # [g, tiles, tile, i]
+    tiled = _aligned(tiled)
+    y = torch.matmul(tiled, _aligned(weight.transpose(1, 2))[:, None])  # [g, tiles, tile, o]
+    return y.permute(1, 2, 0, 3).reshape(-1, g, weight.shape[1])[:n]
+
+
+def sink_attention(
+    q: torch.Tensor,
+    win_k: torch.Tensor,
+    win_mask: torch.Tensor,
+    comp: torch.Tensor | None,
+    comp_valid: torch.Tensor | None,
+    sink: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Sink attention for B tiles of Q queries (K = V), each tile with its own window keys:
+    q [B, Q, H, hd], win_k [B, L, hd], win_mask [B, Q, L], comp [B * Q, K, hd] rows per query
+    with comp_valid [B * Q, K], sink [H] float32 -> [B * Q, H, hd] in q's dtype. The same
+    function as ``atom.models.common.prefill_tiles.tile_attention``, reduced in the mode's
+    order (module doc): window part, ``KEY_CHUNK``-row chunks of ``comp``, sink. Every query
+    needs one valid window key (its own)."""
+    b, t, h, hd = q.shape
+    n = b * t
+    lw = win_k.shape[1]
+    if lw % KEY_PAD:  # masked zero keys: p = 0 there, exactly
+        win_k = torch.cat([win_k, win_k.new_zeros(b, KEY_PAD - lw % KEY_PAD, hd)], 1)
+        win_mask = torch.cat([win_mask, win_mask.new_zeros(b, t, KEY_PAD - lw % KEY_PAD)], 2)
+    win_k, qt = _aligned(win_k), _aligned(q.reshape(b, t * h, hd))
+    win = torch.bmm(qt, _aligned(win_k.transpose(1, 2))).float().view(n, h, -1)
+    logits = (win * scale).masked_fill(~win_mask.reshape(n, 1, -1), NEG_INF)
+    m = logits.amax(-1, keepdim=True)  # finite: the own key is valid
+    p = pointwise(torch.exp, logits - m)
+    total = p.sum(-1, keepdim=True)
+    pv = torch.bmm(_aligned(p.to(q.dtype).view(b, t * h, -1)), win_k).float().view(n, h, hd)
+    acc = pv
+    qf = qt.view(n, h, hd)
+    if comp is not None and comp.shape[1]:
+        k = comp.shape[1]
+        pad = -k % KEY_CHUNK
+        if pad:
+            comp = torch.cat([comp, comp.new_zeros(n, pad, hd)], 1)
+            comp_valid = torch.cat([comp_valid, comp_valid.new_zeros(n, pad)], 1)
+        for c0 in range(0, k + pad, KEY_CHUNK):
+            rows = _aligned(comp[:, c0 : c0 + KEY_CHUNK])
+            sc = torch.bmm(qf, _aligned(rows.transpose(1, 2))).float() * scale
+            sc = sc.masked_fill(~comp_valid[:, None, c0 : c0 + KEY_CHUNK], NEG_INF)
+            m_new = torch.maximum(m, sc.amax(-1, keepdim=True))
+            alpha = pointwise(torch.exp, m - m_new)
+            p = pointwise(torch.exp, sc - m_new)
+            total = total * alpha + p.sum(-1, keepdim=True)
+            acc = acc * alpha + torch.bmm(_aligned(p.to(q.dtype)), rows).float()
+            m = m_new
+    s = sink.float().view(1, h, 1)
+    m_new = torch.maximum(m, s)
+    alpha = pointwise(torch.exp, m - m_new)
+    total = total * alpha + pointwise(torch.exp, s - m_new)
+    return (acc * alpha / total).to(q.dtype)
+
+
+def sink_attention_rows(
+    q: torch.Tensor,
+    win_k: torch.Tensor,
+    win_mask: torch.Tensor,
+    comp: torch.Tensor | None,
+    comp_valid: torch.Tensor | None,
+    sink: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """``sink_attention`` for T queries: q [T, H, hd]; window keys [T, Nw, hd] per query or
+    [Nw, hd] shared, mask [T, Nw]; comp [T, K, hd] per query or [K, hd] shared, comp_valid
+    [T, K] -> [T, H, hd]."""
+    t = q.shape[0]
+    if win_k.dim() == 3:  # one tile per query
+        out = sink_attention(
+            q[:, None], win_k, win_mask[:, None], _per_query(comp, t), comp_valid, sink, scale
+        )
+        return out
+    return sink_attention(
+        q[None], win_k[None], win_mask[None], _per_query(comp, t), comp_valid, sink, scale
+    )
+
+
+def _per_query(comp: torch.Tensor | None, t: int) -> torch.Tensor | None:
+    if comp is None or comp.dim() == 3:
+        return comp
+    return comp[None].expand(t, -1, -1)
+
+
+def index_scores(qi: torch.Tensor, w: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """Indexer scores s [T, R] = sum_h w[t, h] ReLU(qi[t, h] . keys[r]): qi [T, H, D], w [T, H],
+    keys [R, D] shared or [T, R, D] per query (float32). In the mode's order: rows in chunks of
+    ``KEY_CHUNK`` (one GEMM shape per chunk, shared keys row-tiled over T * H), the heads summed
+    in order; a row's score does not depend on R or T."""
+    t, h, d = qi.shape
+    r = keys.shape[-2]
+    pad = -r % KEY_CHUNK
+    if pad:
+        keys = torch.cat([keys, keys.new_zeros(*keys.shape[:-2], pad, d)], -2)
+    out = []
+    for c0 in range(0, r + pad, KEY_CHUNK):
+        chunk = _aligned(keys[..., c0 : c0 + KEY_CHUNK, :])
+        if keys.dim() == 3:
+            dots = torch.bmm(_aligned(qi), _aligned(chunk.transpose(1, 2)))
+        else:
+            dots = linear(qi.reshape(t * h, d), chunk).view(t, h, -1)
+        out.append(head_sum(w, dots))
+    return torch.cat(out, 1)[:, :r]
+
+
+def head_sum(w: torch.Tensor, dots: torch.Tensor) -> torch.Tensor:
+    """sum_h w[t, h] ReLU(dots[t, h, r]) -> [T, R], the heads added in order."""
+    terms = w[:, :, None] * torch.relu(dots)
+    total = terms[:, 0]
+    for i in range(1, terms.shape[1]):
+        total = total + terms[:, i]
+    return total
+
+
+def tile_index_scores(qs: torch.Tensor, w: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """Index scores of tiles: qs [B, Q * H, D] (Q queries of H heads per tile), w [B * Q, H],
+    keys [B, R, D] (each tile's sequence's rows) -> [B * Q, R], in ``index_scores``' order."""
+    b, qh, d = qs.shape
+    h = w.shape[1]
+    r = keys.shape[1]
+    pad = -r % KEY_CHUNK
+    if pad:
+        keys = torch.cat([keys, keys.new_zeros(b, pad, d)], 1)
+    out = []
+    for c0 in range(0, r + pad, KEY_CHUNK):
+        chunk = _aligned(keys[:, c0 : c0 + KEY_CHUNK].transpose(1, 2))
+        dots = torch.bmm(_aligned(qs), chunk).view(-1, h, KEY_CHUNK)
+        out.append(head_sum(w, dots))
+    return torch.cat(out, 1)[:, :r]
+
+
+def order_selection(ids: torch.Tensor, valid: torch.Tensor):
+    """A top-k selection (ids [T, K], valid [T, K]) with the valid picks in row order, first,
+    the invalid after: the attention then meets a token's picks in an order set by the picks
+    alone, not by their scores' last bits."""
+    key = torch.where(valid, ids, torch.full_like(ids, torch.iinfo(ids.dtype).max))
+    order = torch.sort(key, dim=-1, stable=True).indices
+    return ids.gather(1, order), valid.gather(1, order)

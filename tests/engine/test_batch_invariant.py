@@ -1,0 +1,171 @@
+"""The batch-invariant mode (``EngineConfig.batch_invariant``) on CPU, both families: a request's
+logits (as its logprobs, float32), tokens and the PAGE and image bytes of its prompt are the same
+bits alone and inside batches of other requests of other lengths, at other positions in the
+batch and under other prefill chunk sizes; the mode's engine still matches the oracle.
+
+The default mode is not invariant on CPU (MKL runs 1-3 row GEMMs through other kernels, the MoE
+switches to its dense path for small batches, V4's HCA attention scans the batch's longest row
+count); the function tests below show the mode's operations move no bit with the batch.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from atom import LLM, SamplingParams
+from atom.config import EngineConfig
+from atom.config_errors import EngineConfigError
+from atom.engine.block_pool import block_hashes
+from atom.kernels import invariant
+from atom.models.common.prefill_tiles import tile_attention
+
+from .test_engine_oracle import assert_greedy_matches_oracle
+
+BLOCK = 16
+KW = dict(
+    block_size=BLOCK,
+    num_blocks=4000,
+    max_num_seqs=64,
+    dtype="float32",
+    kv_dtype="fp32",
+    index_dtype="fp32",
+    device="cpu",
+    batch_invariant=True,
+)
+PARAMS = SamplingParams(max_tokens=5, ignore_eos=True, logprobs=4)
+
+
+def prompts_of(lengths, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 256, (n,), generator=g).tolist() for n in lengths]
+
+
+def prompt_bytes(llm: LLM, prompt: list[int]) -> list[tuple[bytes, bytes | None]]:
+    """(PAGE block bytes, image bytes or None) of each full block of ``prompt``, as the engine's
+    pool holds them after the request finished (the blocks stay cached)."""
+    eng = llm.engine
+    pool = eng.runner.pool
+    out = []
+    for h in block_hashes(prompt, BLOCK):
+        block = eng.pool.lookup(h)
+        assert block is not None, "a prompt block left the prefix cache"
+        image = eng.store.images.get(h)
+        img = None if image is None else pool[list(image.units)].cpu().numpy().tobytes()
+        out.append((pool[block].cpu().numpy().tobytes(), img))
+    return out
+
+
+def run(preset: str, target: list[int], others: list[list[int]], at: int, chunk: int):
+    """The target's output and prompt bytes, run with ``others`` (target at index ``at``)."""
+    llm = LLM(preset, **KW, max_num_batched_tokens=chunk)
+    prompts = others[:at] + [target] + others[at:]
+    out = llm.generate(prompts, PARAMS)[at]
+    got = (out.token_ids, out.logprobs, prompt_bytes(llm, target))
+    llm.shutdown()
+    return got
+
+
+@pytest.mark.parametrize("preset", ["v41-tiny", "v4-tiny"])
+def test_a_request_computes_the_same_bits_alone_and_in_any_batch(preset):
+    target = prompts_of([150], seed=11)[0]
+    alone = run(preset, target, [], 0, 256)
+    assert any(img is not None for _, img in alone[2]), "no image was stored"
+    cases = [  # (other requests' lengths, the target's index, prefill chunk budget)
+        ([40], 1, 32),
+        ([300, 17, 90, 64, 128, 33, 200], 3, 64),
+        ([23 + 9 * i for i in range(31)], 17, 128),
+        ([150] * 8, 0, 1024),
+    ]
+    for k, (lengths, at, chunk) in enumerate(cases):
+        others = prompts_of(lengths, seed=100 + k)
+        got = run(preset, target, others, at, chunk)
+        assert got[0] == alone[0], f"case {k}: tokens {got[0]} alone {alone[0]}"
+        assert got[1] == alone[1], f"case {k}: logprobs differ from the request alone"
+        for j, (a, b) in enumerate(zip(got[2], alone[2])):
+            assert a[0] == b[0], f"case {k}: PAGE bytes of block {j} differ"
+            assert a[1] == b[1], f"case {k}: image bytes at block {j} differ"
+
+
+@pytest.mark.parametrize("preset", ["v41-tiny", "v4-tiny"])
+def test_the_mode_matches_the_oracle(preset):
+    llm = LLM(preset, **KW, max_num_batched_tokens=48)
+    prompts = prompts_of([70, 33, 129, 16, 250], seed=4)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True))
+    model = llm.engine.runtime.model
+    for p, o in zip(prompts, outs):
+        assert_greedy_matches_oracle(model, p, o.token_ids)
+    llm.shutdown()
+
+
+def test_the_config_field_flag_and_refusals():
+    assert EngineConfig().batch_invariant is False
+    assert EngineConfig(batch_invariant="true").batch_invariant is True
+    with pytest.raises(EngineConfigError, match="batch_invariant='maybe': use true or false"):
+        EngineConfig.build(batch_invariant="maybe")
+    with pytest.raises(EngineConfigError, match="tensor_parallel_size=2 with batch_invariant"):
+        EngineConfig.build(batch_invariant=True, tensor_parallel_size=2)
+
+
+def test_building_an_engine_sets_the_mode_for_the_process():
+    llm = LLM("v41-tiny", **{**KW, "batch_invariant": True}, max_num_batched_tokens=64)
+    assert invariant.enabled()
+    llm.shutdown()
+    llm = LLM("v41-tiny", **{**KW, "batch_invariant": False}, max_num_batched_tokens=64)
+    assert not invariant.enabled()
+    llm.shutdown()
+
+
+def rows_alone(fn, x: torch.Tensor) -> torch.Tensor:
+    return torch.cat([fn(x[i : i + 1]) for i in range(x.shape[0])])
+
+
+@pytest.mark.parametrize("k, n", [(64, 96), (256, 129), (7, 5)])
+def test_linear_rows_do_not_depend_on_the_batch(k, n):
+    g = torch.Generator().manual_seed(k)
+    w, x = torch.randn(n, k, generator=g), torch.randn(100, k, generator=g)
+    lin = lambda v: invariant.linear(v, w)  # noqa: E731
+    invariant.configure(False)
+    assert torch.equal(lin(x), torch.nn.functional.linear(x, w))  # off: the torch call
+    invariant.configure(True)
+    alone = rows_alone(lin, x)
+    for m in (1, 2, 3, 5, 16, 17, 64, 100):
+        assert torch.equal(lin(x[:m]), alone[:m]), f"{m} rows"
+    perm = torch.randperm(100, generator=g)
+    assert torch.equal(lin(x[perm]), alone[perm])
+
+
+def test_grouped_linear_rows_do_not_depend_on_the_batch():
+    g = torch.Generator().manual_seed(1)
+    w, x = torch.randn(4, 24, 32, generator=g), torch.randn(40, 4, 32, generator=g)
+    ref = torch.einsum("ngi,goi->ngo", x, w)
+    invariant.configure(True)
+    alone = rows_alone(lambda v: invariant.grouped_linear(v, w), x)
+    for m in (1, 3, 17, 40):
+        assert torch.equal(invariant.grouped_linear(x[:m], w), alone[:m])
+    assert torch.allclose(alone, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_attention_ignores_padding_rows_and_matches_the_default():
+    g = torch.Generator().manual_seed(2)
+    b, t, h, hd, lw, k = 3, 4, 2, 16, 7, 70
+    q = torch.randn(b, t, h, hd, generator=g)
+    win = torch.randn(b, lw, hd, generator=g)
+    mask = torch.rand(b, t, lw, generator=g) < 0.7
+    mask[..., -1] = True  # every query's own key
+    comp = torch.randn(b * t, k, hd, generator=g)
+    valid = torch.rand(b * t, k, generator=g) < 0.6
+    sink = torch.randn(h, generator=g)
+    default = tile_attention(q, win, mask, comp, valid, sink, 0.3)
+    invariant.configure(True)
+    got = tile_attention(q, win, mask, comp, valid, sink, 0.3)  # routed to the mode's order
+    assert torch.allclose(got, default, atol=1e-5, rtol=1e-4)
+    for extra in (1, 58, 130):  # more rows scanned, none valid: a longer sequence beside it
+        padded = torch.cat([comp, torch.randn(b * t, extra, hd, generator=g)], 1)
+        pv = torch.cat([valid, torch.zeros(b * t, extra, dtype=torch.bool)], 1)
+        assert torch.equal(tile_attention(q, win, mask, padded, pv, sink, 0.3), got), extra
+    invariant.configure(False)
+    padded = torch.cat([comp, torch.randn(b * t, 130, hd, generator=g)], 1)
+    pv = torch.cat([valid, torch.zeros(b * t, 130, dtype=torch.bool)], 1)
+    off = tile_attention(q, win, mask, padded, pv, sink, 0.3)
+    assert torch.allclose(off, default, atol=1e-5, rtol=1e-4)
