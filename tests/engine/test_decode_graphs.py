@@ -168,9 +168,13 @@ def test_drafts_keep_graphs_on():
 
     from atom.builder import decode_graphs_wanted
 
-    def cfg(device, k, graphs=True):
-        return SimpleNamespace(device=device, speculative_tokens=k, cuda_graphs=graphs)
+    def cfg(device, k, graphs=True, invariant=False):
+        return SimpleNamespace(
+            device=device, speculative_tokens=k, cuda_graphs=graphs, batch_invariant=invariant
+        )
 
     assert decode_graphs_wanted(cfg("cuda", 0)) is True
     assert decode_graphs_wanted(cfg("cuda:0", 2)) is True
     assert decode_graphs_wanted(cfg("cuda:0", 2, graphs=False)) is False
+    # the batch-invariant mode's MoE reads its expert counts on the host: no graphs
+    assert decode_graphs_wanted(cfg("cuda:0", 0, invariant=True)) is False
