@@ -10,12 +10,12 @@ reference forward of the same FP8 model, and a published FP8 checkpoint keeps it
 
 import pytest
 import torch
-from torch import nn
 
 from atom import LLM, SamplingParams
 from atom.config import EngineConfig, EngineConfigError
 from atom.models.common.formats import e8m0_to_float, fp8_act_sim
 from atom.models.common.fp8_linear import Fp8Linear, dequantize_linears, quantize_linears
+from atom.models.common.layers import Linear
 from atom.models.deepseek_v4.model import DeepseekV4ForCausalLM
 from atom.models.deepseek_v4.presets import preset_config as v4_preset
 from atom.models.deepseek_v4.reference import reference_forward as v4_reference
@@ -47,16 +47,16 @@ def test_the_published_fp8_linears_are_the_ones_converted():
     kinds = {type(m).__name__ for n, m in v4.named_modules() if n.endswith(".attn.wq_b")}
     assert kinds == {"Fp8Linear"}
     # V4's grouped wo_a is read as a weight view, as DeepSeek's converter dequantizes it
-    assert all(type(m) is nn.Linear for n, m in v4.named_modules() if n.endswith("wo_a"))
+    assert all(type(m) is Linear for n, m in v4.named_modules() if n.endswith("wo_a"))
     compressors = [m for n, m in v4.named_modules() if n.endswith(("compressor.wkv", "wgate"))]
-    assert compressors and all(type(m) is nn.Linear for m in compressors)
+    assert compressors and all(type(m) is Linear for m in compressors)
     shared = [m for n, m in v4.named_modules() if "shared_experts.gate_proj" in n]
     assert shared and all(isinstance(m, Fp8Linear) for m in shared)
     assert n4 == sum(isinstance(m, Fp8Linear) for m in v4.modules())
     v41, n41 = build("v41-tiny-fp8", "fp8")
     assert any(n.endswith("engram.wkv") for n, m in v41.named_modules() if isinstance(m, Fp8Linear))
-    assert all(type(m) is nn.Linear for n, m in v41.named_modules() if n.endswith("o_a_proj"))
-    assert n41 > 0 and v41.lm_head.__class__ is nn.Linear
+    assert all(type(m) is Linear for n, m in v41.named_modules() if n.endswith("o_a_proj"))
+    assert n41 > 0 and v41.lm_head.__class__ is Linear
     # the routed experts are FP4 as published: not FP8 linears
     assert not any(".experts." in n for n, m in v41.named_modules() if isinstance(m, Fp8Linear))
 
@@ -101,7 +101,7 @@ def test_quantize_then_dequantize_gives_the_same_model_and_refuses_bad_blocks():
     assert all(torch.equal(after[k], v) for k, v in before.items())  # rounded once already
     with pytest.raises(ValueError, match=r"divisible by 48; not so for .*\(64\)"):
         quantize_linears(net, names, (48, 48))
-    assert all(type(net.get_submodule(n)) is nn.Linear for n in names)  # nothing changed
+    assert all(type(net.get_submodule(n)) is Linear for n in names)  # nothing changed
 
 
 @pytest.mark.parametrize("preset", list(FAMS))
