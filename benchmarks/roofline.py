@@ -200,7 +200,16 @@ def main() -> None:
     ap.add_argument("--prefill-repeats", type=int, default=3)
     ap.add_argument("--bw-gib", type=float, default=4.0)
     ap.add_argument("--name", default="roofline_h200")
+    ap.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="the batch-invariant mode (EngineConfig.batch_invariant: no graphs, no Triton)",
+    )
     args = ap.parse_args()
+    if args.batch_invariant:
+        from atom.kernels import invariant
+
+        invariant.configure(True)
     bw = hbm_read_gbs(args.bw_gib)
     peak = matmul_tflops()
     print(f"HBM read {bw:.0f} GB/s, bf16 matmul {peak:.0f} TFLOP/s", flush=True)
@@ -214,7 +223,7 @@ def main() -> None:
         args.device,
         per_seq * max_batch,
         max_batch,
-        True,
+        not args.batch_invariant,
         weight_dtype=args.weight_dtype,
     )
     cfg = rt.model.config

@@ -5,6 +5,7 @@
 #          speculative serving_spec tp tp_tests (tp, tp_tests: two GPUs)
 #          tier_only idle
 #          train forward_v4 roofline_v4 serving_v4 speculative_v4 fp8_gemm roofline_fp8
+#          invariant_cost
 # cuda_ops builds lmcache.cuda_ops from lmcache's sources against this machine's torch
 # (benchmarks/gpu/build_cuda_ops.py); once built (build/ stays while the machine is warm, or
 # carried back), every later step's LMCache server uses it.
@@ -80,6 +81,13 @@ for s in "$@"; do
     fp8_gemm) step "${FP8_GEMM_LIMIT:-540}" python3 -m benchmarks.fp8_gemm \
       --models v4-bench-fp8 v41-bench-fp8 --m 1 16 32 64 256 4096 ${FP8_GEMM_SWEEP:+--sweep} \
       --name "${FP8_GEMM_NAME:-fp8_gemm_h200}" ;;
+    invariant_cost)  # v41-bench decode and prefill, default mode (graphs) then batch-invariant mode
+      for mode in "" "--batch-invariant"; do
+        step "${INVARIANT_LIMIT:-240}" python3 -m benchmarks.roofline --model v41-bench \
+          --device cuda --dtype bfloat16 --position 2048 --batch 1 16 --decode-steps 8 \
+          --repeats 3 --prefill-repeats 2 $mode \
+          --name "roofline_v41_bench_invariant${mode:+_on}"
+      done ;;
     roofline_fp8)  # both bench models at stored precision (FP8 linears) and dequantized, side by side
       for m in v4-bench-fp8 v41-bench-fp8; do for w in fp8 bf16; do
         step "${ROOFLINE_FP8_LIMIT:-240}" python3 -m benchmarks.roofline --model $m \
