@@ -76,6 +76,7 @@ def test_a_request_computes_the_same_bits_alone_and_in_any_batch(preset):
         ([300, 17, 90, 64, 128, 33, 200], 3, 64),
         ([23 + 9 * i for i in range(31)], 17, 128),
         ([150] * 8, 0, 1024),
+        ([10 + i for i in range(63)], 40, 256),
     ]
     for k, (lengths, at, chunk) in enumerate(cases):
         others = prompts_of(lengths, seed=100 + k)
