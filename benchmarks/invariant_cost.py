@@ -52,9 +52,6 @@ def main() -> None:
         max_num_seqs=args.requests,
         max_num_batched_tokens=4096,
     )
-    engines = {}
-    for mode in (False, True):
-        engines[mode] = kw | {"batch_invariant": mode}
     times = {(m, k): [] for m in (False, True) for k in ("prefill", "decode")}
     for rep in range(args.repeats):
         # two sets of new prompts (no prefix is cached): one for each timed pass
@@ -63,7 +60,7 @@ def main() -> None:
             for n in (args.requests, args.requests)
         )
         for mode in (False, True):
-            llm = LLM(args.model, **engines[mode])
+            llm = LLM(args.model, **kw, batch_invariant=mode)
             timed(llm, prompts[:1], 1)  # warm-up (kernels, allocator)
             pre, _ = timed(llm, prompts, 1)
             _, outs = timed(llm, other, args.output_len)

@@ -111,12 +111,19 @@ def _aligned(x: torch.Tensor) -> torch.Tensor:
     return out.copy_(x)
 
 
+def _pad_rows(x: torch.Tensor, dim: int, multiple: int) -> torch.Tensor:
+    """``x`` with zeros appended along ``dim`` up to a multiple of ``multiple``."""
+    pad = -x.shape[dim] % multiple
+    if not pad:
+        return x
+    shape = list(x.shape)
+    shape[dim] = pad
+    return torch.cat([x, x.new_zeros(shape)], dim)
+
+
 def _tiles(x: torch.Tensor, tile: int) -> torch.Tensor:
     """x [M, ...] -> [ceil(M / tile), tile, ...], padded with zero rows, aligned."""
-    pad = -x.shape[0] % tile
-    if pad:
-        x = torch.cat([x, x.new_zeros(pad, *x.shape[1:])])
-    return _aligned(x).view(-1, tile, *x.shape[1:])
+    return _aligned(_pad_rows(x, 0, tile)).view(-1, tile, *x.shape[1:])
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
@@ -128,10 +135,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     m = rows.shape[0]
     if m == 0:
         return F.linear(x, weight, bias)
-    if k % KEY_PAD:  # rows of a length that leaves each row of a tile otherwise aligned
-        pad = KEY_PAD - k % KEY_PAD
-        rows = torch.cat([rows, rows.new_zeros(m, pad)], 1)
-        weight = torch.cat([weight, weight.new_zeros(weight.shape[0], pad)], 1)
+    if k % KEY_PAD:  # an odd K: zero columns, so every row of a tile starts aligned
+        rows, weight = _pad_rows(rows, 1, KEY_PAD), _pad_rows(weight, 1, KEY_PAD)
     tiled = _tiles(rows, row_tile(x.device))
     y = torch.matmul(tiled, _aligned(weight).t()).reshape(-1, weight.shape[0])[:m]
     if bias is not None:
@@ -168,10 +173,8 @@ def sink_attention(
     needs one valid window key (its own)."""
     b, t, h, hd = q.shape
     n = b * t
-    lw = win_k.shape[1]
-    if lw % KEY_PAD:  # masked zero keys: p = 0 there, exactly
-        win_k = torch.cat([win_k, win_k.new_zeros(b, KEY_PAD - lw % KEY_PAD, hd)], 1)
-        win_mask = torch.cat([win_mask, win_mask.new_zeros(b, t, KEY_PAD - lw % KEY_PAD)], 2)
+    # masked zero keys up to a multiple of KEY_PAD: p = 0 there, exactly
+    win_k, win_mask = _pad_rows(win_k, 1, KEY_PAD), _pad_rows(win_mask, 2, KEY_PAD)
     win_k, qt = _aligned(win_k), _aligned(q.reshape(b, t * h, hd))
     win = torch.bmm(qt, _aligned(win_k.transpose(1, 2))).float().view(n, h, -1)
     logits = (win * scale).masked_fill(~win_mask.reshape(n, 1, -1), NEG_INF)
@@ -182,12 +185,8 @@ def sink_attention(
     acc = pv
     qf = qt.view(n, h, hd)
     if comp is not None and comp.shape[1]:
-        k = comp.shape[1]
-        pad = -k % KEY_CHUNK
-        if pad:
-            comp = torch.cat([comp, comp.new_zeros(n, pad, hd)], 1)
-            comp_valid = torch.cat([comp_valid, comp_valid.new_zeros(n, pad)], 1)
-        for c0 in range(0, k + pad, KEY_CHUNK):
+        comp, comp_valid = _pad_rows(comp, 1, KEY_CHUNK), _pad_rows(comp_valid, 1, KEY_CHUNK)
+        for c0 in range(0, comp.shape[1], KEY_CHUNK):
             rows = _aligned(comp[:, c0 : c0 + KEY_CHUNK])
             sc = torch.bmm(qf, _aligned(rows.transpose(1, 2))).float() * scale
             sc = sc.masked_fill(~comp_valid[:, None, c0 : c0 + KEY_CHUNK], NEG_INF)
@@ -240,16 +239,16 @@ def index_scores(qi: torch.Tensor, w: torch.Tensor, keys: torch.Tensor) -> torch
     in order; a row's score does not depend on R or T."""
     t, h, d = qi.shape
     r = keys.shape[-2]
-    pad = -r % KEY_CHUNK
-    if pad:
-        keys = torch.cat([keys, keys.new_zeros(*keys.shape[:-2], pad, d)], -2)
+    keys = _pad_rows(keys, -2, KEY_CHUNK)
+    per_query = keys.dim() == 3
+    qa = _aligned(qi) if per_query else qi.reshape(t * h, d)
     out = []
-    for c0 in range(0, r + pad, KEY_CHUNK):
+    for c0 in range(0, keys.shape[-2], KEY_CHUNK):
         chunk = _aligned(keys[..., c0 : c0 + KEY_CHUNK, :])
-        if keys.dim() == 3:
-            dots = torch.bmm(_aligned(qi), _aligned(chunk.transpose(1, 2)))
+        if per_query:
+            dots = torch.bmm(qa, _aligned(chunk.transpose(1, 2)))
         else:
-            dots = linear(qi.reshape(t * h, d), chunk).view(t, h, -1)
+            dots = linear(qa, chunk).view(t, h, -1)
         out.append(head_sum(w, dots))
     return torch.cat(out, 1)[:, :r]
 
@@ -266,16 +265,12 @@ def head_sum(w: torch.Tensor, dots: torch.Tensor) -> torch.Tensor:
 def tile_index_scores(qs: torch.Tensor, w: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     """Index scores of tiles: qs [B, Q * H, D] (Q queries of H heads per tile), w [B * Q, H],
     keys [B, R, D] (each tile's sequence's rows) -> [B * Q, R], in ``index_scores``' order."""
-    b, qh, d = qs.shape
-    h = w.shape[1]
-    r = keys.shape[1]
-    pad = -r % KEY_CHUNK
-    if pad:
-        keys = torch.cat([keys, keys.new_zeros(b, pad, d)], 1)
+    h, r = w.shape[1], keys.shape[1]
+    keys, qa = _pad_rows(keys, 1, KEY_CHUNK), _aligned(qs)
     out = []
-    for c0 in range(0, r + pad, KEY_CHUNK):
+    for c0 in range(0, keys.shape[1], KEY_CHUNK):
         chunk = _aligned(keys[:, c0 : c0 + KEY_CHUNK].transpose(1, 2))
-        dots = torch.bmm(_aligned(qs), chunk).view(-1, h, KEY_CHUNK)
+        dots = torch.bmm(qa, chunk).view(-1, h, KEY_CHUNK)
         out.append(head_sum(w, dots))
     return torch.cat(out, 1)[:, :r]
 
