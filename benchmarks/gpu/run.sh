@@ -84,9 +84,9 @@ for s in "$@"; do
     invariant_cost)  # v41-bench decode and prefill, default mode (graphs) then batch-invariant mode
       for mode in "" "--batch-invariant"; do
         step "${INVARIANT_LIMIT:-240}" python3 -m benchmarks.roofline --model v41-bench \
-          --device cuda --dtype bfloat16 --position 2048 --batch 1 16 --decode-steps 8 \
+          --device cuda --dtype bfloat16 --position 2048 --batch 1 16 32 --decode-steps 8 \
           --repeats 3 --prefill-repeats 2 $mode \
-          --name "roofline_v41_bench_invariant${mode:+_on}"
+          --name "roofline_v41_bench_invariant${mode:+_on}_h200"
       done ;;
     roofline_fp8)  # both bench models at stored precision (FP8 linears) and dequantized, side by side
       for m in v4-bench-fp8 v41-bench-fp8; do for w in fp8 bf16; do
