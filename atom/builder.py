@@ -31,8 +31,9 @@ def build_engine(config: EngineConfig, attach_tier=None) -> LLMEngine:
     invariant.configure(cfg.batch_invariant)
     if cfg.batch_invariant:
         log.info(
-            "batch-invariant mode: row-tiled GEMMs, per-expert MoE, chunked attention, no "
-            "Triton kernels (a request's bits do not depend on its batch or chunking)"
+            "batch-invariant mode: fixed-configuration GEMMs (row-tiled on CPU), a sync-free "
+            "grouped MoE on CUDA (per-expert loop on CPU), chunked attention, ordered sums, only "
+            "row-local Triton kernels (a request's bits do not depend on its batch or chunking)"
         )
     attach = attach_tier
     if attach is None and cfg.offload == "lmcache_mp":
@@ -64,9 +65,18 @@ def build_engine(config: EngineConfig, attach_tier=None) -> LLMEngine:
 
 def decode_graphs_wanted(cfg: EngineConfig) -> bool:
     """Whether the engine replays CUDA graphs for decode forwards (``cuda_graphs``; with
-    drafts, for the verify and draft forwards too: ``span_graphs``). Not in the batch-invariant
-    mode: its MoE runs the per-expert loop, whose expert counts are read on the host."""
-    return bool(cfg.cuda_graphs) and not cfg.batch_invariant
+    drafts, for the verify and draft forwards too: ``span_graphs``). In the batch-invariant
+    mode only where its sync-free MoE runs (the fixed-configuration Triton kernel: Triton must
+    import; elsewhere its per-expert loop reads expert counts on the host) and without drafts
+    (their graphs are not shown invariant). A capture that meets a host sync anyway (quantized
+    experts run the loop) fails, is logged, and that bucket runs eagerly."""
+    if not cfg.cuda_graphs:
+        return False
+    if cfg.batch_invariant:
+        from atom.kernels import triton_importable
+
+        return triton_importable() and not cfg.speculative_tokens
+    return True
 
 
 def _lmcache_tier(cfg: EngineConfig):

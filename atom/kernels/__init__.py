@@ -74,14 +74,16 @@ def _names(var: str, configured: frozenset[str]) -> set[str] | frozenset[str]:
     return {n.strip() for n in raw.split(",")}
 
 
-def use_triton(t: torch.Tensor, name: str | None = None) -> bool:
+def use_triton(t: torch.Tensor, name: str | None = None, row_local: bool = False) -> bool:
     """Whether kernel ``name`` runs for a tensor like ``t``: off everywhere when the config
     (or ``ATOM_TRITON=0``) turns kernels off, off by name in ``triton_off`` (side-by-side
-    benchmarks of one kernel); an ``OPT_IN`` kernel only when named in ``triton_on``. None
-    runs in the batch-invariant mode (``atom.kernels.invariant``): none is shown invariant."""
+    benchmarks of one kernel); an ``OPT_IN`` kernel only when named in ``triton_on``. In the
+    batch-invariant mode (``atom.kernels.invariant``) only ``row_local`` kernels run: each
+    row computed by one program whose launch configuration the row's length alone sets (RMSNorm,
+    mHC's combination and mixing, sinkhorn), so a row's bits do not depend on the batch."""
     from atom.kernels import invariant
 
-    if invariant.enabled():
+    if invariant.enabled() and not row_local:
         return False
     enabled = os.environ.get("ATOM_TRITON")
     if not (_CONFIGURED["enabled"] if enabled is None else enabled != "0"):

@@ -80,13 +80,50 @@ def pointwise(fn, *xs: torch.Tensor) -> torch.Tensor:
     return fn(*flat)[:n].view(shape)
 
 
+# a reduced dimension up to this long is added element-wise, in order (the mode, CUDA)
+SHORT_SUM = 32
+
+
+def sum(x: torch.Tensor, dim: int, keepdim: bool = False) -> torch.Tensor:  # noqa: A001
+    """``x.sum(dim, keepdim)``; in the mode on CUDA in an order set by the reduced length
+    alone: torch's CUDA reductions split a row among threads and blocks by how many rows
+    there are (the batch). A short dimension is added element-wise in order; a longer one is
+    a product with a ones vector through the fixed-configuration GEMM. On CPU torch's own
+    (its reductions do not depend on the other rows there)."""
+    if not (_MODE["on"] and x.is_cuda):
+        return x.sum(dim, keepdim=keepdim)
+    dim = dim % x.dim()
+    n = x.shape[dim]
+    if n <= SHORT_SUM or not fixed_gemm(x):
+        if n == 0:
+            return x.sum(dim, keepdim=keepdim)
+        total = x.select(dim, 0)
+        for i in range(1, n):
+            total = total + x.select(dim, i)
+        return total.unsqueeze(dim) if keepdim else total
+    from atom.kernels._invariant_gemm_triton import invariant_linear
+
+    moved = x.movedim(dim, -1)
+    lead = moved.shape[:-1]
+    rows = moved.reshape(-1, n)
+    out = invariant_linear(rows, rows.new_ones(1, n)).view(lead)
+    return out.unsqueeze(dim) if keepdim else out
+
+
+def mean(x: torch.Tensor, dim: int, keepdim: bool = False) -> torch.Tensor:
+    """``x.mean(dim, keepdim)``, through ``sum`` (the mode's order on CUDA)."""
+    if not (_MODE["on"] and x.is_cuda):
+        return x.mean(dim, keepdim=keepdim)
+    return sum(x, dim, keepdim) / x.shape[dim]
+
+
 def softmax(x: torch.Tensor, dim: int) -> torch.Tensor:
     """``torch.softmax(x, dim)``; in the mode, max-subtracted ``exp`` through ``pointwise`` and
     a sum along ``dim`` (each output's own elements, in order)."""
     if not _MODE["on"]:
         return torch.softmax(x, dim)
     e = pointwise(torch.exp, x - x.amax(dim, keepdim=True))
-    return e / e.sum(dim, keepdim=True)
+    return e / sum(e, dim, keepdim=True)
 
 
 def row_tile(device: torch.device) -> int:
@@ -126,8 +163,20 @@ def _tiles(x: torch.Tensor, tile: int) -> torch.Tensor:
     return _aligned(_pad_rows(x, 0, tile)).view(-1, tile, *x.shape[1:])
 
 
+def fixed_gemm(x: torch.Tensor) -> bool:
+    """Whether the mode's GEMMs on tensors like ``x`` run the fixed-configuration Triton kernel
+    (``atom.kernels._invariant_gemm_triton``): on CUDA where Triton imports (and on CPU under
+    Triton's interpreter, for tests). Elsewhere (CPU) they run row-tiled through torch."""
+    from atom.kernels import interpreting, triton_importable
+
+    if not (x.is_cuda or interpreting()):
+        return False
+    return triton_importable()
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
-    """``F.linear(x, weight, bias)``; in the mode, row-tiled (module doc)."""
+    """``F.linear(x, weight, bias)``; in the mode, one fixed-configuration kernel (CUDA) or
+    row-tiled (module doc)."""
     if not _MODE["on"]:
         return F.linear(x, weight, bias)
     lead, k = x.shape[:-1], x.shape[-1]
@@ -135,6 +184,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     m = rows.shape[0]
     if m == 0:
         return F.linear(x, weight, bias)
+    if fixed_gemm(x):
+        from atom.kernels._invariant_gemm_triton import invariant_linear
+
+        y = invariant_linear(rows, weight)
+        if bias is not None:
+            y = y + bias
+        return y.view(*lead, weight.shape[0])
     if k % KEY_PAD:  # an odd K: zero columns, so every row of a tile starts aligned
         rows, weight = _pad_rows(rows, 1, KEY_PAD), _pad_rows(weight, 1, KEY_PAD)
     tiled = _tiles(rows, row_tile(x.device))
@@ -150,10 +206,22 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if not _MODE["on"] or x.shape[0] == 0:
         return torch.einsum("ngi,goi->ngo", x, weight)
     n, g, _ = x.shape
+    if fixed_gemm(x):  # group j: the n rows of x[:, j] against weight[j]
+        return bmm(x.transpose(0, 1), weight.transpose(1, 2)).transpose(0, 1)
     tiled = _tiles(x, row_tile(x.device)).permute(2, 0, 1, 3)  # [g, tiles, tile, i]
     tiled = _aligned(tiled)
     y = torch.matmul(tiled, _aligned(weight.transpose(1, 2))[:, None])  # [g, tiles, tile, o]
     return y.permute(1, 2, 0, 3).reshape(-1, g, weight.shape[1])[:n]
+
+
+def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``torch.bmm(a, b)``; in the mode on CUDA, the fixed-configuration kernel, one group per
+    batch entry (cuBLAS may pick its kernel by the batch count)."""
+    if _MODE["on"] and fixed_gemm(a):
+        from atom.kernels._invariant_gemm_triton import invariant_bmm
+
+        return invariant_bmm(a, b)
+    return torch.bmm(a, b)
 
 
 def sink_attention(
@@ -176,25 +244,25 @@ def sink_attention(
     # masked zero keys up to a multiple of KEY_PAD: p = 0 there, exactly
     win_k, win_mask = _pad_rows(win_k, 1, KEY_PAD), _pad_rows(win_mask, 2, KEY_PAD)
     win_k, qt = _aligned(win_k), _aligned(q.reshape(b, t * h, hd))
-    win = torch.bmm(qt, _aligned(win_k.transpose(1, 2))).float().view(n, h, -1)
+    win = bmm(qt, _aligned(win_k.transpose(1, 2))).float().view(n, h, -1)
     logits = (win * scale).masked_fill(~win_mask.reshape(n, 1, -1), NEG_INF)
     m = logits.amax(-1, keepdim=True)  # finite: the own key is valid
     p = pointwise(torch.exp, logits - m)
-    total = p.sum(-1, keepdim=True)
-    pv = torch.bmm(_aligned(p.to(q.dtype).view(b, t * h, -1)), win_k).float().view(n, h, hd)
+    total = sum(p, -1, keepdim=True)
+    pv = bmm(_aligned(p.to(q.dtype).view(b, t * h, -1)), win_k).float().view(n, h, hd)
     acc = pv
     qf = qt.view(n, h, hd)
     if comp is not None and comp.shape[1]:
         comp, comp_valid = _pad_rows(comp, 1, KEY_CHUNK), _pad_rows(comp_valid, 1, KEY_CHUNK)
         for c0 in range(0, comp.shape[1], KEY_CHUNK):
             rows = _aligned(comp[:, c0 : c0 + KEY_CHUNK])
-            sc = torch.bmm(qf, _aligned(rows.transpose(1, 2))).float() * scale
+            sc = bmm(qf, _aligned(rows.transpose(1, 2))).float() * scale
             sc = sc.masked_fill(~comp_valid[:, None, c0 : c0 + KEY_CHUNK], NEG_INF)
             m_new = torch.maximum(m, sc.amax(-1, keepdim=True))
             alpha = pointwise(torch.exp, m - m_new)
             p = pointwise(torch.exp, sc - m_new)
-            total = total * alpha + p.sum(-1, keepdim=True)
-            acc = acc * alpha + torch.bmm(_aligned(p.to(q.dtype)), rows).float()
+            total = total * alpha + sum(p, -1, keepdim=True)
+            acc = acc * alpha + bmm(_aligned(p.to(q.dtype)), rows).float()
             m = m_new
     s = sink.float().view(1, h, 1)
     m_new = torch.maximum(m, s)
@@ -246,7 +314,7 @@ def index_scores(qi: torch.Tensor, w: torch.Tensor, keys: torch.Tensor) -> torch
     for c0 in range(0, keys.shape[-2], KEY_CHUNK):
         chunk = _aligned(keys[..., c0 : c0 + KEY_CHUNK, :])
         if per_query:
-            dots = torch.bmm(qa, _aligned(chunk.transpose(1, 2)))
+            dots = bmm(qa, _aligned(chunk.transpose(1, 2)))
         else:
             dots = linear(qa, chunk).view(t, h, -1)
         out.append(head_sum(w, dots))
@@ -270,7 +338,7 @@ def tile_index_scores(qs: torch.Tensor, w: torch.Tensor, keys: torch.Tensor) -> 
     out = []
     for c0 in range(0, keys.shape[1], KEY_CHUNK):
         chunk = _aligned(keys[:, c0 : c0 + KEY_CHUNK].transpose(1, 2))
-        dots = torch.bmm(qa, chunk).view(-1, h, KEY_CHUNK)
+        dots = bmm(qa, chunk).view(-1, h, KEY_CHUNK)
         out.append(head_sum(w, dots))
     return torch.cat(out, 1)[:, :r]
 

@@ -10,18 +10,18 @@ from __future__ import annotations
 
 import torch
 
-from atom.kernels import use_triton
+from atom.kernels import invariant, use_triton
 
 
 def _kernel_ok(*ts: torch.Tensor) -> bool:
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in ts):
         return False  # the kernels have no backward
-    return use_triton(ts[0])
+    return use_triton(ts[0], row_local=True)  # one program per row (per d-block for mHC)
 
 
 def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     xf = x.float()
-    out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    out = xf * torch.rsqrt(invariant.mean(xf.pow(2), -1, keepdim=True) + eps)
     if weight is not None:
         out = out * weight.float()
     return out.to(x.dtype)
@@ -38,7 +38,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
 
 def hc_pre_torch(x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
     """x [N, hc, d], pre [N, hc] float32 -> sum_i pre_i x_i [N, d] in x's dtype."""
-    return (pre[:, :, None] * x.float()).sum(1).to(x.dtype)
+    return invariant.sum(pre[:, :, None] * x.float(), 1).to(x.dtype)
 
 
 def hc_pre(x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
@@ -55,7 +55,13 @@ def hc_post_torch(
 ) -> torch.Tensor:
     """X_j = post_j * out + sum_i C_ij X_i: x [N, hc, d], out [N, d], post [N, hc], C [N, hc,
     hc] float32 -> [N, hc, d] in x's dtype."""
-    mixed = torch.einsum("nij,nid->njd", c, x.float())
+    if invariant.enabled():  # the streams added in order, element-wise (no batched GEMM)
+        xf = x.float()
+        mixed = c[:, 0, :, None] * xf[:, 0, None, :]
+        for i in range(1, x.shape[1]):
+            mixed = mixed + c[:, i, :, None] * xf[:, i, None, :]
+    else:
+        mixed = torch.einsum("nij,nid->njd", c, x.float())
     return (post[:, :, None] * out.float()[:, None, :] + mixed).to(x.dtype)
 
 

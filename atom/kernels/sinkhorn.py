@@ -16,10 +16,10 @@ from atom.kernels import invariant, use_triton
 def sinkhorn_torch(logits: torch.Tensor, hc: int, iters: int, eps: float) -> torch.Tensor:
     """logits [N, hc * hc] float32 -> C [N, hc, hc] float32 (the reference expression)."""
     c = invariant.softmax(logits.reshape(-1, hc, hc), dim=-1) + eps
-    c = c / (c.sum(1, keepdim=True) + eps)
+    c = c / (invariant.sum(c, 1, keepdim=True) + eps)
     for _ in range(iters - 1):
-        c = c / (c.sum(2, keepdim=True) + eps)
-        c = c / (c.sum(1, keepdim=True) + eps)
+        c = c / (invariant.sum(c, 2, keepdim=True) + eps)
+        c = c / (invariant.sum(c, 1, keepdim=True) + eps)
     return c
 
 
@@ -27,7 +27,8 @@ def sinkhorn(logits: torch.Tensor, hc: int, iters: int, eps: float) -> torch.Ten
     """Same as ``sinkhorn_torch``; one Triton kernel where ``use_triton`` allows (hc a power
     of two, no gradient wanted: the kernel has no backward), the torch expression elsewhere."""
     wants_grad = logits.requires_grad and torch.is_grad_enabled()
-    if wants_grad or not use_triton(logits) or hc & (hc - 1) or logits.dtype != torch.float32:
+    usable = use_triton(logits, row_local=True) and logits.dtype == torch.float32
+    if wants_grad or not usable or hc & (hc - 1):
         return sinkhorn_torch(logits, hc, iters, eps)
     from atom.kernels._sinkhorn_triton import sinkhorn_triton
 

@@ -176,5 +176,12 @@ def test_drafts_keep_graphs_on():
     assert decode_graphs_wanted(cfg("cuda", 0)) is True
     assert decode_graphs_wanted(cfg("cuda:0", 2)) is True
     assert decode_graphs_wanted(cfg("cuda:0", 2, graphs=False)) is False
-    # the batch-invariant mode's MoE reads its expert counts on the host: no graphs
-    assert decode_graphs_wanted(cfg("cuda:0", 0, invariant=True)) is False
+    # the batch-invariant mode: graphs where its MoE needs no host sync (Triton imports), and
+    # never with drafts
+    import atom.kernels
+
+    for importable in (True, False):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(atom.kernels, "triton_importable", lambda i=importable: i)
+            assert decode_graphs_wanted(cfg("cuda:0", 0, invariant=True)) is importable
+            assert decode_graphs_wanted(cfg("cuda:0", 2, invariant=True)) is False

@@ -20,3 +20,34 @@ CUDA_KW.pop("index_dtype")
 def test_a_request_computes_the_same_bits_alone_and_in_any_batch_on_cuda(preset, monkeypatch):
     monkeypatch.setattr(cpu, "KW", CUDA_KW)
     cpu.test_a_request_computes_the_same_bits_alone_and_in_any_batch(preset)
+
+
+@pytest.mark.parametrize("preset", ["v41-mini", "v4-mini"])
+def test_graph_replays_equal_eager_runs_bit_for_bit(preset):
+    """In the mode the decode steps replay CUDA graphs (its MoE needs no host sync on CUDA):
+    batches padded to their bucket and tables to their width give the eager run's bits."""
+    from atom import LLM, SamplingParams
+
+    from .tier_two_pass import assert_same_bits, seeded_prompts
+
+    kw = dict(
+        device="cuda",
+        dtype="bfloat16",
+        batch_invariant=True,
+        num_blocks=48,
+        max_num_seqs=8,
+        max_num_batched_tokens=1024,
+    )
+    prompts = seeded_prompts((40, 300, 530, 90, 260, 700), seed=12)
+    params = [SamplingParams(max_tokens=4 + 3 * i, ignore_eos=True, logprobs=3) for i in range(6)]
+    graphed = LLM(preset, **kw)
+    graphs = graphed.engine.runtime.graphs
+    assert graphs is not None, "no decode graphs in the batch-invariant mode"
+    outs = graphed.generate(prompts, params)
+    assert not graphs.failed, graphs.failed
+    assert graphs.replays > 0 and len({b for b, _ in graphs.graphs}) >= 2, graphs.graphs.keys()
+    graphed.shutdown()
+    eager = LLM(preset, **kw, cuda_graphs=False)
+    assert eager.engine.runtime.graphs is None
+    assert_same_bits(outs, eager.generate(prompts, params))
+    eager.shutdown()

@@ -119,16 +119,18 @@ class MoE(nn.Module):
         idx = torch.sort(biased, dim=-1, descending=True, stable=True).indices[:, : self.top_k]
         w = scores.gather(1, idx)
         if self.top_k > 1:  # the published router's 1e-20 (not rms_norm_eps)
-            w = w / (w.sum(-1, keepdim=True) + 1e-20)
+            w = w / (invariant.sum(w, -1, keepdim=True) + 1e-20)
         return idx, w * self.scale
 
     def path(self, n: int, x: torch.Tensor) -> str:
         """How ``mix`` runs the routed experts of ``n`` tokens like ``x`` (dtype, device):
         "dense", "grouped" (both without host sync) or "loop" (one host sync per layer). The
         batch-invariant mode (``atom.kernels.invariant``) runs the loop whatever ``n``: each
-        token's expert outputs are then added in expert order, each product row-tiled."""
+        token's expert outputs are then added in expert order, each product row-tiled; on CUDA
+        "fixed" instead (no host sync): grouped GEMMs of one fixed kernel configuration
+        (``atom.kernels._invariant_gemm_triton``), each token's slots summed in slot order."""
         if invariant.enabled():
-            return "loop"
+            return "fixed" if self._fixed_usable(x) else "loop"
         if n * self.top_k >= len(self.experts) and n <= self.DENSE_MAX_TOKENS:
             return "dense"
         return "grouped" if _grouped_mm_usable(x) else "loop"
@@ -154,6 +156,8 @@ class MoE(nn.Module):
                 # of the sorted rows would add them with atomics, in an order that changes from
                 # run to run (and with it, in bfloat16, an output now and then)
                 return moe_combine(shared, y, order)
+        if path == "fixed":
+            return _slot_sum(shared, self._fixed(x, idx, w), self._order(idx), self.top_k)
         out = shared.float()
         if path == "dense":
             return out + self._dense(x, idx, w)
@@ -169,6 +173,38 @@ class MoE(nn.Module):
                 out.index_add_(0, r, y.float())
                 start += count
         return out
+
+    def _fixed_usable(self, x: torch.Tensor) -> bool:
+        """The mode's sync-free path: the fixed-configuration kernel runs for ``x``, and the
+        experts hold plain weights of x's dtype (quantized experts run the loop)."""
+        if not invariant.fixed_gemm(x) or torch.is_grad_enabled():
+            return False
+        return self.experts[0].gate_proj.weight.dtype == x.dtype
+
+    @staticmethod
+    def _order(idx: torch.Tensor) -> torch.Tensor:
+        return torch.argsort(idx.flatten(), stable=True)  # rows grouped by expert, ascending
+
+    def _fixed(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """The routed experts in the batch-invariant mode without a host sync: the token rows
+        sorted by expert (``_order``), three grouped GEMMs of the fixed kernel; returns the
+        weighted outputs [N * top_k, d] in that order. A row's result depends only on its own
+        token and expert, whatever the other rows and their experts."""
+        from atom.kernels._invariant_gemm_triton import group_tiles, invariant_grouped_linear
+
+        gate, up, down = self.stacked_weights()
+        flat = idx.flatten()
+        order = self._order(idx)
+        counts = torch.zeros(gate.shape[0], dtype=torch.int64, device=x.device)
+        counts.scatter_add_(0, flat, torch.ones_like(flat))  # integer adds: exact in any order
+        ends = torch.cumsum(counts, 0)
+        tiles = group_tiles(ends, flat.shape[0], x.dtype)
+        xs = self.act(x).index_select(0, order // self.top_k)
+        g = invariant_grouped_linear(xs, gate, ends, tiles).float().clamp(max=self.limit)
+        u = invariant_grouped_linear(xs, up, ends, tiles).float().clamp(-self.limit, self.limit)
+        h = invariant.pointwise(F.silu, g) * u * w.flatten()[order, None]
+        h = self.act(h.to(x.dtype))
+        return invariant_grouped_linear(h, down, ends, tiles)
 
     def _grouped(
         self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor
@@ -221,6 +257,18 @@ class MoE(nn.Module):
                     p.data = s[i]
             self._stack = stack
         return stack
+
+
+def _slot_sum(shared: torch.Tensor, y: torch.Tensor, order: torch.Tensor, k: int) -> torch.Tensor:
+    """float32 shared + each token's k slots of y (rows in ``order``) added one by one in slot
+    order: element-wise adds, whose order no reduction kernel's choice of split can change."""
+    per_slot = torch.empty(y.shape, dtype=torch.float32, device=y.device)
+    per_slot[order] = y.float()
+    per_slot = per_slot.view(shared.shape[0], k, -1)
+    routed = per_slot[:, 0]
+    for s in range(1, k):
+        routed = routed + per_slot[:, s]
+    return shared.float() + routed
 
 
 # ``configured``: the engine config's ``moe_grouped_mm`` (``configure_grouped_mm``, when an

@@ -66,7 +66,7 @@ class V4Compressor(nn.Module):
             d = self.dim
             kv = torch.cat([prev_kv, kv[..., d:]], dim=1)
             score = torch.cat([prev_score, score[..., d:]], dim=1)
-        return (kv * invariant.softmax(score, dim=1)).sum(1)
+        return invariant.sum(kv * invariant.softmax(score, dim=1), 1)
 
     def rows(self, pooled: torch.Tensor, rope: InterleavedRope, cs) -> torch.Tensor:
         """Pooled [G, dim] at positions j*r (cs) -> finished rows [G, dim] float32."""

@@ -79,4 +79,4 @@ class V4MoE(MoE):
             # ties go to the smaller expert id, identically in every path
             idx = torch.sort(biased, dim=-1, descending=True, stable=True).indices[:, : self.top_k]
         w = scores.gather(1, idx)
-        return idx, w / w.sum(-1, keepdim=True) * self.scale
+        return idx, w / invariant.sum(w, -1, keepdim=True) * self.scale

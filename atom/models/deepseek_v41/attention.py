@@ -61,7 +61,7 @@ class Compressor(nn.Module):
         if scores is None:
             pooled = values[:, 0]
         else:
-            pooled = (invariant.softmax(scores, dim=1) * values).sum(1)
+            pooled = invariant.sum(invariant.softmax(scores, dim=1) * values, 1)
         return rms_norm(pooled, self.norm.weight, self.norm.eps)
 
 

@@ -125,10 +125,10 @@ class Engram(nn.Module):
         key = key.float().view(n, self.hc, self.dim)
         h = x.float()
         weight = self.q_weight.float() * self.k_weight.float()
-        rstd = torch.rsqrt(h.square().mean(-1) + self.eps) * torch.rsqrt(
-            key.square().mean(-1) + self.eps
+        rstd = torch.rsqrt(invariant.mean(h.square(), -1) + self.eps) * torch.rsqrt(
+            invariant.mean(key.square(), -1) + self.eps
         )
-        dot = (h * weight * key).sum(-1) * rstd * self.dim**-0.5
+        dot = invariant.sum(h * weight * key, -1) * rstd * self.dim**-0.5
         gate = invariant.pointwise(
             torch.sigmoid, torch.copysign(dot.abs().clamp_min(GATE_DOT_FLOOR).sqrt(), dot)
         )

@@ -1,0 +1,178 @@
+"""The Triton GEMM behind the batch-invariant mode on CUDA (``atom.kernels.invariant``; imported
+only where Triton is).
+
+``_gemm_kernel`` computes one [BM, BN] tile of ``rows @ weight[g].T`` per program, its K loop
+in order over BK-wide blocks into one float32 accumulator, with one launch configuration for
+every call of a dtype (``CONFIG``): no split-K, no choice by M. An output element's value
+therefore depends only on its own input row and weight column: not on how many rows the call
+has, nor where its row sits in its tile (the tensor-core product of a tile treats every row
+alike). cuBLAS does not promise that (its kernels and split-K change with M; measured on the
+H200: K=5120 N=1024 gives another row 0 from M=256 on).
+
+Grouped calls (the MoE's routed experts): ``rows`` sorted by group, ``ends[g]`` the end row of
+group g; the tile table (``group_tiles``) is built on the device, so the call has no host
+sync and can be captured in a CUDA graph. A tile never spans two groups.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# (BM, BN, BK, warps, stages) per input dtype; the same for every shape: a row's bits must
+# not depend on M, and one configuration per dtype keeps them independent of N and K as well
+CONFIG = {
+    torch.bfloat16: (64, 128, 64, 4, 3),
+    torch.float16: (64, 128, 64, 4, 3),
+    torch.float32: (32, 64, 32, 4, 2),
+}
+
+
+@triton.jit
+def _gemm_kernel(
+    a_ptr,
+    b_ptr,
+    c_ptr,
+    tile_group_ptr,
+    tile_row_ptr,
+    ends_ptr,
+    M,
+    N,
+    K,
+    stride_am,
+    stride_ak,
+    stride_bg,
+    stride_bn,
+    stride_bk,
+    stride_cm,
+    GROUPED: tl.constexpr,
+    IEEE: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if GROUPED:
+        g = tl.load(tile_group_ptr + pid_m).to(tl.int64)
+        row0 = tl.load(tile_row_ptr + pid_m).to(tl.int64)
+        end = tl.load(ends_ptr + g, mask=g >= 0, other=0).to(tl.int64)
+        end = tl.where(g >= 0, end, 0)  # g = -1: a spare tile, no rows
+        g = tl.maximum(g, 0)
+    else:
+        g = 0
+        row0 = pid_m.to(tl.int64) * BM
+        end = M
+    rm = row0 + tl.arange(0, BM)
+    rn = pid_n.to(tl.int64) * BN + tl.arange(0, BN)
+    rk = tl.arange(0, BK)
+    a_rows = a_ptr + rm[:, None] * stride_am
+    b_cols = b_ptr + g * stride_bg + rn[None, :] * stride_bn
+    m_ok = rm < end
+    n_ok = rn < N
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        k = k0 + rk
+        k_ok = k < K
+        a = tl.load(a_rows + k[None, :] * stride_ak, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(b_cols + k[:, None] * stride_bk, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        if IEEE:
+            acc = tl.dot(a, b, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc)
+    c = c_ptr + rm[:, None] * stride_cm + rn[None, :]
+    tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+def _config(dtype: torch.dtype):
+    if dtype not in CONFIG:
+        raise TypeError(f"no batch-invariant GEMM for {dtype}")
+    return CONFIG[dtype]
+
+
+def _launch(rows, weight, out, grid_m, tiles, ends, grouped: bool):
+    bm, bn, bk, warps, stages = _config(rows.dtype)
+    n, k = weight.shape[-2], weight.shape[-1]
+    if out.shape[0] == 0 or n == 0:
+        return out
+    dummy = ends if ends is not None else out
+    _gemm_kernel[(grid_m, triton.cdiv(n, bn))](
+        rows,
+        weight,
+        out,
+        tiles[0] if tiles is not None else dummy,
+        tiles[1] if tiles is not None else dummy,
+        dummy,
+        rows.shape[0],
+        n,
+        k,
+        rows.stride(0),
+        rows.stride(1),
+        weight.stride(0) if grouped else 0,
+        weight.stride(-2),
+        weight.stride(-1),
+        out.stride(0),
+        GROUPED=grouped,
+        IEEE=rows.dtype == torch.float32,
+        BM=bm,
+        BN=bn,
+        BK=bk,
+        num_warps=warps,
+        num_stages=stages,
+    )
+    return out
+
+
+def invariant_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ weight [N, K].T -> [M, N] in x's dtype (float32 accumulation)."""
+    if weight.dtype != x.dtype:
+        raise TypeError(f"input {x.dtype} and weight {weight.dtype} differ")
+    out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
+    bm = _config(x.dtype)[0]
+    return _launch(x, weight, out, triton.cdiv(x.shape[0], bm), None, None, grouped=False)
+
+
+def group_tiles(ends: torch.Tensor, rows: int, dtype: torch.dtype):
+    """The tile table of a grouped call on the device: (group of each tile, its first row),
+    ``ceil(rows / BM) + groups`` entries (an upper bound on the tiles; the spare ones have
+    group -1). ``ends`` [G] int: the end row of each group (a cumulative count)."""
+    bm = _config(dtype)[0]
+    groups = ends.shape[0]
+    ends = ends.to(torch.int64)
+    starts = torch.cat([ends.new_zeros(1), ends[:-1]])
+    per = (ends - starts + bm - 1) // bm
+    tile_end = torch.cumsum(per, 0)
+    t = torch.arange(triton.cdiv(rows, bm) + groups, device=ends.device)
+    g = torch.searchsorted(tile_end, t, right=True)
+    valid = g < groups
+    gc = g.clamp(max=groups - 1)
+    first = starts[gc] + (t - (tile_end[gc] - per[gc])) * bm
+    return torch.where(valid, gc, -1).to(torch.int32), first.to(torch.int32)
+
+
+def invariant_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``torch.bmm(a, b)``: a [B, M, K], b [B, K, N] -> [B, M, N], as a grouped call (group i:
+    a[i]'s M rows against b[i]), so no row depends on B."""
+    bsz, m, k = a.shape
+    if bsz == 0 or m == 0:
+        return torch.bmm(a, b)
+    if a.dtype != b.dtype:
+        raise TypeError(f"operands {a.dtype} and {b.dtype} differ")
+    ends = torch.arange(1, bsz + 1, device=a.device, dtype=torch.int64) * m
+    rows = a.reshape(bsz * m, k)
+    return invariant_grouped_linear(rows, b.transpose(1, 2), ends).view(bsz, m, -1)
+
+
+def invariant_grouped_linear(
+    x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor, tiles=None
+) -> torch.Tensor:
+    """Rows of x [R, K] sorted by group, group g's rows ending at ``ends[g]``, times weight
+    [G, N, K] of their group -> [R, N] in x's dtype. ``tiles``: ``group_tiles(ends, R,
+    x.dtype)``, built once for calls that share the grouping."""
+    if weight.dtype != x.dtype:
+        raise TypeError(f"input {x.dtype} and weight {weight.dtype} differ")
+    if tiles is None:
+        tiles = group_tiles(ends, x.shape[0], x.dtype)
+    out = torch.empty(x.shape[0], weight.shape[1], dtype=x.dtype, device=x.device)
+    return _launch(x, weight, out, tiles[0].shape[0], tiles, ends, grouped=True)

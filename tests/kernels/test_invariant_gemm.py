@@ -1,0 +1,118 @@
+"""The batch-invariant mode's GEMM kernel (atom/kernels/_invariant_gemm_triton.py): a row's
+output bits depend only on that row and its weight, never on how many rows share the call,
+where the row sits, or (grouped) how the other rows are grouped. On CUDA, or on CPU with
+Triton's interpreter (``TRITON_INTERPRET=1``, float32 and float16: the interpreter's bfloat16
+dot is wrong). Skipped elsewhere (CI)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.kernels.runnable import DEVICE, needs_kernel
+
+pytestmark = needs_kernel
+
+DTYPES = [torch.float32, torch.bfloat16] if DEVICE == "cuda" else [torch.float32, torch.float16]
+
+
+def _k():
+    from atom.kernels import _invariant_gemm_triton as k
+
+    return k
+
+
+def _rand(*shape, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g).to(dtype).to(DEVICE)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_row_has_the_same_bits_in_any_call(dtype):
+    k = _k()
+    w = _rand(70, 45, dtype=dtype, seed=1)
+    x = _rand(130, 45, dtype=dtype, seed=2)
+    y = k.invariant_linear(x, w)
+    want = (x.double() @ w.double().T).float()
+    tol = 1e-4 if dtype == torch.float32 else 0.05 * want.abs().max().item()
+    assert (y.float() - want).abs().max().item() < tol
+    for lo, hi in [(0, 1), (5, 8), (63, 65), (100, 130)]:  # fewer rows, other tile positions
+        assert torch.equal(k.invariant_linear(x[lo:hi], w), y[lo:hi]), (lo, hi)
+    shifted = torch.cat([_rand(17, 45, dtype=dtype, seed=3), x])  # every row 17 places on
+    assert torch.equal(k.invariant_linear(shifted, w)[17:], y)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_grouped_rows_equal_their_group_alone(dtype):
+    """Each group's rows equal the dense call of its weight, bit for bit, for groupings with
+    empty groups and groups smaller and larger than a tile."""
+    k = _k()
+    w = _rand(4, 40, 24, dtype=dtype, seed=4)
+    x = _rand(150, 24, dtype=dtype, seed=5)
+    for sizes in [(10, 0, 140, 0), (0, 0, 0, 150), (64, 64, 1, 21), (1, 1, 1, 147)]:
+        ends = torch.tensor(sizes, device=DEVICE).cumsum(0)
+        y = k.invariant_grouped_linear(x, w, ends)
+        start = 0
+        for g, n in enumerate(sizes):
+            alone = k.invariant_linear(x[start : start + n], w[g])
+            assert torch.equal(y[start : start + n], alone), (sizes, g)
+            start += n
+
+
+def test_group_tiles_cover_every_row_once():
+    k = _k()
+    bm = k.CONFIG[torch.float32][0]
+    for sizes in [(0,), (5,), (bm, bm + 1, 0, 3), (0, 0, 2 * bm)]:
+        ends = torch.tensor(sizes).cumsum(0)
+        rows = int(ends[-1])
+        group, first = k.group_tiles(ends.to(DEVICE), rows, torch.float32)
+        seen = []
+        for g, f in zip(group.tolist(), first.tolist()):
+            if g < 0:
+                continue
+            end = int(ends[g])
+            assert f < end and (g == 0 or f >= int(ends[g - 1]))
+            seen.extend(range(f, min(f + bm, end)))
+        assert sorted(seen) == list(range(rows)), sizes
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_bmm_entries_equal_their_own_call(dtype):
+    k = _k()
+    a = _rand(6, 5, 16, dtype=dtype, seed=6)
+    b = _rand(6, 16, 9, dtype=dtype, seed=7)
+    y = k.invariant_bmm(a, b)
+    for i in range(6):
+        assert torch.equal(y[i], k.invariant_linear(a[i], b[i].T.contiguous())), i
+    assert torch.equal(k.invariant_bmm(a[2:3], b[2:3]), y[2:3])  # a batch of one
+    want = torch.bmm(a.double(), b.double()).float()
+    assert (y.float() - want).abs().max().item() < (1e-4 if dtype == torch.float32 else 0.1)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="bench-size shapes on the GPU")
+@pytest.mark.parametrize("n,kdim", [(1024, 5120), (1536, 16384)])
+def test_bench_shapes_row_zero_is_the_same_for_every_m(n, kdim):
+    """The shapes where cuBLAS's bf16 GEMM gives another row 0 as M grows (from M = 16-256)."""
+    k = _k()
+    w = _rand(n, kdim, dtype=torch.bfloat16, seed=8)
+    x = _rand(4096, kdim, dtype=torch.bfloat16, seed=9)
+    first = k.invariant_linear(x[:1], w)
+    for m in (2, 16, 32, 64, 256, 1024, 4096):
+        assert torch.equal(k.invariant_linear(x[:m], w)[:1], first), m
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="torch's CUDA reductions split rows by the batch")
+@pytest.mark.parametrize("n", [8, 5120])
+def test_the_modes_sums_are_the_same_bits_in_any_batch(n):
+    """``invariant.sum`` / ``mean`` (short dims added in order, long ones through the kernel)."""
+    from atom.kernels import invariant
+
+    invariant.configure(True)
+    x = _rand(2048, n, dtype=torch.float32, seed=10)
+    full, avg = invariant.sum(x, -1), invariant.mean(x, -1, keepdim=True)
+    assert torch.allclose(full, x.double().sum(-1).float(), rtol=1e-5, atol=1e-3)
+    for m in (1, 3, 64, 1000):
+        assert torch.equal(invariant.sum(x[:m], -1), full[:m]), m
+        assert torch.equal(invariant.mean(x[:m], -1, keepdim=True), avg[:m]), m
+    cols = x.t().contiguous()  # the reduced dim first
+    assert torch.equal(invariant.sum(cols, 0), full)
