@@ -41,13 +41,14 @@ def prompts_of(lengths, seed):
     return [torch.randint(0, 256, (n,), generator=g).tolist() for n in lengths]
 
 
-def prompt_bytes(llm: LLM, prompt: list[int]) -> list[tuple[bytes, bytes | None]]:
-    """(PAGE block bytes, image bytes or None) of each full block of ``prompt``, as the engine's
-    pool holds them after the request finished (the blocks stay cached)."""
+def prompt_bytes(llm: LLM, prompt: list[int], blocks: int | None = None):
+    """(PAGE block bytes, image bytes or None) of each full block of ``prompt`` (the first
+    ``blocks`` of them), as the engine's pool holds them after the request finished (the blocks
+    stay cached)."""
     eng = llm.engine
     pool = eng.runner.pool
     out = []
-    for h in block_hashes(prompt, BLOCK):
+    for h in block_hashes(prompt, eng.config.block_size)[:blocks]:
         block = eng.pool.lookup(h)
         assert block is not None, "a prompt block left the prefix cache"
         image = eng.store.images.get(h)

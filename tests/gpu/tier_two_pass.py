@@ -19,21 +19,7 @@ from __future__ import annotations
 import torch
 
 from atom import LLM
-from atom.engine.block_pool import block_hashes
-
-
-def prefix_bytes(llm: LLM, prompt: list[int], blocks: int) -> list[tuple[bytes, bytes | None]]:
-    """(PAGE bytes, image bytes or None) of the first ``blocks`` full blocks of ``prompt`` as the
-    engine's pool holds them (finished requests leave their blocks cached)."""
-    eng, pool = llm.engine, llm.engine.runner.pool
-    out = []
-    for h in block_hashes(prompt, eng.config.block_size)[:blocks]:
-        block = eng.pool.lookup(h)
-        assert block is not None, "a prompt block left the prefix cache"
-        image = eng.store.images.get(h)
-        img = None if image is None else pool[list(image.units)].cpu().numpy().tobytes()
-        out.append((pool[block].cpu().numpy().tobytes(), img))
-    return out
+from tests.engine.test_batch_invariant import prompt_bytes as prefix_bytes
 
 
 def assert_loaded_bytes_equal(first, second, hits: list[int], block_size: int) -> None:
