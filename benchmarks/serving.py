@@ -153,6 +153,42 @@ def parting_text(parts: list[list]) -> str:
     )
 
 
+def exactness(arms: list[dict], kept: list[dict]) -> dict:
+    """Every pass of every arm against the no-reuse arm's outputs (the recomputation), token for
+    token: per pass, the requests whose tokens differ and the tokens that differ in all."""
+    ref = kept[0]["pass2"]
+    passes, differing = {}, 0
+    for arm, keep in zip(arms, kept):
+        for which in ("pass1", "pass2"):
+            got = keep.get(which)
+            if got is None or (keep is kept[0] and which == "pass2"):
+                continue
+            diff = [
+                sum(a != b for a, b in zip(x, y)) + abs(len(x) - len(y)) for x, y in zip(got, ref)
+            ]
+            passes[f"{arm['arm']} {which}"] = {
+                "requests_differing": sum(d > 0 for d in diff),
+                "tokens_differing": sum(diff),
+            }
+            differing += sum(diff)
+    against = f"{arms[0]['arm']} (pass 2)"
+    return {"against": against, "passes": passes, "differing_tokens": differing}
+
+
+def exactness_text(exact: dict, invariant: bool) -> str:
+    mode = "batch-invariant mode" if invariant else "default arithmetic"
+    rows = [
+        [name, v["requests_differing"], v["tokens_differing"]]
+        for name, v in exact["passes"].items()
+    ]
+    return (
+        f"\nEvery pass against {exact['against']}, token for token ({mode}; "
+        f"{exact['differing_tokens']} tokens differ in all):\n\n"
+        + md_table(["pass", "requests differing", "tokens differing"], rows)
+        + "\n"
+    )
+
+
 def plain_copy_seconds(nbytes: int, device: str, repeats: int = 20) -> float:
     """Median time of a plain copy of ``nbytes`` into the pool's memory (host->device from
     pinned memory on GPU, memcpy on CPU)."""
@@ -266,6 +302,7 @@ def run_arm(
         max_num_batched_tokens=args.max_batched_tokens,
         num_blocks=args.pool_blocks,
         tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
+        batch_invariant=getattr(args, "batch_invariant", False),
         **engine,
     )
     eng = llm.engine
@@ -700,6 +737,13 @@ def main() -> None:
         default="auto",
         help="lmcache.tp_rank_collapse of the tier arm (with --tensor-parallel-size > 1)",
     )
+    ap.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="every arm's engine in the batch-invariant mode (EngineConfig.batch_invariant); "
+        "main then checks that every pass equals the no-reuse arm token for token and exits 1 "
+        "where one does not",
+    )
     for key, value in PRESETS["cpu"].items():
         ap.add_argument(f"--{key.replace('_', '-')}", type=type(value), default=None)
     args = ap.parse_args()
@@ -739,11 +783,13 @@ def main() -> None:
         return
     block = 256
     ceiling = sum((len(p) - 1) // block * block for p in prompts)
+    kept = [{}, {}, {}]
     arms = [
-        run_arm("no prefix reuse", prompts, args, fill=False, enable_prefix_caching=False),
-        run_arm("HBM prefix caching", prompts, args),
-        run_arm("HBM + tier", prompts, args, **tier_engine),
+        run_arm("no prefix reuse", prompts, args, False, kept[0], enable_prefix_caching=False),
+        run_arm("HBM prefix caching", prompts, args, keep=kept[1]),
+        run_arm("HBM + tier", prompts, args, keep=kept[2], **tier_engine),
     ]
+    exact = exactness(arms, kept)
     # calibrated model on the arms that move no bytes: time per request = a * computed + b
     xs = [a["computed_prompt_tokens"] / a["requests"] for a in arms[:2]]
     ys = [a["wall_s"] / a["requests"] for a in arms[:2]]
@@ -766,6 +812,7 @@ def main() -> None:
         "tier_over_hbm_req_per_s": tier["req_per_s"] / arms[1]["req_per_s"],
         "tier_over_no_reuse_req_per_s": tier["req_per_s"] / arms[0]["req_per_s"],
         "calibrated_model": model,
+        "exactness": exact,
     }
     rows = []
     for arm in arms:
@@ -825,6 +872,7 @@ def main() -> None:
             table += (
                 f"{arm['arm']}, pass 2 against pass 1: {parting_text(arm['parting_from_pass1'])}\n"
             )
+    table += exactness_text(exact, args.batch_invariant)
     table += (
         "\nSteps of the measured pass by kind (decode: every span one token; prefill: none; "
         "outside steps: the loop waiting with nothing to run):\n\n"
@@ -836,6 +884,8 @@ def main() -> None:
     print(
         write_results(args.name, {"args": vars(args), "arms": arms, "summary": summary}, table, cmd)
     )
+    if args.batch_invariant and exact["differing_tokens"]:
+        sys.exit(1)  # the mode promises every pass the no-reuse arm's tokens
 
 
 if __name__ == "__main__":

@@ -19,25 +19,11 @@ Triton's interpreter when Triton is installed).
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
 
-
-@functools.cache
-def triton_importable() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def interpreting() -> bool:
-    """Triton's interpreter (``TRITON_INTERPRET=1``) runs kernels on CPU tensors (tests)."""
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
+from atom.kernels.triton_env import interpreting, triton_importable  # noqa: F401
 
 # kernels that run only when named in triton_on (ATOM_TRITON_ON). Each is tested equal to its torch
 # expression (decode_attention also to the reference forward, float32), but on the H200 the

@@ -167,7 +167,7 @@ def fixed_gemm(x: torch.Tensor) -> bool:
     """Whether the mode's GEMMs on tensors like ``x`` run the fixed-configuration Triton kernel
     (``atom.kernels._invariant_gemm_triton``): on CUDA where Triton imports (and on CPU under
     Triton's interpreter, for tests). Elsewhere (CPU) they run row-tiled through torch."""
-    from atom.kernels import interpreting, triton_importable
+    from atom.kernels.triton_env import interpreting, triton_importable
 
     if not (x.is_cuda or interpreting()):
         return False

@@ -5,7 +5,7 @@
 #          speculative serving_spec tp tp_tests (tp, tp_tests: two GPUs)
 #          tier_only idle
 #          train forward_v4 roofline_v4 serving_v4 speculative_v4 fp8_gemm roofline_fp8
-#          invariant_cost
+#          invariant_cost serving_invariant
 # cuda_ops builds lmcache.cuda_ops from lmcache's sources against this machine's torch
 # (benchmarks/gpu/build_cuda_ops.py); once built (build/ stays while the machine is warm, or
 # carried back), every later step's LMCache server uses it.
@@ -88,6 +88,10 @@ for s in "$@"; do
           --repeats 3 --prefill-repeats 2 $mode \
           --name "roofline_v41_bench_invariant${mode:+_on}_h200"
       done ;;
+    serving_invariant)  # the three arms in the batch-invariant mode, half the gpu preset's
+      # requests; exits 1 unless every pass equals the no-reuse arm token for token
+      step "${SERVING_INVARIANT_LIMIT:-585}" python3 -m benchmarks.serving --preset gpu \
+        --batch-invariant --requests 32 --name serving_invariant_h200 ;;
     roofline_fp8)  # both bench models at stored precision (FP8 linears) and dequantized, side by side
       for m in v4-bench-fp8 v41-bench-fp8; do for w in fp8 bf16; do
         step "${ROOFLINE_FP8_LIMIT:-240}" python3 -m benchmarks.roofline --model $m \

@@ -90,6 +90,24 @@ def test_a_request_computes_the_same_bits_alone_and_in_any_batch(preset):
 
 
 @pytest.mark.parametrize("preset", ["v41-tiny", "v4-tiny"])
+def test_randomized_batches_and_chunkings_give_the_same_bits(preset):
+    """Seeded random cases: how many others (1-40), their lengths (1-400), the target's place
+    and the chunk budget (16-512), each against the target alone."""
+    import random
+
+    target = prompts_of([200], seed=12)[0]
+    alone = run(preset, target, [], 0, 512)
+    rng = random.Random(35)
+    for k in range(4):
+        lengths = [rng.randint(1, 400) for _ in range(rng.randint(1, 40))]
+        at, chunk = rng.randint(0, len(lengths)), rng.choice([16, 48, 100, 256, 512])
+        got = run(preset, target, prompts_of(lengths, seed=200 + k), at, chunk)
+        case = f"case {k} ({len(lengths)} others, at {at}, chunk {chunk})"
+        assert got[:2] == alone[:2], f"{case}: tokens or logprobs differ from the request alone"
+        assert got[2] == alone[2], f"{case}: PAGE or image bytes differ"
+
+
+@pytest.mark.parametrize("preset", ["v41-tiny", "v4-tiny"])
 def test_the_mode_matches_the_oracle(preset):
     llm = LLM(preset, **KW, max_num_batched_tokens=48)
     prompts = prompts_of([70, 33, 129, 16, 250], seed=4)
