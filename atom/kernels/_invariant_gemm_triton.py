@@ -3,11 +3,13 @@ only where Triton is).
 
 ``_gemm_kernel`` computes one [BM, BN] tile of ``rows @ weight[g].T`` per program, its K loop
 in order over BK-wide blocks into one float32 accumulator, with one launch configuration for
-every call of a dtype (``CONFIG``): no split-K, no choice by M. An output element's value
-therefore depends only on its own input row and weight column: not on how many rows the call
-has, nor where its row sits in its tile (the tensor-core product of a tile treats every row
-alike). cuBLAS does not promise that (its kernels and split-K change with M; measured on the
-H200: K=5120 N=1024 gives another row 0 from M=256 on).
+every call of a dtype (``CONFIG``), no choice by M. K may be split into contiguous ranges
+(``splits``: by the weight's shape and the device alone), whose float32 partials are added in
+range order afterwards: decode-shaped calls then have enough programs to stream the weight.
+An output element's value therefore depends only on its own input row and weight column: not
+on how many rows the call has, nor where its row sits in its tile (the tensor-core product of a
+tile treats every row alike). cuBLAS does not promise that: its kernels and split-K change with
+M (on the H200, K=5120 N=1024 gives another row 0 from M=256 on).
 
 Grouped calls (the MoE's routed experts): ``rows`` sorted by group, ``ends[g]`` the end row of
 group g; the tile table (``group_tiles``) is built on the device, so the call has no host
@@ -15,6 +17,8 @@ sync and can be captured in a CUDA graph. A tile never spans two groups.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -46,6 +50,8 @@ def _gemm_kernel(
     stride_bn,
     stride_bk,
     stride_cm,
+    stride_cs,
+    k_per,
     GROUPED: tl.constexpr,
     IEEE: tl.constexpr,
     BM: tl.constexpr,
@@ -54,6 +60,7 @@ def _gemm_kernel(
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
+    split = tl.program_id(2)
     if GROUPED:
         g = tl.load(tile_group_ptr + pid_m).to(tl.int64)
         row0 = tl.load(tile_row_ptr + pid_m).to(tl.int64)
@@ -72,16 +79,18 @@ def _gemm_kernel(
     m_ok = rm < end
     n_ok = rn < N
     acc = tl.zeros([BM, BN], dtype=tl.float32)
-    for k0 in range(0, K, BK):
+    k_lo = split * k_per
+    k_hi = tl.minimum(K, k_lo + k_per)
+    for k0 in range(k_lo, k_hi, BK):
         k = k0 + rk
-        k_ok = k < K
+        k_ok = k < k_hi
         a = tl.load(a_rows + k[None, :] * stride_ak, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         b = tl.load(b_cols + k[:, None] * stride_bk, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         if IEEE:
             acc = tl.dot(a, b, acc, input_precision="ieee")
         else:
             acc = tl.dot(a, b, acc)
-    c = c_ptr + rm[:, None] * stride_cm + rn[None, :]
+    c = c_ptr + split.to(tl.int64) * stride_cs + rm[:, None] * stride_cm + rn[None, :]
     tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
@@ -91,16 +100,49 @@ def _config(dtype: torch.dtype):
     return CONFIG[dtype]
 
 
+# programs a call should have at least, so that a decode-shaped GEMM (few rows) streams its
+# weight at full bandwidth: the device's SM count (a fixed number where there is none)
+_PROGRAMS_CPU = 8
+# K blocks each split of K keeps at least, and the most splits
+_MIN_SPLIT_BLOCKS, _MAX_SPLITS = 4, 16
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def splits(n: int, k: int, dtype: torch.dtype, device: torch.device) -> int:
+    """Into how many contiguous K ranges a call of an [n, k] weight splits (each summed by its
+    own programs into float32 partials, the partials then added in range order): a function of
+    n, k, the dtype and the device alone, never of M, so a row's bits stay independent of the
+    batch. Enough ranges to give the device one program per SM with a single row tile."""
+    _, bn, bk, _, _ = _config(dtype)
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        programs = _sm_count(index)
+    else:
+        programs = _PROGRAMS_CPU
+    by_k = triton.cdiv(k, bk) // _MIN_SPLIT_BLOCKS
+    return max(1, min(programs // triton.cdiv(n, bn), by_k, _MAX_SPLITS))
+
+
 def _launch(rows, weight, out, grid_m, tiles, ends, grouped: bool):
     bm, bn, bk, warps, stages = _config(rows.dtype)
     n, k = weight.shape[-2], weight.shape[-1]
     if out.shape[0] == 0 or n == 0:
         return out
+    split = splits(n, k, rows.dtype, rows.device)
+    k_per = triton.cdiv(triton.cdiv(k, bk), split) * bk
+    split = triton.cdiv(k, k_per)  # no empty range
+    dest = out
+    if split > 1:
+        dest = torch.empty(split, *out.shape, dtype=torch.float32, device=out.device)
     dummy = ends if ends is not None else out
-    _gemm_kernel[(grid_m, triton.cdiv(n, bn))](
+    _gemm_kernel[(grid_m, triton.cdiv(n, bn), split)](
         rows,
         weight,
-        out,
+        dest,
         tiles[0] if tiles is not None else dummy,
         tiles[1] if tiles is not None else dummy,
         dummy,
@@ -112,7 +154,9 @@ def _launch(rows, weight, out, grid_m, tiles, ends, grouped: bool):
         weight.stride(0) if grouped else 0,
         weight.stride(-2),
         weight.stride(-1),
-        out.stride(0),
+        dest.stride(-2),
+        dest.stride(0) if split > 1 else 0,
+        k_per,
         GROUPED=grouped,
         IEEE=rows.dtype == torch.float32,
         BM=bm,
@@ -121,6 +165,11 @@ def _launch(rows, weight, out, grid_m, tiles, ends, grouped: bool):
         num_warps=warps,
         num_stages=stages,
     )
+    if split > 1:  # the partials added in range order, element-wise: no reduction kernel
+        total = dest[0]
+        for s in range(1, split):
+            total = total + dest[s]
+        out.copy_(total)
     return out
 
 

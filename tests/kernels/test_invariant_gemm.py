@@ -43,6 +43,25 @@ def test_a_row_has_the_same_bits_in_any_call(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_a_split_k_call_keeps_every_rows_bits(dtype):
+    """A long K splits into ranges (``splits``: by the weight's shape alone); the partials are
+    added in range order, so a row's bits still do not depend on the other rows."""
+    k = _k()
+    w = _rand(70, 1200, dtype=dtype, seed=11)
+    x = _rand(100, 1200, dtype=dtype, seed=12)
+    assert k.splits(70, 1200, dtype, x.device) > 1
+    y = k.invariant_linear(x, w)
+    want = (x.double() @ w.double().T).float()
+    tol = 1e-3 if dtype == torch.float32 else 0.05 * want.abs().max().item()
+    assert (y.float() - want).abs().max().item() < tol
+    for lo, hi in [(0, 1), (30, 31), (2, 99)]:
+        assert torch.equal(k.invariant_linear(x[lo:hi], w), y[lo:hi]), (lo, hi)
+    ends = torch.tensor([1, 40, 100], device=DEVICE)
+    grouped = k.invariant_grouped_linear(x, w[None].expand(3, -1, -1), ends)
+    assert torch.equal(grouped, y)  # the same weight in every group: the dense call's bits
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_grouped_rows_equal_their_group_alone(dtype):
     """Each group's rows equal the dense call of its weight, bit for bit, for groupings with
     empty groups and groups smaller and larger than a tile."""
