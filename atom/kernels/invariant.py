@@ -15,17 +15,22 @@ more so (cuBLAS picks tiles and split-K by M).
 
 In the mode:
 
-- ``linear``: the rows go through the GEMM in tiles of ``ROW_TILE`` rows (the last padded with
-  zero rows), all tiles as one batched GEMM of one shape: every row meets the same kernel, in
-  the same position class, whatever M is. ``grouped_linear`` does the same for the grouped
-  output projection ([n, g, i] x [g, o, i]).
+- ``linear``, ``bmm``, ``grouped_linear``: on CUDA one Triton GEMM of a fixed launch
+  configuration (``atom.kernels._invariant_gemm_triton``; ``fixed_gemm``), whose K split is
+  set by the weight's shape alone. On CPU the rows go through the GEMM in tiles of
+  ``ROW_TILE`` rows (the last padded with zero rows), all tiles as one batched GEMM of one
+  shape: every row meets the same kernel, in the same position class, whatever M is.
+- ``sum`` and ``mean``: on CUDA in an order set by the reduced length alone (torch's CUDA
+  reductions split a row by how many rows there are).
 - ``sink_attention``: the keys of each query are reduced in a fixed order of fixed-size parts:
   its window keys (one part), then its compressed rows in chunks of ``KEY_CHUNK`` from row 0,
   then the sink, by an online softmax. A chunk of masked (padding) rows is an exact no-op (its
   maximum is -inf, so the running maximum, sum and output are multiplied by exp(0) = 1 and
   added 0), so scanning more padding rows for a longer sequence in the batch changes no bit.
-- the MoE runs every token through the per-expert path (``atom.models.common.moe``), each
-  token's expert outputs added in expert order.
+- the MoE (``atom.models.common.moe``): on CUDA grouped GEMMs of the fixed kernel over the
+  expert-sorted rows, no host sync (so decode graphs replay in the mode), each token's slots
+  added in slot order; on CPU the per-expert loop, each token's expert outputs added in expert
+  order.
 
 A token's window part and its chunking depend on its tile (prefill) or on the window (decode),
 so a token computed in a prefill chunk and the same token computed by a decode step may still
