@@ -73,8 +73,10 @@ def pointwise(fn, *xs: torch.Tensor) -> torch.Tensor:
     mode, evaluated on contiguous copies padded to a multiple of ``POINTWISE_BLOCK`` elements.
     On CPU torch computes such functions with SIMD approximations in a loop's body and with the
     scalar library function in its tail, which round differently: without the padding, an
-    element's bits would depend on where it falls in the tensor, i.e. on the batch."""
-    if not _MODE["on"]:
+    element's bits would depend on where it falls in the tensor, i.e. on the batch. CUDA's
+    element-wise kernels apply one device function to every element, vectorized or not: no
+    padding there."""
+    if not _MODE["on"] or xs[0].is_cuda:
         return fn(*xs)
     shape = torch.broadcast_shapes(*(x.shape for x in xs))
     flat = [x.expand(shape).contiguous().view(-1) for x in xs]
@@ -151,6 +153,12 @@ def _aligned(x: torch.Tensor) -> torch.Tensor:
     if out.data_ptr() % ALIGN:  # the allocator aligns far more than this; never seen
         raise RuntimeError("an unaligned allocation in the batch-invariant mode")
     return out.copy_(x)
+
+
+def _operand(x: torch.Tensor) -> torch.Tensor:
+    """An operand of ``bmm``: aligned where BLAS multiplies it (``_aligned``); as it is where the
+    fixed kernel does (it takes any strides and offsets)."""
+    return x if fixed_gemm(x) else _aligned(x)
 
 
 def _pad_rows(x: torch.Tensor, dim: int, multiple: int) -> torch.Tensor:
@@ -249,25 +257,25 @@ def sink_attention(
     # masked zero keys up to a multiple of KEY_PAD: p = 0 there, exactly
     win_k, win_mask = _pad_rows(win_k, 1, KEY_PAD), _pad_rows(win_mask, 2, KEY_PAD)
     win_k, qt = _aligned(win_k), _aligned(q.reshape(b, t * h, hd))
-    win = bmm(qt, _aligned(win_k.transpose(1, 2))).float().view(n, h, -1)
+    win = bmm(qt, _operand(win_k.transpose(1, 2))).float().view(n, h, -1)
     logits = (win * scale).masked_fill(~win_mask.reshape(n, 1, -1), NEG_INF)
     m = logits.amax(-1, keepdim=True)  # finite: the own key is valid
     p = pointwise(torch.exp, logits - m)
     total = sum(p, -1, keepdim=True)
-    pv = bmm(_aligned(p.to(q.dtype).view(b, t * h, -1)), win_k).float().view(n, h, hd)
+    pv = bmm(_operand(p.to(q.dtype).view(b, t * h, -1)), win_k).float().view(n, h, hd)
     acc = pv
     qf = qt.view(n, h, hd)
     if comp is not None and comp.shape[1]:
         comp, comp_valid = _pad_rows(comp, 1, KEY_CHUNK), _pad_rows(comp_valid, 1, KEY_CHUNK)
         for c0 in range(0, comp.shape[1], KEY_CHUNK):
-            rows = _aligned(comp[:, c0 : c0 + KEY_CHUNK])
-            sc = bmm(qf, _aligned(rows.transpose(1, 2))).float() * scale
+            rows = _operand(comp[:, c0 : c0 + KEY_CHUNK])
+            sc = bmm(qf, _operand(rows.transpose(1, 2))).float() * scale
             sc = sc.masked_fill(~comp_valid[:, None, c0 : c0 + KEY_CHUNK], NEG_INF)
             m_new = torch.maximum(m, sc.amax(-1, keepdim=True))
             alpha = pointwise(torch.exp, m - m_new)
             p = pointwise(torch.exp, sc - m_new)
             total = total * alpha + sum(p, -1, keepdim=True)
-            acc = acc * alpha + bmm(_aligned(p.to(q.dtype)), rows).float()
+            acc = acc * alpha + bmm(_operand(p.to(q.dtype)), rows).float()
             m = m_new
     s = sink.float().view(1, h, 1)
     m_new = torch.maximum(m, s)
@@ -317,9 +325,9 @@ def index_scores(qi: torch.Tensor, w: torch.Tensor, keys: torch.Tensor) -> torch
     qa = _aligned(qi) if per_query else qi.reshape(t * h, d)
     out = []
     for c0 in range(0, keys.shape[-2], KEY_CHUNK):
-        chunk = _aligned(keys[..., c0 : c0 + KEY_CHUNK, :])
+        chunk = _operand(keys[..., c0 : c0 + KEY_CHUNK, :])
         if per_query:
-            dots = bmm(qa, _aligned(chunk.transpose(1, 2)))
+            dots = bmm(qa, _operand(chunk.transpose(1, 2)))
         else:
             dots = linear(qa, chunk).view(t, h, -1)
         out.append(head_sum(w, dots))
@@ -342,7 +350,7 @@ def tile_index_scores(qs: torch.Tensor, w: torch.Tensor, keys: torch.Tensor) -> 
     keys, qa = _pad_rows(keys, 1, KEY_CHUNK), _aligned(qs)
     out = []
     for c0 in range(0, keys.shape[1], KEY_CHUNK):
-        chunk = _aligned(keys[:, c0 : c0 + KEY_CHUNK].transpose(1, 2))
+        chunk = _operand(keys[:, c0 : c0 + KEY_CHUNK].transpose(1, 2))
         dots = bmm(qa, chunk).view(-1, h, KEY_CHUNK)
         out.append(head_sum(w, dots))
     return torch.cat(out, 1)[:, :r]
