@@ -7,8 +7,9 @@ tokens, its first interval, which may hold other requests' prefill, left out).
 python -m benchmarks.invariant_cost --model v41-mini --device cpu --requests 16 \
     --prompt-len 256 --output-len 16 --repeats 3
 
-On CUDA the default mode replays decode graphs and runs the Triton kernels; the mode runs
-neither (docs/PRECISION.md), so its ratio there is the whole price of exactness.
+On CUDA both modes replay decode graphs; the mode runs its own fixed-configuration GEMM and
+only the row-local Triton kernels (docs/PRECISION.md), so its ratio there is the price of
+exactness.
 """
 
 from __future__ import annotations

@@ -95,26 +95,22 @@ def sum(x: torch.Tensor, dim: int, keepdim: bool = False) -> torch.Tensor:  # no
     """``x.sum(dim, keepdim)``; in the mode on CUDA in an order set by the reduced length
     alone: torch's CUDA reductions split a row among threads and blocks by how many rows
     there are (the batch). A short dimension is added element-wise in order; a longer one is
-    a product with a ones vector through the fixed-configuration GEMM. On CPU torch's own
+    a product with a ones vector through the mode's ``linear``. On CPU torch's own
     (its reductions do not depend on the other rows there)."""
     if not (_MODE["on"] and x.is_cuda):
         return x.sum(dim, keepdim=keepdim)
     dim = dim % x.dim()
     n = x.shape[dim]
-    if n <= SHORT_SUM or not fixed_gemm(x):
-        if n == 0:
-            return x.sum(dim, keepdim=keepdim)
+    if n == 0:
+        return x.sum(dim, keepdim=keepdim)
+    if n <= SHORT_SUM:
         total = x.select(dim, 0)
         for i in range(1, n):
             total = total + x.select(dim, i)
-        return total.unsqueeze(dim) if keepdim else total
-    from atom.kernels._invariant_gemm_triton import invariant_linear
-
-    moved = x.movedim(dim, -1)
-    lead = moved.shape[:-1]
-    rows = moved.reshape(-1, n)
-    out = invariant_linear(rows, rows.new_ones(1, n)).view(lead)
-    return out.unsqueeze(dim) if keepdim else out
+    else:
+        moved = x.movedim(dim, -1)
+        total = linear(moved, moved.new_ones(1, n)).squeeze(-1)
+    return total.unsqueeze(dim) if keepdim else total
 
 
 def mean(x: torch.Tensor, dim: int, keepdim: bool = False) -> torch.Tensor:

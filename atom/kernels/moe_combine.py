@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from atom.kernels import use_triton
+from atom.kernels import invariant, use_triton
 
 
 def slots(shared: torch.Tensor, y: torch.Tensor) -> int:
@@ -29,13 +29,13 @@ def slots(shared: torch.Tensor, y: torch.Tensor) -> int:
 def moe_combine_torch(shared: torch.Tensor, y: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
     """shared [N, d]; y [N * k, d] the (weighted) routed outputs, row i belonging to (token,
     slot) = divmod(order[i], k) -> float32 [N, d]: shared + sum over slots (in slot order) of
-    y."""
+    y (``invariant.sum``: in the batch-invariant mode on CUDA, added one by one)."""
     if shared.shape[0] == 0:
         return torch.empty(shared.shape, dtype=torch.float32, device=shared.device)
     n, k = shared.shape[0], slots(shared, y)
     per_slot = torch.empty(y.shape, dtype=torch.float32, device=y.device)
     per_slot[order] = y.float()
-    return shared.float() + per_slot.view(n, k, -1).sum(1)
+    return shared.float() + invariant.sum(per_slot.view(n, k, -1), 1)
 
 
 def moe_combine_usable(y: torch.Tensor) -> bool:

@@ -36,9 +36,9 @@ KW = dict(
 PARAMS = SamplingParams(max_tokens=5, ignore_eos=True, logprobs=4)
 
 
-def prompts_of(lengths, seed):
+def prompts_of(lengths, seed, vocab: int = 256):
     g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, 256, (n,), generator=g).tolist() for n in lengths]
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
 
 
 def prompt_bytes(llm: LLM, prompt: list[int], blocks: int | None = None):

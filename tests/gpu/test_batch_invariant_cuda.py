@@ -28,7 +28,7 @@ def test_graph_replays_equal_eager_runs_bit_for_bit(preset):
     batches padded to their bucket and tables to their width give the eager run's bits."""
     from atom import LLM, SamplingParams
 
-    from .tier_two_pass import assert_same_bits, seeded_prompts
+    from .tier_two_pass import assert_same_bits
 
     kw = dict(
         device="cuda",
@@ -38,7 +38,7 @@ def test_graph_replays_equal_eager_runs_bit_for_bit(preset):
         max_num_seqs=8,
         max_num_batched_tokens=1024,
     )
-    prompts = seeded_prompts((40, 300, 530, 90, 260, 700), seed=12)
+    prompts = cpu.prompts_of((40, 300, 530, 90, 260, 700), seed=12)
     params = [SamplingParams(max_tokens=4 + 3 * i, ignore_eos=True, logprobs=3) for i in range(6)]
     graphed = LLM(preset, **kw)
     graphs = graphed.engine.runtime.graphs

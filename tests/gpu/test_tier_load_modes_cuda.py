@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from atom import SamplingParams
+from tests.engine.test_batch_invariant import prompts_of
 
-from .tier_two_pass import assert_same_bits, seeded_prompts, two_pass
+from .tier_two_pass import assert_same_bits, two_pass
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -30,7 +31,7 @@ KW = dict(
 @pytest.mark.parametrize("invariant", [False, True], ids=["default", "batch_invariant"])
 @pytest.mark.parametrize("mode", ["engine_driven", "lmcache_driven"])
 def test_tier_two_pass_on_cuda_in_both_load_modes(mode, invariant):
-    prompts = seeded_prompts((700, 1030, 300), seed=1)
+    prompts = prompts_of((700, 1030, 300), seed=1)
     p = SamplingParams(max_tokens=8, ignore_eos=True, logprobs=5)
     kw = {**KW, "batch_invariant": invariant}
     second = {"lmcache": {"load_mode": mode}}

@@ -17,8 +17,9 @@ from atom.models.deepseek_v4.model import DeepseekV4ForCausalLM
 from atom.models.deepseek_v4.presets import preset_config
 from atom.models.deepseek_v4.reference import reference_forward
 from atom.models.deepseek_v4.runtime import V4Runtime
+from tests.engine.test_batch_invariant import prompts_of
 
-from .tier_two_pass import assert_same_bits, seeded_prompts, two_pass
+from .tier_two_pass import assert_same_bits, two_pass
 
 pytestmark = [
     pytest.mark.gpu,
@@ -146,7 +147,7 @@ def test_v4_tier_two_pass_on_cuda(invariant):
         lmcache={"l1_size_gb": 2.0},
         batch_invariant=invariant,
     )
-    prompts = seeded_prompts((700, 530, 300), seed=3, vocab=300)
+    prompts = prompts_of((700, 530, 300), seed=3, vocab=300)
     p = SamplingParams(max_tokens=8, ignore_eos=True, logprobs=5)
     second = {"max_num_batched_tokens": 320} if invariant else {}
     out1, out2, hits, _ = two_pass("v4-mini", prompts, p, kw, second)

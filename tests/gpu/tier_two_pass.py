@@ -16,8 +16,6 @@ What each arithmetic can promise, and so what the tests assert:
 
 from __future__ import annotations
 
-import torch
-
 from atom import LLM
 from tests.engine.test_batch_invariant import prompt_bytes as prefix_bytes
 
@@ -74,8 +72,3 @@ def two_pass(model: str, prompts, params, kw: dict, second: dict | None = None):
         server.stop()
     assert_loaded_bytes_equal(bytes1, bytes2, hits, kw["block_size"])
     return out1, out2, hits, info
-
-
-def seeded_prompts(lengths, seed: int, vocab: int = 256) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]

@@ -157,7 +157,7 @@ class MoE(nn.Module):
                 # run to run (and with it, in bfloat16, an output now and then)
                 return moe_combine(shared, y, order)
         if path == "fixed":
-            return _slot_sum(shared, self._fixed(x, idx, w), self._order(idx), self.top_k)
+            return moe_combine(shared, *self._fixed(x, idx, w))
         out = shared.float()
         if path == "dense":
             return out + self._dense(x, idx, w)
@@ -181,20 +181,18 @@ class MoE(nn.Module):
             return False
         return self.experts[0].gate_proj.weight.dtype == x.dtype
 
-    @staticmethod
-    def _order(idx: torch.Tensor) -> torch.Tensor:
-        return torch.argsort(idx.flatten(), stable=True)  # rows grouped by expert, ascending
-
-    def _fixed(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    def _fixed(
+        self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The routed experts in the batch-invariant mode without a host sync: the token rows
-        sorted by expert (``_order``), three grouped GEMMs of the fixed kernel; returns the
-        weighted outputs [N * top_k, d] in that order. A row's result depends only on its own
-        token and expert, whatever the other rows and their experts."""
+        sorted by expert, three grouped GEMMs of the fixed kernel. Returns (the weighted
+        outputs [N * top_k, d] in expert order, order), as ``_grouped`` does. A row's result
+        depends only on its own token and expert, whatever the other rows and their experts."""
         from atom.kernels._invariant_gemm_triton import group_tiles, invariant_grouped_linear
 
         gate, up, down = self.stacked_weights()
         flat = idx.flatten()
-        order = self._order(idx)
+        order = torch.argsort(flat, stable=True)  # token rows grouped by expert, rows ascending
         counts = torch.zeros(gate.shape[0], dtype=torch.int64, device=x.device)
         counts.scatter_add_(0, flat, torch.ones_like(flat))  # integer adds: exact in any order
         ends = torch.cumsum(counts, 0)
@@ -204,7 +202,7 @@ class MoE(nn.Module):
         u = invariant_grouped_linear(xs, up, ends, tiles).float().clamp(-self.limit, self.limit)
         h = invariant.pointwise(F.silu, g) * u * w.flatten()[order, None]
         h = self.act(h.to(x.dtype))
-        return invariant_grouped_linear(h, down, ends, tiles)
+        return invariant_grouped_linear(h, down, ends, tiles), order
 
     def _grouped(
         self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor
@@ -257,18 +255,6 @@ class MoE(nn.Module):
                     p.data = s[i]
             self._stack = stack
         return stack
-
-
-def _slot_sum(shared: torch.Tensor, y: torch.Tensor, order: torch.Tensor, k: int) -> torch.Tensor:
-    """float32 shared + each token's k slots of y (rows in ``order``) added one by one in slot
-    order: element-wise adds, whose order no reduction kernel's choice of split can change."""
-    per_slot = torch.empty(y.shape, dtype=torch.float32, device=y.device)
-    per_slot[order] = y.float()
-    per_slot = per_slot.view(shared.shape[0], k, -1)
-    routed = per_slot[:, 0]
-    for s in range(1, k):
-        routed = routed + per_slot[:, s]
-    return shared.float() + routed
 
 
 # ``configured``: the engine config's ``moe_grouped_mm`` (``configure_grouped_mm``, when an
