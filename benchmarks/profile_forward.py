@@ -114,12 +114,22 @@ def shape_parser(doc: str, prefill_tokens: int, top: int) -> argparse.ArgumentPa
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--top", type=int, default=top)
     ap.add_argument("--name", default="")
+    ap.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="the forward in the batch-invariant mode (EngineConfig.batch_invariant)",
+    )
     return ap
 
 
 def profiled_runtime(args, extra_blocks: int = 0, graphs: bool = False):
     """(runtime, one block table per sequence, cuda, sync, profiler activities): a pool of
-    ``--batch`` sequences each holding ``--position`` + repeats tokens and ``extra_blocks``."""
+    ``--batch`` sequences each holding ``--position`` + repeats tokens and ``extra_blocks``;
+    the batch-invariant mode on for the process when ``--batch-invariant`` is given."""
+    if args.batch_invariant:
+        from atom.kernels import invariant
+
+        invariant.configure(True)
     per_seq = -(-(args.position + args.repeats + 8) // default_block_size(args.model))
     per_seq += extra_blocks
     rt = bound_runtime(

@@ -66,7 +66,8 @@ def use_triton(t: torch.Tensor, name: str | None = None, row_local: bool = False
     benchmarks of one kernel); an ``OPT_IN`` kernel only when named in ``triton_on``. In the
     batch-invariant mode (``atom.kernels.invariant``) only ``row_local`` kernels run: each
     row computed by one program whose launch configuration the row's length alone sets (RMSNorm,
-    mHC's combination and mixing, sinkhorn), so a row's bits do not depend on the batch."""
+    mHC's combination and mixing, sinkhorn, the one-pass sink attention, the index scores), so
+    a row's bits do not depend on the batch."""
     from atom.kernels import invariant
 
     if invariant.enabled() and not row_local:

@@ -24,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from atom.kernels._invariant_reduce_triton import add_partials
+
 # (BM, BN, BK, warps, stages) per input dtype; the same for every shape: a row's bits must
 # not depend on M, and one configuration per dtype keeps them independent of N and K as well
 CONFIG = {
@@ -52,6 +54,8 @@ def _gemm_kernel(
     stride_cm,
     stride_cs,
     k_per,
+    nsplit,
+    IN_KERNEL: tl.constexpr,
     GROUPED: tl.constexpr,
     IEEE: tl.constexpr,
     BM: tl.constexpr,
@@ -78,8 +82,66 @@ def _gemm_kernel(
     b_cols = b_ptr + g * stride_bg + rn[None, :] * stride_bn
     m_ok = rm < end
     n_ok = rn < N
+    if IN_KERNEL:  # every range of K here, each into its own accumulator, added in order
+        total = tl.zeros([BM, BN], dtype=tl.float32)
+        for s in range(0, nsplit):
+            acc = _k_range(
+                a_rows,
+                b_cols,
+                m_ok,
+                n_ok,
+                rk,
+                s * k_per,
+                K,
+                k_per,
+                stride_ak,
+                stride_bk,
+                IEEE,
+                BM,
+                BN,
+                BK,
+            )
+            total = tl.where(s == 0, acc, total + acc)
+    else:
+        total = _k_range(
+            a_rows,
+            b_cols,
+            m_ok,
+            n_ok,
+            rk,
+            split * k_per,
+            K,
+            k_per,
+            stride_ak,
+            stride_bk,
+            IEEE,
+            BM,
+            BN,
+            BK,
+        )
+    c = c_ptr + split.to(tl.int64) * stride_cs + rm[:, None] * stride_cm + rn[None, :]
+    tl.store(c, total.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _k_range(
+    a_rows,
+    b_cols,
+    m_ok,
+    n_ok,
+    rk,
+    k_lo,
+    K,
+    k_per,
+    stride_ak,
+    stride_bk,
+    IEEE: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+):
+    """One tile's products over K range [k_lo, k_lo + k_per), in order, from zero (float32)."""
     acc = tl.zeros([BM, BN], dtype=tl.float32)
-    k_lo = split * k_per
     k_hi = tl.minimum(K, k_lo + k_per)
     for k0 in range(k_lo, k_hi, BK):
         k = k0 + rk
@@ -90,8 +152,7 @@ def _gemm_kernel(
             acc = tl.dot(a, b, acc, input_precision="ieee")
         else:
             acc = tl.dot(a, b, acc)
-    c = c_ptr + split.to(tl.int64) * stride_cs + rm[:, None] * stride_cm + rn[None, :]
-    tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+    return acc
 
 
 def _config(dtype: torch.dtype):
@@ -112,17 +173,20 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+def _programs(device: torch.device) -> int:
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return _sm_count(index)
+    return _PROGRAMS_CPU
+
+
 def splits(n: int, k: int, dtype: torch.dtype, device: torch.device) -> int:
     """Into how many contiguous K ranges a call of an [n, k] weight splits (each summed by its
     own programs into float32 partials, the partials then added in range order): a function of
     n, k, the dtype and the device alone, never of M, so a row's bits stay independent of the
     batch. Enough ranges to give the device one program per SM with a single row tile."""
     _, bn, bk, _, _ = _config(dtype)
-    if device.type == "cuda":
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        programs = _sm_count(index)
-    else:
-        programs = _PROGRAMS_CPU
+    programs = _programs(device)
     by_k = triton.cdiv(k, bk) // _MIN_SPLIT_BLOCKS
     return max(1, min(programs // triton.cdiv(n, bn), by_k, _MAX_SPLITS))
 
@@ -135,11 +199,16 @@ def _launch(rows, weight, out, grid_m, tiles, ends, grouped: bool):
     split = splits(n, k, rows.dtype, rows.device)
     k_per = triton.cdiv(triton.cdiv(k, bk), split) * bk
     split = triton.cdiv(k, k_per)  # no empty range
+    # with programs enough for the device without a split (a prefill), one program runs all
+    # of its tile's ranges: the same float32 partials, added in the same order, as a split
+    # launch and ``add_partials`` (the same bits), without the partials' round trip
+    in_kernel = split > 1 and grid_m * triton.cdiv(n, bn) >= _programs(rows.device)
     dest = out
-    if split > 1:
+    if split > 1 and not in_kernel:
         dest = torch.empty(split, *out.shape, dtype=torch.float32, device=out.device)
     dummy = ends if ends is not None else out
-    _gemm_kernel[(grid_m, triton.cdiv(n, bn), split)](
+    grid_split = 1 if in_kernel else split
+    _gemm_kernel[(grid_m, triton.cdiv(n, bn), grid_split)](
         rows,
         weight,
         dest,
@@ -155,8 +224,10 @@ def _launch(rows, weight, out, grid_m, tiles, ends, grouped: bool):
         weight.stride(-2),
         weight.stride(-1),
         dest.stride(-2),
-        dest.stride(0) if split > 1 else 0,
+        dest.stride(0) if dest is not out else 0,
         k_per,
+        split,
+        IN_KERNEL=in_kernel,
         GROUPED=grouped,
         IEEE=rows.dtype == torch.float32,
         BM=bm,
@@ -165,11 +236,8 @@ def _launch(rows, weight, out, grid_m, tiles, ends, grouped: bool):
         num_warps=warps,
         num_stages=stages,
     )
-    if split > 1:  # the partials added in range order, element-wise: no reduction kernel
-        total = dest[0]
-        for s in range(1, split):
-            total = total + dest[s]
-        out.copy_(total)
+    if dest is not out:  # the partials added in range order, element-wise, in one launch
+        add_partials(dest, out)
     return out
 
 

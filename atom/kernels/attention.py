@@ -40,7 +40,11 @@ def sink_attention_usable(q: torch.Tensor, name: str = "sink_attention") -> bool
     if torch.is_grad_enabled() and q.requires_grad:
         return False
     d = q.shape[-1]
-    return use_triton(q, name) and d >= 16 and d & (d - 1) == 0
+    # in the batch-invariant mode the one-pass kernel runs (its launch then fixed,
+    # ``sink_attention_config``); the decode kernel splits a row's keys by the batch's longest
+    # row, so it stays off there
+    row_local = name == "sink_attention"
+    return use_triton(q, name, row_local=row_local) and d >= 16 and d & (d - 1) == 0
 
 
 def gather_offsets(offsets: torch.Tensor, plane: torch.Tensor) -> torch.Tensor:

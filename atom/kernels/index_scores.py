@@ -29,7 +29,8 @@ def index_scores_usable(qi: torch.Tensor) -> bool:
     if torch.is_grad_enabled() and qi.requires_grad:
         return False
     d = qi.shape[-1]
-    return use_triton(qi, "index_scores") and d >= 16 and d & (d - 1) == 0
+    # row-local: a query's scores come from its own tile, whose size alone sets the launch
+    return use_triton(qi, "index_scores", row_local=True) and d >= 16 and d & (d - 1) == 0
 
 
 def index_scores_torch(qi, w, keys, tile_keys, visible):

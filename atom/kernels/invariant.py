@@ -94,15 +94,22 @@ SHORT_SUM = 32
 def sum(x: torch.Tensor, dim: int, keepdim: bool = False) -> torch.Tensor:  # noqa: A001
     """``x.sum(dim, keepdim)``; in the mode on CUDA in an order set by the reduced length
     alone: torch's CUDA reductions split a row among threads and blocks by how many rows
-    there are (the batch). A short dimension is added element-wise in order; a longer one is
-    a product with a ones vector through the mode's ``linear``. On CPU torch's own
-    (its reductions do not depend on the other rows there)."""
+    there are (the batch). Where Triton imports, one launch of ``ordered_sum``
+    (``atom.kernels._invariant_reduce_triton``: float32 accumulation in the order of the
+    terms); without it, a short dimension is added element-wise in order and a longer one is
+    a product with a ones vector through the mode's ``linear``. On CPU torch's own (its
+    reductions do not depend on the other rows there)."""
     if not (_MODE["on"] and x.is_cuda):
         return x.sum(dim, keepdim=keepdim)
     dim = dim % x.dim()
     n = x.shape[dim]
     if n == 0:
         return x.sum(dim, keepdim=keepdim)
+    if fixed_gemm(x) and x.is_floating_point():
+        from atom.kernels._invariant_reduce_triton import ordered_sum
+
+        total = ordered_sum(x, dim)
+        return total.unsqueeze(dim) if keepdim else total
     if n <= SHORT_SUM:
         total = x.select(dim, 0)
         for i in range(1, n):
@@ -247,9 +254,12 @@ def sink_attention(
     with comp_valid [B * Q, K], sink [H] float32 -> [B * Q, H, hd] in q's dtype. The same
     function as ``atom.models.common.prefill_tiles.tile_attention``, reduced in the mode's
     order (module doc): window part, ``KEY_CHUNK``-row chunks of ``comp``, sink. Every query
-    needs one valid window key (its own)."""
+    needs one valid window key (its own). On CUDA where Triton imports, the attention kernel
+    (``_kernel_attention``) instead."""
     b, t, h, hd = q.shape
     n = b * t
+    if _attention_kernel(q):
+        return _kernel_attention(q, win_k, win_mask, comp, comp_valid, sink, scale)
     # masked zero keys up to a multiple of KEY_PAD: p = 0 there, exactly
     win_k, win_mask = _pad_rows(win_k, 1, KEY_PAD), _pad_rows(win_mask, 2, KEY_PAD)
     win_k, qt = _aligned(win_k), _aligned(q.reshape(b, t * h, hd))
@@ -278,6 +288,40 @@ def sink_attention(
     alpha = pointwise(torch.exp, m - m_new)
     total = total * alpha + pointwise(torch.exp, s - m_new)
     return (acc * alpha / total).to(q.dtype)
+
+
+def _attention_kernel(q: torch.Tensor) -> bool:
+    """Whether the mode's sink attention on tensors like ``q`` runs the Triton kernel
+    (``atom.kernels.attention``): one program per query row and block of heads, walking the
+    row's window keys, then its compressed rows, in tiles of a launch configuration fixed for
+    the mode (``sink_attention_config``), so a row's bits do not depend on the batch."""
+    from atom.kernels.attention import sink_attention_usable
+
+    return sink_attention_usable(q)
+
+
+def _kernel_attention(q, win_k, win_mask, comp, comp_valid, sink, scale) -> torch.Tensor:
+    """``sink_attention``'s arguments through the kernel: the gathered rows ``comp`` [N, K, hd]
+    are its plane, read at offsets of whole rows."""
+    from atom.kernels.attention import sink_attention as kernel
+
+    b, t, h, hd = q.shape
+    plane = offsets = valid = None
+    if comp is not None and comp.shape[1]:
+        plane = comp.to(q.dtype).contiguous()
+        n, k = comp.shape[:2]
+        offsets = torch.arange(n * k, device=q.device, dtype=torch.int64).view(n, k) * hd
+        valid = comp_valid
+    return kernel(
+        q.reshape(b * t, h, hd),
+        win_k,
+        win_mask.reshape(b * t, -1),
+        plane,
+        offsets,
+        valid,
+        sink.float(),
+        scale,
+    )
 
 
 def sink_attention_rows(
@@ -313,9 +357,20 @@ def index_scores(qi: torch.Tensor, w: torch.Tensor, keys: torch.Tensor) -> torch
     """Indexer scores s [T, R] = sum_h w[t, h] ReLU(qi[t, h] . keys[r]): qi [T, H, D], w [T, H],
     keys [R, D] shared or [T, R, D] per query (float32). In the mode's order: rows in chunks of
     ``KEY_CHUNK`` (one GEMM shape per chunk, shared keys row-tiled over T * H), the heads summed
-    in order; a row's score does not depend on R or T."""
+    in order; a row's score does not depend on R or T. On CUDA where Triton imports, the index
+    kernel (``atom.kernels.index_scores``) with every query its own tile: its launch set by the
+    tile size (one query), so again by nothing the batch changes."""
     t, h, d = qi.shape
     r = keys.shape[-2]
+    from atom.kernels.index_scores import index_scores_usable, tiled_index_scores
+
+    if index_scores_usable(qi):
+        per_query = keys.dim() == 3
+        tiles = torch.arange(t, device=qi.device)
+        if not per_query:
+            tiles = torch.zeros_like(tiles)
+        visible = torch.full((t,), r, dtype=torch.int32, device=qi.device)
+        return tiled_index_scores(qi, w, keys if per_query else keys[None], tiles, visible)
     keys = _pad_rows(keys, -2, KEY_CHUNK)
     per_query = keys.dim() == 3
     qa = _aligned(qi) if per_query else qi.reshape(t * h, d)
