@@ -166,6 +166,8 @@ def _config(dtype: torch.dtype):
 _PROGRAMS_CPU = 8
 # K blocks each split of K keeps at least, and the most splits
 _MIN_SPLIT_BLOCKS, _MAX_SPLITS = 4, 16
+# programs per SM a single row tile's call aims at (benchmarks/invariant_gemm_sweep.py sweeps it)
+SPLIT_PROGRAMS = 1
 
 
 @functools.cache
@@ -186,7 +188,7 @@ def splits(n: int, k: int, dtype: torch.dtype, device: torch.device) -> int:
     n, k, the dtype and the device alone, never of M, so a row's bits stay independent of the
     batch. Enough ranges to give the device one program per SM with a single row tile."""
     _, bn, bk, _, _ = _config(dtype)
-    programs = _programs(device)
+    programs = _programs(device) * SPLIT_PROGRAMS
     by_k = triton.cdiv(k, bk) // _MIN_SPLIT_BLOCKS
     return max(1, min(programs // triton.cdiv(n, bn), by_k, _MAX_SPLITS))
 

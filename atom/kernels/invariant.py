@@ -20,13 +20,18 @@ In the mode:
   set by the weight's shape alone. On CPU the rows go through the GEMM in tiles of
   ``ROW_TILE`` rows (the last padded with zero rows), all tiles as one batched GEMM of one
   shape: every row meets the same kernel, in the same position class, whatever M is.
-- ``sum`` and ``mean``: on CUDA in an order set by the reduced length alone (torch's CUDA
-  reductions split a row by how many rows there are).
-- ``sink_attention``: the keys of each query are reduced in a fixed order of fixed-size parts:
-  its window keys (one part), then its compressed rows in chunks of ``KEY_CHUNK`` from row 0,
-  then the sink, by an online softmax. A chunk of masked (padding) rows is an exact no-op (its
-  maximum is -inf, so the running maximum, sum and output are multiplied by exp(0) = 1 and
-  added 0), so scanning more padding rows for a longer sequence in the batch changes no bit.
+- ``sum`` and ``mean``: on CUDA one launch of ``ordered_sum``
+  (``atom.kernels._invariant_reduce_triton``), in an order set by the reduced length and the
+  dimension's place alone (torch's CUDA reductions split a row by how many rows there are).
+- ``sink_attention`` and ``index_scores`` on CUDA: the attention and index-score Triton kernels
+  (``atom.kernels.attention``, ``atom.kernels.index_scores``), one program per query row (and
+  block of heads) or per tile of positions, their launch fixed in the mode.
+- ``sink_attention`` elsewhere: the keys of each query are reduced in a fixed order of
+  fixed-size parts: its window keys (one part), then its compressed rows in chunks of
+  ``KEY_CHUNK`` from row 0, then the sink, by an online softmax. A chunk of masked (padding)
+  rows is an exact no-op (its maximum is -inf, so the running maximum, sum and output are
+  multiplied by exp(0) = 1 and added 0), so scanning more padding rows for a longer sequence
+  in the batch changes no bit.
 - the MoE (``atom.models.common.moe``): on CUDA grouped GEMMs of the fixed kernel over the
   expert-sorted rows, no host sync (so decode graphs replay in the mode), each token's slots
   added in slot order; on CPU the per-expert loop, each token's expert outputs added in expert

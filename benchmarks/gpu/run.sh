@@ -5,7 +5,7 @@
 #          speculative serving_spec tp tp_tests (tp, tp_tests: two GPUs)
 #          tier_only idle
 #          train forward_v4 roofline_v4 serving_v4 speculative_v4 fp8_gemm roofline_fp8
-#          invariant_cost serving_invariant
+#          invariant_cost invariant_sweep serving_invariant determinism
 # cuda_ops builds lmcache.cuda_ops from lmcache's sources against this machine's torch
 # (benchmarks/gpu/build_cuda_ops.py); once built (build/ stays while the machine is warm, or
 # carried back), every later step's LMCache server uses it.
@@ -22,7 +22,7 @@ step() { local limit=$1; shift; echo "=== $* (limit ${limit}s)"; local t0=$SECON
   timeout "$limit" "$@"; echo "=== rc=$? in $((SECONDS - t0)) s"; }
 for s in "$@"; do
   case "$s" in
-    tests) step "${TESTS_LIMIT:-360}" python3 -m pytest -x -q -p no:cacheprovider tests/gpu tests/kernels \
+    tests) step "${TESTS_LIMIT:-420}" python3 -m pytest -x -q -p no:cacheprovider tests/gpu tests/kernels \
       -k "not tier" ;;
     tier)  # with two GPUs this includes the tier across ranks (about 110 s); one GPU skips it
       step "${TIER_LIMIT:-300}" python3 -m pytest -x -q -p no:cacheprovider tests/gpu -k tier ;;
@@ -81,6 +81,12 @@ for s in "$@"; do
     fp8_gemm) step "${FP8_GEMM_LIMIT:-540}" python3 -m benchmarks.fp8_gemm \
       --models v4-bench-fp8 v41-bench-fp8 --m 1 16 32 64 256 4096 ${FP8_GEMM_SWEEP:+--sweep} \
       --name "${FP8_GEMM_NAME:-fp8_gemm_h200}" ;;
+    invariant_sweep)  # the mode's GEMM configurations on v41-bench's linears, decode and prefill M
+      step "${INVARIANT_SWEEP_LIMIT:-420}" python3 -m benchmarks.invariant_gemm_sweep \
+        --model v41-bench --m 16 4096 ;;
+    determinism)  # the default mode run to run (in-process and across processes)
+      step "${DETERMINISM_LIMIT:-300}" python3 -m pytest -x -q -p no:cacheprovider \
+        tests/gpu/test_default_determinism_cuda.py ;;
     invariant_cost)  # v41-bench decode and prefill, default mode (graphs) then batch-invariant mode
       for mode in "" "--batch-invariant"; do
         step "${INVARIANT_LIMIT:-240}" python3 -m benchmarks.roofline --model v41-bench \

@@ -1,0 +1,138 @@
+"""Launch configurations of the batch-invariant mode's GEMM (atom/kernels/_invariant_gemm_triton.py)
+on a preset's dense linear shapes, against cuBLAS, side by side in one run.
+
+The mode needs one configuration for every row count M (a row's bits must not depend on M), so a
+configuration is judged on decode-shaped and prefill-shaped calls together: for each candidate
+(BM, BN, BK, warps, stages, programs per SM that K splits aim at), the device ms of every
+distinct linear of the preset (weighted by how many the model has) at each ``--m``, and whether
+row 0 keeps its bits from M = 1 to the largest M at every shape (``invariant``). Times are
+medians of CUDA-event timings over ``--iters`` replays of a CUDA graph calling each of several
+weight copies once (the copies exceed the L2, as a decode step's layers do), over ``--repeats``
+repeats; the spread is the repeats' range of the weighted sum.
+
+    python -m benchmarks.invariant_gemm_sweep --model v41-bench --m 16 4096
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from collections import Counter
+
+import torch
+import torch.nn.functional as F
+
+from benchmarks.common import command_line, graph_timer, md_table, write_results
+
+# (BM, BN, BK, warps, stages); BM stays 64 (one wgmma M tile)
+TILES = [
+    (64, 128, 64, 4, 3),
+    (64, 128, 64, 4, 4),
+    (64, 128, 128, 4, 3),
+    (64, 128, 64, 8, 3),
+    (64, 256, 64, 8, 3),
+    (64, 256, 64, 8, 4),
+    (64, 64, 128, 4, 4),
+    (64, 128, 128, 8, 3),
+]
+SPLIT_PROGRAMS = (1, 2, 4)
+
+
+def linear_shapes(model: str) -> Counter:
+    """{(N, K): how many} of the preset's dense linears (nn.Linear weights, built on meta)."""
+    from atom.models.registry import family, resolve_config
+
+    cfg, _ = resolve_config(model)
+    net = family(cfg).get("model")(
+        cfg, dtype=torch.bfloat16, kv_dtype="bf16", index_dtype="fp8", device="meta"
+    )
+    return Counter(tuple(m.weight.shape) for m in net.modules() if isinstance(m, torch.nn.Linear))
+
+
+def _timed(fn, copies: int, iters: int) -> float:
+    replay = graph_timer(fn, copies)
+    return statistics.median(replay() for _ in range(iters))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--model", default="v41-bench")
+    ap.add_argument("--m", type=int, nargs="+", default=[16, 4096])
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--l2-mib", type=int, default=128, help="weight copies per shape exceed this")
+    ap.add_argument("--name", default="invariant_gemm_sweep_h200")
+    args = ap.parse_args()
+    from atom.kernels import _invariant_gemm_triton as k
+
+    shapes = linear_shapes(args.model)
+    print(f"{len(shapes)} shapes: {dict(shapes)}", flush=True)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    weights, inputs = {}, {}
+    for n, kd in shapes:
+        copies = max(1, -(-args.l2_mib * 2**20 // (n * kd * 2)))
+        weights[n, kd] = [
+            torch.randn(n, kd, device="cuda", generator=gen, dtype=torch.bfloat16)
+            for _ in range(copies)
+        ]
+        inputs[n, kd] = torch.randn(max(args.m), kd, device="cuda", generator=gen).bfloat16()
+
+    def total(call) -> tuple[float, float, float]:
+        per = []
+        for _ in range(args.repeats):
+            ms = {m: 0.0 for m in args.m}
+            for (n, kd), count in shapes.items():
+                ws, x = weights[n, kd], inputs[n, kd]
+                for m in args.m:
+                    rows = x[:m]
+                    ms[m] += count * _timed(
+                        lambda i, r=rows, w=ws: call(r, w[i]), len(ws), args.iters
+                    )
+            per.append(ms)
+        return {m: statistics.median(p[m] for p in per) for m in args.m}, per
+
+    base, base_per = total(F.linear)
+    rows, data = [], {"cublas": base, "configs": []}
+    rows.append(["cuBLAS (F.linear)", ""] + [round(base[m], 3) for m in args.m] + ["", "no"])
+    saved = (k.CONFIG[torch.bfloat16], k.SPLIT_PROGRAMS)
+    try:
+        for tile in TILES:
+            for sp in SPLIT_PROGRAMS:
+                k.CONFIG[torch.bfloat16], k.SPLIT_PROGRAMS = tile, sp
+                try:
+                    got, per = total(k.invariant_linear)
+                except Exception as exc:  # noqa: BLE001 - a config the GPU cannot launch
+                    print(f"{tile} x{sp}: {type(exc).__name__}: {exc}", flush=True)
+                    continue
+                invariant = all(
+                    torch.equal(
+                        k.invariant_linear(inputs[s][: max(args.m)], weights[s][0])[:1],
+                        k.invariant_linear(inputs[s][:1], weights[s][0]),
+                    )
+                    for s in shapes
+                )
+                spread = [
+                    f"{min(p[m] for p in per):.3f}-{max(p[m] for p in per):.3f}" for m in args.m
+                ]
+                rows.append(
+                    [str(tile), sp]
+                    + [f"{got[m]:.3f} ({got[m] / base[m]:.2f}x)" for m in args.m]
+                    + [" / ".join(spread), "yes" if invariant else "NO"]
+                )
+                data["configs"].append(
+                    {"tile": tile, "split_programs": sp, "ms": got, "invariant": invariant}
+                )
+                print(rows[-1], flush=True)
+    finally:
+        k.CONFIG[torch.bfloat16], k.SPLIT_PROGRAMS = saved
+    head = ["(BM, BN, BK, warps, stages)", "programs / SM"]
+    head += [f"M={m} ms (vs cuBLAS)" for m in args.m] + ["repeats' range", "row 0 invariant"]
+    table = f"Dense linears of {args.model}, weighted by count: {dict(shapes)}.\n\n" + md_table(
+        head, rows
+    )
+    print(table)
+    print(write_results(args.name, data, table, command_line("invariant_gemm_sweep", args)))
+
+
+if __name__ == "__main__":
+    main()
