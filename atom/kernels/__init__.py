@@ -68,9 +68,9 @@ def use_triton(t: torch.Tensor, name: str | None = None, row_local: bool = False
     row computed by one program whose launch configuration the row's length alone sets (RMSNorm,
     mHC's combination and mixing, sinkhorn, the one-pass sink attention, the index scores), so
     a row's bits do not depend on the batch."""
-    from atom.kernels import invariant
+    from atom.kernels import invariant_mode
 
-    if invariant.enabled() and not row_local:
+    if invariant_mode.enabled() and not row_local:
         return False
     enabled = os.environ.get("ATOM_TRITON")
     if not (_CONFIGURED["enabled"] if enabled is None else enabled != "0"):

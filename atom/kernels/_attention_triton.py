@@ -118,12 +118,12 @@ def sink_attention_config(t: int, h: int, wide: bool) -> dict:
     """Launch parameters for t query rows of h heads (``wide``: float32). In the batch-invariant
     mode the rows' count chooses nothing: the tiles (and so a row's order of additions) are
     those of a prefill whatever t is."""
-    from atom.kernels import invariant
+    from atom.kernels import invariant_mode
 
     # heads per program: all 64 where there are enough rows to fill the GPU (a prefill: each
     # query's selected rows are read once, not once per 16 heads), 16 for a decode batch;
     # float32 tiles: half the keys per tile, one stage (shared memory)
-    many = t >= 256 or invariant.enabled()
+    many = t >= 256 or invariant_mode.enabled()
     bh = 64 if many and h >= 64 and not wide else 16
     # benchmarks/kernel_sweep.py: 64 keys a tile with 64 heads (3.91 ms against 4.26 at 32 on
     # a 4096-token chunk's shapes on the H200)

@@ -49,24 +49,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from atom.kernels.invariant_mode import STATE as _MODE
+from atom.kernels.invariant_mode import configure, enabled  # noqa: F401 - the mode's switch
+
 NEG_INF = float("-inf")
 
 # rows per GEMM tile in the mode (CPU: MKL is invariant from 4 rows on; CUDA: one wgmma M tile)
 ROW_TILE = {"cpu": 16, "cuda": 64}
 # compressed rows per attention chunk in the mode
 KEY_CHUNK = 64
-
-_MODE = {"on": False}
-
-
-def configure(enabled: bool = False) -> None:
-    """Turn the mode on or off for this process (``EngineConfig.batch_invariant``)."""
-    _MODE["on"] = bool(enabled)
-
-
-def enabled() -> bool:
-    """Whether the forward runs batch-invariant (``configure``)."""
-    return _MODE["on"]
 
 
 # elements per padded block of a pointwise op in the mode (a multiple of every SIMD width)
