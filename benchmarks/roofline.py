@@ -84,13 +84,14 @@ def lm_head(model):
 
 def stored_weights(model):
     """(name, tensor) of every weight as stored on the device: the parameters, and the FP8
-    linears' E4M3 weights and scales (buffers; ``weight_dtype: fp8``), so floors count the
-    bytes a step really reads."""
+    linears' E4M3 weights and the FP4 experts' codes, with their scales (buffers;
+    ``weight_dtype: fp8``), so floors count the bytes a step really reads."""
+    from atom.models.common.fp4_linear import Fp4Linear
     from atom.models.common.fp8_linear import Fp8Linear
 
     yield from model.named_parameters()
     for mod_name, mod in model.named_modules():
-        if isinstance(mod, Fp8Linear):
+        if isinstance(mod, (Fp8Linear, Fp4Linear)):
             yield f"{mod_name}.weight", mod.weight
             yield f"{mod_name}.weight_scale", mod.weight_scale
 
@@ -108,8 +109,9 @@ def weight_counts(model) -> dict:
         nbytes = p.numel() * p.element_size()
         if _is_expert(name):
             if ".experts.0." in name:
-                per_expert_bytes += nbytes
-                per_expert_params += p.numel()
+                per_expert_bytes += nbytes  # FP4 codes and scales at their stored bytes
+                if not name.endswith(".weight_scale"):  # packed FP4: two weights a byte
+                    per_expert_params += p.numel() * (2 if p.dtype == torch.uint8 else 1)
             continue
         if name.endswith(("embed_tokens.weight", "embed.weight")) or ".engram.tables." in name:
             lookup_bytes_per_row += p.shape[1] * p.element_size()  # one row per token

@@ -252,11 +252,12 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return _launch(x, weight, out, triton.cdiv(x.shape[0], bm), None, None, grouped=False)
 
 
-def group_tiles(ends: torch.Tensor, rows: int, dtype: torch.dtype):
+def group_tiles(ends: torch.Tensor, rows: int, dtype: torch.dtype, bm: int | None = None):
     """The tile table of a grouped call on the device: (group of each tile, its first row),
     ``ceil(rows / BM) + groups`` entries (an upper bound on the tiles; the spare ones have
-    group -1). ``ends`` [G] int: the end row of each group (a cumulative count)."""
-    bm = _config(dtype)[0]
+    group -1). ``ends`` [G] int: the end row of each group (a cumulative count). ``bm``: the
+    tile's rows (default: this kernel's for ``dtype``)."""
+    bm = _config(dtype)[0] if bm is None else bm
     groups = ends.shape[0]
     ends = ends.to(torch.int64)
     starts = torch.cat([ends.new_zeros(1), ends[:-1]])

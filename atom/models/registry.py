@@ -31,6 +31,7 @@ class ModelFamily:
     runtime: str  # runtime class: (model, *, block_size, speculative_tokens)
     loader: str  # load_weights(model, path)
     fp8_linears: str  # (model) -> (module names that run as FP8 GEMMs, FP8 weight block)
+    fp4_linears: str  # (model) -> module names kept as FP4 at stored precision (the experts)
 
     def get(self, what: str) -> Any:
         module, _, attr = getattr(self, what).partition(":")
@@ -50,6 +51,7 @@ FAMILIES: dict[str, ModelFamily] = {
         runtime=f"{_V41}.runtime:V41Runtime",
         loader=f"{_V41}.weights:load_weights",
         fp8_linears=f"{_V41}.published_weights:fp8_linears",
+        fp4_linears=f"{_V41}.published_weights:fp4_linears",
     ),
     "deepseek_v4": ModelFamily(
         model_type="deepseek_v4",
@@ -60,6 +62,7 @@ FAMILIES: dict[str, ModelFamily] = {
         runtime=f"{_V4}.runtime:V4Runtime",
         loader=f"{_V4}.checkpoint:load_checkpoint",
         fp8_linears=f"{_V4}.checkpoint:fp8_linears",
+        fp4_linears=f"{_V4}.checkpoint:fp4_linears",
     ),
 }
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
@@ -170,6 +173,10 @@ def load_runtime(
             names, block = fam.get("fp8_linears")(net)
             quantize_linears(net, names, block, empty=True)
         fam.get("loader")(net, path)
+        if weight_dtype == "fp8":  # FP4 experts: their stored values, as FP4 again (exact)
+            from atom.models.common.fp4_linear import quantize_fp4_linears
+
+            quantize_fp4_linears(net, fam.get("fp4_linears")(net), exact=True)
     net.eval()
     return fam.get("runtime")(net, block_size=block_size, speculative_tokens=speculative_tokens)
 
@@ -178,11 +185,14 @@ def set_weight_precision(net, fam: ModelFamily, weight_dtype: str, *, random: bo
     """Put the model's FP8-stored linears at the precision asked, after its weights are set;
     returns how many are FP8.
 
-    ``weight_dtype`` "fp8": each becomes an ``Fp8Linear`` holding its weight quantized. "bf16":
-    a preset whose config says FP8 (random weights, ``random``) has them rounded through FP8
-    and back, so both precisions run the same model; other weights are left as they are.
-    (A checkpoint loads its FP8 tensors' bytes directly: ``load_runtime``.)
+    ``weight_dtype`` "fp8": each becomes an ``Fp8Linear`` holding its weight quantized, and the
+    routed experts a config says are FP4 (``fp4_linears``) become ``Fp4Linear``. "bf16": a
+    preset whose config says FP8 (random weights, ``random``) has them rounded through FP8
+    (and its experts through FP4) and back, so both precisions run the same model; other
+    weights are left as they are. (A checkpoint loads its FP8 tensors' bytes directly:
+    ``load_runtime``.)
     """
+    from atom.models.common.fp4_linear import dequantize_fp4_linears, quantize_fp4_linears
     from atom.models.common.fp8_linear import dequantize_linears, quantize_linears, stored_fp8
 
     if weight_dtype not in ("bf16", "fp8"):
@@ -193,7 +203,9 @@ def set_weight_precision(net, fam: ModelFamily, weight_dtype: str, *, random: bo
         return 0
     names, block = fam.get("fp8_linears")(net)
     count = quantize_linears(net, names, block)
+    quantize_fp4_linears(net, fam.get("fp4_linears")(net))
     if weight_dtype == "bf16":
         dequantize_linears(net)
+        dequantize_fp4_linears(net)
         return 0
     return count

@@ -13,7 +13,8 @@ import torch
 
 from atom import LLM, SamplingParams
 from atom.config import EngineConfig, EngineConfigError
-from atom.models.common.formats import e8m0_to_float, fp8_act_sim
+from atom.models.common.formats import dequant_fp4, e8m0_to_float, fp8_act_sim
+from atom.models.common.fp4_linear import Fp4Linear
 from atom.models.common.fp8_linear import Fp8Linear, dequantize_linears, quantize_linears
 from atom.models.common.layers import Linear
 from atom.models.deepseek_v4.model import DeepseekV4ForCausalLM
@@ -113,10 +114,16 @@ def test_the_engine_at_stored_precision_matches_its_oracle(preset):
     prompts = [prompt(40 + 17 * i, seed=i) for i in range(3)]
     outs = llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0))
     ref = FAMS[preset][2]
+    # each step's oracle is the full recompute of exactly the context the engine had then: at
+    # stored precision every linear rounds its input to E4M3, so a float32 difference of the
+    # order of the reference's own row-count effects (more tokens, other GEMM shapes) can cross
+    # a rounding boundary and move a logit far (0.8 at one position of v41-tiny-fp8 when five
+    # later tokens were added, 1e-6 at others); the step's own context has no such tokens
     for p, out in zip(prompts, outs):
-        ids = p + out.token_ids[:-1]
-        with torch.no_grad():
-            predicted = ref(model, ids)[len(p) - 1 :].argmax(-1).tolist()
+        predicted = []
+        for j in range(len(out.token_ids)):
+            with torch.no_grad():
+                predicted.append(int(ref(model, p + out.token_ids[:j])[-1].argmax()))
         assert predicted == out.token_ids
 
 
@@ -153,3 +160,11 @@ def test_a_published_fp8_checkpoint_keeps_its_bytes(tmp_path):
     raw = stored["layers.2.attn.wq_b.weight"]
     assert torch.equal(q.weight.view(torch.uint8), raw.view(torch.uint8))
     assert torch.equal(q.weight_scale, e8m0_to_float(stored["layers.2.attn.wq_b.scale"]))
+    # the FP4 routed experts hold the checkpoint's values as FP4 again (its loader dequantized
+    # them; quantizing FP4 values gives them back exactly)
+    e = model.get_submodule("layers.1.ffn.experts.2.down_proj")
+    assert isinstance(e, Fp4Linear) and e.weight.dtype == torch.uint8
+    want = dequant_fp4(
+        stored["layers.1.ffn.experts.2.w2.weight"], stored["layers.1.ffn.experts.2.w2.scale"]
+    )
+    assert torch.equal(e.dequantized(), want)

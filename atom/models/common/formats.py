@@ -341,3 +341,26 @@ def fp8_weight_quant(
     s = ue8m0_scale(amax, FP8_MAX)
     q = (tiles / s[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return q.view(so * block[0], si * block[1])[:out, :inp].contiguous(), s
+
+
+def fp4_weight_quant(
+    weight: torch.Tensor, group: int = FP4_GROUP
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A dense [out, in] weight (in % group == 0) -> (packed uint8 [out, in/2], E8M0 uint8
+    [out, in/group]), the inverse of ``dequant_fp4`` up to the rounding: per group of inputs,
+    amax floored at 6 * 2^-126, s = ``ue8m0_scale(amax, 6)`` (a power of two), each value
+    ``round_fp4(w / s)`` coded (element 2j in the low nibble). Quantizing a dequantized weight
+    again gives the same values back (not always the same codes: a group whose largest value
+    rounded to 3 is coded again at half the scale)."""
+    out, inp = weight.shape
+    if inp % group or inp % 2:
+        raise ValueError(f"an FP4 weight needs in_features divisible by {group}; got {inp}")
+    w = weight.float().view(out, inp // group, group)
+    s = ue8m0_scale(w.abs().amax(-1, keepdim=True).clamp(min=FP4_E8M0_AMAX_MIN), FP4_MAX)
+    v = round_fp4(w / s).view(out, inp)
+    grid = _fp4_grid(weight.device)
+    mag = torch.bucketize(v.abs(), grid)  # exact grid values: their codes 0..7
+    codes = (mag | ((v < 0).to(torch.int64) << 3)).to(torch.uint8)
+    packed = codes[:, 0::2] | (codes[:, 1::2] << 4)
+    exponent = ((s.view(torch.int32) >> _MANTISSA_BITS) & 0xFF).to(torch.uint8)
+    return packed.contiguous(), exponent.view(out, inp // group).contiguous()

@@ -21,8 +21,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from atom.kernels import invariant
+from atom.kernels.fp4_gemm import fp4_grouped_linear, fp4_tiles, fp4_usable
 from atom.kernels.moe_combine import moe_combine
 from atom.models.common.formats import fp8_act_sim
+from atom.models.common.fp4_linear import Fp4Linear
 from atom.models.common.layers import linear
 
 __all__ = ["Expert", "MoEGate", "MoE", "configure_grouped_mm", "grouped_mm_enabled"]
@@ -128,7 +130,11 @@ class MoE(nn.Module):
         batch-invariant mode (``atom.kernels.invariant``) runs the loop whatever ``n``: each
         token's expert outputs are then added in expert order, each product row-tiled; on CUDA
         "fixed" instead (no host sync): grouped GEMMs of one fixed kernel configuration
-        (``atom.kernels._invariant_gemm_triton``), each token's slots summed in slot order."""
+        (``atom.kernels._invariant_gemm_triton``), each token's slots summed in slot order.
+        FP4 experts (``Fp4Linear``) run "fp4" where its kernel does (CUDA), in either mode:
+        grouped products that dequantize the codes in registers, no host sync; else the loop."""
+        if self.fp4_experts():  # the kernel's launch is fixed whatever n: both modes
+            return "fp4" if fp4_usable(x) and not torch.is_grad_enabled() else "loop"
         if invariant.enabled():
             return "fixed" if self._fixed_usable(x) else "loop"
         if n * self.top_k >= len(self.experts) and n <= self.DENSE_MAX_TOKENS:
@@ -158,6 +164,8 @@ class MoE(nn.Module):
                 return moe_combine(shared, y, order)
         if path == "fixed":
             return moe_combine(shared, *self._fixed(x, idx, w))
+        if path == "fp4":
+            return moe_combine(shared, *self._fp4(x, idx, w))
         out = shared.float()
         if path == "dense":
             return out + self._dense(x, idx, w)
@@ -203,6 +211,57 @@ class MoE(nn.Module):
         h = invariant.pointwise(F.silu, g) * u * w.flatten()[order, None]
         h = self.act(h.to(x.dtype))
         return invariant_grouped_linear(h, down, ends, tiles), order
+
+    def fp4_experts(self) -> bool:
+        """Whether the routed experts hold packed FP4 weights (``Fp4Linear``)."""
+        return isinstance(self.experts[0].gate_proj, Fp4Linear)
+
+    def _fp4(
+        self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The FP4 routed experts without a host sync: the token rows sorted by expert, three
+        grouped FP4 products (``fp4_grouped_linear``). Returns (the weighted outputs
+        [N * top_k, d] in expert order, order), as ``_grouped`` does."""
+        (gp, gs), (up, us), (dp, ds) = self.stacked_fp4()
+        flat = idx.flatten()
+        order = torch.argsort(flat, stable=True)  # token rows grouped by expert, rows ascending
+        counts = torch.zeros(gp.shape[0], dtype=torch.int64, device=x.device)
+        counts.scatter_add_(0, flat, torch.ones_like(flat))  # integer adds: exact in any order
+        ends = torch.cumsum(counts, 0)
+        xs = self.act(x).index_select(0, order // self.top_k)
+        tiles = fp4_tiles(ends, flat.shape[0], xs)
+        g = fp4_grouped_linear(xs, gp, gs, ends, tiles).float().clamp(max=self.limit)
+        u = fp4_grouped_linear(xs, up, us, ends, tiles).float().clamp(-self.limit, self.limit)
+        h = invariant.pointwise(F.silu, g) * u * w.flatten()[order, None]
+        h = self.act(h.to(x.dtype))
+        return fp4_grouped_linear(h, dp, ds, ends, tiles), order
+
+    def stacked_fp4(self):
+        """The FP4 experts' (codes, scales) of gate, up and down, each as an [E, ...] tensor;
+        the experts' buffers are made views of them (no second copy), restacked if replaced
+        (a load, ``.to()``)."""
+        per = [
+            [getattr(getattr(e, proj), buf) for e in self.experts]
+            for proj in ("gate_proj", "up_proj", "down_proj")
+            for buf in ("weight", "weight_scale")
+        ]
+        stack = self._stack
+        if (
+            stack is None
+            or len(stack) != len(per)
+            or any(
+                t.data_ptr() != s[i].data_ptr() or t.device != s.device
+                for ts, s in zip(per, stack)
+                for i, t in enumerate(ts)
+            )
+        ):
+            stack = tuple(torch.stack(ts) for ts in per)
+            for e, expert in enumerate(self.experts):
+                for p, proj in enumerate(("gate_proj", "up_proj", "down_proj")):
+                    mod = getattr(expert, proj)
+                    mod.weight, mod.weight_scale = stack[2 * p][e], stack[2 * p + 1][e]
+            self._stack = stack
+        return (stack[0], stack[1]), (stack[2], stack[3]), (stack[4], stack[5])
 
     def _grouped(
         self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor

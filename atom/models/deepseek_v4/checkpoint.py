@@ -22,6 +22,7 @@ import torch
 from atom.models.common.checkpoint import BF16, F32, FP4, FP8, I64, Layout, load_published
 from atom.models.common.checkpoint import expected_names as common_expected
 from atom.models.common.formats import FP8_TILE
+from atom.models.common.fp4_linear import experts_fp4, fp4_module_names
 from atom.models.common.fp8_linear import fp8_block, fp8_module_names
 from atom.models.deepseek_v4.model import DeepseekV4ForCausalLM
 
@@ -125,6 +126,12 @@ def fp8_linears(model: DeepseekV4ForCausalLM) -> tuple[list[str], tuple[int, int
     published FP8 rows less ``FP8_READ_DENSE``; the block from the config, else 128 x 128."""
     names = fp8_module_names(model, NAMES, exclude=FP8_READ_DENSE)
     return names, fp8_block(model.config, LAYOUT.fp8_block)
+
+
+def fp4_linears(model: DeepseekV4ForCausalLM) -> list[str]:
+    """The linears kept as FP4 at stored precision: the published FP4 rows (the routed
+    experts), when the config says the experts are FP4 (``experts_fp4``)."""
+    return fp4_module_names(model, NAMES) if experts_fp4(model.config) else []
 
 
 @torch.no_grad()

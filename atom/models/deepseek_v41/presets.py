@@ -252,11 +252,12 @@ _BENCH_DRAFT: dict[str, Any] = dict(_BENCH, num_nextn_predict_layers=1)
 
 
 def _fp8(base: dict[str, Any]) -> dict[str, Any]:
-    """``base`` whose checkpoint stores its linears as FP8 in 32 x 32 blocks, as V4.1-Flash
-    ships them: its random weights are ``base``'s rounded through FP8 (both ``weight_dtype``
-    settings run that one model; "fp8", the default for it, keeps the FP8 bytes)."""
+    """``base`` whose checkpoint stores its linears as FP8 in 32 x 32 blocks and its routed
+    experts as FP4, as V4.1-Flash ships them: its random weights are ``base``'s rounded through
+    FP8 and FP4 (both ``weight_dtype`` settings run that one model; "fp8", the default for it,
+    keeps the FP8 and FP4 bytes)."""
     quant = dict(quant_method="fp8", activation_scheme="dynamic", weight_block_size=[32, 32])
-    return dict(base, quantization_config=dict(quant, scale_fmt="ue8m0"))
+    return dict(base, quantization_config=dict(quant, scale_fmt="ue8m0", expert_dtype="fp4"))
 
 
 PRESETS: dict[str, dict[str, Any]] = {

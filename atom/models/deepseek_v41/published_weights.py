@@ -31,6 +31,7 @@ from atom.models.common.checkpoint import (
     expected_names,
     load_published,
 )
+from atom.models.common.fp4_linear import experts_fp4, fp4_module_names
 from atom.models.common.fp8_linear import fp8_module_names
 from atom.models.common.weights import WeightLoadError
 from atom.models.deepseek_v41.model import DeepseekV41ForCausalLM
@@ -153,6 +154,12 @@ def fp8_linears(model: DeepseekV41ForCausalLM) -> tuple[list[str], tuple[int, in
     published FP8 linear (the Engram table, an embedding, stays dequantized); the block from
     the config, else 32 x 32."""
     return fp8_module_names(model, LAYOUT.rows), layout_of(model).fp8_block
+
+
+def fp4_linears(model: DeepseekV41ForCausalLM) -> list[str]:
+    """The linears kept as FP4 at stored precision: the published FP4 rows (the routed
+    experts), when the config says the experts are FP4 (``experts_fp4``)."""
+    return fp4_module_names(model, LAYOUT.rows) if experts_fp4(model.config) else []
 
 
 def published_names(model: DeepseekV41ForCausalLM) -> dict[str, tuple[str, str]]:

@@ -1,0 +1,164 @@
+"""The Triton kernel behind ``atom.kernels.fp4_gemm`` (imported only where Triton is): rows
+times packed FP4 weights, the weights dequantized in registers, no dequantized copy in memory.
+
+Weights as DeepSeek ships its routed experts: ``packed`` [G, N, K/2] bytes, two E2M1 codes
+each (element 2j in the low nibble, 2j+1 in the high), and ``scale`` [G, N, K/32] E8M0 bytes
+(2^(b - 127) per 32 inputs). A program computes one [BM, BN] tile of one group's rows: its K
+loop loads a [BK, BN] block of codes (each byte serves two k), turns them into values (code bit
+3 the sign, bits 1-2 the exponent, bit 0 the mantissa of 0, 0.5, 1, 1.5, 2, 3, 4, 6), scales
+them and rounds them to the rows' dtype (exact: an E2M1 value times a power of two fits bf16),
+then one dot into a float32 accumulator. The tile table is ``group_tiles``' (built on the
+device, so a grouped call has no host sync and can be captured in a CUDA graph).
+
+Its launch configuration is one per dtype, whatever M, and K is not split: a row's bits depend
+only on its own row and its group's weight, so the kernel also serves the batch-invariant mode.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from atom.kernels._invariant_gemm_triton import group_tiles
+
+# (BM, BN, BK, warps, stages) per input dtype
+CONFIG = {
+    torch.bfloat16: (64, 64, 64, 4, 3),
+    torch.float16: (64, 64, 64, 4, 3),
+    torch.float32: (32, 32, 32, 4, 2),
+}
+GROUP = 32  # inputs per E8M0 scale
+
+
+@triton.jit
+def _fp4_values(codes):
+    """E2M1 codes (int32, 0..15) -> float32 values."""
+    mag = codes & 7
+    e = mag >> 1
+    m = (mag & 1).to(tl.float32)
+    val = tl.where(e == 0, 0.5 * m, (1.0 + 0.5 * m) * tl.exp2((e - 1).to(tl.float32)))
+    return tl.where((codes & 8) != 0, -val, val)
+
+
+@triton.jit
+def _fp4_gemm_kernel(
+    a_ptr,
+    p_ptr,
+    s_ptr,
+    c_ptr,
+    tile_group_ptr,
+    tile_row_ptr,
+    ends_ptr,
+    N,
+    K,
+    stride_am,
+    stride_pg,
+    stride_pn,
+    stride_sg,
+    stride_sn,
+    stride_cm,
+    IEEE: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    g = tl.load(tile_group_ptr + pid_m).to(tl.int64)
+    row0 = tl.load(tile_row_ptr + pid_m).to(tl.int64)
+    end = tl.load(ends_ptr + g, mask=g >= 0, other=0).to(tl.int64)
+    end = tl.where(g >= 0, end, 0)  # g = -1: a spare tile, no rows
+    g = tl.maximum(g, 0)
+    rm = row0 + tl.arange(0, BM)
+    rn = pid_n.to(tl.int64) * BN + tl.arange(0, BN)
+    rk = tl.arange(0, BK)
+    m_ok = rm < end
+    n_ok = rn < N
+    a_rows = a_ptr + rm[:, None] * stride_am
+    p_cols = p_ptr + g * stride_pg + rn[None, :] * stride_pn
+    s_cols = s_ptr + g * stride_sg + rn[None, :] * stride_sn
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        k = k0 + rk
+        k_ok = k < K
+        a = tl.load(a_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        wmask = k_ok[:, None] & n_ok[None, :]
+        byte = tl.load(p_cols + (k // 2)[:, None], mask=wmask, other=0).to(tl.int32)
+        codes = (byte >> ((k % 2) * 4)[:, None]) & 15
+        sb = tl.load(s_cols + (k // 32)[:, None], mask=wmask, other=127).to(tl.float32)
+        w = (_fp4_values(codes) * tl.exp2(sb - 127.0)).to(a.dtype)
+        if IEEE:
+            acc = tl.dot(a, w, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, w, acc)
+    c = c_ptr + rm[:, None] * stride_cm + rn[None, :]
+    tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+def _config(dtype: torch.dtype):
+    if dtype not in CONFIG:
+        raise TypeError(f"no FP4 GEMM for {dtype} inputs")
+    return CONFIG[dtype]
+
+
+def fp4_grouped_linear_triton(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    ends: torch.Tensor,
+    tiles=None,
+) -> torch.Tensor:
+    """Rows of x [R, K] sorted by group (group g's rows end at ``ends[g]``) times group g's
+    FP4 weight (packed [G, N, K/2] uint8, scale [G, N, K/32] uint8 E8M0) -> [R, N] in x's
+    dtype. ``tiles``: ``group_tiles(ends, R, x.dtype)`` (reused across calls that share the
+    grouping); it must be built for this kernel's BM (``CONFIG``)."""
+    bm, bn, bk, warps, stages = _config(x.dtype)
+    r, k = x.shape
+    g, n, half = packed.shape
+    if half * 2 != k or scale.shape != (g, n, k // GROUP):
+        raise ValueError(
+            f"FP4 operands of x {tuple(x.shape)}: packed {tuple(packed.shape)} and scale "
+            f"{tuple(scale.shape)} (expected [G, N, {k // 2}] and [G, N, {k // GROUP}])"
+        )
+    out = torch.empty(r, n, dtype=x.dtype, device=x.device)
+    if r == 0 or n == 0:
+        return out
+    x = x if x.stride(1) == 1 else x.contiguous()
+    packed = packed.view(torch.uint8)
+    scale = scale.view(torch.uint8)
+    if packed.stride(2) != 1:
+        packed = packed.contiguous()
+    if scale.stride(2) != 1:
+        scale = scale.contiguous()
+    if tiles is None:
+        tiles = group_tiles_for(ends, r, x.dtype)
+    _fp4_gemm_kernel[(tiles[0].shape[0], triton.cdiv(n, bn))](
+        x,
+        packed,
+        scale,
+        out,
+        tiles[0],
+        tiles[1],
+        ends,
+        n,
+        k,
+        x.stride(0),
+        packed.stride(0),
+        packed.stride(1),
+        scale.stride(0),
+        scale.stride(1),
+        out.stride(0),
+        IEEE=x.dtype == torch.float32,
+        BM=bm,
+        BN=bn,
+        BK=bk,
+        num_warps=warps,
+        num_stages=stages,
+    )
+    return out
+
+
+def group_tiles_for(ends: torch.Tensor, rows: int, dtype: torch.dtype):
+    """``group_tiles`` at this kernel's BM: (group of each tile, its first row) on the device."""
+    return group_tiles(ends, rows, dtype, bm=_config(dtype)[0])

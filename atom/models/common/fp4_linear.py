@@ -1,0 +1,169 @@
+"""Routed experts kept in the FP4 format DeepSeek ships them in (``weight_dtype: fp8``, the
+stored precision).
+
+``Fp4Linear`` holds two E2M1 codes per byte [out, in/2] and one E8M0 scale byte per 32 inputs
+[out, in/32] (``atom.models.common.formats``) and computes ``atom.kernels.fp4_gemm.fp4_linear``:
+on CPU the dequantized product (the numerical reference), on CUDA one Triton kernel that
+dequantizes in registers. The MoE stacks its experts' codes and scales and runs them as one
+grouped call (``MoE._fp4``).
+
+A family says which of its linears are FP4 (``fp4_linears``: the rows of format ``fp4`` in its
+published layout, when its config says the experts are FP4); ``quantize_fp4_linears`` turns
+those ``nn.Linear`` modules into ``Fp4Linear`` and ``dequantize_fp4_linears`` turns them back,
+so the stored-precision forward and its dequantized twin run the very same weights. Quantizing
+weights that came from FP4 gives their values back exactly (``fp4_weight_quant``), so a
+checkpoint's experts, dequantized by its loader, become their stored values again.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from atom.kernels.fp4_gemm import fp4_linear
+from atom.models.common.formats import FP4_GROUP, dequant_fp4, fp4_weight_quant
+from atom.models.common.layers import Linear
+
+__all__ = [
+    "Fp4Linear",
+    "experts_fp4",
+    "fp4_module_names",
+    "quantize_fp4_linears",
+    "dequantize_fp4_linears",
+]
+
+
+class Fp4Linear(nn.Module):
+    """A bias-free linear with a packed FP4 weight. Buffers: ``weight`` uint8 [out, in/2],
+    ``weight_scale`` uint8 [out, in/32] (E8M0). ``dtype``: the compute dtype around it (outputs
+    come back in the input's). Call sites must not read ``weight`` as numbers:
+    ``dequantized()`` gives them."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        dtype: torch.dtype,
+        device: torch.device | str | None = None,
+    ):
+        super().__init__()
+        if in_features % FP4_GROUP:
+            raise ValueError(
+                f"an FP4 linear needs in_features divisible by {FP4_GROUP} (one scale per "
+                f"{FP4_GROUP} inputs); got {in_features}"
+            )
+        self.in_features, self.out_features, self.dtype = in_features, out_features, dtype
+        self.register_buffer(
+            "weight", torch.zeros(out_features, in_features // 2, dtype=torch.uint8, device=device)
+        )
+        self.register_buffer(
+            "weight_scale",
+            torch.full(
+                (out_features, in_features // FP4_GROUP), 127, dtype=torch.uint8, device=device
+            ),
+        )
+
+    @classmethod
+    @torch.no_grad()
+    def from_linear(cls, linear: nn.Linear) -> Fp4Linear:
+        """``linear``'s weight quantized (``fp4_weight_quant``) into a new module on its device."""
+        if linear.bias is not None:
+            raise ValueError("an FP4 linear has no bias; this one has")
+        w = linear.weight
+        out = cls(w.shape[1], w.shape[0], w.dtype, device=w.device)
+        packed, scale = fp4_weight_quant(w.detach())
+        out.weight.copy_(packed)
+        out.weight_scale.copy_(scale)
+        return out
+
+    def dequantized(self) -> torch.Tensor:
+        """The weight as float32 [out, in]."""
+        return dequant_fp4(self.weight, self.weight_scale, FP4_GROUP)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return fp4_linear(x, self.weight, self.weight_scale)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, fp4 (e8m0 per {FP4_GROUP})"
+
+
+def experts_fp4(config) -> bool:
+    """Whether a config says its checkpoint stores the routed experts as FP4: an FP8-stored
+    config (``quantization_config.quant_method == "fp8"``) whose ``expert_dtype`` (V4's field,
+    or V4.1's ``quantization_config.expert_dtype``) is "fp4"."""
+    quant = getattr(config, "quantization_config", None) or {}
+    if str(quant.get("quant_method", "")).lower() != "fp8":
+        return False
+    dtype = quant.get("expert_dtype", getattr(config, "expert_dtype", None))
+    return str(dtype).lower() == "fp4"
+
+
+def fp4_module_names(model: nn.Module, rows: Iterable[tuple[str, str, str]]) -> list[str]:
+    """The ``nn.Linear`` modules of ``model`` a published layout stores as FP4 (``rows``:
+    (published name, parameter name, format), ``{L}``/``{M}``/``{E}`` placeholders)."""
+    pats = []
+    for _, param, fmt in rows:
+        if fmt != "fp4" or not param.endswith(".weight"):
+            continue
+        path = re.escape(param.removesuffix(".weight"))
+        for key in ("L", "M", "E"):
+            path = path.replace(re.escape("{" + key + "}"), r"\d+")
+        pats.append(re.compile(path + "$"))
+    return [
+        name
+        for name, module in model.named_modules()
+        if type(module) in (nn.Linear, Linear) and any(p.match(name) for p in pats)
+    ]
+
+
+def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent, _, attr = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, attr, module)
+
+
+@torch.no_grad()
+def quantize_fp4_linears(model: nn.Module, names: Iterable[str], *, exact: bool = False) -> int:
+    """Replace each named ``nn.Linear`` by its ``Fp4Linear``; returns how many. ``exact``: the
+    weights must already be FP4 values (a checkpoint's, dequantized by its loader), and a
+    weight that quantizing would change raises ValueError naming it (before any replacement)."""
+    mods = {name: model.get_submodule(name) for name in names}
+    bad = [f"{n} ({m.in_features})" for n, m in mods.items() if m.in_features % FP4_GROUP]
+    if bad:
+        raise ValueError(
+            f"FP4 experts need in_features divisible by {FP4_GROUP}; not so for "
+            f"{', '.join(bad[:5])}. Use weight_dtype bf16"
+        )
+    new = {name: Fp4Linear.from_linear(module) for name, module in mods.items()}
+    if exact:
+        changed = [
+            n for n, m in new.items() if not torch.equal(m.dequantized(), mods[n].weight.float())
+        ]
+        if changed:
+            raise ValueError(
+                f"weights that are not FP4 values cannot be kept as FP4: {changed[:5]}. Use "
+                "weight_dtype bf16, or a checkpoint whose experts are stored as FP4"
+            )
+    for name, module in new.items():
+        _replace(model, name, module)
+    return len(new)
+
+
+@torch.no_grad()
+def dequantize_fp4_linears(model: nn.Module) -> int:
+    """Replace every ``Fp4Linear`` by a ``Linear`` of its compute dtype holding the dequantized
+    weight (exact in bf16 and float32)."""
+    found = [(n, m) for n, m in model.named_modules() if isinstance(m, Fp4Linear)]
+    for name, module in found:
+        dense = Linear(
+            module.in_features,
+            module.out_features,
+            bias=False,
+            dtype=module.dtype,
+            device=module.weight.device,
+        )
+        dense.weight.copy_(module.dequantized())
+        _replace(model, name, dense)
+    return len(found)
