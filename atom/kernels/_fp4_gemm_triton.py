@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from atom.kernels._invariant_gemm_triton import group_tiles
+from atom.kernels._invariant_gemm_triton import group_tile, group_tiles
 
 # (BM, BN, BK, warps, stages) per input dtype
 CONFIG = {
@@ -63,13 +63,8 @@ def _fp4_gemm_kernel(
     BN: tl.constexpr,
     BK: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
+    g, row0, end = group_tile(tile_group_ptr, tile_row_ptr, ends_ptr, tl.program_id(0))
     pid_n = tl.program_id(1)
-    g = tl.load(tile_group_ptr + pid_m).to(tl.int64)
-    row0 = tl.load(tile_row_ptr + pid_m).to(tl.int64)
-    end = tl.load(ends_ptr + g, mask=g >= 0, other=0).to(tl.int64)
-    end = tl.where(g >= 0, end, 0)  # g = -1: a spare tile, no rows
-    g = tl.maximum(g, 0)
     rm = row0 + tl.arange(0, BM)
     rn = pid_n.to(tl.int64) * BN + tl.arange(0, BN)
     rk = tl.arange(0, BK)

@@ -66,11 +66,7 @@ def _gemm_kernel(
     pid_n = tl.program_id(1)
     split = tl.program_id(2)
     if GROUPED:
-        g = tl.load(tile_group_ptr + pid_m).to(tl.int64)
-        row0 = tl.load(tile_row_ptr + pid_m).to(tl.int64)
-        end = tl.load(ends_ptr + g, mask=g >= 0, other=0).to(tl.int64)
-        end = tl.where(g >= 0, end, 0)  # g = -1: a spare tile, no rows
-        g = tl.maximum(g, 0)
+        g, row0, end = group_tile(tile_group_ptr, tile_row_ptr, ends_ptr, pid_m)
     else:
         g = 0
         row0 = pid_m.to(tl.int64) * BM
@@ -82,34 +78,19 @@ def _gemm_kernel(
     b_cols = b_ptr + g * stride_bg + rn[None, :] * stride_bn
     m_ok = rm < end
     n_ok = rn < N
-    if IN_KERNEL:  # every range of K here, each into its own accumulator, added in order
-        total = tl.zeros([BM, BN], dtype=tl.float32)
-        for s in range(0, nsplit):
-            acc = _k_range(
-                a_rows,
-                b_cols,
-                m_ok,
-                n_ok,
-                rk,
-                s * k_per,
-                K,
-                k_per,
-                stride_ak,
-                stride_bk,
-                IEEE,
-                BM,
-                BN,
-                BK,
-            )
-            total = tl.where(s == 0, acc, total + acc)
-    else:
-        total = _k_range(
+    # this program's ranges of K: all of them (IN_KERNEL) or its own; each into its own
+    # accumulator from zero, added in range order
+    first = 0 if IN_KERNEL else split
+    last = nsplit if IN_KERNEL else split + 1
+    total = tl.zeros([BM, BN], dtype=tl.float32)
+    for s in range(first, last):
+        acc = _k_range(
             a_rows,
             b_cols,
             m_ok,
             n_ok,
             rk,
-            split * k_per,
+            s * k_per,
             K,
             k_per,
             stride_ak,
@@ -119,8 +100,20 @@ def _gemm_kernel(
             BN,
             BK,
         )
+        total = tl.where(s == first, acc, total + acc)
     c = c_ptr + split.to(tl.int64) * stride_cs + rm[:, None] * stride_cm + rn[None, :]
     tl.store(c, total.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def group_tile(tile_group_ptr, tile_row_ptr, ends_ptr, pid_m):
+    """(group, first row, the group's end row) of tile ``pid_m`` of a ``group_tiles`` table; a
+    spare tile (group -1) has group 0 and end 0: no rows."""
+    g = tl.load(tile_group_ptr + pid_m).to(tl.int64)
+    row0 = tl.load(tile_row_ptr + pid_m).to(tl.int64)
+    end = tl.load(ends_ptr + g, mask=g >= 0, other=0).to(tl.int64)
+    end = tl.where(g >= 0, end, 0)
+    return tl.maximum(g, 0), row0, end
 
 
 @triton.jit

@@ -17,7 +17,6 @@ checkpoint's experts, dequantized by its loader, become their stored values agai
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable
 
 import torch
@@ -25,7 +24,11 @@ from torch import nn
 
 from atom.kernels.fp4_gemm import fp4_linear
 from atom.models.common.formats import FP4_GROUP, dequant_fp4, fp4_weight_quant
-from atom.models.common.layers import Linear
+from atom.models.common.fp8_linear import (
+    dequantize_linears,
+    replace_module,
+    stored_module_names,
+)
 
 __all__ = [
     "Fp4Linear",
@@ -104,24 +107,7 @@ def experts_fp4(config) -> bool:
 def fp4_module_names(model: nn.Module, rows: Iterable[tuple[str, str, str]]) -> list[str]:
     """The ``nn.Linear`` modules of ``model`` a published layout stores as FP4 (``rows``:
     (published name, parameter name, format), ``{L}``/``{M}``/``{E}`` placeholders)."""
-    pats = []
-    for _, param, fmt in rows:
-        if fmt != "fp4" or not param.endswith(".weight"):
-            continue
-        path = re.escape(param.removesuffix(".weight"))
-        for key in ("L", "M", "E"):
-            path = path.replace(re.escape("{" + key + "}"), r"\d+")
-        pats.append(re.compile(path + "$"))
-    return [
-        name
-        for name, module in model.named_modules()
-        if type(module) in (nn.Linear, Linear) and any(p.match(name) for p in pats)
-    ]
-
-
-def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
-    parent, _, attr = name.rpartition(".")
-    setattr(model.get_submodule(parent) if parent else model, attr, module)
+    return stored_module_names(model, rows, "fp4")
 
 
 @torch.no_grad()
@@ -147,23 +133,11 @@ def quantize_fp4_linears(model: nn.Module, names: Iterable[str], *, exact: bool 
                 "weight_dtype bf16, or a checkpoint whose experts are stored as FP4"
             )
     for name, module in new.items():
-        _replace(model, name, module)
+        replace_module(model, name, module)
     return len(new)
 
 
-@torch.no_grad()
 def dequantize_fp4_linears(model: nn.Module) -> int:
     """Replace every ``Fp4Linear`` by a ``Linear`` of its compute dtype holding the dequantized
     weight (exact in bf16 and float32)."""
-    found = [(n, m) for n, m in model.named_modules() if isinstance(m, Fp4Linear)]
-    for name, module in found:
-        dense = Linear(
-            module.in_features,
-            module.out_features,
-            bias=False,
-            dtype=module.dtype,
-            device=module.weight.device,
-        )
-        dense.weight.copy_(module.dequantized())
-        _replace(model, name, dense)
-    return len(found)
+    return dequantize_linears(model, kinds=(Fp4Linear,))

@@ -97,15 +97,26 @@ class Fp8Linear(nn.Module):
 def fp8_module_names(
     model: nn.Module, rows: Iterable[tuple[str, str, str]], exclude: Iterable[str] = ()
 ) -> list[str]:
-    """The ``nn.Linear`` modules of ``model`` a published layout stores as FP8.
+    """The ``nn.Linear`` modules of ``model`` a published layout stores as FP8
+    (``stored_module_names``)."""
+    return stored_module_names(model, rows, "fp8", exclude)
+
+
+def stored_module_names(
+    model: nn.Module,
+    rows: Iterable[tuple[str, str, str]],
+    stored: str,
+    exclude: Iterable[str] = (),
+) -> list[str]:
+    """The ``nn.Linear`` modules of ``model`` a published layout stores in format ``stored``.
 
     ``rows``: (published name, parameter name, format) with ``{L}``/``{M}``/``{E}``
-    placeholders; a row of format "fp8" whose parameter is ``X.weight`` names module ``X``.
+    placeholders; a row of format ``stored`` whose parameter is ``X.weight`` names module ``X``.
     ``exclude``: module-name suffixes kept dense (weights the forward reads directly).
     """
     pats = []
     for _, param, fmt in rows:
-        if fmt != "fp8" or not param.endswith(".weight"):
+        if fmt != stored or not param.endswith(".weight"):
             continue
         path = re.escape(param.removesuffix(".weight"))
         for key in ("L", "M", "E"):
@@ -121,7 +132,8 @@ def fp8_module_names(
     ]
 
 
-def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
+def replace_module(model: nn.Module, name: str, module: nn.Module) -> None:
+    """Put ``module`` at dotted ``name`` in ``model``."""
     parent, _, attr = name.rpartition(".")
     setattr(model.get_submodule(parent) if parent else model, attr, module)
 
@@ -149,15 +161,16 @@ def quantize_linears(
             if empty
             else Fp8Linear.from_linear(module, block)
         )
-        _replace(model, name, new)
+        replace_module(model, name, new)
     return len(mods)
 
 
 @torch.no_grad()
-def dequantize_linears(model: nn.Module) -> int:
-    """Replace every ``Fp8Linear`` by a ``Linear`` of its compute dtype holding the
-    dequantized weight (exact: E4M3 times a power of two fits bf16 and float32)."""
-    found = [(n, m) for n, m in model.named_modules() if isinstance(m, Fp8Linear)]
+def dequantize_linears(model: nn.Module, kinds: tuple[type, ...] = (Fp8Linear,)) -> int:
+    """Replace every module of ``kinds`` (``Fp8Linear``; any with ``dequantized()``,
+    ``in_features``, ``out_features`` and ``dtype``) by a ``Linear`` of its compute dtype holding
+    the dequantized weight (exact: E4M3 or E2M1 times a power of two fits bf16 and float32)."""
+    found = [(n, m) for n, m in model.named_modules() if isinstance(m, kinds)]
     for name, module in found:
         dense = Linear(
             module.in_features,
@@ -167,7 +180,7 @@ def dequantize_linears(model: nn.Module) -> int:
             device=module.weight.device,
         )
         dense.weight.copy_(module.dequantized())
-        _replace(model, name, dense)
+        replace_module(model, name, dense)
     return len(found)
 
 
