@@ -59,7 +59,7 @@ def main() -> None:
     ap.add_argument("--model", default="v41-bench")
     ap.add_argument("--m", type=int, nargs="+", default=[16, 4096])
     ap.add_argument("--iters", type=int, default=10)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--l2-mib", type=int, default=128, help="weight copies per shape exceed this")
     ap.add_argument("--name", default="invariant_gemm_sweep_h200")
     args = ap.parse_args()
@@ -91,7 +91,15 @@ def main() -> None:
             per.append(ms)
         return {m: statistics.median(p[m] for p in per) for m in args.m}, per
 
-    base, base_per = total(F.linear)
+    head = ["(BM, BN, BK, warps, stages)", "programs / SM"]
+    head += [f"M={m} ms (vs cuBLAS)" for m in args.m] + ["repeats' range", "row 0 invariant"]
+    command = command_line("invariant_gemm_sweep", args)
+
+    def save() -> None:  # after every configuration: a run cut short keeps what it measured
+        table = f"Dense linears of {args.model}, weighted by count: {dict(shapes)}.\n\n"
+        write_results(args.name, data, table + md_table(head, rows), command)
+
+    base, _ = total(F.linear)
     rows, data = [], {"cublas": base, "configs": []}
     rows.append(["cuBLAS (F.linear)", ""] + [round(base[m], 3) for m in args.m] + ["", "no"])
     saved = (k.CONFIG[torch.bfloat16], k.SPLIT_PROGRAMS)
@@ -123,15 +131,11 @@ def main() -> None:
                     {"tile": tile, "split_programs": sp, "ms": got, "invariant": invariant}
                 )
                 print(rows[-1], flush=True)
+                save()
     finally:
         k.CONFIG[torch.bfloat16], k.SPLIT_PROGRAMS = saved
-    head = ["(BM, BN, BK, warps, stages)", "programs / SM"]
-    head += [f"M={m} ms (vs cuBLAS)" for m in args.m] + ["repeats' range", "row 0 invariant"]
-    table = f"Dense linears of {args.model}, weighted by count: {dict(shapes)}.\n\n" + md_table(
-        head, rows
-    )
-    print(table)
-    print(write_results(args.name, data, table, command_line("invariant_gemm_sweep", args)))
+    save()
+    print(md_table(head, rows))
 
 
 if __name__ == "__main__":
