@@ -51,3 +51,19 @@ def test_graph_replays_equal_eager_runs_bit_for_bit(preset):
     assert eager.engine.runtime.graphs is None
     assert_same_bits(outs, eager.generate(prompts, params))
     eager.shutdown()
+
+
+@pytest.mark.parametrize("vocab", [320, 129280])
+def test_the_samplers_reductions_keep_a_rows_bits_in_any_batch(vocab):
+    """The sampler's log-probabilities (``token_logprobs``: float32 log-softmax and top-k) and
+    greedy argmax run as torch's own in either arithmetic: a row's are the same bits alone and
+    among 1-63 other rows (torch sizes these kernels by the row's length, not by the rows)."""
+    from atom.engine.sampler import token_logprobs
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    rows = (torch.randn(64, vocab, device="cuda", generator=g) * 4).bfloat16()
+    alone = token_logprobs(rows[:1], [7], 5)[0]
+    top = int(rows[:1].argmax(-1))
+    for n in (2, 7, 16, 33, 64):
+        assert token_logprobs(rows[:n], [7] * n, 5)[0] == alone, n
+        assert int(rows[:n].argmax(-1)[0]) == top, n
