@@ -5,7 +5,7 @@
 #          speculative serving_spec tp tp_tests (tp, tp_tests: two GPUs)
 #          tier_only idle
 #          train forward_v4 roofline_v4 serving_v4 speculative_v4 fp8_gemm roofline_fp8
-#          invariant_cost invariant_sweep serving_invariant determinism
+#          invariant_cost invariant_sweep serving_invariant determinism precision_agreement
 # cuda_ops builds lmcache.cuda_ops from lmcache's sources against this machine's torch
 # (benchmarks/gpu/build_cuda_ops.py); once built (build/ stays while the machine is warm, or
 # carried back), every later step's LMCache server uses it.
@@ -81,6 +81,12 @@ for s in "$@"; do
     fp8_gemm) step "${FP8_GEMM_LIMIT:-540}" python3 -m benchmarks.fp8_gemm \
       --models v4-bench-fp8 v41-bench-fp8 --m 1 16 32 64 256 4096 ${FP8_GEMM_SWEEP:+--sweep} \
       --name "${FP8_GEMM_NAME:-fp8_gemm_h200}" ;;
+    precision_agreement)  # stored precision (FP8 linears, FP4 experts) against its dequantized twin
+      for m in v41-bench-fp8 v4-bench-fp8; do
+        step "${AGREEMENT_LIMIT:-240}" python3 -m benchmarks.precision_agreement --model $m \
+          --device cuda --prompts 16 --prompt-len 256 --output-len 32 \
+          --name "precision_agreement_${m//-/_}_h200"
+      done ;;
     invariant_sweep)  # the mode's GEMM configurations on v41-bench's linears, decode and prefill M
       step "${INVARIANT_SWEEP_LIMIT:-420}" python3 -m benchmarks.invariant_gemm_sweep \
         --model v41-bench --m 16 4096 ;;
