@@ -49,6 +49,11 @@ def linear_shapes(model: str) -> Counter:
     return Counter(tuple(m.weight.shape) for m in net.modules() if isinstance(m, torch.nn.Linear))
 
 
+def _keyed(per_shape: dict) -> dict:
+    """Shape keys as "NxK" strings (JSON)."""
+    return {f"{n}x{k}": v for (n, k), v in per_shape.items()}
+
+
 def _timed(fn, copies: int, iters: int) -> float:
     replay = graph_timer(fn, copies)
     return statistics.median(replay() for _ in range(iters))
@@ -77,19 +82,40 @@ def main() -> None:
         ]
         inputs[n, kd] = torch.randn(max(args.m), kd, device="cuda", generator=gen).bfloat16()
 
-    def total(call) -> tuple[float, float, float]:
-        per = []
+    def total(call):
+        """({M: weighted ms, median over repeats}, the repeats' totals, {shape: {M: ms}})."""
+        per, each = [], {s: {m: [] for m in args.m} for s in shapes}
         for _ in range(args.repeats):
             ms = {m: 0.0 for m in args.m}
             for (n, kd), count in shapes.items():
                 ws, x = weights[n, kd], inputs[n, kd]
                 for m in args.m:
                     rows = x[:m]
-                    ms[m] += count * _timed(
-                        lambda i, r=rows, w=ws: call(r, w[i]), len(ws), args.iters
-                    )
+                    t = _timed(lambda i, r=rows, w=ws: call(r, w[i]), len(ws), args.iters)
+                    each[n, kd][m].append(t)
+                    ms[m] += count * t
             per.append(ms)
-        return {m: statistics.median(p[m] for p in per) for m in args.m}, per
+        shaped = {s: {m: statistics.median(v) for m, v in d.items()} for s, d in each.items()}
+        return {m: statistics.median(p[m] for p in per) for m in args.m}, per, shaped
+
+    def best_per_shape() -> list[list]:
+        """Per weight shape, the configuration with the least sum over M of its time over
+        cuBLAS's (one configuration must serve every M: ``SHAPE_CONFIG``)."""
+        out = []
+        for s in shapes:
+
+            def cost(c, s=s):
+                return sum(c["shapes"][s][m] / base_shaped[s][m] for m in args.m)
+
+            kept = [c for c in data["configs"] if c["invariant"]]
+            best = min(kept, key=cost, default=None)
+            if best is None:
+                continue
+            out.append(
+                [f"{s[0]} x {s[1]}", shapes[s], str(best["tile"]), best["split_programs"]]
+                + [f"{best['shapes'][s][m] / base_shaped[s][m]:.2f}x" for m in args.m]
+            )
+        return out
 
     head = ["(BM, BN, BK, warps, stages)", "programs / SM"]
     head += [f"M={m} ms (vs cuBLAS)" for m in args.m] + ["repeats' range", "row 0 invariant"]
@@ -97,18 +123,28 @@ def main() -> None:
 
     def save() -> None:  # after every configuration: a run cut short keeps what it measured
         table = f"Dense linears of {args.model}, weighted by count: {dict(shapes)}.\n\n"
-        write_results(args.name, data, table + md_table(head, rows), command)
+        table += md_table(head, rows) + "\n\nPer shape, the configuration of least cost:\n\n"
+        table += md_table(
+            ["N x K", "count", "(BM, BN, BK, warps, stages)", "programs / SM"]
+            + [f"M={m} vs cuBLAS" for m in args.m],
+            best_per_shape(),
+        )
+        json_data = dict(
+            data, configs=[dict(c, shapes=_keyed(c["shapes"])) for c in data["configs"]]
+        )
+        write_results(args.name, json_data, table, command)
 
-    base, _ = total(F.linear)
-    rows, data = [], {"cublas": base, "configs": []}
+    base, _, base_shaped = total(F.linear)
+    rows, data = [], {"cublas": base, "cublas_shapes": _keyed(base_shaped), "configs": []}
     rows.append(["cuBLAS (F.linear)", ""] + [round(base[m], 3) for m in args.m] + ["", "no"])
-    saved = (k.CONFIG[torch.bfloat16], k.SPLIT_PROGRAMS)
+    saved = (k.CONFIG[torch.bfloat16], k.SPLIT_PROGRAMS, dict(k.SHAPE_CONFIG))
+    k.SHAPE_CONFIG.clear()  # every shape at the candidate's configuration
     try:
         for tile in TILES:
             for sp in SPLIT_PROGRAMS:
                 k.CONFIG[torch.bfloat16], k.SPLIT_PROGRAMS = tile, sp
                 try:
-                    got, per = total(k.invariant_linear)
+                    got, per, shaped = total(k.invariant_linear)
                 except Exception as exc:  # noqa: BLE001 - a config the GPU cannot launch
                     print(f"{tile} x{sp}: {type(exc).__name__}: {exc}", flush=True)
                     continue
@@ -128,12 +164,19 @@ def main() -> None:
                     + [" / ".join(spread), "yes" if invariant else "NO"]
                 )
                 data["configs"].append(
-                    {"tile": tile, "split_programs": sp, "ms": got, "invariant": invariant}
+                    {
+                        "tile": tile,
+                        "split_programs": sp,
+                        "ms": got,
+                        "invariant": invariant,
+                        "shapes": shaped,
+                    }
                 )
                 print(rows[-1], flush=True)
                 save()
     finally:
-        k.CONFIG[torch.bfloat16], k.SPLIT_PROGRAMS = saved
+        k.CONFIG[torch.bfloat16], k.SPLIT_PROGRAMS = saved[:2]
+        k.SHAPE_CONFIG.update(saved[2])
     save()
     print(md_table(head, rows))
 

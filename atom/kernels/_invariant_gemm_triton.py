@@ -148,10 +148,19 @@ def _k_range(
     return acc
 
 
-def _config(dtype: torch.dtype):
+# (dtype, N, K) -> (BN, BK, warps, stages) for one weight shape, over ``CONFIG``'s (a choice
+# by the weight's shape keeps a row's bits independent of M; BM stays the dtype's: the MoE's
+# grouped calls share one tile table across shapes). Filled from
+# benchmarks/invariant_gemm_sweep.py's per-shape results; empty: ``CONFIG`` everywhere
+SHAPE_CONFIG: dict[tuple[torch.dtype, int, int], tuple[int, int, int, int]] = {}
+
+
+def _config(dtype: torch.dtype, n: int | None = None, k: int | None = None):
+    """(BM, BN, BK, warps, stages) of a call with an [n, k] weight in ``dtype``."""
     if dtype not in CONFIG:
         raise TypeError(f"no batch-invariant GEMM for {dtype}")
-    return CONFIG[dtype]
+    shaped = SHAPE_CONFIG.get((dtype, n, k))
+    return CONFIG[dtype] if shaped is None else (CONFIG[dtype][0], *shaped)
 
 
 # programs a call should have at least, so that a decode-shaped GEMM (few rows) streams its
@@ -180,15 +189,15 @@ def splits(n: int, k: int, dtype: torch.dtype, device: torch.device) -> int:
     own programs into float32 partials, the partials then added in range order): a function of
     n, k, the dtype and the device alone, never of M, so a row's bits stay independent of the
     batch. Enough ranges to give the device one program per SM with a single row tile."""
-    _, bn, bk, _, _ = _config(dtype)
+    _, bn, bk, _, _ = _config(dtype, n, k)
     programs = _programs(device) * SPLIT_PROGRAMS
     by_k = triton.cdiv(k, bk) // _MIN_SPLIT_BLOCKS
     return max(1, min(programs // triton.cdiv(n, bn), by_k, _MAX_SPLITS))
 
 
 def _launch(rows, weight, out, grid_m, tiles, ends, grouped: bool):
-    bm, bn, bk, warps, stages = _config(rows.dtype)
     n, k = weight.shape[-2], weight.shape[-1]
+    bm, bn, bk, warps, stages = _config(rows.dtype, n, k)
     if out.shape[0] == 0 or n == 0:
         return out
     split = splits(n, k, rows.dtype, rows.device)

@@ -138,3 +138,21 @@ def test_the_modes_sums_are_the_same_bits_in_any_batch(n):
     assert torch.allclose(by_cols, full, rtol=1e-5, atol=1e-3)
     for m in (1, 3, 64, 1000):  # its batch dimension trailing, 1 included
         assert torch.equal(invariant.sum(cols[:, :m].contiguous(), 0), by_cols[:m]), m
+
+
+def test_a_shape_of_its_own_configuration_keeps_every_rows_bits(monkeypatch):
+    """``SHAPE_CONFIG``: one weight shape at other tiles (and so another split of K) than the
+    dtype's; still one configuration for every M, so a row's bits do not depend on M."""
+    k = _k()
+    dtype = DTYPES[0]
+    w = _rand(70, 1200, dtype=dtype, seed=21)
+    x = _rand(100, 1200, dtype=dtype, seed=22)
+    default = k.invariant_linear(x, w)
+    bm, bn, bk, warps, stages = k.CONFIG[dtype]
+    monkeypatch.setitem(k.SHAPE_CONFIG, (dtype, 70, 1200), (bn // 2, bk * 2, warps, stages))
+    assert k._config(dtype, 70, 1200) == (bm, bn // 2, bk * 2, warps, stages)
+    assert k._config(dtype, 71, 1200) == k.CONFIG[dtype]
+    y = k.invariant_linear(x, w)
+    assert (y.float() - default.float()).abs().max().item() < 1e-3
+    for lo, hi in [(0, 1), (30, 31), (2, 99)]:
+        assert torch.equal(k.invariant_linear(x[lo:hi], w), y[lo:hi]), (lo, hi)
