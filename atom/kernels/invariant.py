@@ -23,15 +23,8 @@ In the mode:
 - ``sum`` and ``mean``: on CUDA one launch of ``ordered_sum``
   (``atom.kernels._invariant_reduce_triton``), in an order set by the reduced length and the
   dimension's place alone (torch's CUDA reductions split a row by how many rows there are).
-- ``sink_attention`` and ``index_scores`` on CUDA: the attention and index-score Triton kernels
-  (``atom.kernels.attention``, ``atom.kernels.index_scores``), one program per query row (and
-  block of heads) or per tile of positions, their launch fixed in the mode.
-- ``sink_attention`` elsewhere: the keys of each query are reduced in a fixed order of
-  fixed-size parts: its window keys (one part), then its compressed rows in chunks of
-  ``KEY_CHUNK`` from row 0, then the sink, by an online softmax. A chunk of masked (padding)
-  rows is an exact no-op (its maximum is -inf, so the running maximum, sum and output are
-  multiplied by exp(0) = 1 and added 0), so scanning more padding rows for a longer sequence
-  in the batch changes no bit.
+- attention, the indexer's scores and its top-k order: ``atom.kernels.invariant_attention``,
+  built on these.
 - the MoE (``atom.models.common.moe``): on CUDA grouped GEMMs of the fixed kernel over the
   expert-sorted rows, no host sync (so decode graphs replay in the mode), each token's slots
   added in slot order; on CPU the per-expert loop, each token's expert outputs added in expert
@@ -56,8 +49,6 @@ NEG_INF = float("-inf")
 
 # rows per GEMM tile in the mode (CPU: MKL is invariant from 4 rows on; CUDA: one wgmma M tile)
 ROW_TILE = {"cpu": 16, "cuda": 64}
-# compressed rows per attention chunk in the mode
-KEY_CHUNK = 64
 
 
 # elements per padded block of a pointwise op in the mode (a multiple of every SIMD width)
@@ -144,7 +135,7 @@ ALIGN = 64
 KEY_PAD = 16
 
 
-def _aligned(x: torch.Tensor) -> torch.Tensor:
+def aligned(x: torch.Tensor) -> torch.Tensor:
     """``x`` as a contiguous tensor whose data starts on an ``ALIGN``-byte boundary."""
     if x.is_contiguous() and x.data_ptr() % ALIGN == 0:
         return x
@@ -154,13 +145,13 @@ def _aligned(x: torch.Tensor) -> torch.Tensor:
     return out.copy_(x)
 
 
-def _operand(x: torch.Tensor) -> torch.Tensor:
-    """An operand of ``bmm``: aligned where BLAS multiplies it (``_aligned``); as it is where the
+def operand(x: torch.Tensor) -> torch.Tensor:
+    """An operand of ``bmm``: aligned where BLAS multiplies it (``aligned``); as it is where the
     fixed kernel does (it takes any strides and offsets)."""
-    return x if fixed_gemm(x) else _aligned(x)
+    return x if fixed_gemm(x) else aligned(x)
 
 
-def _pad_rows(x: torch.Tensor, dim: int, multiple: int) -> torch.Tensor:
+def pad_rows(x: torch.Tensor, dim: int, multiple: int) -> torch.Tensor:
     """``x`` with zeros appended along ``dim`` up to a multiple of ``multiple``."""
     pad = -x.shape[dim] % multiple
     if not pad:
@@ -172,7 +163,7 @@ def _pad_rows(x: torch.Tensor, dim: int, multiple: int) -> torch.Tensor:
 
 def _tiles(x: torch.Tensor, tile: int) -> torch.Tensor:
     """x [M, ...] -> [ceil(M / tile), tile, ...], padded with zero rows, aligned."""
-    return _aligned(_pad_rows(x, 0, tile)).view(-1, tile, *x.shape[1:])
+    return aligned(pad_rows(x, 0, tile)).view(-1, tile, *x.shape[1:])
 
 
 def fixed_gemm(x: torch.Tensor) -> bool:
@@ -204,9 +195,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             y = y + bias
         return y.view(*lead, weight.shape[0])
     if k % KEY_PAD:  # an odd K: zero columns, so every row of a tile starts aligned
-        rows, weight = _pad_rows(rows, 1, KEY_PAD), _pad_rows(weight, 1, KEY_PAD)
+        rows, weight = pad_rows(rows, 1, KEY_PAD), pad_rows(weight, 1, KEY_PAD)
     tiled = _tiles(rows, row_tile(x.device))
-    y = torch.matmul(tiled, _aligned(weight).t()).reshape(-1, weight.shape[0])[:m]
+    y = torch.matmul(tiled, aligned(weight).t()).reshape(-1, weight.shape[0])[:m]
     if bias is not None:
         y = y + bias
     return y.view(*lead, weight.shape[0])
@@ -221,8 +212,8 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if fixed_gemm(x):  # group j: the n rows of x[:, j] against weight[j]
         return bmm(x.transpose(0, 1), weight.transpose(1, 2)).transpose(0, 1)
     tiled = _tiles(x, row_tile(x.device)).permute(2, 0, 1, 3)  # [g, tiles, tile, i]
-    tiled = _aligned(tiled)
-    y = torch.matmul(tiled, _aligned(weight.transpose(1, 2))[:, None])  # [g, tiles, tile, o]
+    tiled = aligned(tiled)
+    y = torch.matmul(tiled, aligned(weight.transpose(1, 2))[:, None])  # [g, tiles, tile, o]
     return y.permute(1, 2, 0, 3).reshape(-1, g, weight.shape[1])[:n]
 
 
@@ -234,179 +225,3 @@ def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
         return invariant_bmm(a, b)
     return torch.bmm(a, b)
-
-
-def sink_attention(
-    q: torch.Tensor,
-    win_k: torch.Tensor,
-    win_mask: torch.Tensor,
-    comp: torch.Tensor | None,
-    comp_valid: torch.Tensor | None,
-    sink: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
-    """Sink attention for B tiles of Q queries (K = V), each tile with its own window keys:
-    q [B, Q, H, hd], win_k [B, L, hd], win_mask [B, Q, L], comp [B * Q, K, hd] rows per query
-    with comp_valid [B * Q, K], sink [H] float32 -> [B * Q, H, hd] in q's dtype. The same
-    function as ``atom.models.common.prefill_tiles.tile_attention``, reduced in the mode's
-    order (module doc): window part, ``KEY_CHUNK``-row chunks of ``comp``, sink. Every query
-    needs one valid window key (its own). On CUDA where Triton imports, the attention kernel
-    (``_kernel_attention``) instead."""
-    b, t, h, hd = q.shape
-    n = b * t
-    if _attention_kernel(q):
-        return _kernel_attention(q, win_k, win_mask, comp, comp_valid, sink, scale)
-    # masked zero keys up to a multiple of KEY_PAD: p = 0 there, exactly
-    win_k, win_mask = _pad_rows(win_k, 1, KEY_PAD), _pad_rows(win_mask, 2, KEY_PAD)
-    win_k, qt = _aligned(win_k), _aligned(q.reshape(b, t * h, hd))
-    win = bmm(qt, _operand(win_k.transpose(1, 2))).float().view(n, h, -1)
-    logits = (win * scale).masked_fill(~win_mask.reshape(n, 1, -1), NEG_INF)
-    m = logits.amax(-1, keepdim=True)  # finite: the own key is valid
-    p = pointwise(torch.exp, logits - m)
-    total = sum(p, -1, keepdim=True)
-    pv = bmm(_operand(p.to(q.dtype).view(b, t * h, -1)), win_k).float().view(n, h, hd)
-    acc = pv
-    qf = qt.view(n, h, hd)
-    if comp is not None and comp.shape[1]:
-        comp, comp_valid = _pad_rows(comp, 1, KEY_CHUNK), _pad_rows(comp_valid, 1, KEY_CHUNK)
-        for c0 in range(0, comp.shape[1], KEY_CHUNK):
-            rows = _operand(comp[:, c0 : c0 + KEY_CHUNK])
-            sc = bmm(qf, _operand(rows.transpose(1, 2))).float() * scale
-            sc = sc.masked_fill(~comp_valid[:, None, c0 : c0 + KEY_CHUNK], NEG_INF)
-            m_new = torch.maximum(m, sc.amax(-1, keepdim=True))
-            alpha = pointwise(torch.exp, m - m_new)
-            p = pointwise(torch.exp, sc - m_new)
-            total = total * alpha + sum(p, -1, keepdim=True)
-            acc = acc * alpha + bmm(_operand(p.to(q.dtype)), rows).float()
-            m = m_new
-    s = sink.float().view(1, h, 1)
-    m_new = torch.maximum(m, s)
-    alpha = pointwise(torch.exp, m - m_new)
-    total = total * alpha + pointwise(torch.exp, s - m_new)
-    return (acc * alpha / total).to(q.dtype)
-
-
-def _attention_kernel(q: torch.Tensor) -> bool:
-    """Whether the mode's sink attention on tensors like ``q`` runs the Triton kernel
-    (``atom.kernels.attention``): one program per query row and block of heads, walking the
-    row's window keys, then its compressed rows, in tiles of a launch configuration fixed for
-    the mode (``sink_attention_config``), so a row's bits do not depend on the batch."""
-    from atom.kernels.attention import sink_attention_usable
-
-    return sink_attention_usable(q)
-
-
-def _kernel_attention(q, win_k, win_mask, comp, comp_valid, sink, scale) -> torch.Tensor:
-    """``sink_attention``'s arguments through the kernel: the gathered rows ``comp`` [N, K, hd]
-    are its plane, read at offsets of whole rows."""
-    from atom.kernels.attention import sink_attention as kernel
-
-    b, t, h, hd = q.shape
-    plane = offsets = valid = None
-    if comp is not None and comp.shape[1]:
-        plane = comp.to(q.dtype).contiguous()
-        n, k = comp.shape[:2]
-        offsets = torch.arange(n * k, device=q.device, dtype=torch.int64).view(n, k) * hd
-        valid = comp_valid
-    return kernel(
-        q.reshape(b * t, h, hd),
-        win_k,
-        win_mask.reshape(b * t, -1),
-        plane,
-        offsets,
-        valid,
-        sink.float(),
-        scale,
-    )
-
-
-def sink_attention_rows(
-    q: torch.Tensor,
-    win_k: torch.Tensor,
-    win_mask: torch.Tensor,
-    comp: torch.Tensor | None,
-    comp_valid: torch.Tensor | None,
-    sink: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
-    """``sink_attention`` for T queries: q [T, H, hd]; window keys [T, Nw, hd] per query or
-    [Nw, hd] shared, mask [T, Nw]; comp [T, K, hd] per query or [K, hd] shared, comp_valid
-    [T, K] -> [T, H, hd]."""
-    t = q.shape[0]
-    if win_k.dim() == 3:  # one tile per query
-        out = sink_attention(
-            q[:, None], win_k, win_mask[:, None], _per_query(comp, t), comp_valid, sink, scale
-        )
-        return out
-    return sink_attention(
-        q[None], win_k[None], win_mask[None], _per_query(comp, t), comp_valid, sink, scale
-    )
-
-
-def _per_query(comp: torch.Tensor | None, t: int) -> torch.Tensor | None:
-    if comp is None or comp.dim() == 3:
-        return comp
-    return comp[None].expand(t, -1, -1)
-
-
-def index_scores(qi: torch.Tensor, w: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """Indexer scores s [T, R] = sum_h w[t, h] ReLU(qi[t, h] . keys[r]): qi [T, H, D], w [T, H],
-    keys [R, D] shared or [T, R, D] per query (float32). In the mode's order: rows in chunks of
-    ``KEY_CHUNK`` (one GEMM shape per chunk, shared keys row-tiled over T * H), the heads summed
-    in order; a row's score does not depend on R or T. On CUDA where Triton imports, the index
-    kernel (``atom.kernels.index_scores``) with every query its own tile: its launch set by the
-    tile size (one query), so again by nothing the batch changes."""
-    t, h, d = qi.shape
-    r = keys.shape[-2]
-    from atom.kernels.index_scores import index_scores_usable, tiled_index_scores
-
-    if index_scores_usable(qi):
-        per_query = keys.dim() == 3
-        tiles = torch.arange(t, device=qi.device)
-        if not per_query:
-            tiles = torch.zeros_like(tiles)
-        visible = torch.full((t,), r, dtype=torch.int32, device=qi.device)
-        return tiled_index_scores(qi, w, keys if per_query else keys[None], tiles, visible)
-    keys = _pad_rows(keys, -2, KEY_CHUNK)
-    per_query = keys.dim() == 3
-    qa = _aligned(qi) if per_query else qi.reshape(t * h, d)
-    out = []
-    for c0 in range(0, keys.shape[-2], KEY_CHUNK):
-        chunk = _operand(keys[..., c0 : c0 + KEY_CHUNK, :])
-        if per_query:
-            dots = bmm(qa, _operand(chunk.transpose(1, 2)))
-        else:
-            dots = linear(qa, chunk).view(t, h, -1)
-        out.append(head_sum(w, dots))
-    return torch.cat(out, 1)[:, :r]
-
-
-def head_sum(w: torch.Tensor, dots: torch.Tensor) -> torch.Tensor:
-    """sum_h w[t, h] ReLU(dots[t, h, r]) -> [T, R], the heads added in order."""
-    terms = w[:, :, None] * torch.relu(dots)
-    total = terms[:, 0]
-    for i in range(1, terms.shape[1]):
-        total = total + terms[:, i]
-    return total
-
-
-def tile_index_scores(qs: torch.Tensor, w: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """Index scores of tiles: qs [B, Q * H, D] (Q queries of H heads per tile), w [B * Q, H],
-    keys [B, R, D] (each tile's sequence's rows) -> [B * Q, R], in ``index_scores``' order."""
-    h, r = w.shape[1], keys.shape[1]
-    keys, qa = _pad_rows(keys, 1, KEY_CHUNK), _aligned(qs)
-    out = []
-    for c0 in range(0, keys.shape[1], KEY_CHUNK):
-        chunk = _operand(keys[:, c0 : c0 + KEY_CHUNK].transpose(1, 2))
-        dots = bmm(qa, chunk).view(-1, h, KEY_CHUNK)
-        out.append(head_sum(w, dots))
-    return torch.cat(out, 1)[:, :r]
-
-
-def order_selection(ids: torch.Tensor, valid: torch.Tensor):
-    """A top-k selection (ids [T, K], valid [T, K]) with the valid picks in row order, first,
-    the invalid after: the attention then meets a token's picks in an order set by the picks
-    alone, not by their scores' last bits."""
-    key = torch.where(valid, ids, torch.full_like(ids, torch.iinfo(ids.dtype).max))
-    order = torch.sort(key, dim=-1, stable=True).indices
-    return ids.gather(1, order), valid.gather(1, order)

@@ -93,8 +93,9 @@ def test_the_modes_sum_goes_through_one_kernel_on_the_gpu(mode):
 
 
 def test_the_modes_attention_kernel_keeps_a_rows_bits(mode):
-    """``invariant.sink_attention_rows`` through the kernel: each query's output equals its
-    output in a call of other sizes, and torch's float32 expression to rounding."""
+    """``invariant_attention.sink_attention_rows`` through the kernel: each query's output
+    equals its output in a call of other sizes, and torch's float32 expression to rounding."""
+    from atom.kernels import invariant_attention as att
     from atom.kernels.attention import sink_attention_torch
 
     t, h, hd, nw, k = 9, 4, 32, 12, 70
@@ -106,33 +107,35 @@ def test_the_modes_attention_kernel_keeps_a_rows_bits(mode):
     valid = torch.rand(t, k, generator=torch.Generator().manual_seed(10)) < 0.6
     win_mask, valid = win_mask.to(DEVICE), valid.to(DEVICE)
     sink = _rand(h, seed=11)
-    assert mode._attention_kernel(q)
-    y = mode.sink_attention_rows(q, win_k, win_mask, comp, valid, sink, 0.2)
+    assert att._attention_kernel(q)
+    y = att.sink_attention_rows(q, win_k, win_mask, comp, valid, sink, 0.2)
     want = sink_attention_torch(q, win_k, win_mask, comp, valid, sink, 0.2)
     assert (y - want).abs().max().item() < 1e-4
     for lo, hi in [(0, 1), (3, 5), (2, 9)]:
-        part = mode.sink_attention_rows(
+        part = att.sink_attention_rows(
             q[lo:hi], win_k[lo:hi], win_mask[lo:hi], comp[lo:hi], valid[lo:hi], sink, 0.2
         )
         assert torch.equal(part, y[lo:hi]), (lo, hi)
     # more (invalid) compressed rows, as a longer sequence in the batch brings, change no bit
     wide = torch.cat([comp, _rand(t, 50, hd, seed=12)], 1)
     wide_valid = torch.cat([valid, torch.zeros(t, 50, dtype=torch.bool, device=DEVICE)], 1)
-    assert torch.equal(mode.sink_attention_rows(q, win_k, win_mask, wide, wide_valid, sink, 0.2), y)
+    assert torch.equal(att.sink_attention_rows(q, win_k, win_mask, wide, wide_valid, sink, 0.2), y)
 
 
 def test_the_modes_index_scores_keep_a_rows_bits(mode):
-    """``invariant.index_scores`` through the index kernel, one tile per query: per-query and
-    shared keys, a row's scores independent of the batch and of the row count."""
+    """``invariant_attention.index_scores`` through the index kernel, one tile per query:
+    per-query and shared keys, a row's scores independent of the batch and of the row count."""
+    from atom.kernels import invariant_attention as att
+
     t, hi, d, r = 7, 8, 32, 90
     qi, w = _rand(t, hi, d, seed=13), _rand(t, hi, seed=14)
     keys = _rand(t, r, d, seed=15)
-    s = mode.index_scores(qi, w, keys)
+    s = att.index_scores(qi, w, keys)
     want = torch.einsum("th,thr->tr", w, torch.relu(torch.einsum("thd,trd->thr", qi, keys)))
     assert (s - want).abs().max().item() < 1e-3
-    assert torch.equal(mode.index_scores(qi[2:4], w[2:4], keys[2:4]), s[2:4])
-    assert torch.equal(mode.index_scores(qi, w, keys[:, :40])[:, :40], s[:, :40])
-    shared = mode.index_scores(qi, w, keys[0])
-    assert torch.equal(mode.index_scores(qi[3:], w[3:], keys[0]), shared[3:])
+    assert torch.equal(att.index_scores(qi[2:4], w[2:4], keys[2:4]), s[2:4])
+    assert torch.equal(att.index_scores(qi, w, keys[:, :40])[:, :40], s[:, :40])
+    shared = att.index_scores(qi, w, keys[0])
+    assert torch.equal(att.index_scores(qi[3:], w[3:], keys[0]), shared[3:])
     want0 = torch.einsum("th,thr->tr", w, torch.relu(torch.einsum("thd,rd->thr", qi, keys[0])))
     assert (shared - want0).abs().max().item() < 1e-3

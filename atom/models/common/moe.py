@@ -237,31 +237,10 @@ class MoE(nn.Module):
         return fp4_grouped_linear(h, dp, ds, ends, tiles), order
 
     def stacked_fp4(self):
-        """The FP4 experts' (codes, scales) of gate, up and down, each as an [E, ...] tensor;
-        the experts' buffers are made views of them (no second copy), restacked if replaced
-        (a load, ``.to()``)."""
-        per = [
-            [getattr(getattr(e, proj), buf) for e in self.experts]
-            for proj in ("gate_proj", "up_proj", "down_proj")
-            for buf in ("weight", "weight_scale")
-        ]
-        stack = self._stack
-        if (
-            stack is None
-            or len(stack) != len(per)
-            or any(
-                t.data_ptr() != s[i].data_ptr() or t.device != s.device
-                for ts, s in zip(per, stack)
-                for i, t in enumerate(ts)
-            )
-        ):
-            stack = tuple(torch.stack(ts) for ts in per)
-            for e, expert in enumerate(self.experts):
-                for p, proj in enumerate(("gate_proj", "up_proj", "down_proj")):
-                    mod = getattr(expert, proj)
-                    mod.weight, mod.weight_scale = stack[2 * p][e], stack[2 * p + 1][e]
-            self._stack = stack
-        return (stack[0], stack[1]), (stack[2], stack[3]), (stack[4], stack[5])
+        """The FP4 experts' (codes, scales) of gate, up and down, each as an [E, ...] tensor
+        (``_stacked``)."""
+        s = self._stacked([(p, b) for p in _PROJS for b in ("weight", "weight_scale")])
+        return (s[0], s[1]), (s[2], s[3]), (s[4], s[5])
 
     def _grouped(
         self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor
@@ -296,24 +275,38 @@ class MoE(nn.Module):
         return torch.bmm(h, down.transpose(1, 2)).float().sum(0)  # unrouted rows weigh 0
 
     def stacked_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Expert weights as [E, ...] tensors. Without autograd, the experts' parameters are
-        made views of one stacked tensor each (no second copy; loads and in-place updates show
-        through); restacked if the parameters were replaced (``.to()``, a new ``.data``)."""
-        per = [(e.gate_proj.weight, e.up_proj.weight, e.down_proj.weight) for e in self.experts]
-        if torch.is_grad_enabled() and per[0][0].requires_grad:
-            return tuple(torch.stack(ws) for ws in zip(*per))  # differentiable (training)
+        """Expert weights as [E, ...] tensors (``_stacked``; under autograd, a differentiable
+        stack instead)."""
+        if torch.is_grad_enabled() and self.experts[0].gate_proj.weight.requires_grad:
+            return tuple(
+                torch.stack([getattr(e, p).weight for e in self.experts]) for p in _PROJS
+            )  # training
+        return self._stacked([(p, "weight") for p in _PROJS])
+
+    def _stacked(self, fields: list[tuple[str, str]]) -> tuple[torch.Tensor, ...]:
+        """One [E, ...] tensor per (projection, tensor name) of the experts; the experts'
+        tensors are made views of them (no second copy; loads and in-place updates show
+        through), restacked if they were replaced (a load, ``.to()``, a new ``.data``)."""
+        per = [[getattr(getattr(e, proj), name) for e in self.experts] for proj, name in fields]
         stack = self._stack
-        if stack is None or any(
-            p.data_ptr() != s[i].data_ptr() or p.device != s.device
-            for i, ps in enumerate(per)
-            for p, s in zip(ps, stack)
+        if (
+            stack is None
+            or len(stack) != len(per)
+            or any(
+                t.data_ptr() != s[i].data_ptr() or t.device != s.device
+                for ts, s in zip(per, stack)
+                for i, t in enumerate(ts)
+            )
         ):
-            stack = tuple(torch.stack([p.detach() for p in ws]) for ws in zip(*per))
-            for i, ps in enumerate(per):
-                for p, s in zip(ps, stack):
-                    p.data = s[i]
+            stack = tuple(torch.stack([t.detach() for t in ts]) for ts in per)
+            for ts, s in zip(per, stack):
+                for i, t in enumerate(ts):
+                    t.data = s[i]
             self._stack = stack
         return stack
+
+
+_PROJS = ("gate_proj", "up_proj", "down_proj")
 
 
 # ``configured``: the engine config's ``moe_grouped_mm`` (``configure_grouped_mm``, when an

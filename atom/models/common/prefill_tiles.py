@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from atom.kernels import invariant
+from atom.kernels import invariant, invariant_attention
 from atom.kernels.index_scores import index_scores_usable, tiled_index_scores
 from atom.models.common.prefill_plan import PrefillBatch
 
@@ -48,7 +48,7 @@ class TiledKeys:
             keys = self.keys[b.tile_span[t0:t1]]  # [tiles, R, D]
             qs = qi_p[t0 * q : t1 * q].reshape(t1 - t0, q * hi, d)
             if invariant.enabled():
-                out.append(invariant.tile_index_scores(qs, w_p[t0 * q : t1 * q], keys))
+                out.append(invariant_attention.tile_index_scores(qs, w_p[t0 * q : t1 * q], keys))
                 continue
             dots = torch.bmm(qs, keys.transpose(1, 2)).view(-1, hi, r)
             out.append(torch.einsum("th,thr->tr", w_p[t0 * q : t1 * q], torch.relu(dots)))
@@ -69,7 +69,7 @@ def tile_attention(
     [B * Q, K], sink [H] float32 -> [B * Q, H, hd]. Scores are float32 products scaled by
     ``scale``; the sink joins the softmax denominator."""
     if invariant.enabled():
-        return invariant.sink_attention(q, win_k, win_mask, comp, comp_valid, sink, scale)
+        return invariant_attention.sink_attention(q, win_k, win_mask, comp, comp_valid, sink, scale)
     b, t, h, hd = q.shape
     nw = win_k.shape[1]
     win = torch.bmm(q.reshape(b, t * h, hd), win_k.transpose(1, 2)).float()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from atom.kernels import invariant
+from atom.kernels import invariant, invariant_attention
 
 NEG_INF = float("-inf")
 
@@ -52,7 +52,7 @@ def select_topk(
     ranked = torch.sort(scores, dim=-1, descending=True, stable=True)
     ids, valid = ranked.indices[:, :k], ranked.values[:, :k] > NEG_INF
     if invariant.enabled():  # picks in row order (``atom.kernels.invariant``)
-        return invariant.order_selection(ids, valid)
+        return invariant_attention.order_selection(ids, valid)
     return ids, valid
 
 

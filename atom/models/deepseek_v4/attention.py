@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from atom.kernels import invariant
+from atom.kernels import invariant, invariant_attention
 from atom.models.common.layers import RMSNorm, linear, rms_norm
 from atom.models.common.storage import kv_roundtrip
 from atom.models.deepseek_v4.config import CSA_RATIO, FP4_SIM_BLOCK, FP8_SIM_BLOCK, V4Config
@@ -117,7 +117,7 @@ class V4Indexer(nn.Module):
     def scores(qi: torch.Tensor, w: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
         """qi [T, Hi, D], w [T, Hi], keys [R, D] -> [T, R] = sum_h w_h ReLU(q_h . k)."""
         if invariant.enabled():
-            return invariant.index_scores(qi, w, keys)
+            return invariant_attention.index_scores(qi, w, keys)
         return torch.einsum("th,thr->tr", w, torch.relu(torch.einsum("thd,rd->thr", qi, keys)))
 
 
@@ -180,7 +180,7 @@ class V4Attention(nn.Module):
         [T, Nw]; compressed rows [R, hd] shared or [T, K, hd] per query, with mask [T, R] /
         [T, K]. The sink joins the denominator."""
         if invariant.enabled():
-            return invariant.sink_attention_rows(
+            return invariant_attention.sink_attention_rows(
                 q, win_k, win_mask, comp, comp_mask, self.attn_sink, self.scale
             )
         win_eq = "thd,tnd->thn" if win_k.dim() == 3 else "thd,nd->thn"

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from atom.kernels import invariant
+from atom.kernels import invariant, invariant_attention
 from atom.model_api import Span
 from atom.models.common.selection import select_topk
 from atom.models.common.storage import pack_index, unpack_index
@@ -290,7 +290,7 @@ def _compressed(attn: V4Attention, u, qr, cs, batch: DecodeBatch, kv, slots: V4S
     qi, w = ix.query(qr, u, attn.rope, cs)
     keys = unpack_index(payload, scale)  # [B, C, D]
     if invariant.enabled():
-        scores = invariant.index_scores(qi, w, keys)
+        scores = invariant_attention.index_scores(qi, w, keys)
     else:
         scores = torch.einsum("th,thr->tr", w, torch.relu(torch.einsum("thd,trd->thr", qi, keys)))
     sel = select_topk(scores.masked_fill(~ri.valid, NEG_INF), ix.topk, fixed=True)

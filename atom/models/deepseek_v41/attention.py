@@ -17,7 +17,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from atom.kernels import invariant
+from atom.kernels import invariant, invariant_attention
 from atom.models.common.formats import fp4_act_sim, fp8_act_sim
 from atom.models.common.layers import RMSNorm, linear, rms_norm
 from atom.models.common.prefill_tiles import tile_attention
@@ -84,7 +84,7 @@ class Indexer(nn.Module):
         if not isinstance(keys, torch.Tensor):
             return keys.index_scores(qi, w)
         if invariant.enabled():
-            return invariant.index_scores(qi, w, keys)
+            return invariant_attention.index_scores(qi, w, keys)
         dots = torch.einsum("thd,trd->thr" if keys.dim() == 3 else "thd,rd->thr", qi, keys)
         return torch.einsum("th,thr->tr", w, torch.relu(dots))
 
@@ -194,7 +194,7 @@ class CSA2Attention(nn.Module):
         [T, Nw]; selected compressed rows [T, K, hd] with validity [T, K]. K = V (MQA); the
         sink joins the denominator."""
         if invariant.enabled():
-            return invariant.sink_attention_rows(
+            return invariant_attention.sink_attention_rows(
                 q, win_k, win_mask, comp, comp_valid, self.attn_sink, self.scale
             )
         per_query = win_k.dim() == 3
