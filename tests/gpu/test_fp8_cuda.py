@@ -33,9 +33,9 @@ def _prompts(count=3, seed=0):
 @pytest.mark.parametrize("preset", list(PRESETS))
 def test_fp8_engine_on_cuda_matches_its_reference_and_the_torch_expression(preset):
     """auto resolves to fp8 on CUDA, the FP8 linears keep E4M3 bytes, and the engine's greedy
-    tokens are the reference forward's argmax; the reference logits through the kernel (48
-    rows) equal the torch expression of the same weights to float32 rounding, and through the
-    cuBLAS path (more than 64 rows) bit for bit.
+    tokens are the reference forward's argmax; in a 48-row reference forward every FP8 linear's
+    kernel output equals the torch expression on the same input to float32 rounding, and
+    through the cuBLAS path (more than 64 rows) the logits equal it bit for bit.
 
     Not bit for bit: the kernel's size classes sum in other orders than the reference's, and
     the next layer's E4M3 input rounding turns a last-bit difference, where it crosses a
@@ -60,19 +60,39 @@ def test_fp8_engine_on_cuda_matches_its_reference_and_the_torch_expression(prese
         total += len(out.token_ids)
     assert agree >= total * 3 // 4, (agree, total)
     short, long = prompts[0][:48], prompts[-1]  # <= 64 rows: the kernel; above: cuBLAS
+    calls = []  # every FP8 linear's input and kernel output in one 48-row forward
+    hooks = [
+        m.register_forward_hook(lambda mod, args, out: calls.append((mod, args[0], out)))
+        for m in fp8
+    ]
     with torch.no_grad():
-        kernel, dequant = ref(model, short).float(), ref(model, long).float()
+        try:
+            ref(model, short)
+        finally:
+            for h in hooks:
+                h.remove()
+        dequant = ref(model, long).float()
         kernels.configure(off=["fp8_gemm"])  # the torch expression, on the same weights
         try:
-            torch_expr, torch_long = ref(model, short).float(), ref(model, long).float()
+            torch_long = ref(model, long).float()
+            exprs = [mod(x) for mod, x, _ in calls]
         finally:
             kernels.configure()
     # above 64 rows both operands are rounded exactly and one float32 GEMM runs: the torch
     # expression's own computation, bit for bit
     assert torch.equal(dequant, torch_long)
-    close = ((kernel - torch_expr).abs().amax(-1) < 1e-3 * torch_expr.abs().amax()).float()
-    assert close.mean() >= 0.9, close.mean()
-    assert not torch.equal(kernel, torch_expr)  # two paths: the kernel ran
+    # each linear, on the activations the model gave it, equals its torch expression to
+    # float32 rounding; compared per linear because across layers the next one's E4M3 input
+    # rounding turns a last-bit difference into 1/16 of a value, and a top-k flip then parts
+    # every later row (measured at f4910db: 18 of 48 rows close at the logits)
+    assert len(calls) >= len(fp8)
+    differ = 0
+    for (mod, _x, out), want in zip(calls, exprs):
+        assert out.shape == want.shape and out.dtype == want.dtype
+        err = (out.float() - want.float()).abs().amax()
+        assert err <= 1e-3 * want.float().abs().amax() + 1e-6, (mod, float(err))
+        differ += not torch.equal(out, want)
+    assert differ  # two paths: the kernel ran
 
 
 @pytest.mark.parametrize("preset", list(PRESETS))
