@@ -22,10 +22,10 @@ step() { local limit=$1; shift; echo "=== $* (limit ${limit}s)"; local t0=$SECON
   timeout "$limit" "$@"; echo "=== rc=$? in $((SECONDS - t0)) s"; }
 for s in "$@"; do
   case "$s" in
-    tests) step "${TESTS_LIMIT:-420}" python3 -m pytest -x -q -p no:cacheprovider tests/gpu tests/kernels \
+    tests) step "${TESTS_LIMIT:-420}" python3 -m pytest -q -p no:cacheprovider tests/gpu tests/kernels \
       -k "not tier" ;;
     tier)  # with two GPUs this includes the tier across ranks (about 110 s); one GPU skips it
-      step "${TIER_LIMIT:-300}" python3 -m pytest -x -q -p no:cacheprovider tests/gpu -k tier ;;
+      step "${TIER_LIMIT:-300}" python3 -m pytest -q -p no:cacheprovider tests/gpu -k tier ;;
     forward) step 200 python3 -m benchmarks.model_forward --model v41-bench --device cuda \
       --dtype bfloat16 --prompt-len 2048 --decode-steps 16 --batch 1 8 16 \
       --name model_forward_h200 ;;
