@@ -22,7 +22,7 @@ step() { local limit=$1; shift; echo "=== $* (limit ${limit}s)"; local t0=$SECON
   timeout "$limit" "$@"; echo "=== rc=$? in $((SECONDS - t0)) s"; }
 for s in "$@"; do
   case "$s" in
-    tests) step "${TESTS_LIMIT:-420}" python3 -m pytest -q -p no:cacheprovider tests/gpu tests/kernels \
+    tests) step "${TESTS_LIMIT:-420}" python3 -m pytest -q --durations=12 -p no:cacheprovider tests/gpu tests/kernels \
       -k "not tier" ;;
     tier)  # with two GPUs this includes the tier across ranks (about 110 s); one GPU skips it
       step "${TIER_LIMIT:-300}" python3 -m pytest -q -p no:cacheprovider tests/gpu -k tier ;;
