@@ -4,11 +4,13 @@ times packed FP4 weights, the weights dequantized in registers, no dequantized c
 Weights as DeepSeek ships its routed experts: ``packed`` [G, N, K/2] bytes, two E2M1 codes
 each (element 2j in the low nibble, 2j+1 in the high), and ``scale`` [G, N, K/32] E8M0 bytes
 (2^(b - 127) per 32 inputs). A program computes one [BM, BN] tile of one group's rows: its K
-loop loads a [BK, BN] block of codes (each byte serves two k), turns them into values (code bit
-3 the sign, bits 1-2 the exponent, bit 0 the mantissa of 0, 0.5, 1, 1.5, 2, 3, 4, 6), scales
-them and rounds them to the rows' dtype (exact: an E2M1 value times a power of two fits bf16),
-then one dot into a float32 accumulator. The tile table is ``group_tiles``' (built on the
-device, so a grouped call has no host sync and can be captured in a CUDA graph).
+loop loads each weight byte once ([BN, BK/2], contiguous along K) and each scale once
+([BN, BK/32]), turns both nibbles into values (code bit 3 the sign, bits 1-2 the exponent, bit 0
+the mantissa of 0, 0.5, 1, 1.5, 2, 3, 4, 6), scales them, interleaves them back into K's order
+and rounds them to the rows' dtype (exact: an E2M1 value times a power of two fits bf16), then
+one dot into a float32 accumulator. A spare tile of the table (no rows) loads nothing. The tile
+table is ``group_tiles``' (built on the device, so a grouped call has no host sync and can be
+captured in a CUDA graph).
 
 Its launch configuration is one per dtype, whatever M, and K is not split: a row's bits depend
 only on its own row and its group's weight, so the kernel also serves the batch-invariant mode.
@@ -68,21 +70,29 @@ def _fp4_gemm_kernel(
     rm = row0 + tl.arange(0, BM)
     rn = pid_n.to(tl.int64) * BN + tl.arange(0, BN)
     rk = tl.arange(0, BK)
+    rb = tl.arange(0, BK // 2)  # the tile's bytes along K: two codes each
+    rs = tl.arange(0, BK // 32)  # its scales
     m_ok = rm < end
     n_ok = rn < N
     a_rows = a_ptr + rm[:, None] * stride_am
-    p_cols = p_ptr + g * stride_pg + rn[None, :] * stride_pn
-    s_cols = s_ptr + g * stride_sg + rn[None, :] * stride_sn
+    p_rows = p_ptr + g * stride_pg + rn[:, None] * stride_pn
+    s_rows = s_ptr + g * stride_sg + rn[:, None] * stride_sn
     acc = tl.zeros([BM, BN], dtype=tl.float32)
-    for k0 in range(0, K, BK):
+    k_end = tl.where(row0 < end, K, 0)  # a spare tile (no rows) reads no weight
+    for k0 in range(0, k_end, BK):
         k = k0 + rk
-        k_ok = k < K
-        a = tl.load(a_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        wmask = k_ok[:, None] & n_ok[None, :]
-        byte = tl.load(p_cols + (k // 2)[:, None], mask=wmask, other=0).to(tl.int32)
-        codes = (byte >> ((k % 2) * 4)[:, None]) & 15
-        sb = tl.load(s_cols + (k // 32)[:, None], mask=wmask, other=127).to(tl.float32)
-        w = (_fp4_values(codes) * tl.exp2(sb - 127.0)).to(a.dtype)
+        a = tl.load(a_rows + k[None, :], mask=m_ok[:, None] & (k < K)[None, :], other=0.0)
+        kb = k0 // 2 + rb
+        byte = tl.load(p_rows + kb[None, :], mask=n_ok[:, None] & (kb < K // 2)[None, :], other=0)
+        byte = byte.to(tl.int32)
+        ks = k0 // 32 + rs
+        sb = tl.load(s_rows + ks[None, :], mask=n_ok[:, None] & (ks < K // 32)[None, :], other=127)
+        step = tl.exp2(sb.to(tl.float32) - 127.0)  # [BN, BK / 32]
+        lo = tl.reshape(_fp4_values(byte & 15), [BN, BK // 32, 16]) * step[:, :, None]
+        hi = tl.reshape(_fp4_values(byte >> 4), [BN, BK // 32, 16]) * step[:, :, None]
+        # element 2j is byte j's low nibble, 2j + 1 its high one: [BN, BK] in K's order
+        w = tl.interleave(tl.reshape(lo, [BN, BK // 2]), tl.reshape(hi, [BN, BK // 2]))
+        w = tl.trans(w.to(a.dtype))
         if IEEE:
             acc = tl.dot(a, w, acc, input_precision="ieee")
         else:
