@@ -18,17 +18,34 @@ only on its own row and its group's weight, so the kernel also serves the batch-
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
 
 from atom.kernels._invariant_gemm_triton import group_tile, group_tiles
 
-# (BM, BN, BK, warps, stages) per input dtype
+
+class Fp4Config(NamedTuple):
+    """A launch of the kernel. ``pairs``: the K loop walks 32-input scale groups and multiplies
+    the even and the odd inputs by the low and the high nibbles in two dots (no interleave, one
+    scale per column per group); otherwise it interleaves both nibbles back into K's order and
+    runs one dot per BK. Both load each weight byte and scale once."""
+
+    bm: int
+    bn: int
+    bk: int
+    warps: int
+    stages: int
+    pairs: bool = False
+
+
+# per input dtype (benchmarks/fp4_gemm_sweep.py measures the alternatives)
 CONFIG = {
-    torch.bfloat16: (64, 64, 64, 4, 3),
-    torch.float16: (64, 64, 64, 4, 3),
-    torch.float32: (32, 32, 32, 4, 2),
+    torch.bfloat16: Fp4Config(64, 64, 64, 4, 3),
+    torch.float16: Fp4Config(64, 64, 64, 4, 3),
+    torch.float32: Fp4Config(32, 32, 32, 4, 2),
 }
 GROUP = 32  # inputs per E8M0 scale
 
@@ -41,6 +58,87 @@ def _fp4_values(codes):
     m = (mag & 1).to(tl.float32)
     val = tl.where(e == 0, 0.5 * m, (1.0 + 0.5 * m) * tl.exp2((e - 1).to(tl.float32)))
     return tl.where((codes & 8) != 0, -val, val)
+
+
+@triton.jit
+def _fp4_scaled_down(codes):
+    """E2M1 codes (int32, 0..15) -> their values times 2^-14, as float32, in integer steps:
+    the code's sign, exponent and mantissa bits placed in a float16's (sign, the exponent
+    field's two low bits, the mantissa's top bit) give exactly that, subnormals included."""
+    bits = ((codes & 8) << 12) | ((codes & 7) << 9)
+    return bits.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _pairs_k_loop(
+    acc, a_rows, p_rows, s_rows, m_ok, n_ok, k_end, K, IEEE: tl.constexpr, BK: tl.constexpr
+):
+    """``acc`` + the tile's rows times its weight columns, one 32-input scale group at a
+    time: bytes [16, BN] (codes 2j and 2j + 1 of the group in byte j), a scale per column."""
+    rj = tl.arange(0, 16)
+    for k0 in range(0, k_end, BK):
+        for h in tl.static_range(BK // 32):
+            kg = k0 + h * 32
+            even = kg + 2 * rj
+            a_ok = m_ok[:, None] & (even < K)[None, :]
+            a_lo = tl.load(a_rows + even[None, :], mask=a_ok, other=0.0)
+            a_hi = tl.load(a_rows + (even + 1)[None, :], mask=a_ok, other=0.0)
+            kb = kg // 2 + rj
+            w_ok = (kb < K // 2)[:, None] & n_ok[None, :]
+            byte = tl.load(p_rows + kb[:, None], mask=w_ok, other=0)
+            byte = byte.to(tl.int32)
+            sb = tl.load(s_rows + kg // 32, mask=n_ok & (kg < K), other=127).to(tl.float32)
+            step = tl.exp2(sb - 113.0)[None, :]  # 2^(b - 127), times 2^14
+            w_lo = (_fp4_scaled_down(byte & 15) * step).to(a_lo.dtype)
+            w_hi = (_fp4_scaled_down(byte >> 4) * step).to(a_lo.dtype)
+            if IEEE:
+                acc = tl.dot(a_lo, w_lo, acc, input_precision="ieee")
+                acc = tl.dot(a_hi, w_hi, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a_lo, w_lo, acc)
+                acc = tl.dot(a_hi, w_hi, acc)
+    return acc
+
+
+@triton.jit
+def _interleaved_k_loop(
+    acc,
+    a_rows,
+    p_rows,
+    s_rows,
+    m_ok,
+    n_ok,
+    k_end,
+    K,
+    IEEE: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+):
+    """``acc`` + the tile's rows times its weight columns, BK inputs at a time: bytes
+    [BN, BK/2] (contiguous along K), scales [BN, BK/32], both nibbles interleaved back into
+    K's order, one dot."""
+    rk = tl.arange(0, BK)
+    rb = tl.arange(0, BK // 2)
+    rs = tl.arange(0, BK // 32)
+    for k0 in range(0, k_end, BK):
+        k = k0 + rk
+        a = tl.load(a_rows + k[None, :], mask=m_ok[:, None] & (k < K)[None, :], other=0.0)
+        kb = k0 // 2 + rb
+        byte = tl.load(p_rows + kb[None, :], mask=n_ok[:, None] & (kb < K // 2)[None, :], other=0)
+        byte = byte.to(tl.int32)
+        ks = k0 // 32 + rs
+        sb = tl.load(s_rows + ks[None, :], mask=n_ok[:, None] & (ks < K // 32)[None, :], other=127)
+        step = tl.exp2(sb.to(tl.float32) - 127.0)  # [BN, BK / 32]
+        lo = tl.reshape(_fp4_values(byte & 15), [BN, BK // 32, 16]) * step[:, :, None]
+        hi = tl.reshape(_fp4_values(byte >> 4), [BN, BK // 32, 16]) * step[:, :, None]
+        # element 2j is byte j's low nibble, 2j + 1 its high one: [BN, BK] in K's order
+        w = tl.interleave(tl.reshape(lo, [BN, BK // 2]), tl.reshape(hi, [BN, BK // 2]))
+        w = tl.trans(w.to(a.dtype))
+        if IEEE:
+            acc = tl.dot(a, w, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, w, acc)
+    return acc
 
 
 @triton.jit
@@ -64,44 +162,32 @@ def _fp4_gemm_kernel(
     BM: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
+    PAIRS: tl.constexpr,
 ):
     g, row0, end = group_tile(tile_group_ptr, tile_row_ptr, ends_ptr, tl.program_id(0))
     pid_n = tl.program_id(1)
     rm = row0 + tl.arange(0, BM)
     rn = pid_n.to(tl.int64) * BN + tl.arange(0, BN)
-    rk = tl.arange(0, BK)
-    rb = tl.arange(0, BK // 2)  # the tile's bytes along K: two codes each
-    rs = tl.arange(0, BK // 32)  # its scales
     m_ok = rm < end
     n_ok = rn < N
     a_rows = a_ptr + rm[:, None] * stride_am
-    p_rows = p_ptr + g * stride_pg + rn[:, None] * stride_pn
-    s_rows = s_ptr + g * stride_sg + rn[:, None] * stride_sn
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     k_end = tl.where(row0 < end, K, 0)  # a spare tile (no rows) reads no weight
-    for k0 in range(0, k_end, BK):
-        k = k0 + rk
-        a = tl.load(a_rows + k[None, :], mask=m_ok[:, None] & (k < K)[None, :], other=0.0)
-        kb = k0 // 2 + rb
-        byte = tl.load(p_rows + kb[None, :], mask=n_ok[:, None] & (kb < K // 2)[None, :], other=0)
-        byte = byte.to(tl.int32)
-        ks = k0 // 32 + rs
-        sb = tl.load(s_rows + ks[None, :], mask=n_ok[:, None] & (ks < K // 32)[None, :], other=127)
-        step = tl.exp2(sb.to(tl.float32) - 127.0)  # [BN, BK / 32]
-        lo = tl.reshape(_fp4_values(byte & 15), [BN, BK // 32, 16]) * step[:, :, None]
-        hi = tl.reshape(_fp4_values(byte >> 4), [BN, BK // 32, 16]) * step[:, :, None]
-        # element 2j is byte j's low nibble, 2j + 1 its high one: [BN, BK] in K's order
-        w = tl.interleave(tl.reshape(lo, [BN, BK // 2]), tl.reshape(hi, [BN, BK // 2]))
-        w = tl.trans(w.to(a.dtype))
-        if IEEE:
-            acc = tl.dot(a, w, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(a, w, acc)
+    if PAIRS:
+        p_cols = p_ptr + g * stride_pg + rn[None, :] * stride_pn
+        s_cols = s_ptr + g * stride_sg + rn * stride_sn
+        acc = _pairs_k_loop(acc, a_rows, p_cols, s_cols, m_ok, n_ok, k_end, K, IEEE, BK)
+    else:
+        p_rows = p_ptr + g * stride_pg + rn[:, None] * stride_pn
+        s_rows = s_ptr + g * stride_sg + rn[:, None] * stride_sn
+        acc = _interleaved_k_loop(acc, a_rows, p_rows, s_rows, m_ok, n_ok, k_end, K, IEEE, BN, BK)
     c = c_ptr + rm[:, None] * stride_cm + rn[None, :]
     tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
-def _config(dtype: torch.dtype):
+def _config(dtype: torch.dtype, config: Fp4Config | None = None) -> Fp4Config:
+    if config is not None:
+        return config
     if dtype not in CONFIG:
         raise TypeError(f"no FP4 GEMM for {dtype} inputs")
     return CONFIG[dtype]
@@ -113,12 +199,16 @@ def fp4_grouped_linear_triton(
     scale: torch.Tensor,
     ends: torch.Tensor,
     tiles=None,
+    config: Fp4Config | None = None,
 ) -> torch.Tensor:
     """Rows of x [R, K] sorted by group (group g's rows end at ``ends[g]``) times group g's
     FP4 weight (packed [G, N, K/2] uint8, scale [G, N, K/32] uint8 E8M0) -> [R, N] in x's
     dtype. ``tiles``: ``group_tiles(ends, R, x.dtype)`` (reused across calls that share the
-    grouping); it must be built for this kernel's BM (``CONFIG``)."""
-    bm, bn, bk, warps, stages = _config(x.dtype)
+    grouping); it must be built for the launch's BM. ``config``: a launch other than
+    ``CONFIG``'s (the sweep's)."""
+    bm, bn, bk, warps, stages, pairs = _config(x.dtype, config)
+    if bk % GROUP:
+        raise ValueError(f"BK {bk} is not a multiple of the scale group {GROUP}")
     r, k = x.shape
     g, n, half = packed.shape
     if half * 2 != k or scale.shape != (g, n, k // GROUP):
@@ -137,7 +227,7 @@ def fp4_grouped_linear_triton(
     if scale.stride(2) != 1:
         scale = scale.contiguous()
     if tiles is None:
-        tiles = group_tiles_for(ends, r, x.dtype)
+        tiles = group_tiles_for(ends, r, x.dtype, config)
     _fp4_gemm_kernel[(tiles[0].shape[0], triton.cdiv(n, bn))](
         x,
         packed,
@@ -158,12 +248,15 @@ def fp4_grouped_linear_triton(
         BM=bm,
         BN=bn,
         BK=bk,
+        PAIRS=pairs,
         num_warps=warps,
         num_stages=stages,
     )
     return out
 
 
-def group_tiles_for(ends: torch.Tensor, rows: int, dtype: torch.dtype):
-    """``group_tiles`` at this kernel's BM: (group of each tile, its first row) on the device."""
-    return group_tiles(ends, rows, dtype, bm=_config(dtype)[0])
+def group_tiles_for(
+    ends: torch.Tensor, rows: int, dtype: torch.dtype, config: Fp4Config | None = None
+):
+    """``group_tiles`` at the launch's BM: (group of each tile, its first row) on the device."""
+    return group_tiles(ends, rows, dtype, bm=_config(dtype, config).bm)

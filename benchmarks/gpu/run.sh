@@ -6,6 +6,7 @@
 #          tier_only idle
 #          train forward_v4 roofline_v4 serving_v4 speculative_v4 fp8_gemm roofline_fp8
 #          invariant_cost invariant_sweep serving_invariant determinism precision_agreement
+#          fp4_sweep
 # cuda_ops builds lmcache.cuda_ops from lmcache's sources against this machine's torch
 # (benchmarks/gpu/build_cuda_ops.py); once built (build/ stays while the machine is warm, or
 # carried back), every later step's LMCache server uses it.
@@ -90,6 +91,9 @@ for s in "$@"; do
     invariant_sweep)  # the mode's GEMM configurations on v41-bench's linears, decode and prefill M
       step "${INVARIANT_SWEEP_LIMIT:-420}" python3 -m benchmarks.invariant_gemm_sweep \
         --model v41-bench --m 16 4096 ;;
+    fp4_sweep)  # the FP4 expert GEMM's launches on v41-bench-fp8's experts, decode and prefill
+      step "${FP4_SWEEP_LIMIT:-300}" python3 -m benchmarks.fp4_gemm_sweep \
+        --model v41-bench-fp8 --tokens 16 4096 ;;
     determinism)  # the default mode run to run (in-process and across processes)
       step "${DETERMINISM_LIMIT:-300}" python3 -m pytest -x -q -p no:cacheprovider \
         tests/gpu/test_default_determinism_cuda.py ;;

@@ -17,6 +17,16 @@ pytestmark = needs_kernel
 DTYPES = [torch.float32, torch.bfloat16] if DEVICE == "cuda" else [torch.float32, torch.float16]
 
 
+@pytest.fixture(params=[False, True], ids=["interleaved", "pairs"])
+def layout(request, monkeypatch):
+    """Each test below once with each K loop of the kernel (``Fp4Config.pairs``)."""
+    from atom.kernels import _fp4_gemm_triton as kernel
+
+    for dtype, config in list(kernel.CONFIG.items()):
+        monkeypatch.setitem(kernel.CONFIG, dtype, config._replace(pairs=request.param))
+    return request.param
+
+
 def _weights(g: int, n: int, k: int, seed: int):
     """Random codes (every one of the 16 appears) and scales near 2^0 (float16 range)."""
     gen = torch.Generator().manual_seed(seed)
@@ -30,7 +40,7 @@ def _rows(m: int, k: int, dtype, seed: int):
     return torch.randn(m, k, generator=g).to(dtype).to(DEVICE)
 
 
-def test_the_kernels_values_are_the_formats():
+def test_the_kernels_values_are_the_formats(layout):
     """Every code and a range of scales decode as ``dequant_fp4`` decodes them: one row of x
     that is a unit vector reads one column of the weight exactly."""
     from atom.kernels._fp4_gemm_triton import fp4_grouped_linear_triton
@@ -44,7 +54,7 @@ def test_the_kernels_values_are_the_formats():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_grouped_rows_equal_the_torch_expression_and_their_group_alone(dtype):
+def test_grouped_rows_equal_the_torch_expression_and_their_group_alone(dtype, layout):
     from atom.kernels.fp4_gemm import fp4_grouped_linear, fp4_grouped_linear_torch
 
     packed, scale = _weights(4, 72, 160, seed=2)
@@ -68,7 +78,7 @@ def test_grouped_rows_equal_the_torch_expression_and_their_group_alone(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_the_dense_product_keeps_each_rows_bits(dtype):
+def test_the_dense_product_keeps_each_rows_bits(dtype, layout):
     from atom.kernels.fp4_gemm import dequantized, fp4_linear
 
     packed, scale = _weights(1, 50, 96, seed=4)
@@ -90,7 +100,7 @@ def test_wrong_operand_shapes_are_refused_with_the_expected_ones():
         fp4_grouped_linear_triton(x, packed, scale, torch.tensor([2, 4], device=DEVICE))
 
 
-def test_the_moe_runs_its_fp4_experts_through_the_kernel_as_the_loop_does(monkeypatch):
+def test_the_moe_runs_its_fp4_experts_through_the_kernel_as_the_loop_does(monkeypatch, layout):
     """``MoE._fp4`` (the grouped kernel, no host sync) against the per-expert loop of the same
     FP4 experts (the torch expression), float32."""
     from atom.models.common import moe as moe_mod
