@@ -151,8 +151,27 @@ def _k_range(
 # (dtype, N, K) -> (BN, BK, warps, stages) for one weight shape, over ``CONFIG``'s (a choice
 # by the weight's shape keeps a row's bits independent of M; BM stays the dtype's: the MoE's
 # grouped calls share one tile table across shapes). Filled from
-# benchmarks/invariant_gemm_sweep.py's per-shape results; empty: ``CONFIG`` everywhere
-SHAPE_CONFIG: dict[tuple[torch.dtype, int, int], tuple[int, int, int, int]] = {}
+# benchmarks/invariant_gemm_sweep.py's per-shape results (a shape not named: ``CONFIG``). The
+# bf16 entries: the V4.1-Flash linear shapes (v41-bench's), each its least sum over M = 16 and
+# 4096 of time over cuBLAS's among the sweep's tiles at SPLIT_PROGRAMS = 1, measured on the H200
+# at e17dae5 (benchmarks/results/invariant_gemm_sweep_h200.md)
+_BF16_SHAPES = {
+    (1280, 5120): (128, 64, 4, 4),
+    (32768, 1280): (256, 64, 8, 4),
+    (512, 5120): (128, 64, 4, 4),
+    (8192, 4096): (128, 64, 4, 4),
+    (5120, 8192): (256, 64, 8, 4),
+    (2304, 5120): (128, 64, 4, 4),
+    (5120, 2304): (128, 64, 4, 4),
+    (25600, 1536): (256, 64, 8, 4),
+    (4096, 1280): (128, 128, 4, 3),
+    (32, 5120): (64, 128, 4, 4),
+    (128, 512): (64, 128, 4, 4),
+    (129280, 5120): (256, 64, 8, 4),
+}
+SHAPE_CONFIG: dict[tuple[torch.dtype, int, int], tuple[int, int, int, int]] = {
+    (torch.bfloat16, n, k): tile for (n, k), tile in _BF16_SHAPES.items()
+}
 
 
 def _config(dtype: torch.dtype, n: int | None = None, k: int | None = None):
