@@ -43,7 +43,8 @@ class EngineConfig(BaseModel):
     # the linear weights a checkpoint stores as FP8 (block-scaled E4M3): fp8 keeps them so and
     # computes FP8 GEMMs (inputs quantized per block), bf16 dequantizes them to ``dtype`` at
     # load, auto is as stored on a GPU (fp8 where the model's quantization_config says fp8,
-    # without tensor parallelism) and bf16 on CPU (the dequantized reference path)
+    # without tensor parallelism) and bf16 on CPU (the dequantized reference path). fp8 on a
+    # checkpoint stored unquantized quantizes its linears at load (online quantization)
     weight_dtype: Literal["auto", "bf16", "fp8"] = "auto"
     seed: int = 0
     # decode steps replay CUDA graphs captured per batch size (CUDA only; a runtime without

@@ -11,6 +11,15 @@ forcing), and their top-1 tokens are compared position by position: over the con
 positions and over all positions. Where they part, the dequantized model's top-2 gap there says
 how near a tie the parting was. Free-running agreement is reported too: the twin generates from
 the same prompts, and the first position where its tokens leave the stored-precision ones.
+
+``--task recall`` takes the prompts from the recall task's evaluation split instead (for the
+trained model, ``--model models/v41-recall``: stored in float32, so ``weight_dtype fp8``
+quantizes it at load): the answer token each precision gives, against the other's and the
+task's answer, is the agreement on a prediction the model was trained to make (the filler
+positions are near ties by construction: random tokens).
+
+    python -m benchmarks.precision_agreement --model models/v41-recall --task recall \
+        --prompts 128 --prompt-len 384 --output-len 1
 """
 
 from __future__ import annotations
@@ -69,10 +78,18 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=32)
     ap.add_argument("--seed", type=int, default=11)
     ap.add_argument("--max-batched-tokens", type=int, default=2048)
+    ap.add_argument("--task", choices=["random", "recall"], default="random")
     ap.add_argument("--name", default="")
     args = ap.parse_args()
     dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
-    prompts = prompts_of(args.prompts, args.prompt_len, args.seed)
+    answers = None
+    if args.task == "recall":
+        from benchmarks.recall_task import split
+
+        examples = split("eval", args.prompts, args.prompt_len)
+        prompts, answers = [e.prompt for e in examples], [e.answer[0] for e in examples]
+    else:
+        prompts = prompts_of(args.prompts, args.prompt_len, args.seed)
     kw = dict(device=args.device, dtype=dtype, max_num_batched_tokens=args.max_batched_tokens)
     greedy = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
     runs = {}
@@ -122,12 +139,23 @@ def main() -> None:
         "equal; where not, the first parting at output "
         + (", ".join(str(p) for p in parted) if parted else "-")
         + f".\n\n{args.model}, {dtype} compute on {args.device}: weight_dtype fp8 (stored: FP8 "
-        "linears, FP4 experts, inputs rounded) against bf16 (the same values dequantized), "
-        f"{len(prompts)} seeded prompts of {args.prompt_len} tokens (seed {args.seed})."
+        "linears, FP4 experts, inputs rounded; a checkpoint stored unquantized: quantized at load) "
+        "against bf16 (the same values dequantized; unquantized: the checkpoint's values), "
+        f"{len(prompts)} {args.task} prompts of {args.prompt_len} tokens (seed {args.seed})."
     )
+    data = {"rows": rows, "free_running_equal": equal, "partings": parted}
+    if answers is not None:
+        first = {w: [o[0] for o in runs[w]["outs"]] for w in runs}
+        same = sum(a == b for a, b in zip(first["fp8"], first["bf16"]))
+        right = {w: sum(t == a for t, a in zip(first[w], answers)) for w in first}
+        table += (
+            f"\n\nRecall task, evaluation split: the answer token equal at both precisions on "
+            f"{same} of {len(prompts)} prompts; right at fp8 on {right['fp8']}, at bf16 on "
+            f"{right['bf16']} (chance: 1 in 16)."
+        )
+        data["answers"] = {"equal": same, "right": right, "prompts": len(prompts)}
     print(table)
     if args.name:
-        data = {"rows": rows, "free_running_equal": equal, "partings": parted}
         print(write_results(args.name, data, table, command_line("precision_agreement", args)))
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,8 @@ from typing import Any
 import torch
 
 from atom.models.common.config import ConfigError
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -153,11 +156,11 @@ def load_runtime(
     checkpoint stores as FP8 kept so when ``weight_dtype`` is "fp8", dequantized when "bf16"
     ("auto": as the config says they are stored on CUDA, dequantized on CPU, as
     ``EngineConfig.resolved`` decides it)."""
+    from atom.models.common.fp8_linear import stored_fp8
+
     config, path = resolve_config(model)
     fam = family(config)
     if weight_dtype == "auto":
-        from atom.models.common.fp8_linear import stored_fp8
-
         on_gpu = str(device).startswith("cuda")
         weight_dtype = "fp8" if stored_fp8(config) and on_gpu else "bf16"
     net = fam.get("model")(
@@ -166,6 +169,17 @@ def load_runtime(
     if path is None:
         net.init_weights(seed)
         set_weight_precision(net, fam, weight_dtype, random=True)
+    elif weight_dtype == "fp8" and not stored_fp8(config):
+        # a checkpoint stored in bf16 (or float32), asked for FP8: quantized once loaded, as
+        # the presets are (online quantization; the checkpoint's values are rounded)
+        fam.get("loader")(net, path)
+        count = set_weight_precision(net, fam, "fp8", random=False)
+        log.info(
+            "%s stores its weights unquantized: %d linears quantized to FP8 at load "
+            "(weight_dtype fp8; bf16 or auto keeps the stored values)",
+            path,
+            count,
+        )
     else:
         if weight_dtype == "fp8":  # the loader fills them with the stored bytes
             from atom.models.common.fp8_linear import quantize_linears

@@ -168,3 +168,38 @@ def test_a_published_fp8_checkpoint_keeps_its_bytes(tmp_path):
         stored["layers.1.ffn.experts.2.w2.weight"], stored["layers.1.ffn.experts.2.w2.scale"]
     )
     assert torch.equal(e.dequantized(), want)
+
+
+def test_an_unquantized_checkpoint_asked_for_fp8_is_quantized_at_load(tmp_path):
+    """``weight_dtype fp8`` on a checkpoint that stores plain float weights (no
+    quantization_config) quantizes its linears once loaded, exactly as a preset of the same
+    weights is quantized: the same E4M3 bytes and scales, the same forward; bf16 keeps the
+    checkpoint's values."""
+    from atom.models.deepseek_v41.weights import save_weights
+    from atom.models.registry import load_runtime
+
+    plain = DeepseekV41ForCausalLM(
+        v41_preset("v41-tiny"), dtype=torch.float32, kv_dtype="fp32", index_dtype="fp32"
+    ).init_weights(0)
+    save_weights(plain, tmp_path)
+    kw = dict(dtype=torch.float32, kv_dtype="fp32", index_dtype="fp32", block_size=16)
+    loaded = load_runtime(str(tmp_path), device="cpu", seed=5, weight_dtype="fp8", **kw).model
+    preset = load_runtime("v41-tiny", device="cpu", seed=0, weight_dtype="fp8", **kw).model
+    fp8 = {n: m for n, m in loaded.named_modules() if isinstance(m, Fp8Linear)}
+    assert fp8 and fp8.keys() == {
+        n for n, m in preset.named_modules() if isinstance(m, Fp8Linear)
+    }
+    for name, m in fp8.items():
+        other = preset.get_submodule(name)
+        assert m.weight.dtype == torch.float8_e4m3fn
+        assert torch.equal(m.weight.view(torch.uint8), other.weight.view(torch.uint8)), name
+        assert torch.equal(m.weight_scale, other.weight_scale), name
+    ids = prompt(40)
+    with torch.no_grad():
+        assert torch.equal(v41_reference(loaded, ids), v41_reference(preset, ids))
+    kept = load_runtime(str(tmp_path), device="cpu", seed=5, weight_dtype="bf16", **kw).model
+    assert not any(isinstance(m, Fp8Linear) for m in kept.modules())
+    assert torch.equal(
+        kept.model.layers[0].self_attn.q_a_proj.weight,
+        plain.model.layers[0].self_attn.q_a_proj.weight,
+    )
