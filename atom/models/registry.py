@@ -190,7 +190,8 @@ def load_runtime(
         if weight_dtype == "fp8":  # FP4 experts: their stored values, as FP4 again (exact)
             from atom.models.common.fp4_linear import quantize_fp4_linears
 
-            quantize_fp4_linears(net, fam.get("fp4_linears")(net), exact=True)
+            fp4 = fam.get("fp4_linears")(net)
+            quantize_fp4_linears(net, fp4, exact=True, act_block=block[1])
     net.eval()
     return fam.get("runtime")(net, block_size=block_size, speculative_tokens=speculative_tokens)
 
@@ -217,7 +218,8 @@ def set_weight_precision(net, fam: ModelFamily, weight_dtype: str, *, random: bo
         return 0
     names, block = fam.get("fp8_linears")(net)
     count = quantize_linears(net, names, block)
-    quantize_fp4_linears(net, fam.get("fp4_linears")(net))
+    # the experts' inputs are rounded per the FP8 linears' K block, as DeepSeek's kernels do
+    quantize_fp4_linears(net, fam.get("fp4_linears")(net), act_block=block[1])
     if weight_dtype == "bf16":
         dequantize_linears(net)
         dequantize_fp4_linears(net)

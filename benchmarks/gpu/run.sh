@@ -16,6 +16,12 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 [ -f build/lmcache_cuda_ops/cuda_ops.so ] && { python3 benchmarks/gpu/build_cuda_ops.py || exit 1; }
 export PYTHONPATH=/tmp/site:$PWD LMCACHE_TRACK_USAGE=false PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+# the commit the results files name: the GPU machine's copy of the tree may carry a stale .git
+# (at e17dae5 it reported f4910db), so the caller writes it to .whl/REV (git rev-parse --short
+# HEAD, with -dirty where the tree is) or sets ATOM_GIT_REV
+if [ -z "${ATOM_GIT_REV:-}" ] && [ -f .whl/REV ]; then ATOM_GIT_REV=$(cat .whl/REV); fi
+export ATOM_GIT_REV=${ATOM_GIT_REV:-}
+echo "=== results name commit ${ATOM_GIT_REV:-(unknown: git of this copy)}"
 RESULTS=${OUT:-/tmp/out}  # where results are copied (the caller may set OUT)
 mkdir -p "$RESULTS"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$RESULTS/gpu.txt"

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from atom.models.common.formats import dequant_fp4, fp4_weight_quant
+from atom.models.common.formats import dequant_fp4, fp4_weight_quant, fp8_act_sim
 from atom.models.common.fp4_linear import (
     Fp4Linear,
     dequantize_fp4_linears,
@@ -43,12 +43,15 @@ def test_the_routed_experts_are_fp4_at_stored_precision_and_their_values_in_bf16
 @pytest.mark.parametrize("preset", list(FAMS))
 def test_fp4_experts_compute_what_their_dequantized_twin_computes(preset, monkeypatch):
     """On CPU an FP4 expert's product is the dequantized one (the kernel's reference), so the
-    model with FP4 experts and the same model with them dequantized give the same bits (both
-    through the per-expert loop: the dense path sums the experts in another order)."""
+    model with FP4 experts and the same model with them dequantized, their inputs rounded to
+    E4M3 as the FP4 experts round them, give the same bits (both through the per-expert loop:
+    the dense path sums the experts in another order); unrounded, they part."""
     monkeypatch.setattr(MoE, "DENSE_MAX_TOKENS", 0)
     fp8, _ = build(preset, "fp8")
     ref = FAMS[preset][2]
     seq = prompt(50, seed=3)
+    blocks = {n: m.act_block for n, m in fp8.named_modules() if isinstance(m, Fp4Linear)}
+    assert blocks and all(b is not None for b in blocks.values())
     with torch.no_grad():
         got = ref(fp8, seq)
         assert dequantize_fp4_linears(fp8) > 0
@@ -56,8 +59,18 @@ def test_fp4_experts_compute_what_their_dequantized_twin_computes(preset, monkey
             if isinstance(m, MoE):
                 m._stack = None
                 assert not m.fp4_experts() and m.path(len(seq), torch.zeros(1)) == "loop"
+        unrounded = ref(fp8, seq)
+        hooks = [
+            fp8.get_submodule(n).register_forward_pre_hook(
+                lambda mod, args, b=b: (fp8_act_sim(args[0], b),)
+            )
+            for n, b in blocks.items()
+        ]
         want = ref(fp8, seq)
+    for h in hooks:
+        h.remove()
     assert torch.equal(got, want)
+    assert not torch.equal(got, unrounded)
 
 
 def test_moe_on_cpu_runs_fp4_experts_through_the_loop():

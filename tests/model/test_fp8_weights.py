@@ -63,7 +63,14 @@ def test_the_published_fp8_linears_are_the_ones_converted():
 
 
 @pytest.mark.parametrize("preset", list(FAMS))
-def test_stored_precision_equals_the_dequantized_model_with_inputs_rounded(preset):
+def test_stored_precision_equals_the_dequantized_model_with_inputs_rounded(preset, monkeypatch):
+    """Every FP8 linear and every FP4 expert rounds its input to E4M3 per the FP8 K block (as
+    DeepSeek's fp8_gemm and fp4_gemm take act_quant's output); the dequantized model with
+    exactly those inputs rounded computes the same bits (both MoEs through the per-expert
+    loop, so the hooks see every expert's input)."""
+    from atom.models.common.moe import MoE
+
+    monkeypatch.setattr(MoE, "DENSE_MAX_TOKENS", 0)
     fp8, count = build(preset, "fp8")
     dense, zero = build(preset, "bf16")
     assert count > 0 and zero == 0
@@ -72,6 +79,8 @@ def test_stored_precision_equals_the_dequantized_model_with_inputs_rounded(prese
     for name in names:  # same weights, exactly
         q = fp8.get_submodule(name)
         assert torch.equal(dense.get_submodule(name).weight, q.dequantized())
+    experts = [n for n, m in fp8.named_modules() if isinstance(m, Fp4Linear)]
+    assert experts and all(fp8.get_submodule(n).act_block == block[1] for n in experts)
     ref = FAMS[preset][2]
     seq = prompt()
     with torch.no_grad():
@@ -81,7 +90,7 @@ def test_stored_precision_equals_the_dequantized_model_with_inputs_rounded(prese
             dense.get_submodule(n).register_forward_pre_hook(
                 lambda mod, args: (fp8_act_sim(args[0], block[1]),)
             )
-            for n in names
+            for n in names + experts
         ]
         want = ref(dense, seq)
     for h in hooks:
@@ -186,9 +195,7 @@ def test_an_unquantized_checkpoint_asked_for_fp8_is_quantized_at_load(tmp_path):
     loaded = load_runtime(str(tmp_path), device="cpu", seed=5, weight_dtype="fp8", **kw).model
     preset = load_runtime("v41-tiny", device="cpu", seed=0, weight_dtype="fp8", **kw).model
     fp8 = {n: m for n, m in loaded.named_modules() if isinstance(m, Fp8Linear)}
-    assert fp8 and fp8.keys() == {
-        n for n, m in preset.named_modules() if isinstance(m, Fp8Linear)
-    }
+    assert fp8 and fp8.keys() == {n for n, m in preset.named_modules() if isinstance(m, Fp8Linear)}
     for name, m in fp8.items():
         other = preset.get_submodule(name)
         assert m.weight.dtype == torch.float8_e4m3fn

@@ -13,6 +13,11 @@ those ``nn.Linear`` modules into ``Fp4Linear`` and ``dequantize_fp4_linears`` tu
 so the stored-precision forward and its dequantized twin run the very same weights. Quantizing
 weights that came from FP4 gives their values back exactly (``fp4_weight_quant``), so a
 checkpoint's experts, dequantized by its loader, become their stored values again.
+
+At stored precision an FP4 expert also takes its input as DeepSeek's kernels do,
+``fp4_gemm(act_quant(x, block), w)``: rounded to E4M3 per block along K with power-of-two
+scales (``act_block``: the checkpoint's FP8 K block). The dequantized twin (``weight_dtype
+bf16``) takes it unrounded, as the FP8 linears' twins do.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import torch
 from torch import nn
 
 from atom.kernels.fp4_gemm import fp4_linear
-from atom.models.common.formats import FP4_GROUP, dequant_fp4, fp4_weight_quant
+from atom.models.common.formats import FP4_GROUP, dequant_fp4, fp4_weight_quant, fp8_act_sim
 from atom.models.common.fp8_linear import (
     dequantize_linears,
     replace_module,
@@ -43,7 +48,11 @@ class Fp4Linear(nn.Module):
     """A bias-free linear with a packed FP4 weight. Buffers: ``weight`` uint8 [out, in/2],
     ``weight_scale`` uint8 [out, in/32] (E8M0). ``dtype``: the compute dtype around it (outputs
     come back in the input's). Call sites must not read ``weight`` as numbers:
-    ``dequantized()`` gives them."""
+    ``dequantized()`` gives them.
+
+    ``act_block``: its input is rounded to E4M3 per that many values along K first
+    (``round_input``), as DeepSeek's ``fp4_gemm(act_quant(x, block), w)`` computes (the
+    checkpoint's FP8 block: 128 on V4, 32 on V4.1); None leaves it as it is."""
 
     def __init__(
         self,
@@ -51,6 +60,7 @@ class Fp4Linear(nn.Module):
         out_features: int,
         dtype: torch.dtype,
         device: torch.device | str | None = None,
+        act_block: int | None = None,
     ):
         super().__init__()
         if in_features % FP4_GROUP:
@@ -58,7 +68,13 @@ class Fp4Linear(nn.Module):
                 f"an FP4 linear needs in_features divisible by {FP4_GROUP} (one scale per "
                 f"{FP4_GROUP} inputs); got {in_features}"
             )
+        if act_block is not None and in_features % act_block:
+            raise ValueError(
+                f"an FP4 linear rounding its input per {act_block} needs in_features divisible "
+                f"by it; got {in_features}"
+            )
         self.in_features, self.out_features, self.dtype = in_features, out_features, dtype
+        self.act_block = act_block
         self.register_buffer(
             "weight", torch.zeros(out_features, in_features // 2, dtype=torch.uint8, device=device)
         )
@@ -71,12 +87,12 @@ class Fp4Linear(nn.Module):
 
     @classmethod
     @torch.no_grad()
-    def from_linear(cls, linear: nn.Linear) -> Fp4Linear:
+    def from_linear(cls, linear: nn.Linear, act_block: int | None = None) -> Fp4Linear:
         """``linear``'s weight quantized (``fp4_weight_quant``) into a new module on its device."""
         if linear.bias is not None:
             raise ValueError("an FP4 linear has no bias; this one has")
         w = linear.weight
-        out = cls(w.shape[1], w.shape[0], w.dtype, device=w.device)
+        out = cls(w.shape[1], w.shape[0], w.dtype, device=w.device, act_block=act_block)
         packed, scale = fp4_weight_quant(w.detach())
         out.weight.copy_(packed)
         out.weight_scale.copy_(scale)
@@ -86,11 +102,16 @@ class Fp4Linear(nn.Module):
         """The weight as float32 [out, in]."""
         return dequant_fp4(self.weight, self.weight_scale, FP4_GROUP)
 
+    def round_input(self, x: torch.Tensor) -> torch.Tensor:
+        """x rounded as this linear's product takes it (E4M3 per ``act_block``; row-local)."""
+        return x if self.act_block is None else fp8_act_sim(x, self.act_block)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return fp4_linear(x, self.weight, self.weight_scale)
+        return fp4_linear(self.round_input(x), self.weight, self.weight_scale)
 
     def extra_repr(self) -> str:
-        return f"in={self.in_features}, out={self.out_features}, fp4 (e8m0 per {FP4_GROUP})"
+        act = "" if self.act_block is None else f", inputs e4m3 per {self.act_block}"
+        return f"in={self.in_features}, out={self.out_features}, fp4 (e8m0 per {FP4_GROUP}){act}"
 
 
 def experts_fp4(config) -> bool:
@@ -111,18 +132,27 @@ def fp4_module_names(model: nn.Module, rows: Iterable[tuple[str, str, str]]) -> 
 
 
 @torch.no_grad()
-def quantize_fp4_linears(model: nn.Module, names: Iterable[str], *, exact: bool = False) -> int:
+def quantize_fp4_linears(
+    model: nn.Module,
+    names: Iterable[str],
+    *,
+    exact: bool = False,
+    act_block: int | None = None,
+) -> int:
     """Replace each named ``nn.Linear`` by its ``Fp4Linear``; returns how many. ``exact``: the
     weights must already be FP4 values (a checkpoint's, dequantized by its loader), and a
-    weight that quantizing would change raises ValueError naming it (before any replacement)."""
+    weight that quantizing would change raises ValueError naming it (before any replacement).
+    ``act_block``: each rounds its input to E4M3 per that many values (``Fp4Linear``)."""
     mods = {name: model.get_submodule(name) for name in names}
-    bad = [f"{n} ({m.in_features})" for n, m in mods.items() if m.in_features % FP4_GROUP]
+    group = FP4_GROUP if act_block is None else max(FP4_GROUP, act_block)
+    bad = [f"{n} ({m.in_features})" for n, m in mods.items() if m.in_features % group]
     if bad:
         raise ValueError(
-            f"FP4 experts need in_features divisible by {FP4_GROUP}; not so for "
-            f"{', '.join(bad[:5])}. Use weight_dtype bf16"
+            f"FP4 experts need in_features divisible by {group} (the FP4 group {FP4_GROUP}, "
+            f"the input rounding's block {act_block}); not so for {', '.join(bad[:5])}. Use "
+            "weight_dtype bf16"
         )
-    new = {name: Fp4Linear.from_linear(module) for name, module in mods.items()}
+    new = {name: Fp4Linear.from_linear(module, act_block) for name, module in mods.items()}
     if exact:
         changed = [
             n for n, m in new.items() if not torch.equal(m.dequantized(), mods[n].weight.float())

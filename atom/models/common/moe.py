@@ -228,12 +228,13 @@ class MoE(nn.Module):
         counts = torch.zeros(gp.shape[0], dtype=torch.int64, device=x.device)
         counts.scatter_add_(0, flat, torch.ones_like(flat))  # integer adds: exact in any order
         ends = torch.cumsum(counts, 0)
-        xs = self.act(x).index_select(0, order // self.top_k)
+        first = self.experts[0]  # every expert's linears round their inputs alike
+        xs = first.gate_proj.round_input(self.act(x)).index_select(0, order // self.top_k)
         tiles = fp4_tiles(ends, flat.shape[0], xs)
         g = fp4_grouped_linear(xs, gp, gs, ends, tiles).float().clamp(max=self.limit)
         u = fp4_grouped_linear(xs, up, us, ends, tiles).float().clamp(-self.limit, self.limit)
         h = invariant.pointwise(F.silu, g) * u * w.flatten()[order, None]
-        h = self.act(h.to(x.dtype))
+        h = first.down_proj.round_input(self.act(h.to(x.dtype)))
         return fp4_grouped_linear(h, dp, ds, ends, tiles), order
 
     def stacked_fp4(self):
