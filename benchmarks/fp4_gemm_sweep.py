@@ -2,12 +2,12 @@
 routed-expert shapes, against the bf16 grouped GEMM the bf16 model runs (``torch._grouped_mm``
 on the dequantized weights), side by side in one run.
 
-For each candidate ``Fp4Config`` (BM, BN, BK, warps, stages, K loop), the device ms of one
-layer's three expert products (gate, up: [G, inter, hidden]; down: [G, hidden, inter]) times
-the preset's MoE layers, at each ``--tokens`` (tokens x top-k rows routed by a seeded random
-top-k, the same routing for every candidate), the weight bytes it reads per ms (the FP4 bytes
-of the experts the routing uses), and whether it equals the torch expression (float64 torch
-reference, bf16 tolerance). Times are medians of CUDA-event timings over ``--iters`` replays of
+For each candidate ``Fp4Config`` (BM, BN, BK, warps, stages, K loop, split of K), the device ms of
+one layer's three expert products (gate, up: [G, inter, hidden]; down: [G, hidden, inter]) times the
+preset's MoE layers, at each ``--tokens`` (tokens x top-k rows routed by a seeded random top-k, the
+same routing for every candidate), the weight bytes it reads per ms (the FP4 bytes of the experts
+the routing uses), and whether it equals the torch expression (float64 torch reference, bf16
+tolerance). Times are medians of CUDA-event timings over ``--iters`` replays of
 a CUDA graph that calls each of several weight copies once (the copies exceed the L2, as a
 decode step's layers do), over ``--repeats`` repeats; the spread is the repeats' range.
 
@@ -23,19 +23,23 @@ import torch
 
 from benchmarks.common import command_line, graph_timer, md_table, write_results
 
-# (BM, BN, BK, warps, stages, pairs); the first is CONFIG's bf16 launch at 2b6a2cb
+# (BM, BN, BK, warps, stages, pairs, split); the first is CONFIG's bf16 launch at 2b6a2cb
 CANDIDATES = [
-    (64, 64, 64, 4, 3, False),
-    (64, 128, 64, 4, 3, False),
-    (64, 64, 128, 4, 3, False),
-    (64, 64, 64, 4, 3, True),
-    (64, 128, 64, 4, 3, True),
-    (64, 128, 128, 4, 3, True),
-    (64, 256, 64, 8, 3, True),
-    (64, 64, 128, 4, 4, True),
-    (32, 128, 128, 4, 3, True),
-    (16, 128, 128, 4, 3, True),
-    (16, 64, 256, 4, 3, True),
+    (64, 64, 64, 4, 3, False, 1),
+    (64, 128, 64, 4, 3, False, 1),
+    (64, 64, 128, 4, 3, False, 1),
+    (64, 64, 64, 4, 3, False, 4),
+    (64, 64, 64, 4, 3, True, 1),
+    (64, 128, 64, 4, 3, True, 1),
+    (64, 128, 128, 4, 3, True, 1),
+    (64, 256, 64, 8, 3, True, 1),
+    (64, 64, 128, 4, 4, True, 1),
+    (64, 64, 128, 4, 3, True, 2),
+    (64, 128, 128, 4, 3, True, 4),
+    (32, 128, 128, 4, 3, True, 1),
+    (16, 128, 128, 4, 3, True, 1),
+    (16, 64, 256, 4, 3, True, 2),
+    (16, 128, 128, 4, 3, True, 4),
 ]
 
 
@@ -123,7 +127,7 @@ def main() -> None:
         fp4 = sum(n * kd // 2 + n * kd // 32 for _, n, kd in shapes.values()) * layers
         return fp4 * used[t] / g / ms / 1e6
 
-    head = ["(BM, BN, BK, warps, stages, pairs)"]
+    head = ["(BM, BN, BK, warps, stages, pairs, split)"]
     head += [f"{t} tokens ms (vs bf16)" for t in args.tokens]
     head += [f"{t} tokens GB/s" for t in args.tokens] + ["repeats' range", "equals torch"]
     command = command_line("fp4_gemm_sweep", args)

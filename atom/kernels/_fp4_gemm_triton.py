@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from atom.kernels._invariant_gemm_triton import group_tile, group_tiles
+from atom.kernels._invariant_reduce_triton import add_partials
 
 
 class Fp4Config(NamedTuple):
@@ -39,6 +40,7 @@ class Fp4Config(NamedTuple):
     warps: int
     stages: int
     pairs: bool = False
+    split: int = 1  # programs along K per tile; > 1: float32 partials added in split order
 
 
 # per input dtype (benchmarks/fp4_gemm_sweep.py measures the alternatives)
@@ -71,12 +73,22 @@ def _fp4_scaled_down(codes):
 
 @triton.jit
 def _pairs_k_loop(
-    acc, a_rows, p_rows, s_rows, m_ok, n_ok, k_end, K, IEEE: tl.constexpr, BK: tl.constexpr
+    acc,
+    a_rows,
+    p_rows,
+    s_rows,
+    m_ok,
+    n_ok,
+    k_lo,
+    k_end,
+    K,
+    IEEE: tl.constexpr,
+    BK: tl.constexpr,
 ):
     """``acc`` + the tile's rows times its weight columns, one 32-input scale group at a
     time: bytes [16, BN] (codes 2j and 2j + 1 of the group in byte j), a scale per column."""
     rj = tl.arange(0, 16)
-    for k0 in range(0, k_end, BK):
+    for k0 in range(k_lo, k_end, BK):
         for h in tl.static_range(BK // 32):
             kg = k0 + h * 32
             even = kg + 2 * rj
@@ -108,6 +120,7 @@ def _interleaved_k_loop(
     s_rows,
     m_ok,
     n_ok,
+    k_lo,
     k_end,
     K,
     IEEE: tl.constexpr,
@@ -120,7 +133,7 @@ def _interleaved_k_loop(
     rk = tl.arange(0, BK)
     rb = tl.arange(0, BK // 2)
     rs = tl.arange(0, BK // 32)
-    for k0 in range(0, k_end, BK):
+    for k0 in range(k_lo, k_end, BK):
         k = k0 + rk
         a = tl.load(a_rows + k[None, :], mask=m_ok[:, None] & (k < K)[None, :], other=0.0)
         kb = k0 // 2 + rb
@@ -158,11 +171,13 @@ def _fp4_gemm_kernel(
     stride_sg,
     stride_sn,
     stride_cm,
+    stride_cs,
     IEEE: tl.constexpr,
     BM: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
     PAIRS: tl.constexpr,
+    SPLIT: tl.constexpr,
 ):
     g, row0, end = group_tile(tile_group_ptr, tile_row_ptr, ends_ptr, tl.program_id(0))
     pid_n = tl.program_id(1)
@@ -172,16 +187,23 @@ def _fp4_gemm_kernel(
     n_ok = rn < N
     a_rows = a_ptr + rm[:, None] * stride_am
     acc = tl.zeros([BM, BN], dtype=tl.float32)
-    k_end = tl.where(row0 < end, K, 0)  # a spare tile (no rows) reads no weight
+    # split s of SPLIT sums K blocks [s * per, (s + 1) * per) (whole BK blocks, so no block
+    # straddles two splits); a spare tile (no rows) reads no weight
+    per = tl.cdiv(tl.cdiv(K, BK), SPLIT) * BK
+    k_lo = tl.program_id(2) * per
+    k_end = tl.where(row0 < end, tl.minimum(K, k_lo + per), 0)
     if PAIRS:
         p_cols = p_ptr + g * stride_pg + rn[None, :] * stride_pn
         s_cols = s_ptr + g * stride_sg + rn * stride_sn
-        acc = _pairs_k_loop(acc, a_rows, p_cols, s_cols, m_ok, n_ok, k_end, K, IEEE, BK)
+        acc = _pairs_k_loop(acc, a_rows, p_cols, s_cols, m_ok, n_ok, k_lo, k_end, K, IEEE, BK)
     else:
         p_rows = p_ptr + g * stride_pg + rn[:, None] * stride_pn
         s_rows = s_ptr + g * stride_sg + rn[:, None] * stride_sn
-        acc = _interleaved_k_loop(acc, a_rows, p_rows, s_rows, m_ok, n_ok, k_end, K, IEEE, BN, BK)
-    c = c_ptr + rm[:, None] * stride_cm + rn[None, :]
+        acc = _interleaved_k_loop(
+            acc, a_rows, p_rows, s_rows, m_ok, n_ok, k_lo, k_end, K, IEEE, BN, BK
+        )
+    # SPLIT > 1: c is the float32 partials [SPLIT, R, N] (``add_partials`` sums them in order)
+    c = c_ptr + tl.program_id(2).to(tl.int64) * stride_cs + rm[:, None] * stride_cm + rn[None, :]
     tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
@@ -206,7 +228,7 @@ def fp4_grouped_linear_triton(
     dtype. ``tiles``: ``group_tiles(ends, R, x.dtype)`` (reused across calls that share the
     grouping); it must be built for the launch's BM. ``config``: a launch other than
     ``CONFIG``'s (the sweep's)."""
-    bm, bn, bk, warps, stages, pairs = _config(x.dtype, config)
+    bm, bn, bk, warps, stages, pairs, split = _config(x.dtype, config)
     if bk % GROUP:
         raise ValueError(f"BK {bk} is not a multiple of the scale group {GROUP}")
     r, k = x.shape
@@ -228,11 +250,13 @@ def fp4_grouped_linear_triton(
         scale = scale.contiguous()
     if tiles is None:
         tiles = group_tiles_for(ends, r, x.dtype, config)
-    _fp4_gemm_kernel[(tiles[0].shape[0], triton.cdiv(n, bn))](
+    split = max(1, min(split, triton.cdiv(k, bk)))
+    dest = out if split == 1 else out.new_empty((split, r, n), dtype=torch.float32)
+    _fp4_gemm_kernel[(tiles[0].shape[0], triton.cdiv(n, bn), split)](
         x,
         packed,
         scale,
-        out,
+        dest,
         tiles[0],
         tiles[1],
         ends,
@@ -243,15 +267,19 @@ def fp4_grouped_linear_triton(
         packed.stride(1),
         scale.stride(0),
         scale.stride(1),
-        out.stride(0),
+        dest.stride(-2),
+        dest.stride(0) if split > 1 else 0,
         IEEE=x.dtype == torch.float32,
         BM=bm,
         BN=bn,
         BK=bk,
         PAIRS=pairs,
+        SPLIT=split,
         num_warps=warps,
         num_stages=stages,
     )
+    if split > 1:
+        add_partials(dest, out)
     return out
 
 

@@ -17,13 +17,18 @@ pytestmark = needs_kernel
 DTYPES = [torch.float32, torch.bfloat16] if DEVICE == "cuda" else [torch.float32, torch.float16]
 
 
-@pytest.fixture(params=[False, True], ids=["interleaved", "pairs"])
+@pytest.fixture(
+    params=[(False, 1), (True, 1), (True, 2), (False, 3)],
+    ids=["interleaved", "pairs", "pairs-split2", "interleaved-split3"],
+)
 def layout(request, monkeypatch):
-    """Each test below once with each K loop of the kernel (``Fp4Config.pairs``)."""
+    """Each test below with each K loop of the kernel (``Fp4Config.pairs``), and K split
+    across programs (``split``: float32 partials added in order)."""
     from atom.kernels import _fp4_gemm_triton as kernel
 
+    pairs, split = request.param
     for dtype, config in list(kernel.CONFIG.items()):
-        monkeypatch.setitem(kernel.CONFIG, dtype, config._replace(pairs=request.param))
+        monkeypatch.setitem(kernel.CONFIG, dtype, config._replace(pairs=pairs, split=split))
     return request.param
 
 
