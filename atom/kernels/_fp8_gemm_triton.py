@@ -191,6 +191,20 @@ def _dequant_linear(x, weight, scale, block, dtype):
     return torch.nn.functional.linear(xs, wd).to(dtype)
 
 
+def fp8_act_sim_triton(x: torch.Tensor, bk: int) -> torch.Tensor:
+    """x [M, K] -> ``fp8_act_sim(x, bk)`` in x's dtype (q * s, exact) in one kernel, equal to
+    it bit for bit on the GPU; a row's values depend on that row only."""
+    m, k = x.shape
+    if k % bk:
+        raise ValueError(f"rounding per {bk} needs K divisible by it; got K={k}")
+    x = x if x.stride(1) == 1 else x.contiguous()
+    out = torch.empty(m, k, dtype=x.dtype, device=x.device)
+    if m:
+        grid = (m, triton.cdiv(k // bk, _NB))
+        _fp8_act_quant_kernel[grid](x, out, out, k, x.stride(0), BK=bk, NB=_NB, SIM=True)
+    return out
+
+
 def fp8_act_quant_triton(x: torch.Tensor, bk: int) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] (unit column stride) -> (E4M3 [M, K], float32 scales [M, K/bk]), equal to
     ``fp8_act_quant`` bit for bit."""

@@ -20,7 +20,13 @@ import torch
 from atom.kernels import invariant, use_triton
 from atom.models.common.formats import dequant_fp8, fp8_act_sim
 
-__all__ = ["fp8_linear", "fp8_linear_torch", "fp8_linear_usable", "check_fp8_operands"]
+__all__ = [
+    "fp8_linear",
+    "fp8_linear_torch",
+    "fp8_linear_usable",
+    "check_fp8_operands",
+    "fp8_act_round",
+]
 
 
 def check_fp8_operands(
@@ -80,3 +86,14 @@ def fp8_linear(
     lead = x.shape[:-1]
     out = fp8_linear_triton(x.reshape(-1, x.shape[-1]), weight, scale, block, out_dtype)
     return out.view(*lead, weight.shape[0])
+
+
+def fp8_act_round(x: torch.Tensor, block: int) -> torch.Tensor:
+    """``fp8_act_sim(x, block)``: x [..., K] rounded to E4M3 per ``block`` values along K, in
+    x's dtype, as an FP8 or FP4 product takes its input; one kernel where
+    ``fp8_linear_usable(x)`` (the same bits), else the torch expression."""
+    if not fp8_linear_usable(x) or x.numel() == 0:
+        return fp8_act_sim(x, block)
+    from atom.kernels._fp8_gemm_triton import fp8_act_sim_triton
+
+    return fp8_act_sim_triton(x.reshape(-1, x.shape[-1]), block).view(x.shape)

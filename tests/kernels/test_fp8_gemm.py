@@ -179,3 +179,18 @@ def test_the_dq_kernel_is_the_rounded_input_times_the_dequantized_weight(block, 
             got = fp8_linear_triton(x, q, s, block, torch.float32, config=config)
         assert ((got - want).abs().max() / want.abs().max()) < 2e-6, (n, k, m)
         assert torch.equal(fp8_linear_triton(x, q, s, block, torch.float32, config=config), got)
+
+
+@pytest.mark.skipif(not CUDA, reason="the GPU's E4M3 cast (the interpreter's rounds otherwise)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block", [32, 128])
+def test_the_one_kernel_input_rounding_is_the_torch_expression_bit_for_bit(dtype, block):
+    """``fp8_act_round`` (the FP4 experts' input rounding on CUDA) = ``fp8_act_sim``, bits and
+    dtype, for rows and blocks of very different magnitudes; a row alone gives its bits."""
+    from atom.kernels.fp8_gemm import fp8_act_round
+
+    x, _, _ = _case(64, 512, (block, block), 37, seed=block, device="cuda", dtype=dtype)
+    got = fp8_act_round(x, block)
+    assert got.dtype == dtype and torch.equal(got, fp8_act_sim(x, block))
+    assert torch.equal(fp8_act_round(x[5:6], block), got[5:6])
+    assert not torch.equal(got, x)  # it rounded

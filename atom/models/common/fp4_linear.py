@@ -28,7 +28,8 @@ import torch
 from torch import nn
 
 from atom.kernels.fp4_gemm import fp4_linear
-from atom.models.common.formats import FP4_GROUP, dequant_fp4, fp4_weight_quant, fp8_act_sim
+from atom.kernels.fp8_gemm import fp8_act_round
+from atom.models.common.formats import FP4_GROUP, dequant_fp4, fp4_weight_quant
 from atom.models.common.fp8_linear import (
     dequantize_linears,
     replace_module,
@@ -104,7 +105,7 @@ class Fp4Linear(nn.Module):
 
     def round_input(self, x: torch.Tensor) -> torch.Tensor:
         """x rounded as this linear's product takes it (E4M3 per ``act_block``; row-local)."""
-        return x if self.act_block is None else fp8_act_sim(x, self.act_block)
+        return x if self.act_block is None else fp8_act_round(x, self.act_block)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return fp4_linear(self.round_input(x), self.weight, self.weight_scale)
