@@ -22,8 +22,8 @@ from torch import nn
 
 from atom.kernels import invariant
 from atom.kernels.fp4_gemm import fp4_grouped_linear, fp4_tiles, fp4_usable
+from atom.kernels.fp8_gemm import fp8_act_round
 from atom.kernels.moe_combine import moe_combine
-from atom.models.common.formats import fp8_act_sim
 from atom.models.common.fp4_linear import Fp4Linear
 from atom.models.common.layers import linear
 
@@ -101,7 +101,7 @@ class MoE(nn.Module):
         )
         self.shared_experts = Expert(d, inter * config.n_shared_experts, config.swiglu_limit, dtype)
         # the published FP8/FP4 experts quantize their inputs to E4M3 per 32 (``act_fp8``)
-        self.act = functools.partial(fp8_act_sim, block=32) if act_fp8 else _act_identity
+        self.act = functools.partial(fp8_act_round, block=32) if act_fp8 else _act_identity
         for expert in [*self.experts, self.shared_experts]:
             expert.act = self.act
         self._stack: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None

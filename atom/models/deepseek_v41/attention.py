@@ -18,7 +18,8 @@ import torch
 from torch import nn
 
 from atom.kernels import invariant, invariant_attention
-from atom.models.common.formats import fp4_act_sim, fp8_act_sim
+from atom.kernels.fp8_gemm import fp8_act_round
+from atom.models.common.formats import fp4_act_sim
 from atom.models.common.layers import RMSNorm, linear, rms_norm
 from atom.models.common.prefill_tiles import tile_attention
 from atom.models.common.rope import InterleavedRope
@@ -149,7 +150,7 @@ class CSA2Attention(nn.Module):
         """Window KV [N, hd], normalized, rotated and rounded to the storage dtype."""
         kv = self.rope.apply_(self.kv_norm(self.kv_proj(self.act(u))), cs)
         if self.kv_fp8_sim:
-            kv = fp8_act_sim(kv, 32)
+            kv = fp8_act_round(kv, 32)
         return kv_roundtrip(kv, self.kv_dtype)
 
     def compressed_rows(self, latents: torch.Tensor, cs) -> tuple[torch.Tensor, torch.Tensor]:
@@ -173,7 +174,7 @@ class CSA2Attention(nn.Module):
 
     def act(self, x: torch.Tensor) -> torch.Tensor:
         """The input of an FP8 linear as the published code feeds it (``act_fp8_sim``)."""
-        return fp8_act_sim(x, 32) if self.act_fp8_sim else x
+        return fp8_act_round(x, 32) if self.act_fp8_sim else x
 
     def index_round(self, x: torch.Tensor) -> torch.Tensor:
         """Index queries and keys through FP4, E8M0 scales per 32 (``index_fp4_sim``), no

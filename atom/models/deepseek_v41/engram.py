@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from atom.kernels import invariant
-from atom.models.common.formats import fp8_act_sim
+from atom.kernels.fp8_gemm import fp8_act_round
 from atom.models.common.layers import Linear
 from atom.models.deepseek_v41.ngram_hash import (
     BEFORE_START,
@@ -75,7 +75,8 @@ class Engram(nn.Module):
 
     ``rows`` is the table's row count (``engram_num_embeddings[l]``), ``n_hash_cols`` =
     (max_ngram_size - 1) * n_heads, ``eps`` the model's ``rms_norm_eps``. ``act_fp8`` rounds
-    wkv's input as the published FP8 GEMM does (``atom.models.common.formats.fp8_act_sim``).
+    wkv's input as the published FP8 GEMM does (``atom.kernels.fp8_gemm.fp8_act_round``:
+    ``fp8_act_sim``'s bits).
     """
 
     def __init__(
@@ -104,7 +105,7 @@ class Engram(nn.Module):
     def wkv_input(self, e: torch.Tensor) -> torch.Tensor:
         """wkv's activations [N, n_hash_cols * head_dim], rounded with ``act_fp8`` (per 32
         values, UE8M0 scales) as the reference's FP8 GEMM rounds them; ``e`` is not mutated."""
-        return fp8_act_sim(e, block=SCALE_BLOCK) if self.act_fp8 else e
+        return fp8_act_round(e, SCALE_BLOCK) if self.act_fp8 else e
 
     def forward(
         self, x: torch.Tensor, row_ids: torch.Tensor, token_mask: torch.Tensor | None = None
