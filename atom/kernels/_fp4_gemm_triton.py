@@ -100,9 +100,10 @@ def _pairs_k_loop(
             byte = tl.load(p_rows + kb[:, None], mask=w_ok, other=0)
             byte = byte.to(tl.int32)
             sb = tl.load(s_rows + kg // 32, mask=n_ok & (kg < K), other=127).to(tl.float32)
-            step = tl.exp2(sb - 113.0)[None, :]  # 2^(b - 127), times 2^14
-            w_lo = (_fp4_scaled_down(byte & 15) * step).to(a_lo.dtype)
-            w_hi = (_fp4_scaled_down(byte >> 4) * step).to(a_lo.dtype)
+            step = tl.exp2(sb - 127.0)[None, :]
+            # undo the 2^-14 first: one factor 2^(b - 113) would overflow for b > 240
+            w_lo = (_fp4_scaled_down(byte & 15) * 16384.0 * step).to(a_lo.dtype)
+            w_hi = (_fp4_scaled_down(byte >> 4) * 16384.0 * step).to(a_lo.dtype)
             if IEEE:
                 acc = tl.dot(a_lo, w_lo, acc, input_precision="ieee")
                 acc = tl.dot(a_hi, w_hi, acc, input_precision="ieee")

@@ -52,6 +52,7 @@ def test_the_kernels_values_are_the_formats(layout):
 
     packed, scale = _weights(1, 40, 64, seed=1)
     scale[0, :, 1] = torch.arange(100, 140, dtype=torch.uint8)  # far scales too (float32)
+    scale[0, :2, 0] = torch.tensor([250, 3], dtype=torch.uint8)  # and the format's ends
     eye = torch.eye(64, dtype=torch.float32, device=DEVICE)
     ends = torch.tensor([64], device=DEVICE)
     got = fp4_grouped_linear_triton(eye, packed, scale, ends)  # [K, N]: the weight, transposed
