@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import statistics
 import subprocess
 from datetime import datetime, timezone
 from pathlib import Path
@@ -139,3 +140,9 @@ def graph_timer(fn, calls: int):
 
     replay.graph = graph  # kept alive with the timer
     return replay
+
+
+def graph_median(fn, calls: int, iters: int) -> float:
+    """The median over ``iters`` replays of ``graph_timer(fn, calls)``: device ms per call."""
+    replay = graph_timer(fn, calls)
+    return statistics.median(replay() for _ in range(iters))

@@ -21,7 +21,7 @@ import statistics
 
 import torch
 
-from benchmarks.common import command_line, graph_timer, md_table, write_results
+from benchmarks.common import command_line, graph_median, md_table, write_results
 
 # (BM, BN, BK, warps, stages, pairs, split); the first is CONFIG's bf16 launch at 2b6a2cb
 CANDIDATES = [
@@ -59,11 +59,6 @@ def routed_ends(tokens: int, groups: int, top_k: int, seed: int = 0) -> torch.Te
     gen = torch.Generator().manual_seed(seed)
     choice = torch.rand(tokens, groups, generator=gen).topk(top_k, dim=-1).indices
     return torch.bincount(choice.flatten(), minlength=groups).cumsum(0)
-
-
-def _timed(fn, copies: int, iters: int) -> float:
-    replay = graph_timer(fn, copies)
-    return statistics.median(replay() for _ in range(iters))
 
 
 def main() -> None:
@@ -107,7 +102,7 @@ def main() -> None:
                     x = inputs[name][: t * top_k]
                     ws = weights[name] if call is not None else dense[name]
                     fn = call(x, ws, ends[t]) if call is not None else _dense(x, ws, ends[t])
-                    ms[t] += layers * _timed(fn, len(ws), args.iters)
+                    ms[t] += layers * graph_median(fn, len(ws), args.iters)
             per.append(ms)
         return {t: statistics.median(p[t] for p in per) for t in args.tokens}, per
 

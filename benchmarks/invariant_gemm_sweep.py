@@ -22,7 +22,7 @@ from collections import Counter
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common import command_line, graph_timer, md_table, write_results
+from benchmarks.common import command_line, graph_median, md_table, write_results
 
 # (BM, BN, BK, warps, stages); BM stays 64 (one wgmma M tile)
 TILES = [
@@ -52,11 +52,6 @@ def linear_shapes(model: str) -> Counter:
 def _keyed(per_shape: dict) -> dict:
     """Shape keys as "NxK" strings (JSON)."""
     return {f"{n}x{k}": v for (n, k), v in per_shape.items()}
-
-
-def _timed(fn, copies: int, iters: int) -> float:
-    replay = graph_timer(fn, copies)
-    return statistics.median(replay() for _ in range(iters))
 
 
 def main() -> None:
@@ -91,7 +86,7 @@ def main() -> None:
                 ws, x = weights[n, kd], inputs[n, kd]
                 for m in args.m:
                     rows = x[:m]
-                    t = _timed(lambda i, r=rows, w=ws: call(r, w[i]), len(ws), args.iters)
+                    t = graph_median(lambda i, r=rows, w=ws: call(r, w[i]), len(ws), args.iters)
                     each[n, kd][m].append(t)
                     ms[m] += count * t
             per.append(ms)
