@@ -118,25 +118,12 @@ def test_the_mode_matches_the_oracle(preset):
     llm.shutdown()
 
 
-@pytest.mark.parametrize(
-    "preset",
-    [
-        "v4-tiny",
-        pytest.param(
-            "v41-tiny-draft",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="V4.1 verifies drafts through its prefill tiles, whose window keys sit "
-                "at other offsets than a decode query's: the same tokens, logprobs 1 ulp apart "
-                "(docs/PRECISION.md: what the mode does not promise)",
-            ),
-        ),
-    ],
-)
+@pytest.mark.parametrize("preset", ["v4-tiny", "v41-tiny-draft"])
 def test_drafts_change_no_bit_in_the_mode(preset):
     """Greedy with drafts (k=2, the model's MTP layer) against plain decoding in the mode:
-    the same tokens and logprobs, bit for bit. V4's verify rows equal its decode rows; V4.1's
-    do not yet (strict xfail: it fails loudly once they do)."""
+    the same tokens and logprobs, bit for bit: both families run a verify span's rows as
+    decode rows (when V4.1 ran them through its prefill tiles, whose window keys sit at other
+    offsets, its logprobs came out 1 ulp apart)."""
     prompts = prompts_of([5, 17, 33, 40], seed=21)
     params = SamplingParams(max_tokens=24, ignore_eos=True, logprobs=2)
     kw = dict(KW, max_num_seqs=8, max_num_batched_tokens=128)

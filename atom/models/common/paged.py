@@ -38,6 +38,9 @@ class PagedKV:
 
     def __init__(self, geometry: Any, pool: torch.Tensor):
         self.geometry, self.pool = geometry, pool
+        # a block past the engine's (a runtime's reserved one) that batched writes of rows
+        # completing nothing may land in; None: none (set by the runtime that reserved it)
+        self.spare_block: int | None = None
         nb = pool.shape[0]
         self.num_blocks = nb
         self.bytes = pool.view(torch.uint8).view(nb, -1)

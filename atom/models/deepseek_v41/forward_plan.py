@@ -47,12 +47,16 @@ class ForwardPlan:
         shape,
         hist_width: int = 3,
         frontiers: list[int] | None = None,
+        short: int = 1,
+        dump_block: int | None = None,
     ) -> ForwardPlan:
         """``shape``: (sliding window, window ring rows, compressor ring rows, the ratios of
         the compressed layers), what the prefill batch's indices depend on. ``hist_width``: H,
         the history ids per slot; ``frontiers``: each span's slot frontier before the forward
         (0 for a span at 0; None: every span starts at its frontier and no history is kept
-        beyond the cursor's, k = 0)."""
+        beyond the cursor's, k = 0). Single-token spans run as decode rows, and so do spans
+        past 0 of at most ``short`` tokens (verify spans, 1 + k) when ``dump_block`` names a
+        block for their rows that complete no group (``DecodeBatch.dump_block``)."""
         device = torch.device(device)
         n, nspan = token_ids.numel(), len(spans)
         segs: list[torch.Tensor] = []  # host int64 pieces of the one upload
@@ -96,19 +100,32 @@ class ForwardPlan:
         )
         at_meta = put(meta)
         at_reset = put(torch.tensor([sp.slot for sp in spans if sp.start == 0], dtype=torch.int64))
-        single = [k for k, sp in enumerate(spans) if sp.num_tokens == 1]
-        longer = [k for k, sp in enumerate(spans) if sp.num_tokens > 1]
+
+        def as_rows(sp: Span) -> bool:
+            if sp.num_tokens == 1:
+                return True
+            return dump_block is not None and sp.start > 0 and sp.num_tokens <= short
+
+        single = [k for k, sp in enumerate(spans) if as_rows(sp)]
+        longer = [k for k, sp in enumerate(spans) if not as_rows(sp)]
+        # one decode row per token: (flat index, slot, position, span start, its first row)
+        row_spans, rows = [], []
+        for k in single:
+            sp, first = spans[k], len(rows)
+            for j in range(sp.num_tokens):
+                rows.append([los[k] + j, sp.slot, sp.start + j, sp.start, first])
+                row_spans.append(k)
+        several = len(rows) > len(single)
         at_dec = None
         dec_host_tables = bool(single) and all(
             spans[k].block_table.device.type == "cpu" for k in single
         )
         if single:
             width = max(spans[k].block_table.numel() for k in single)
-            rows = [[los[k], spans[k].slot, spans[k].start] for k in single]
             at_dec = put(torch.tensor(rows, dtype=torch.int64).t())
             if dec_host_tables:
-                padded = torch.zeros(len(single), width, dtype=torch.int64)
-                for r, k in enumerate(single):
+                padded = torch.zeros(len(rows), width, dtype=torch.int64)
+                for r, k in enumerate(row_spans):
                     t = spans[k].block_table
                     padded[r, : t.numel()] = t
                 at_dec_tables = put(padded)
@@ -146,12 +163,14 @@ class ForwardPlan:
         carries = [prefill.resolve(parts, pos_d)] if prefill is not None else []
         decode = None
         if single:
-            dec = parts[at_dec].view(3, len(single))
+            dec = parts[at_dec].view(5, len(rows))
             if dec_host_tables:
-                tables = parts[at_dec_tables].view(len(single), width)
+                tables = parts[at_dec_tables].view(len(rows), width)
             else:
-                tables = pad_sequence([table(k) for k in single], batch_first=True)
-            decode = DecodeBatch(dec[0], dec[1], dec[2], tables, max(spans[k].end for k in single))
+                tables = pad_sequence([table(k) for k in row_spans], batch_first=True)
+            spanned = dict(start=dec[3], first=dec[4], dump_block=dump_block) if several else {}
+            max_end = max(spans[k].end for k in single)
+            decode = DecodeBatch(dec[0], dec[1], dec[2], tables, max_end, **spanned)
         return cls(
             ids,
             pos_d,

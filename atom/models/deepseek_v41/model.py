@@ -176,6 +176,9 @@ class DeepseekV41ForCausalLM(nn.Module):
             geo.compressor_rows,
             [r for r in self.config.compress_ratios if r > 0],
         )
+        # verify spans (past 0, at most 1 + k tokens) run as decode rows where a spare block
+        # takes the writes of rows completing no group: their rows are then a decode step's
+        short = 1 if kv.spare_block is None else 1 + slots.speculative_tokens
         plan = ForwardPlan.build(
             token_ids,
             spans,
@@ -183,6 +186,8 @@ class DeepseekV41ForCausalLM(nn.Module):
             shape,
             slots.gram_history.shape[1],
             _frontiers(spans, slots),
+            short=short,
+            dump_block=kv.spare_block,
         )
         slots.reset_many([sp.slot for sp in spans if sp.start == 0], plan.reset)
         out = self.run_plan(plan, kv, slots, all_logits, return_residual)

@@ -1,4 +1,6 @@
-"""CSA2 attention of a forward's single-token spans (decode), batched across sequences.
+"""CSA2 attention of a forward's decode rows, batched across sequences: its single-token spans,
+and its verify spans (at most 1 + k tokens past 0) row by row where a spare block takes the
+writes of rows that complete no group (``DecodeBatch.start``, ``dump_block``).
 
 The per-sequence loop of ``paged_attention`` launches some hundred small kernels per sequence
 per layer; a decode step of 16 sequences spent most of its time launching them. Here every

@@ -43,6 +43,8 @@ class V41Runtime:
         # blocks and slots the pool and slot bytes hold past the engine's own (the last ones):
         # the decode graphs' padding rows use them (``enable_decode_graphs``)
         self.reserved_blocks = self.reserved_slots = 0
+        if self.geometry.speculative_tokens:  # eager verify spans run as decode rows: their
+            self.reserved_blocks = 1  # rows completing no group write to the spare block
         self.graphs: DecodeGraphs | None = None
         # verify and draft forwards (speculative_tokens >= 1), with the decode graphs
         self.span_graphs: SpanGraphs | None = None
@@ -70,6 +72,8 @@ class V41Runtime:
     def bind(self, pool: torch.Tensor, slot_bytes: torch.Tensor) -> None:
         self.pool, self.slot_bytes = pool, slot_bytes
         self.kv = PagedKV(self.geometry, pool)
+        if self.reserved_blocks:
+            self.kv.spare_block = pool.shape[0] - 1
         self.slots = StateSlots(self.geometry, slot_bytes)
         self._graph_totals = self.graph_stats()  # counts so far (a counter never goes down)
         self.graphs = self.span_graphs = None
