@@ -216,12 +216,13 @@ class DeepseekV41ForCausalLM(nn.Module):
             self.config.dspark_target_layer_ids if return_residual and len(self.dspark) else []
         )
         hidden: list[torch.Tensor] = []
+        engram_rows = self.engram_rows(grams_t)  # every engram layer's rows, hashed once
         for i, layer in enumerate(self.model.layers):
             attn = layer.self_attn
             x, pre = layer.block(
                 x,
                 pre,
-                self.engram_rows(grams_t),
+                engram_rows,
                 lambda u, a=attn: paged_attention(
                     a, u, plan.positions, plan.longer, plan.decode, kv, slots
                 ),
