@@ -8,8 +8,8 @@ everywhere else the torch expression runs. Which kernels may run is the engine c
 on some GPU); ``triton_off`` names kernels to turn off: sink_attention (prefill),
 index_scores, fp8_gemm and fp4_gemm (FP8 weights and FP4 experts then run through the torch
 expression, which dequantizes them at every call); decode_attention and moe_combine run only
-when named in ``triton_on`` (``OPT_IN`` says why). The settings are the process's (one engine
-per process).
+when named in ``triton_on`` (``OPT_IN``: none at present). The settings are the process's (one
+engine per process).
 
 Debugging overrides, read at each call and winning over the config when set:
 ``ATOM_TRITON=0|1``, ``ATOM_TRITON_OFF=name[,name]``, ``ATOM_TRITON_ON=name[,name]`` (tests
@@ -26,14 +26,13 @@ import torch
 
 from atom.kernels.triton_env import interpreting, triton_importable  # noqa: F401
 
-# kernels that run only when named in triton_on (ATOM_TRITON_ON). Each is tested equal to its torch
-# expression (decode_attention also to the reference forward, float32), but on the H200 the
-# bf16 tier two-pass test (tests/gpu/test_cuda_paths.py: a tier-resumed run against a full one,
-# near-ties within 0.25 allowed) parted with both on (a top-2 gap of 0.39) and with moe_combine
-# alone (0.41), and passed with both off; decode_attention alone was not run. Cause not found;
-# with both off the forward's arithmetic is that of the last commit that passed every GPU test
-# (fd5723e)
-OPT_IN = frozenset({"decode_attention", "moe_combine"})
+# kernels that run only when named in triton_on (ATOM_TRITON_ON): none at present.
+# decode_attention and moe_combine were opt-in until 3f8538e, because a bf16 tier two-pass test
+# that compared tokens within a near-tie bound parted with them on. That test's partings were
+# later traced to pass 1 itself (its batches follow the lookups' timing, and bf16 rounds other
+# batches differently), not to the kernels; the GPU tier tests now assert the loaded bytes
+# instead, and the GPU gate passes with both kernels on (benchmarks/results/gpu_gate.md)
+OPT_IN: frozenset[str] = frozenset()
 
 
 KERNELS = frozenset(

@@ -12,8 +12,8 @@ The paged prefill runs it (``paged_attention``). For a decode batch there is
 ``sink_attention_decode``: with its few rows, programs that each walk all of a row's keys left
 the GPU idle (116 us a layer at batch 16 on the H200, against 54 us for torch), so each row's
 keys are split across programs whose partial sums one more kernel combines (38-45 us for 16
-rows at 4 or 8 splits, benchmarks/kernel_sweep.py). The paged decode runs it only with
-``ATOM_TRITON_ON=decode_attention`` (``atom.kernels.OPT_IN`` says why).
+rows at 4 or 8 splits, benchmarks/kernel_sweep.py). The paged decode runs it unless
+``triton_off`` names ``decode_attention``.
 
 Arithmetic: scores are rounded to the compute dtype before scaling, as torch's product is;
 probabilities are cast to the compute dtype for the second product, but unnormalized (relative

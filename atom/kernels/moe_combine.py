@@ -39,8 +39,8 @@ def moe_combine_torch(shared: torch.Tensor, y: torch.Tensor, order: torch.Tensor
 
 
 def moe_combine_usable(y: torch.Tensor) -> bool:
-    """The kernel runs on CUDA (``use_triton``), without gradients, when named in
-    ``ATOM_TRITON_ON`` (opt-in: ``atom.kernels.OPT_IN`` says why)."""
+    """The kernel runs on CUDA (``use_triton``: unless ``triton_off`` names it), without
+    gradients."""
     if torch.is_grad_enabled() and y.requires_grad:
         return False
     return use_triton(y, "moe_combine")

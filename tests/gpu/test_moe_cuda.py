@@ -27,9 +27,9 @@ def _moe():
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("opt_in", ["", "moe_combine"])
-def test_grouped_path_matches_the_loop_and_repeats_bit_for_bit(monkeypatch, opt_in):
-    monkeypatch.setenv("ATOM_TRITON_ON", opt_in)  # the torch expression, or the kernel
+@pytest.mark.parametrize("off", ["moe_combine", ""])
+def test_grouped_path_matches_the_loop_and_repeats_bit_for_bit(monkeypatch, off):
+    monkeypatch.setenv("ATOM_TRITON_OFF", off)  # the torch expression, or the kernel
     moe, cfg = _moe()
     x = torch.randn(300, cfg.hidden_size, device="cuda").to(torch.bfloat16)
     if not _grouped_mm_usable(x):

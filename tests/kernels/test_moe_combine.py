@@ -5,6 +5,7 @@ interpreter; CI has neither), and the torch expression against the per-expert lo
 import pytest
 import torch
 
+import atom.kernels
 from atom.kernels.moe_combine import moe_combine, moe_combine_torch, moe_combine_usable
 from tests.kernels.runnable import DEVICE, needs_kernel
 
@@ -22,7 +23,6 @@ def _case(device, n, k, d, experts, dtype, gen):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n,k,d", [(1, 2, 64), (37, 2, 1500), (300, 6, 256), (5, 1, 2048)])
 def test_kernel_matches_the_torch_expression(monkeypatch, dtype, n, k, d):
-    monkeypatch.setenv("ATOM_TRITON_ON", "moe_combine")  # opt-in (atom.kernels.OPT_IN)
     gen = torch.Generator().manual_seed(n * 10 + k)
     args = _case(DEVICE, n, k, d, 8, dtype, gen)
     with torch.no_grad():
@@ -57,7 +57,9 @@ def test_rows_must_divide_into_tokens():
 
 def test_moe_combine_switches(kernels_on, monkeypatch):
     y = torch.zeros(4, 8)
-    assert not moe_combine_usable(y)  # opt-in (atom.kernels.OPT_IN)
+    assert moe_combine_usable(y)  # on by default
+    monkeypatch.setattr(atom.kernels, "OPT_IN", frozenset({"moe_combine"}))
+    assert not moe_combine_usable(y)  # were it opt-in: off until named
     monkeypatch.setenv("ATOM_TRITON_ON", "moe_combine")
     assert moe_combine_usable(y)
     monkeypatch.setenv("ATOM_TRITON_OFF", "moe_combine")

@@ -5,6 +5,7 @@ interpreter; CI has neither), and the torch expression against the layer's own a
 import pytest
 import torch
 
+import atom.kernels
 from atom.kernels.attention import (
     gather_offsets,
     sink_attention,
@@ -139,7 +140,9 @@ def test_atom_triton_off_names_kernels(kernels_on, monkeypatch):
     assert not sink_attention_usable(q) and not index_scores_usable(qi)
     monkeypatch.setenv("ATOM_TRITON_OFF", "index_scores")
     assert sink_attention_usable(q) and not index_scores_usable(qi)
-    assert not sink_attention_usable(q, "decode_attention")  # opt-in (atom.kernels.OPT_IN)
+    assert sink_attention_usable(q, "decode_attention")  # on by default
+    monkeypatch.setattr(atom.kernels, "OPT_IN", frozenset({"decode_attention"}))
+    assert not sink_attention_usable(q, "decode_attention")  # an opt-in kernel: off until named
     monkeypatch.setenv("ATOM_TRITON_ON", "decode_attention")
     monkeypatch.setenv("ATOM_TRITON_OFF", "")
     assert sink_attention_usable(q, "decode_attention")

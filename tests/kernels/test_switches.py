@@ -18,10 +18,12 @@ def configured(kernels_on):
     atom.kernels.configure()  # the defaults again, for the tests that follow
 
 
-def test_the_config_turns_kernels_off_and_opt_in_ones_on(configured):
+def test_the_config_turns_kernels_off_and_opt_in_ones_on(configured, monkeypatch):
     q, qi = torch.zeros(1, 1, 64), torch.zeros(1, 2, 32)
     configured(off=["index_scores"])
     assert sink_attention_usable(q) and not index_scores_usable(qi)
+    assert sink_attention_usable(q, "decode_attention")  # no kernel is opt-in at present
+    monkeypatch.setattr(atom.kernels, "OPT_IN", frozenset({"decode_attention"}))
     assert not sink_attention_usable(q, "decode_attention")
     configured(on=["decode_attention"])
     assert sink_attention_usable(q, "decode_attention") and index_scores_usable(qi)

@@ -250,7 +250,7 @@ class MoE(nn.Module):
         (``torch._grouped_mm``): the group offsets stay on the device, so no host sync.
         Returns (outputs [N * top_k, d] in expert order, already weighted by ``w``, order:
         row i is token order[i] // top_k's slot order[i] % top_k), for ``moe_combine`` (one
-        kernel on CUDA with ``ATOM_TRITON_ON=moe_combine``)."""
+        kernel on CUDA)."""
         gate, up, down = self.stacked_weights()
         flat = idx.flatten()
         order = torch.argsort(flat, stable=True)  # token rows grouped by expert, rows ascending
