@@ -43,6 +43,14 @@ CANDIDATES = [
 ]
 
 
+def _candidate(text: str) -> tuple:
+    """BM,BN,BK,warps,stages,pairs,split -> the tuple ``Fp4Config`` takes."""
+    parts = [int(v) for v in text.split(",")]
+    if len(parts) != 7:
+        raise argparse.ArgumentTypeError(f"{text!r}: want BM,BN,BK,warps,stages,pairs,split")
+    return (*parts[:5], bool(parts[5]), parts[6])
+
+
 def expert_shapes(model: str) -> tuple[dict, int, int, int]:
     """({name: (G, N, K)}, MoE layers, top-k, hidden) of the preset's routed experts."""
     from atom.models.registry import resolve_config
@@ -69,6 +77,13 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--l2-mib", type=int, default=128, help="weight copies per shape exceed this")
     ap.add_argument("--name", default="fp4_gemm_sweep_h200")
+    ap.add_argument(
+        "--candidates",
+        nargs="+",
+        type=_candidate,
+        default=CANDIDATES,
+        help="launches to measure, each BM,BN,BK,warps,stages,pairs(0/1),split",
+    )
     args = ap.parse_args()
     from atom.kernels import _fp4_gemm_triton as k
     from atom.kernels.fp4_gemm import dequantized, fp4_grouped_linear_torch
@@ -141,7 +156,7 @@ def main() -> None:
     rows.append(["bf16 torch._grouped_mm"] + [round(base[t], 3) for t in args.tokens])
     rows[-1] += [""] * (len(head) - len(rows[-1]))
     data["configs"] = []
-    for cand in CANDIDATES:
+    for cand in args.candidates:
         config = k.Fp4Config(*cand)
         try:
             got, per = total(fp4_call(config))

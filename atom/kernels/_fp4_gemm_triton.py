@@ -12,8 +12,11 @@ one dot into a float32 accumulator. A spare tile of the table (no rows) loads no
 table is ``group_tiles``' (built on the device, so a grouped call has no host sync and can be
 captured in a CUDA graph).
 
-Its launch configuration is one per dtype, whatever M, and K is not split: a row's bits depend
-only on its own row and its group's weight, so the kernel also serves the batch-invariant mode.
+Its launch: in the batch-invariant mode one per dtype (``CONFIG``), whatever the call's row
+count, and K not split, so a row's bits depend only on its own row and its group's weight;
+otherwise chosen by the call's row count (``BY_ROWS``: decode-sized calls split K across
+programs, which the sweep measured up to 2.2x faster there), so a row's bits may then depend on
+how many rows its call has, as cuBLAS's do.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from atom.kernels import invariant_mode
 from atom.kernels._invariant_gemm_triton import group_tile, group_tiles
 from atom.kernels._invariant_reduce_triton import add_partials
 
@@ -50,6 +54,19 @@ CONFIG = {
     torch.float32: Fp4Config(32, 32, 32, 4, 2),
 }
 GROUP = 32  # inputs per E8M0 scale
+
+# outside the batch-invariant mode: (most rows, launch) per input dtype, the first whose bound
+# holds a call's row count R; past the last bound, ``CONFIG``'s. Measured on v41-bench-fp8's
+# experts (H200, benchmarks/results/fp4_gemm_sweep_rows_h200.md and fp4_gemm_sweep_h200.md;
+# each figure the sum over the bench's 30 expert products): at R = 16 / 64 (8 / 32 tokens of
+# top-2) the first launch took 2.01 / 2.67 ms against CONFIG's 4.49 / 4.44; at R = 256 the
+# second 3.83 ms against 5.54; at R = 8192 CONFIG's 50.9 ms against the second's 57.0
+BY_ROWS = {
+    torch.bfloat16: (
+        (64, Fp4Config(16, 64, 256, 4, 3, True, 8)),
+        (256, Fp4Config(64, 64, 64, 4, 3, False, 4)),
+    ),
+}
 
 
 @triton.jit
@@ -208,11 +225,18 @@ def _fp4_gemm_kernel(
     tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
-def _config(dtype: torch.dtype, config: Fp4Config | None = None) -> Fp4Config:
+def launch_for(dtype: torch.dtype, rows: int, config: Fp4Config | None = None) -> Fp4Config:
+    """The launch of a call with ``rows`` rows of ``dtype``: ``config`` when given (the
+    sweep's), ``CONFIG``'s in the batch-invariant mode, else ``BY_ROWS``' first that holds
+    ``rows`` (``CONFIG``'s past them)."""
     if config is not None:
         return config
     if dtype not in CONFIG:
         raise TypeError(f"no FP4 GEMM for {dtype} inputs")
+    if not invariant_mode.enabled():
+        for most, launch in BY_ROWS.get(dtype, ()):
+            if rows <= most:
+                return launch
     return CONFIG[dtype]
 
 
@@ -227,9 +251,9 @@ def fp4_grouped_linear_triton(
     """Rows of x [R, K] sorted by group (group g's rows end at ``ends[g]``) times group g's
     FP4 weight (packed [G, N, K/2] uint8, scale [G, N, K/32] uint8 E8M0) -> [R, N] in x's
     dtype. ``tiles``: ``group_tiles(ends, R, x.dtype)`` (reused across calls that share the
-    grouping); it must be built for the launch's BM. ``config``: a launch other than
-    ``CONFIG``'s (the sweep's)."""
-    bm, bn, bk, warps, stages, pairs, split = _config(x.dtype, config)
+    grouping); it must be built for the launch's BM (``group_tiles_for`` with the same rows).
+    ``config``: a launch other than ``launch_for``'s (the sweep's)."""
+    bm, bn, bk, warps, stages, pairs, split = launch_for(x.dtype, x.shape[0], config)
     if bk % GROUP:
         raise ValueError(f"BK {bk} is not a multiple of the scale group {GROUP}")
     r, k = x.shape
@@ -287,5 +311,6 @@ def fp4_grouped_linear_triton(
 def group_tiles_for(
     ends: torch.Tensor, rows: int, dtype: torch.dtype, config: Fp4Config | None = None
 ):
-    """``group_tiles`` at the launch's BM: (group of each tile, its first row) on the device."""
-    return group_tiles(ends, rows, dtype, bm=_config(dtype, config).bm)
+    """``group_tiles`` at the BM of a call of ``rows`` rows (``launch_for``): (group of each
+    tile, its first row) on the device."""
+    return group_tiles(ends, rows, dtype, bm=launch_for(dtype, rows, config).bm)

@@ -23,9 +23,11 @@ DTYPES = [torch.float32, torch.bfloat16] if DEVICE == "cuda" else [torch.float32
 )
 def layout(request, monkeypatch):
     """Each test below with each K loop of the kernel (``Fp4Config.pairs``), and K split
-    across programs (``split``: float32 partials added in order)."""
+    across programs (``split``: float32 partials added in order), as the one launch of every
+    call (``BY_ROWS`` emptied: no choice by row count)."""
     from atom.kernels import _fp4_gemm_triton as kernel
 
+    monkeypatch.setattr(kernel, "BY_ROWS", {})
     pairs, split = request.param
     for dtype, config in list(kernel.CONFIG.items()):
         monkeypatch.setitem(kernel.CONFIG, dtype, config._replace(pairs=pairs, split=split))
@@ -95,6 +97,39 @@ def test_the_dense_product_keeps_each_rows_bits(dtype, layout):
     assert (y.double() - want).abs().max().item() < tol
     for lo, hi in [(0, 1), (5, 9), (63, 70)]:
         assert torch.equal(fp4_linear(x[lo:hi], packed[0], scale[0]), y[lo:hi]), (lo, hi)
+
+
+def test_the_launch_follows_the_row_count_outside_the_batch_invariant_mode(monkeypatch):
+    """By row count (``BY_ROWS``) in the default mode, ``CONFIG``'s for every count in the
+    mode; the tile table is built for the launch's BM; a call at each launch gives the torch
+    expression's values, and in the mode a row's bits whatever its call's row count."""
+    from atom.kernels import _fp4_gemm_triton as kernel
+    from atom.kernels import invariant_mode
+    from atom.kernels.fp4_gemm import fp4_grouped_linear, fp4_grouped_linear_torch
+
+    small, mid = kernel.Fp4Config(16, 32, 64, 4, 2, False, 2), kernel.Fp4Config(32, 32, 32, 4, 2)
+    monkeypatch.setitem(kernel.BY_ROWS, torch.float32, ((4, small), (40, mid)))
+    fixed = kernel.CONFIG[torch.float32]
+    assert [kernel.launch_for(torch.float32, r) for r in (1, 4, 5, 40, 41)] == [
+        small,
+        small,
+        mid,
+        mid,
+        fixed,
+    ]
+    packed, scale = _weights(2, 48, 128, seed=8)
+    x = _rows(60, 128, torch.float32, seed=9)
+    for rows in (3, 30, 60):  # one launch each
+        ends = torch.tensor([rows // 2, rows], device=DEVICE)
+        y = fp4_grouped_linear(x[:rows], packed, scale, ends)
+        want = fp4_grouped_linear_torch(x[:rows].double(), packed, scale, ends).float()
+        assert (y - want).abs().max().item() < 1e-5 * want.abs().max().item(), rows
+    monkeypatch.setitem(invariant_mode.STATE, "on", True)
+    assert {kernel.launch_for(torch.float32, r) for r in (1, 4, 5, 40, 41)} == {fixed}
+    one = torch.tensor([1], device=DEVICE)
+    alone = fp4_grouped_linear(x[:1], packed[:1], scale[:1], one)
+    many = fp4_grouped_linear(x, packed[:1], scale[:1], torch.tensor([60], device=DEVICE))
+    assert torch.equal(alone, many[:1])
 
 
 def test_wrong_operand_shapes_are_refused_with_the_expected_ones():
