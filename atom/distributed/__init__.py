@@ -2,8 +2,9 @@
 NCCL on GPUs, gloo on CPU).
 
 ``parallel_state.ParallelState`` is one rank's view of the group (rank, world size, process
-groups; ``all_reduce`` is a no-op at world size 1). ``v41`` splits the DeepSeek-V4.1 model
-(what is split, what is replicated, which all-reduces a forward makes: its module doc).
+groups; ``all_reduce`` is a no-op at world size 1). ``split_models`` builds one rank's split
+model of either family from what its layers declare (``atom.models.common.tensor_parallel``;
+what is split, what is replicated, which all-reduces a forward makes: its module doc).
 ``ranks`` and ``broadcast_runtime`` run an engine over the ranks with them.
 
 On every rank ``r`` of ``N``::
@@ -16,22 +17,22 @@ On every rank ``r`` of ``N``::
 """
 
 from atom.distributed.parallel_state import ParallelState, local_init_method
-from atom.distributed.v41 import (
+from atom.distributed.split_models import (
     TensorParallelError,
+    build_tp_model,
     build_v41_tp,
-    check_v41_tp,
+    check_divides,
     load_v41_weights_tp,
-    shard_v41_model,
-    v41_split_dims,
+    shard_for_ranks,
 )
 
 __all__ = [
     "ParallelState",
     "local_init_method",
     "TensorParallelError",
+    "build_tp_model",
     "build_v41_tp",
-    "check_v41_tp",
+    "check_divides",
     "load_v41_weights_tp",
-    "shard_v41_model",
-    "v41_split_dims",
+    "shard_for_ranks",
 ]

@@ -47,29 +47,26 @@ def rank_device(device: str, rank: int) -> str:
 
 
 def build_rank_runtime(cfg, state: ParallelState):
-    """This rank's split runtime for the resolved config ``cfg``."""
-    from atom.distributed.v41 import TensorParallelError, build_v41_tp
-    from atom.models.deepseek_v41.runtime import V41Runtime
-    from atom.models.registry import resolve_config
+    """This rank's split runtime for the resolved config ``cfg``, of the model's family (the
+    splits its layers declare: ``atom.models.common.tensor_parallel``). V4.1 reads only this
+    rank's slices of a checkpoint (``build_v41_tp``); other families load it whole, then split."""
+    from atom.distributed.split_models import build_tp_model, build_v41_tp
+    from atom.models.registry import family, resolve_config
 
     model_cfg, path = resolve_config(cfg.model)
-    if getattr(model_cfg, "model_type", None) != "deepseek_v41":
-        raise TensorParallelError(
-            f"tensor_parallel_size={state.world_size}: model {cfg.model!r} is "
-            f"{getattr(model_cfg, 'model_type', '?')}; tensor parallelism is built for "
-            "deepseek_v41 models (use tensor_parallel_size=1)"
-        )
-    model = build_v41_tp(
-        model_cfg,
-        state,
+    fam = family(model_cfg)
+    kw = dict(
         dtype=getattr(torch, cfg.dtype),
         kv_dtype=cfg.kv_dtype,
         index_dtype=cfg.index_dtype,
         device=rank_device(cfg.device, state.rank),
-        seed=cfg.seed if path is None else None,
-        checkpoint=path,
     )
-    return V41Runtime(model, block_size=cfg.block_size, speculative_tokens=0)
+    if getattr(model_cfg, "model_type", None) == "deepseek_v41":
+        seed = cfg.seed if path is None else None
+        model = build_v41_tp(model_cfg, state, seed=seed, checkpoint=path, **kw)
+    else:
+        model = build_tp_model(fam, model_cfg, path, state, seed=cfg.seed, **kw)
+    return fam.get("runtime")(model, block_size=cfg.block_size, speculative_tokens=0)
 
 
 def _rank_main(
@@ -115,14 +112,13 @@ def start_ranks(cfg, rank_ops=None) -> BroadcastRuntime:
     pipe (write end); None: the ranks make the model's ops only.
     Every rank joins within ``cfg.tensor_parallel_start_timeout_s``, or this raises
     ``TensorParallelStartError`` saying which rank and why (``rendezvous``)."""
-    from atom.distributed.v41 import TIER_BYTES_REPLICATED, check_v41_tp
+    from atom.distributed.split_models import TIER_BYTES_REPLICATED, check_divides
     from atom.models.registry import resolve_config
 
     refuse_reimport()  # a spawned rank importing an entry script that starts an engine
     world = cfg.tensor_parallel_size
     model_cfg, _ = resolve_config(cfg.model)
-    if getattr(model_cfg, "model_type", None) == "deepseek_v41":
-        check_v41_tp(model_cfg, world)  # before any process or group exists
+    check_divides(model_cfg, world)  # before any process or group exists
     start_s = cfg.tensor_parallel_start_timeout_s
     rendezvous = Rendezvous(world, start_s)
     control_s = CONTROL_TIMEOUT_S

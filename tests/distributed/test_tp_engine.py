@@ -44,11 +44,13 @@ def alive(pid: int) -> bool:
         return f.read().split(")")[-1].split()[0] != "Z"
 
 
-def test_tp2_greedy_equals_one_rank_and_stops_every_rank():
+@pytest.mark.parametrize("model", ["v41-tiny", "v4-tiny"])
+def test_tp2_greedy_equals_one_rank_and_stops_every_rank(model):
+    """Both families: each splits what its layers declare (tensor_parallel.split_plan)."""
     prompts = prefix_tree_prompts(12, 16, seed=5)
     params = SamplingParams(max_tokens=8, ignore_eos=True, logprobs=2)
-    one = LLM("v41-tiny", **KW).generate(prompts, params)
-    llm = LLM("v41-tiny", tensor_parallel_size=2, **KW)
+    one = LLM(model, **KW).generate(prompts, params)
+    llm = LLM(model, tensor_parallel_size=2, **KW)
     pids = [p.pid for p in llm.engine.runtime.processes]
     assert len(pids) == 1 and alive(pids[0])
     two = run_checked(llm, prompts, params)

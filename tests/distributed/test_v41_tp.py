@@ -20,8 +20,8 @@ from atom.distributed import (
     ParallelState,
     TensorParallelError,
     build_v41_tp,
-    check_v41_tp,
-    shard_v41_model,
+    check_divides,
+    shard_for_ranks,
 )
 from atom.models.deepseek_v41.model import DeepseekV41ForCausalLM
 from atom.models.deepseek_v41.presets import preset_config
@@ -103,26 +103,26 @@ def test_weight_loading_takes_each_ranks_slice(checkpoints):
 def test_a_world_size_that_does_not_divide_is_refused(checkpoints):
     tiny = preset_config("v41-tiny")  # 2 heads, 2 groups, intermediate 32
     with pytest.raises(TensorParallelError) as e:
-        check_v41_tp(tiny, 3)
+        check_divides(tiny, 3)
     msg = str(e.value)
     assert "tensor_parallel_size=3" in msg
     assert "num_attention_heads=2, o_groups=2, moe_intermediate_size=32" in msg
     wide = preset_config("v41-tiny", num_attention_heads=4, o_groups=4, moe_intermediate_size=34)
     with pytest.raises(TensorParallelError, match=r"does not divide moe_intermediate_size=34$"):
-        check_v41_tp(wide, 4)
+        check_divides(wide, 4)
     three = ParallelState(rank=0, world_size=3)
     model = DeepseekV41ForCausalLM(tiny).init_weights(0)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises(TensorParallelError, match="tensor_parallel_size=3"):
-        shard_v41_model(model, three)
+        shard_for_ranks(model, three)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # untouched
     with pytest.raises(TensorParallelError, match="tensor_parallel_size=3"):
         build_v41_tp(tiny, three, checkpoint=checkpoints[0])
     # split twice: refused; a checkpoint of another shape: named with the whole shapes
     two = ParallelState(rank=1, world_size=2)
-    shard_v41_model(model, two)
+    shard_for_ranks(model, two)
     with pytest.raises(TensorParallelError, match="already split"):
-        shard_v41_model(model, two)
+        shard_for_ranks(model, two)
     other = preset_config("v41-tiny", moe_intermediate_size=48)
     with pytest.raises(WeightLoadError, match=r"has shape \[32, 64\] .* expects \[48, 64\]"):
         build_v41_tp(other, two, checkpoint=checkpoints[0])
@@ -130,7 +130,7 @@ def test_a_world_size_that_does_not_divide_is_refused(checkpoints):
 
 def test_world_size_one_is_the_unsplit_model():
     model = DeepseekV41ForCausalLM(preset_config("v41-tiny")).init_weights(0)
-    shard_v41_model(model, ParallelState.single())
+    shard_for_ranks(model, ParallelState.single())
     attn, moe = model.model.layers[2].self_attn, model.model.layers[2].mlp
     assert attn.reduce_output is None and moe.reduce_output is None
     assert attn.heads == preset_config("v41-tiny").num_attention_heads

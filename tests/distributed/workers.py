@@ -14,7 +14,8 @@ import time
 import torch
 from safetensors import safe_open
 
-from atom.distributed import ParallelState, build_v41_tp, v41_split_dims
+from atom.distributed import ParallelState, build_v41_tp
+from atom.models.common.tensor_parallel import split_plan
 from atom.models.deepseek_v41.config import LayerMode
 from atom.models.deepseek_v41.model import DeepseekV41ForCausalLM
 from atom.models.deepseek_v41.presets import preset_config
@@ -136,7 +137,7 @@ def load_split(rank: int, world: int, init_method: str, checkpoints: list[str]) 
     for path in checkpoints:
         model = build_v41_tp(whole.config, state, checkpoint=path)
         params = dict(model.named_parameters())
-        split = v41_split_dims(params, whole.config.num_hidden_layers)
+        split = split_plan(model)
         stored = {}
         with safe_open(f"{path}/model.safetensors", framework="pt") as f:
             names = {k: k for k in f.keys()}

@@ -112,6 +112,21 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.mix(x, *self.route(x))
 
+    def tp_splits(self) -> dict[str, int]:
+        """What the ranks split (``atom.models.common.tensor_parallel``): every expert's
+        intermediate dimension, routed and shared alike (gate and up rows, down columns). The
+        router stays whole, so the routing, the path (dense / grouped / loop) and every
+        token's expert list are the unsplit ones, and every rank does 1/N of every expert's
+        work whatever the routing's skew; the shared and routed outputs share one reduce."""
+        experts = [f"experts.{i}" for i in range(len(self.experts))] + ["shared_experts"]
+        dims = {"gate_proj": 0, "up_proj": 0, "down_proj": 1}
+        return {f"{e}.{p}.weight": d for e in experts for p, d in dims.items()}
+
+    def tp_narrow(self, world: int, reduce: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Restack from this rank's slices; sum the ranks' float32 partial outputs."""
+        self._stack = None
+        self.reduce_output = reduce
+
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(expert ids [N, top_k], weights [N, top_k] float32) of each token."""
         logits = invariant.linear(x.float(), self.gate.weight.float()) / self.gate_temp
@@ -133,7 +148,7 @@ class MoE(nn.Module):
         (``atom.kernels._invariant_gemm_triton``), each token's slots summed in slot order.
         FP4 experts (``Fp4Linear``) run "fp4" where its kernel does (CUDA), in either mode:
         grouped products that dequantize the codes in registers, no host sync; else the loop."""
-        if self.fp4_experts():  # the kernel's launch is fixed whatever n: both modes
+        if self.fp4_experts():  # in either mode (in the mode its launch is fixed whatever n)
             return "fp4" if fp4_usable(x) and not torch.is_grad_enabled() else "loop"
         if invariant.enabled():
             return "fixed" if self._fixed_usable(x) else "loop"

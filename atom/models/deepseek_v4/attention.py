@@ -17,6 +17,8 @@ the math of a group, given its tokens, lives here.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -144,10 +146,26 @@ class V4Attention(nn.Module):
             self.heads * self.head_dim // self.groups, self.groups * c.o_lora_rank, dtype
         )
         self.wo_b = linear(self.groups * c.o_lora_rank, d, dtype)
+        # tensor parallelism (``tp_narrow``): this rank holds a slice of the heads and output
+        # groups, and this sums the ranks' partial outputs; None without it
+        self.reduce_output: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.compressor = (
             V4Compressor(c, self.ratio, self.head_dim, False, dtype) if self.ratio else None
         )
         self.indexer = V4Indexer(c, dtype) if self.ratio == CSA_RATIO else None
+
+    def tp_splits(self) -> dict[str, int]:
+        """What the ranks split (``atom.models.common.tensor_parallel``): the heads' query
+        projection rows and sinks (whole heads), the output projection's groups (``wo_a`` rows:
+        a rank's heads are exactly its groups' heads) and ``wo_b``'s matching input columns.
+        The query latent, the window KV, the compressor and the indexer stay whole."""
+        return {"wq_b.weight": 0, "attn_sink": 0, "wo_a.weight": 0, "wo_b.weight": 1}
+
+    def tp_narrow(self, world: int, reduce: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Hold one rank's heads and groups; sum the ranks' partial outputs with ``reduce``."""
+        self.heads //= world
+        self.groups //= world
+        self.reduce_output = reduce
 
     def queries(self, u: torch.Tensor, cs) -> tuple[torch.Tensor, torch.Tensor]:
         """u [N, d] -> (q [N, H, hd] per-head RMS-normalized and rotated, q latent [N, q_lora])."""
@@ -202,9 +220,13 @@ class V4Attention(nn.Module):
         return out
 
     def output(self, o: torch.Tensor, cs) -> torch.Tensor:
-        """Inverse RoPE at the query position, then the grouped output projection."""
+        """Inverse RoPE at the query position, then the grouped output projection (under
+        tensor parallelism: of this rank's groups, summed over the ranks in float32)."""
         o = self.rope.apply(o, cs, inverse=True)
         n = o.shape[0]
         w = self.wo_a.weight.view(self.groups, self.o_lora_rank, -1)
         mid = invariant.grouped_linear(o.reshape(n, self.groups, -1), w).reshape(n, -1)
-        return self.wo_b(mid)
+        y = self.wo_b(mid)
+        if self.reduce_output is None:
+            return y
+        return self.reduce_output(y.float()).to(y.dtype)

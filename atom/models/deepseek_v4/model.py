@@ -63,6 +63,15 @@ class DeepseekV4ForCausalLM(nn.Module):
                 V4MTPBlock(c, i, dtype, kv_dtype) for i in range(c.num_nextn_predict_layers)
             )
 
+    def tp_layers(self) -> dict[str, nn.Module]:
+        """The layers tensor parallelism splits (``atom.models.common.tensor_parallel``): every
+        main block's attention and MoE; the MTP blocks stay whole."""
+        out: dict[str, nn.Module] = {}
+        for i, block in enumerate(self.layers):
+            out[f"layers.{i}.attn"] = block.attn
+            out[f"layers.{i}.ffn"] = block.ffn
+        return out
+
     @property
     def device(self) -> torch.device:
         return self.head.weight.device

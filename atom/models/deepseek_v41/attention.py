@@ -130,6 +130,19 @@ class CSA2Attention(nn.Module):
             else None
         )
 
+    def tp_splits(self) -> dict[str, int]:
+        """What the ranks split (``atom.models.common.tensor_parallel``): the heads' query
+        projection rows and sinks (head-major, so whole heads), the output projection's groups
+        (``o_a_proj`` rows: group g reads heads g*H/G .. (g+1)*H/G - 1, so a rank's heads are
+        exactly its groups' heads) and ``o_b_proj``'s matching input columns."""
+        return {"q_b_proj.weight": 0, "attn_sink": 0, "o_a_proj.weight": 0, "o_b_proj.weight": 1}
+
+    def tp_narrow(self, world: int, reduce: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Hold one rank's heads and groups; sum the ranks' partial outputs with ``reduce``."""
+        self.heads //= world
+        self.groups //= world
+        self.reduce_output = reduce
+
     def build_ropes(self, c: V41Config) -> None:
         """(Re)build the RoPE tables on the current default device (``atom.distributed`` calls
         it again after materializing a model built on ``meta``)."""

@@ -77,6 +77,15 @@ class DeepseekV41ForCausalLM(nn.Module):
                 DSparkStage(config, i, dtype, kv_dtype) for i in range(config.dspark_stages)
             )
 
+    def tp_layers(self) -> dict[str, nn.Module]:
+        """The layers tensor parallelism splits (``atom.models.common.tensor_parallel``): every
+        main decoder layer's attention and MoE; the draft layers and DSpark stages stay whole."""
+        out: dict[str, nn.Module] = {}
+        for i, layer in enumerate(self.model.layers):
+            out[f"model.layers.{i}.self_attn"] = layer.self_attn
+            out[f"model.layers.{i}.mlp"] = layer.mlp
+        return out
+
     @property
     def device(self) -> torch.device:
         return self.lm_head.weight.device

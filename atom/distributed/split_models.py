@@ -1,0 +1,161 @@
+"""Tensor parallelism for the model families: building one rank's split model.
+
+What is split is what the layers declare (``atom.models.common.tensor_parallel``: ``tp_splits``
+of each main layer's attention and MoE, ``tp_layers`` of the model): rank r of N holds the
+r-th of N equal contiguous slices of
+
+  * the attention heads: the query projection's rows (head-major, so whole heads) and the
+    sinks; each rank attends its heads against the full latent KV;
+  * the grouped output projection: its first projection's rows (whole groups; group g reads
+    heads g*H/G .. (g+1)*H/G - 1, so a rank's heads are exactly its groups' heads) and the
+    second's columns; each rank's output is a partial sum, and one all-reduce sums it;
+  * MoE: every expert's intermediate dimension, routed and shared alike; one all-reduce
+    (float32) sums shared + routed. Why the intermediate dimension rather than whole experts per
+    rank: the routing, the code path (dense / grouped / loop) and every token's expert list stay
+    exactly the unsplit ones, every rank does 1/N of every expert's work whatever the routing's
+    skew, and the shared expert and the routed ones share the one all-reduce. The cost: each
+    expert's GEMMs are N times narrower, which expert parallelism would avoid at large N.
+
+Replicated (whole and computed identically on every rank): the embedding and the LM head, all
+norms, the mHC hyper-connections, the query latent (which the indexer reads), the latent KV,
+the compressors, the indexers, Engram, the MoE routers, and the draft layers. So the paged state
+(PAGE rows, window and compressor rings, cursors) is written from replicated inputs and is
+byte-identical on every rank, and every discrete choice (index top-k, candidate blocks, expert
+routing) is made from replicated inputs, identically everywhere.
+
+Collectives of a forward: two all-reduces per main decoder layer and nothing else (the
+attention output [N, hidden], summed in float32 and rounded to the compute dtype; the MoE output
+[N, hidden] in float32). After each, every rank holds the same tensor. Draft layers: none.
+Every rank must therefore run the same forwards (the same tokens and spans, in the same order,
+against its own pool and slots of the same geometry); the logits are the same on every rank.
+
+At world size 1 nothing is split and no reduce is set: the model is the unsplit one, bit for bit.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from atom.distributed.parallel_state import ParallelState
+from atom.models.common.tensor_parallel import (
+    TensorParallelError,
+    check_divides,
+    shard_model,
+    split_plan,
+)
+from atom.models.deepseek_v41.attention import CSA2Attention
+from atom.models.deepseek_v41.config import V41Config
+from atom.models.deepseek_v41.engram import EngramHash
+from atom.models.deepseek_v41.model import DeepseekV41ForCausalLM
+from atom.models.deepseek_v41.weights import load_weights
+
+__all__ = [
+    "TensorParallelError",
+    "check_divides",
+    "shard_for_ranks",
+    "load_v41_weights_tp",
+    "build_v41_tp",
+    "build_tp_model",
+    "TIER_BYTES_REPLICATED",
+]
+
+#: Every rank's PAGE blocks and checkpoint images hold the same bytes: what a block stores
+#: (the latent KV, the index keys, the compressed rows) and what an image holds (window and
+#: compressor rings, the Engram cursor) come from replicated modules (the latent KV's
+#: projection, compressors, indexers, Engram) applied to hidden states that every rank holds
+#: whole after each all-reduce. So one stored copy serves every rank (the tier's rank collapse).
+TIER_BYTES_REPLICATED = True
+
+
+def shard_for_ranks(model, state: ParallelState):
+    """Split a whole model in place for ``state``'s rank (``tensor_parallel.shard_model``,
+    its all-reduces on ``state``) and return it. The model may hold weights (each rank built
+    the same whole model: same seed or the same checkpoint) or be on ``meta`` (``build_v41_tp``
+    then materializes it and loads only this rank's slices)."""
+    model = shard_model(model, state.rank, state.world_size, state.all_reduce)
+    model.tp_state = state
+    return model
+
+
+def load_v41_weights_tp(model: DeepseekV41ForCausalLM, path: str | Path) -> None:
+    """Load a whole HF-style checkpoint into a model split by ``shard_for_ranks``: each split
+    tensor's slice of this rank is read (and only it), the rest whole; shapes are checked
+    against the whole tensors (``weights.load_weights``)."""
+    state = getattr(model, "tp_state", None) or ParallelState.single()
+    shards = {} if state.world_size == 1 else split_plan(model)
+    load_weights(
+        model,
+        path,
+        shards={n: (d, state.rank, state.world_size) for n, d in shards.items()},
+    )
+
+
+def build_v41_tp(
+    config: V41Config,
+    state: ParallelState,
+    *,
+    dtype: torch.dtype = torch.float32,
+    kv_dtype: str = "fp32",
+    index_dtype: str = "fp32",
+    device: torch.device | str = "cpu",
+    seed: int | None = None,
+    checkpoint: str | Path | None = None,
+) -> DeepseekV41ForCausalLM:
+    """This rank's split model, in eval mode: from ``checkpoint`` (built on ``meta``, split,
+    materialized on ``device``: only this rank's slices are ever allocated or read), or else
+    from ``seed`` (the whole model is built and initialized as ``init_weights(seed)`` does
+    at world size 1 on that device, then split: the same weights as the unsplit model)."""
+    check_divides(config, state.world_size)
+    kw = dict(dtype=dtype, kv_dtype=kv_dtype, index_dtype=index_dtype)
+    if checkpoint is None:
+        if seed is None:
+            raise ValueError("build_v41_tp needs a checkpoint or a seed")
+        model = DeepseekV41ForCausalLM(config, device=device, **kw).init_weights(seed)
+        return shard_for_ranks(model, state).eval()
+    model = shard_for_ranks(DeepseekV41ForCausalLM(config, device="meta", **kw), state)
+    materialize(model, device)
+    load_v41_weights_tp(model, checkpoint)
+    return model.eval()
+
+
+def materialize(model: DeepseekV41ForCausalLM, device: torch.device | str) -> None:
+    """Allocate (uninitialized) on ``device`` a model built on ``meta``, and rebuild what is
+    not a parameter or buffer (the RoPE tables); the caller loads every tensor afterwards."""
+    model.to_empty(device=device)
+    with torch.device(device):
+        for m in model.modules():
+            if isinstance(m, CSA2Attention):
+                m.build_ropes(model.config)
+            if isinstance(m, EngramHash):
+                m.build(device)
+            if hasattr(m, "_stack"):
+                m._stack = None
+    left = []
+    for name, m in model.named_modules():
+        for attr, v in vars(m).items():
+            inner = vars(v).items() if hasattr(v, "__dict__") and not callable(v) else ()
+            for key, t in [(attr, v), *((f"{attr}.{k}", u) for k, u in inner)]:
+                if isinstance(t, torch.Tensor) and t.device.type == "meta":
+                    left.append(f"{name}.{key}")
+    if left:
+        raise RuntimeError(f"tensors left on meta after materializing: {left}")
+
+
+def build_tp_model(
+    fam, config, path, state: ParallelState, *, dtype, kv_dtype, index_dtype, device, seed
+):
+    """This rank's split model of any family (``atom.models.registry``'s ``fam``), in eval
+    mode: the whole model built on ``device`` from ``seed`` (``init_weights``) or loaded from
+    the checkpoint at ``path``, then split (the same weights as the unsplit model). V4.1 has
+    ``build_v41_tp``, which reads only this rank's slices of a checkpoint."""
+    check_divides(config, state.world_size)
+    net = fam.get("model")(
+        config, dtype=dtype, kv_dtype=kv_dtype, index_dtype=index_dtype, device=device
+    )
+    if path is None:
+        net.init_weights(seed)
+    else:
+        fam.get("loader")(net, path)
+    return shard_for_ranks(net, state).eval()

@@ -1,0 +1,112 @@
+"""Tensor parallelism as the layers declare it (atom/models/common/tensor_parallel.py), for
+every model family, in one process: two ranks as two threads whose all-reduce meets at a
+barrier. The ranks' logits are the same bits, and equal one rank's in float32 up to the split
+sums' roundings; the plan names parameters the model has, on the main layers only. The
+processes-and-gloo form (the engine across ranks, the tier) is tests/distributed."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from atom.model_api import Span
+from atom.models.common.tensor_parallel import TensorParallelError, shard_model, split_plan
+from atom.models.registry import family, resolve_config
+
+WORLD = 2
+FAMILIES = ["v41-tiny", "v4-tiny"]
+
+
+def _model(preset: str):
+    config, _ = resolve_config(preset)
+    fam = family(config)
+    net = fam.get("model")(config, dtype=torch.float32, kv_dtype="fp32", index_dtype="fp32")
+    return fam, net.init_weights(0).eval()
+
+
+class BarrierReduce:
+    """An all-reduce of ``world`` threads: each posts its tensor, all add them in rank order."""
+
+    def __init__(self, world: int):
+        self.barrier, self.posted, self.world = threading.Barrier(world, timeout=60), {}, world
+
+    def for_rank(self, rank: int):
+        def reduce(t: torch.Tensor) -> torch.Tensor:
+            self.posted[rank] = t
+            self.barrier.wait()
+            total = self.posted[0].clone()
+            for r in range(1, self.world):
+                total += self.posted[r]
+            self.barrier.wait()  # every rank has read before the next post
+            return total
+
+        return reduce
+
+
+def _logits(fam, net, prompt: torch.Tensor, steps: int) -> torch.Tensor:
+    """A 37-token prefill, then ``steps`` greedy decode steps: every forward's logits."""
+    rt = fam.get("runtime")(net, block_size=16, speculative_tokens=0)
+    spec = rt.spec
+    pool = torch.zeros(
+        spec.pool_shape(8 + getattr(rt, "reserved_blocks", 0)), dtype=spec.pool_dtype
+    )
+    slots = torch.zeros(1 + getattr(rt, "reserved_slots", 0), spec.state_bytes, dtype=torch.uint8)
+    rt.bind(pool, slots)
+    table, n = torch.arange(4), prompt.numel()
+    out = [rt.forward(prompt, [Span(0, n, 0, table)])]
+    for p in range(n, n + steps):
+        out.append(rt.forward(out[-1][-1:].argmax(-1), [Span(p, p + 1, 0, table)]))
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("preset", FAMILIES)
+def test_the_plan_names_main_layer_parameters_the_model_has(preset):
+    _, net = _model(preset)
+    plan = split_plan(net)
+    params = dict(net.named_parameters())
+    assert plan and set(plan) <= set(params)
+    layers = net.config.num_hidden_layers
+    for name, dim in plan.items():
+        assert params[name].shape[dim] % WORLD == 0, name
+        assert int(name.split("layers.")[1].split(".")[0]) < layers  # no draft layer
+    # every routed expert and the shared one split along their intermediate dimension
+    experts = [n for n in plan if ".experts." in n or ".shared_experts." in n]
+    assert len(experts) == layers * 3 * (net.config.n_routed_experts + 1)
+
+
+@pytest.mark.parametrize("preset", FAMILIES)
+def test_two_ranks_compute_one_ranks_logits(preset):
+    fam, whole = _model(preset)
+    prompt = torch.randint(0, 200, (37,), generator=torch.Generator().manual_seed(3))
+    want = _logits(fam, whole, prompt, steps=6)
+    reduce = BarrierReduce(WORLD)
+    ranks = [shard_model(_model(preset)[1], r, WORLD, reduce.for_rank(r)) for r in range(WORLD)]
+    heads = whole.config.num_attention_heads // WORLD
+    assert all(m.heads == heads for m in ranks[0].tp_layers().values() if hasattr(m, "heads"))
+    got: dict[int, torch.Tensor] = {}
+    threads = [
+        threading.Thread(target=lambda r=r: got.__setitem__(r, _logits(fam, ranks[r], prompt, 6)))
+        for r in range(WORLD)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert set(got) == {0, 1}, "a rank's forward failed"
+    assert torch.equal(got[0], got[1])  # every rank holds the same sums
+    assert torch.equal(got[0].argmax(-1), want.argmax(-1))
+    assert (got[0] - want).abs().max().item() < 1e-4
+
+
+def test_a_split_model_is_refused_a_second_split_and_world_one_changes_nothing():
+    _, net = _model("v4-tiny")
+    before = {k: v.clone() for k, v in net.state_dict().items()}
+    shard_model(net, 0, 1, reduce=None)
+    assert all(torch.equal(before[k], v) for k, v in net.state_dict().items())
+    assert net.layers[0].attn.reduce_output is None
+    with pytest.raises(TensorParallelError, match="already split"):
+        shard_model(net, 0, 2, reduce=None)
+    with pytest.raises(TensorParallelError, match="tensor_parallel_size=3"):
+        shard_model(_model("v4-tiny")[1], 0, 3, reduce=None)
