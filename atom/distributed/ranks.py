@@ -48,9 +48,9 @@ def rank_device(device: str, rank: int) -> str:
 
 def build_rank_runtime(cfg, state: ParallelState):
     """This rank's split runtime for the resolved config ``cfg``, of the model's family (the
-    splits its layers declare: ``atom.models.common.tensor_parallel``). V4.1 reads only this
-    rank's slices of a checkpoint (``build_v41_tp``); other families load it whole, then split."""
-    from atom.distributed.split_models import build_tp_model, build_v41_tp
+    splits its layers declare: ``atom.models.common.tensor_parallel``; of a checkpoint only
+    this rank's slices are read)."""
+    from atom.distributed.split_models import build_tp_model
     from atom.models.registry import family, resolve_config
 
     model_cfg, path = resolve_config(cfg.model)
@@ -61,11 +61,7 @@ def build_rank_runtime(cfg, state: ParallelState):
         index_dtype=cfg.index_dtype,
         device=rank_device(cfg.device, state.rank),
     )
-    if getattr(model_cfg, "model_type", None) == "deepseek_v41":
-        seed = cfg.seed if path is None else None
-        model = build_v41_tp(model_cfg, state, seed=seed, checkpoint=path, **kw)
-    else:
-        model = build_tp_model(fam, model_cfg, path, state, seed=cfg.seed, **kw)
+    model = build_tp_model(fam, model_cfg, path, state, seed=cfg.seed, **kw)
     return fam.get("runtime")(model, block_size=cfg.block_size, speculative_tokens=0)
 
 

@@ -45,7 +45,6 @@ from atom.models.common.tensor_parallel import (
     shard_model,
     split_plan,
 )
-from atom.models.deepseek_v41.attention import CSA2Attention
 from atom.models.deepseek_v41.config import V41Config
 from atom.models.deepseek_v41.engram import EngramHash
 from atom.models.deepseek_v41.model import DeepseekV41ForCausalLM
@@ -80,16 +79,18 @@ def shard_for_ranks(model, state: ParallelState):
 
 
 def load_v41_weights_tp(model: DeepseekV41ForCausalLM, path: str | Path) -> None:
-    """Load a whole HF-style checkpoint into a model split by ``shard_for_ranks``: each split
+    """Load a whole checkpoint into a V4.1 model split by ``shard_for_ranks``: each split
     tensor's slice of this rank is read (and only it), the rest whole; shapes are checked
     against the whole tensors (``weights.load_weights``)."""
+    load_weights(model, path, shards=rank_slices(model))
+
+
+def rank_slices(model) -> dict[str, tuple[int, int, int]]:
+    """The loaders' ``shards``: split parameter -> (dim, this rank, ranks); none unsplit."""
     state = getattr(model, "tp_state", None) or ParallelState.single()
-    shards = {} if state.world_size == 1 else split_plan(model)
-    load_weights(
-        model,
-        path,
-        shards={n: (d, state.rank, state.world_size) for n, d in shards.items()},
-    )
+    if state.world_size == 1:
+        return {}
+    return {n: (d, state.rank, state.world_size) for n, d in split_plan(model).items()}
 
 
 def build_v41_tp(
@@ -103,30 +104,25 @@ def build_v41_tp(
     seed: int | None = None,
     checkpoint: str | Path | None = None,
 ) -> DeepseekV41ForCausalLM:
-    """This rank's split model, in eval mode: from ``checkpoint`` (built on ``meta``, split,
-    materialized on ``device``: only this rank's slices are ever allocated or read), or else
-    from ``seed`` (the whole model is built and initialized as ``init_weights(seed)`` does
-    at world size 1 on that device, then split: the same weights as the unsplit model)."""
-    check_divides(config, state.world_size)
-    kw = dict(dtype=dtype, kv_dtype=kv_dtype, index_dtype=index_dtype)
-    if checkpoint is None:
-        if seed is None:
-            raise ValueError("build_v41_tp needs a checkpoint or a seed")
-        model = DeepseekV41ForCausalLM(config, device=device, **kw).init_weights(seed)
-        return shard_for_ranks(model, state).eval()
-    model = shard_for_ranks(DeepseekV41ForCausalLM(config, device="meta", **kw), state)
-    materialize(model, device)
-    load_v41_weights_tp(model, checkpoint)
-    return model.eval()
+    """This rank's split V4.1 model (``build_tp_model`` of the V4.1 family)."""
+    from atom.models.registry import FAMILIES
+
+    if checkpoint is None and seed is None:
+        raise ValueError("build_v41_tp needs a checkpoint or a seed")
+    return build_tp_model(
+        FAMILIES["deepseek_v41"], config, checkpoint, state, dtype=dtype, kv_dtype=kv_dtype,
+        index_dtype=index_dtype, device=device, seed=seed,
+    )  # fmt: skip
 
 
-def materialize(model: DeepseekV41ForCausalLM, device: torch.device | str) -> None:
+def materialize(model, device: torch.device | str) -> None:
     """Allocate (uninitialized) on ``device`` a model built on ``meta``, and rebuild what is
-    not a parameter or buffer (the RoPE tables); the caller loads every tensor afterwards."""
+    not a parameter or buffer (the RoPE tables, ``build_ropes``; V4.1's n-gram tables); the
+    caller loads every tensor afterwards."""
     model.to_empty(device=device)
     with torch.device(device):
         for m in model.modules():
-            if isinstance(m, CSA2Attention):
+            if hasattr(m, "build_ropes"):
                 m.build_ropes(model.config)
             if isinstance(m, EngramHash):
                 m.build(device)
@@ -147,15 +143,17 @@ def build_tp_model(
     fam, config, path, state: ParallelState, *, dtype, kv_dtype, index_dtype, device, seed
 ):
     """This rank's split model of any family (``atom.models.registry``'s ``fam``), in eval
-    mode: the whole model built on ``device`` from ``seed`` (``init_weights``) or loaded from
-    the checkpoint at ``path``, then split (the same weights as the unsplit model). V4.1 has
-    ``build_v41_tp``, which reads only this rank's slices of a checkpoint."""
+    mode. From the checkpoint at ``path``: built on ``meta``, split, materialized on
+    ``device`` and loaded, so only this rank's slices are ever allocated or read (the family's
+    loader takes ``shards``). Else from ``seed``: the whole model built and initialized as
+    ``init_weights(seed)`` does at world size 1 on that device, then split (the same weights
+    as the unsplit model)."""
     check_divides(config, state.world_size)
-    net = fam.get("model")(
-        config, dtype=dtype, kv_dtype=kv_dtype, index_dtype=index_dtype, device=device
-    )
+    kw = dict(dtype=dtype, kv_dtype=kv_dtype, index_dtype=index_dtype)
     if path is None:
-        net.init_weights(seed)
-    else:
-        fam.get("loader")(net, path)
-    return shard_for_ranks(net, state).eval()
+        net = fam.get("model")(config, device=device, **kw).init_weights(seed)
+        return shard_for_ranks(net, state).eval()
+    net = shard_for_ranks(fam.get("model")(config, device="meta", **kw), state)
+    materialize(net, device)
+    fam.get("loader")(net, path, shards=rank_slices(net))
+    return net.eval()

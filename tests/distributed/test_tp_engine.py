@@ -62,6 +62,36 @@ def test_tp2_greedy_equals_one_rank_and_stops_every_rank(model):
     assert not alive(pids[0]), "rank 1 outlived the engine"
 
 
+def test_v4_checkpoint_at_tp2_reads_each_ranks_slices_and_decodes_what_one_rank_does(
+    tmp_path, monkeypatch
+):
+    """A DeepSeek-V4 checkpoint in the published names and formats (FP8 tiles, FP4 experts,
+    two files): each rank builds on ``meta``, splits, and has the loader read only its slices
+    of the split tensors (rank 0's, recorded here: rank 1 builds in its own process), and TP=2
+    decodes what one rank does with the same checkpoint."""
+    from atom.distributed import split_models
+    from tests.model.test_v4_checkpoint import write_checkpoint
+
+    write_checkpoint(tmp_path)
+    prompts = prefix_tree_prompts(6, 16, seed=9)
+    params = SamplingParams(max_tokens=6, ignore_eos=True, logprobs=2)
+    one = LLM(str(tmp_path), **KW).generate(prompts, params)
+    asked, slices = [], split_models.rank_slices
+    monkeypatch.setattr(split_models, "rank_slices", lambda m: asked.append(slices(m)) or asked[-1])
+    llm = LLM(str(tmp_path), tensor_parallel_size=2, **KW)
+    try:
+        wq_b = llm.engine.runtime.model.layers[0].attn.wq_b.weight
+        two = run_checked(llm, prompts, params)
+    finally:
+        llm.shutdown()
+    [plan] = asked
+    assert {(index, parts) for _, index, parts in plan.values()} == {(0, 2)}
+    assert "layers.0.attn.wq_b.weight" in plan and "layers.0.ffn.experts.0.down_proj.weight" in plan
+    config = llm.engine.runtime.model.config
+    assert wq_b.shape[0] == config.num_attention_heads // 2 * config.head_dim
+    assert_same_greedy(two, one, eps=1e-3, most=1)
+
+
 def test_a_killed_rank_stops_the_engine_with_an_error():
     llm = LLM("v41-tiny", tensor_parallel_size=2, **KW)
     (proc,) = llm.engine.runtime.processes

@@ -132,8 +132,7 @@ class V4Attention(nn.Module):
         self.groups, self.o_lora_rank = c.o_groups, c.o_lora_rank
         self.kv_dtype, self.eps, self.dtype = kv_dtype, c.rms_norm_eps, dtype
         self.rope_dim, self.fp8 = c.qk_rope_head_dim, c.kv_fp8_sim
-        theta, scaling = c.layer_rope(layer)
-        self.rope = InterleavedRope(c.qk_rope_head_dim, theta, scaling)
+        self.build_ropes(c)
         self.scale = self.head_dim**-0.5
         d = c.hidden_size
         self.wq_a = linear(d, c.q_lora_rank, dtype)
@@ -153,6 +152,12 @@ class V4Attention(nn.Module):
             V4Compressor(c, self.ratio, self.head_dim, False, dtype) if self.ratio else None
         )
         self.indexer = V4Indexer(c, dtype) if self.ratio == CSA_RATIO else None
+
+    def build_ropes(self, c: V4Config) -> None:
+        """(Re)build the RoPE table on the current default device (``atom.distributed`` calls
+        it again after materializing a model built on ``meta``)."""
+        theta, scaling = c.layer_rope(self.layer)
+        self.rope = InterleavedRope(c.qk_rope_head_dim, theta, scaling)
 
     def tp_splits(self) -> dict[str, int]:
         """What the ranks split (``atom.models.common.tensor_parallel``): the heads' query

@@ -135,12 +135,18 @@ def fp4_linears(model: DeepseekV4ForCausalLM) -> list[str]:
 
 
 @torch.no_grad()
-def load_checkpoint(model: DeepseekV4ForCausalLM, path: str | Path) -> None:
-    """Load every parameter from the safetensors at ``path`` (a file or a directory).
+def load_checkpoint(
+    model: DeepseekV4ForCausalLM,
+    path: str | Path,
+    shards: dict[str, tuple[int, int, int]] | None = None,
+) -> None:
+    """Load every parameter from the safetensors at ``path`` (a file or a directory);
+    ``shards`` (tensor parallelism): parameter name -> (dim, index, parts) for a parameter that
+    holds only slice ``index`` of ``parts`` of the stored tensor (only that slice is read).
 
     Refuses, before copying anything, a missing tensor, an unexpected tensor (the tensors of
     an MTP block beyond the model's ``num_nextn_predict_layers`` aside),
     a quantized tensor without its scale, and a tensor (or scale) of the wrong shape, naming
     each. Values are dequantized and cast to the model's dtypes.
     """
-    load_published(model.state_dict(), path, _layout(model), expected_names(model))
+    load_published(model.state_dict(), path, _layout(model), expected_names(model), shards=shards)
