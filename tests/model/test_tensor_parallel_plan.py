@@ -1,5 +1,5 @@
 """Tensor parallelism as the layers declare it (atom/models/common/tensor_parallel.py), for
-every model family, in one process: two ranks as two threads whose all-reduce meets at a
+every model family, in one process: 2 or 4 ranks as threads whose all-reduce meets at a
 barrier. The ranks' logits are the same bits, and equal one rank's in float32 up to the split
 sums' roundings; the plan names parameters the model has, on the main layers only. The
 processes-and-gloo form (the engine across ranks, the tier) is tests/distributed."""
@@ -13,14 +13,16 @@ import torch
 
 from atom.model_api import Span
 from atom.models.common.tensor_parallel import TensorParallelError, shard_model, split_plan
-from atom.models.registry import family, resolve_config
+from atom.models.deepseek_v4.presets import preset_config as v4_config
+from atom.models.deepseek_v41.presets import preset_config as v41_config
+from atom.models.registry import family
 
 WORLD = 2
 FAMILIES = ["v41-tiny", "v4-tiny"]
 
 
-def _model(preset: str):
-    config, _ = resolve_config(preset)
+def _model(preset: str, **overrides):
+    config = (v4_config if preset.startswith("v4-") else v41_config)(preset, **overrides)
     fam = family(config)
     net = fam.get("model")(config, dtype=torch.float32, kv_dtype="fp32", index_dtype="fp32")
     return fam, net.init_weights(0).eval()
@@ -76,26 +78,32 @@ def test_the_plan_names_main_layer_parameters_the_model_has(preset):
     assert len(experts) == layers * 3 * (net.config.n_routed_experts + 1)
 
 
+@pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("preset", FAMILIES)
-def test_two_ranks_compute_one_ranks_logits(preset):
-    fam, whole = _model(preset)
+def test_ranks_compute_one_ranks_logits(preset, world):
+    """TP=2 and TP=4 (the tiny presets widened to 4 heads and 4 output groups, so 4 divides
+    them) against TP=1 of the same weights."""
+    wide = dict(num_attention_heads=4, o_groups=4)
+    fam, whole = _model(preset, **wide)
     prompt = torch.randint(0, 200, (37,), generator=torch.Generator().manual_seed(3))
     want = _logits(fam, whole, prompt, steps=6)
-    reduce = BarrierReduce(WORLD)
-    ranks = [shard_model(_model(preset)[1], r, WORLD, reduce.for_rank(r)) for r in range(WORLD)]
-    heads = whole.config.num_attention_heads // WORLD
+    reduce = BarrierReduce(world)
+    ranks = [
+        shard_model(_model(preset, **wide)[1], r, world, reduce.for_rank(r)) for r in range(world)
+    ]
+    heads = whole.config.num_attention_heads // world
     assert all(m.heads == heads for m in ranks[0].tp_layers().values() if hasattr(m, "heads"))
     got: dict[int, torch.Tensor] = {}
     threads = [
         threading.Thread(target=lambda r=r: got.__setitem__(r, _logits(fam, ranks[r], prompt, 6)))
-        for r in range(WORLD)
+        for r in range(world)
     ]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    assert set(got) == {0, 1}, "a rank's forward failed"
-    assert torch.equal(got[0], got[1])  # every rank holds the same sums
+    assert set(got) == set(range(world)), "a rank's forward failed"
+    assert all(torch.equal(got[0], got[r]) for r in range(1, world))  # the same sums everywhere
     assert torch.equal(got[0].argmax(-1), want.argmax(-1))
     assert (got[0] - want).abs().max().item() < 1e-4
 

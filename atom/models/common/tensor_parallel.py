@@ -38,6 +38,8 @@ class TensorParallelError(ConfigError):
 
 
 class SplitLayer(Protocol):
+    """A layer the ranks split (module doc)."""
+
     def tp_splits(self) -> dict[str, int]: ...
 
     def tp_narrow(self, world: int, reduce: Callable[[torch.Tensor], torch.Tensor]) -> None: ...
@@ -61,10 +63,14 @@ def split_plan(model: nn.Module) -> dict[str, int]:
     """Full parameter name -> the dimension split across the ranks, for every parameter a
     layer of ``model.tp_layers()`` declares."""
     plan = {}
-    for prefix, layer in model.tp_layers().items():
+    for prefix, layer in _layers(model).items():
         for name, dim in layer.tp_splits().items():
             plan[f"{prefix}.{name}"] = dim
     return plan
+
+
+def _layers(model: nn.Module) -> dict[str, SplitLayer]:
+    return model.tp_layers()
 
 
 def _narrow(model: nn.Module, name: str, dim: int, rank: int, world: int) -> None:
@@ -92,6 +98,6 @@ def shard_model(
         return model
     for name, dim in split_plan(model).items():
         _narrow(model, name, dim, rank, world)
-    for layer in model.tp_layers().values():
+    for layer in _layers(model).values():
         layer.tp_narrow(world, reduce)
     return model
