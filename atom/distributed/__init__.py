@@ -22,7 +22,6 @@ from atom.distributed.split_models import (
     build_tp_model,
     build_v41_tp,
     check_divides,
-    load_v41_weights_tp,
     shard_for_ranks,
 )
 
@@ -33,6 +32,5 @@ __all__ = [
     "build_tp_model",
     "build_v41_tp",
     "check_divides",
-    "load_v41_weights_tp",
     "shard_for_ranks",
 ]

@@ -48,13 +48,11 @@ from atom.models.common.tensor_parallel import (
 from atom.models.deepseek_v41.config import V41Config
 from atom.models.deepseek_v41.engram import EngramHash
 from atom.models.deepseek_v41.model import DeepseekV41ForCausalLM
-from atom.models.deepseek_v41.weights import load_weights
 
 __all__ = [
     "TensorParallelError",
     "check_divides",
     "shard_for_ranks",
-    "load_v41_weights_tp",
     "build_v41_tp",
     "build_tp_model",
     "TIER_BYTES_REPLICATED",
@@ -71,18 +69,11 @@ TIER_BYTES_REPLICATED = True
 def shard_for_ranks(model, state: ParallelState):
     """Split a whole model in place for ``state``'s rank (``tensor_parallel.shard_model``,
     its all-reduces on ``state``) and return it. The model may hold weights (each rank built
-    the same whole model: same seed or the same checkpoint) or be on ``meta`` (``build_v41_tp``
+    the same whole model: same seed or the same checkpoint) or be on ``meta`` (``build_tp_model``
     then materializes it and loads only this rank's slices)."""
     model = shard_model(model, state.rank, state.world_size, state.all_reduce)
     model.tp_state = state
     return model
-
-
-def load_v41_weights_tp(model: DeepseekV41ForCausalLM, path: str | Path) -> None:
-    """Load a whole checkpoint into a V4.1 model split by ``shard_for_ranks``: each split
-    tensor's slice of this rank is read (and only it), the rest whole; shapes are checked
-    against the whole tensors (``weights.load_weights``)."""
-    load_weights(model, path, shards=rank_slices(model))
 
 
 def rank_slices(model) -> dict[str, tuple[int, int, int]]:
