@@ -42,8 +42,8 @@ from atom.distributed.parallel_state import ParallelState
 from atom.models.common.tensor_parallel import (
     TensorParallelError,
     check_divides,
+    rank_slices,
     shard_model,
-    split_plan,
 )
 from atom.models.deepseek_v41.config import V41Config
 from atom.models.deepseek_v41.engram import EngramHash
@@ -71,17 +71,7 @@ def shard_for_ranks(model, state: ParallelState):
     its all-reduces on ``state``) and return it. The model may hold weights (each rank built
     the same whole model: same seed or the same checkpoint) or be on ``meta`` (``build_tp_model``
     then materializes it and loads only this rank's slices)."""
-    model = shard_model(model, state.rank, state.world_size, state.all_reduce)
-    model.tp_state = state
-    return model
-
-
-def rank_slices(model) -> dict[str, tuple[int, int, int]]:
-    """The loaders' ``shards``: split parameter -> (dim, this rank, ranks); none unsplit."""
-    state = getattr(model, "tp_state", None) or ParallelState.single()
-    if state.world_size == 1:
-        return {}
-    return {n: (d, state.rank, state.world_size) for n, d in split_plan(model).items()}
+    return shard_model(model, state.rank, state.world_size, state.all_reduce)
 
 
 def build_v41_tp(

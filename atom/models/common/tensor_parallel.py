@@ -26,7 +26,14 @@ from torch import nn
 
 from atom.models.common.config import ConfigError
 
-__all__ = ["TensorParallelError", "check_divides", "split_plan", "shard_model", "SPLIT_FIELDS"]
+__all__ = [
+    "TensorParallelError",
+    "check_divides",
+    "split_plan",
+    "shard_model",
+    "rank_slices",
+    "SPLIT_FIELDS",
+]
 
 #: the config fields a world size must divide: the attention heads, the output projection's
 #: groups and every expert's intermediate dimension
@@ -69,6 +76,15 @@ def split_plan(model: nn.Module) -> dict[str, int]:
     return plan
 
 
+def rank_slices(model: nn.Module) -> dict[str, tuple[int, int, int]]:
+    """A loader's ``shards`` for a model split by ``shard_model``: split parameter -> (dim,
+    this rank, ranks); none for a model not split, or split over one rank."""
+    rank, world = getattr(model, "tp_shard", None) or (0, 1)
+    if world == 1:
+        return {}
+    return {n: (d, rank, world) for n, d in split_plan(model).items()}
+
+
 def _layers(model: nn.Module) -> dict[str, SplitLayer]:
     return model.tp_layers()
 
@@ -86,14 +102,15 @@ def _narrow(model: nn.Module, name: str, dim: int, rank: int, world: int) -> Non
 def shard_model(
     model: nn.Module, rank: int, world: int, reduce: Callable[[torch.Tensor], torch.Tensor]
 ) -> nn.Module:
-    """Split a whole model in place for ``rank`` of ``world`` and return it: each planned
+    """Split a whole model in place for ``rank`` of ``world`` (recorded as ``model.tp_shard``)
+    and return it: each planned
     parameter narrowed to the rank's slice (a model on ``meta`` keeps only the slices' shapes,
     for a loader that reads just them), each split layer narrowed (``tp_narrow``). At world
     size 1 the model is returned untouched; a model already split is refused."""
     check_divides(model.config, world)
-    if getattr(model, "tp_world", None) is not None:
+    if getattr(model, "tp_shard", None) is not None:
         raise TensorParallelError("the model is already split for tensor parallelism")
-    model.tp_world = world
+    model.tp_shard = (rank, world)  # what ``rank_slices`` and a second split read
     if world == 1:
         return model
     for name, dim in split_plan(model).items():
