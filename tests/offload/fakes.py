@@ -208,6 +208,11 @@ class FakeTransfers:
     # ---- the TransferThread interface ------------------------------------------------------
 
     @property
+    def health(self) -> FakeTransfers:
+        """The record the connector reads (``healthy``, ``epoch``): this fake itself."""
+        return self
+
+    @property
     def healthy(self) -> bool:
         return self.healthy_flag
 

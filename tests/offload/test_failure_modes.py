@@ -785,7 +785,7 @@ def test_fm12_lost_tier_hit_is_stored_again(make, how):
 def test_fm13_finished_transfer_is_done_even_when_its_round_runs_past_the_deadline():
     out = []
     tt = make_transfer_thread(out.append)
-    tt._adapter = FakeWorkerAdapter()
+    tt.health.adapter = FakeWorkerAdapter()
     op = transfer_op(deadline=time.monotonic() - 5.0)
     op.mark_submitted(FakeFuture(done=True, ok=True))
     tt._inflight.append(op)
@@ -796,7 +796,7 @@ def test_fm13_finished_transfer_is_done_even_when_its_round_runs_past_the_deadli
 def test_fm13_unfinished_transfer_past_its_deadline_is_late_once_then_resolves():
     out = []
     tt = make_transfer_thread(out.append)
-    tt._adapter = FakeWorkerAdapter()
+    tt.health.adapter = FakeWorkerAdapter()
     early = transfer_op(deadline=time.monotonic() + 60)
     late = transfer_op(deadline=time.monotonic() - 1.0)
     broken = transfer_op(deadline=time.monotonic() + 60)
@@ -936,11 +936,11 @@ def test_fm15_a_failed_round_is_reported_over_an_older_error(monkeypatch):
 
 def test_fm15_stop_leaves_the_adapter_to_a_thread_that_did_not_stop():
     tt = make_transfer_thread(lambda op: None)
-    tt._adapter = adapter = FakeWorkerAdapter()
+    tt.health.adapter = adapter = FakeWorkerAdapter()
     tt.thread = stuck = StuckThread()
     tt.stop(0.0)
     assert stuck.joins, "stop did not wait for the thread"
-    assert adapter.shutdowns == 0 and tt._adapter is adapter
+    assert adapter.shutdowns == 0 and tt.health.adapter is adapter
 
 
 # ---- 16. events are pooled (the CPU-checkable half) ------------------------------------------

@@ -2,8 +2,8 @@
 its calls recorded under a profiler, on every thread of the engine.
 
 Checked: the files of ``atom/engine`` and ``atom/tier`` whose functions the hit's calls visit
-are exactly the doc's list (parsed from the doc), and as many as the doc's text says (18: 8 of
-the engine, 10 of the tier; issue 32's target was 12, docs/ARCHITECTURE.md says why not); and
+are exactly the doc's list (parsed from the doc), as many as the doc's text says, and at most 12
+(issue 32's target; 7 of the engine and 5 of the tier now, 23 files before that issue); and
 the engine state is written only by engine code: every call of a mutating method of the block
 pool or the image store, and every attribute assignment on a ``Sequence``, comes from a frame of
 an ``atom/engine`` file.
@@ -53,7 +53,8 @@ def doc_files() -> set[str]:
 
 def doc_counts() -> tuple[int, int, int]:
     """(files, of the engine, of the tier) as the doc's text states them."""
-    m = re.search(r"(\d+) files, (\d+) of the engine and (\d+) of the tier", DOC.read_text())
+    words = r"(\d+) files,\s+(\d+)\s+of\s+the\s+engine\s+and\s+(\d+)\s+of\s+the\s+tier"
+    m = re.search(words, DOC.read_text())
     assert m, f"{DOC}: no file count for the trace"
     return int(m.group(1)), int(m.group(2)), int(m.group(3))
 
@@ -149,7 +150,10 @@ def test_a_tier_hit_visits_the_files_the_map_lists_and_only_the_engine_writes_it
         f"in the doc, not visited: {sorted(listed - visited)}"
     )
     engine = {f for f in visited if f.startswith("atom/engine/")}
-    assert doc_counts() == (len(visited), len(engine), len(visited - engine)) == (18, 8, 10)
+    assert doc_counts() == (len(visited), len(engine), len(visited - engine))
+    assert len(visited) <= 12, sorted(visited)  # issue 32's target
+    ours = [(f, fn) for _, f, fn in recorder.calls if f.startswith(ROOMS)]
+    print(f"trace: {len(ours)} calls, {len(set(ours))} functions, {len(visited)} files")
     writers = {w for w, _ in recorder.writes}
     assert recorder.writes and all(w.startswith("atom/engine/") for w in writers), sorted(
         {(w, what) for w, what in recorder.writes if not w.startswith("atom/engine/")}

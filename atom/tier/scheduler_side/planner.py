@@ -5,14 +5,14 @@ The connector answers; the engine scheduler decides. It writes no engine state (
 ``start_load``, ``after_step`` and ``shutdown`` return the outcomes they produced (``Answered``,
 ``Loaded`` naming the blocks and image a load filled, ``LoadFailed``, and the transfers'
 ``Lease`` / ``Unlease``), which the engine applies. Per request it keeps one ``TierRequest``
-(its phase, locks, saves and live transfers; ``tier_request.py`` has the phases):
+(its phase, locks, saves and live transfers; operations.py has the phases):
 
   lookup    at first admission, for tokens[:n-1] (the adapter floors to the chunk grid), so a
             hit always leaves a prefill token and ends where a load can end (a stored image).
             When HBM already covers every loadable token the request is admitted at once and
             the answer only tells the saves what the tier still holds (an idle tier costs no
             step). An answer the request waits on is first judged against the concurrent
-            lookups of its prefix, and asked again when they show it short (lookup_outcomes.py).
+            lookups of its prefix, and asked again when they show it short (below).
   load      [start, tier_hit) as the engine planned it (start = the resident frontier); the
             read locks below ``start`` are freed at once. Success -> ``Loaded`` (the engine
             publishes the blocks, the image becomes READY). Failure or lateness ->
@@ -22,6 +22,46 @@ The connector answers; the engine scheduler decides. It writes no engine state (
   session   ended once, after the request finished and its last transfer is terminal.
 
 A lookup that did not answer is not an empty answer: the request neither loads nor stores.
+
+**Concurrent lookups of one prefix** (issue 41): an answer that a concurrent lookup of the same
+prefix made short is asked again. An answer for a request that waits on it (LOOKING_UP) is
+*held* first, judged against the other requests' lookups, then settled (``Answered``) or asked
+again; an answer for a request already running (CONFIRMING) or finished is settled at once.
+
+Why (measured with lmcache 0.5.6, an L1 that lacks a prefix and an L2 that holds it): two
+lookups of one prefix sent together each start an L2 prefetch. The first one's load lands in
+L1 while the second is between its L1 pass (which read-locked nothing) and its L1 reservation,
+which then fails for the now resident objects ("l1_contended"). The second prefetch keeps only
+what its L1 pass locked and answers short (0 when the contended chunks come first), within
+milliseconds: its request would compute a prefix the first one is loading at that moment.
+
+The judgement, with X the request judged, ``held`` its answer, and Y any other request whose
+lookup shares ``shared(X, Y)`` tokens with X's (on the chunk grid):
+
+  wait    Y's lookup is unanswered and ``shared(X, Y) > held``: Y's answer may show X short.
+  owed    over the Y answered since X's lookup was sent (only those can have raced it):
+          ``min(shared(X, Y), answer(Y))``, the most the tier was just shown to hold of X.
+  short   ``owed > held``: X's locks are freed and its lookup is sent again (same deadline).
+          The prefix is resident in L1 now (Y's prefetch landed it), so the new lookup finds
+          it, and X's own chunks after it from L2.
+  settle  otherwise, or once the lookup's deadline has passed (the answer as it is).
+
+A second answer is judged only against lookups answered while it was in flight, so asking
+again stops by itself; ``MAX_ASKS`` bounds it regardless.
+
+**Loads and saves.** A load's outcome: DONE with an image of this layout at its own boundary
+-> ``Loaded``, naming the pages and the image, which the engine publishes (blocks registered,
+image READY); anything else -> ``LoadFailed`` (the engine drops the image). LATE -> the
+request recomputes at once, the op stays quarantined (its leases held) until it resolves.
+A save's outcome: DONE -> the image is known stored; FAILED -> the span is stored again later.
+
+Engine-driven loads (``_load_locally``): the lookup's answer located the objects; the engine
+checks them against the load and copies them itself (local_load.py). The op is DONE when the
+copy is issued (the next forward is ordered after it), and stays live, with its leases, until
+the copy completed: then the read locks of its span are freed and its latency is observed
+(from the decision to load to the copy's completion). A located answer that cannot serve the
+load (a server since gone or replaced, too old, objects not what the load expects) sends the
+load through the server instead.
 """
 
 from __future__ import annotations
@@ -30,26 +70,64 @@ import logging
 import time
 import uuid
 from collections import OrderedDict
+from collections.abc import Iterable
 from threading import Lock
+from typing import NamedTuple
 
 from atom.engine.checkpoints import Checkpoint, CheckpointStore
-from atom.engine.connector import Answered, Connector, Outcome, TierAnswer
+from atom.engine.connector import Answered, Connector, Loaded, LoadFailed, Outcome, TierAnswer
 from atom.engine.sequence import Sequence
 from atom.metrics import Registry
-from atom.model_api import StateSpec
+from atom.model_api import StateSpec, image_header
 from atom.tier.config import OffloadConfig
-from atom.tier.operations import LookupOp, SettledOps, TransferOp
+from atom.tier.operations import LookupOp, OpState, Phase, SettledOps, TierRequest, TransferOp
 from atom.tier.policy import TierPolicy
-from atom.tier.scheduler_side.lookup_outcomes import LookupOutcomes
-from atom.tier.scheduler_side.tier_request import Phase, TierRequest
-from atom.tier.scheduler_side.transfer_outcomes import TransferOutcomes
 from atom.tier.tier_metrics import TierMetrics
 from atom.tier.worker_side.events import EventPool
+from atom.tier.worker_side.local_load import LocalLoadError
 
 log = logging.getLogger("atom.offload")
 
+MAX_ASKS = 3  # lookups one request may send: the first, and at most two more for short answers
 
-class OffloadConnector(LookupOutcomes, TransferOutcomes, Connector):
+
+class Verdict(NamedTuple):
+    wait: bool  # a concurrent lookup that may show the answer short is unanswered
+    owed: int  # tokens of the lookup the concurrent answers show the tier holds
+
+
+def shared_tokens(a: list[int], b: list[int], chunk: int) -> int:
+    """Tokens of the longest common prefix of ``a`` and ``b``, floored to the chunk grid."""
+    end = min(len(a), len(b)) // chunk * chunk
+    n = 0
+    while n < end and a[n : n + chunk] == b[n : n + chunk]:
+        n += chunk
+    return n
+
+
+def judge(st: TierRequest, others: Iterable[TierRequest], chunk: int) -> Verdict:
+    """``st``'s held answer against the lookups of ``others`` (``st`` among them is skipped).
+    Reads only: the caller acts on the verdict."""
+    mine = st.lookup.token_ids
+    wait, owed = False, 0
+    for other in others:
+        if other is st or other.lookup is None or other.asked_at is None:
+            continue
+        theirs = other.reply
+        if theirs is None:  # sent and unanswered: it may still land what st missed
+            if not wait and shared_tokens(mine, other.lookup.token_ids, chunk) > st.held:
+                wait = True
+            continue
+        if theirs <= st.held or other.replied_at < st.asked_at:
+            continue
+        owed = max(owed, min(theirs, shared_tokens(mine, other.lookup.token_ids, chunk)))
+    return Verdict(wait, owed)
+
+
+STORED_KEYS_KEPT = 1 << 16  # image keys remembered as stored (the oldest are forgotten)
+
+
+class OffloadConnector(Connector):
     def __init__(
         self,
         *,
@@ -65,7 +143,7 @@ class OffloadConnector(LookupOutcomes, TransferOutcomes, Connector):
         notify_progress,
         clock=time.monotonic,
         local=None,  # local_load.LocalLoads: engine-driven loads (None: every load via server)
-        mappings=None,  # l1_map.Mappings the locator maps into (closed here when idle)
+        mappings=None,  # locator.Mappings: the L1 segments mapped (closed here when idle)
         policy: TierPolicy | None = None,  # what it may do (None: the config's, one rank)
         settled: SettledOps | None = None,  # where the threads post ops (None: its own)
     ):
@@ -84,7 +162,8 @@ class OffloadConnector(LookupOutcomes, TransferOutcomes, Connector):
         self._lock = Lock()  # guards _requests / ops against the metrics thread
         self._requests: dict[int, TierRequest] = {}  # seq_id -> alive or with live transfers
         self._stored: OrderedDict[int, None] = OrderedDict()  # image keys the tier holds
-        self._epoch = transfers.epoch
+        self.health = transfers.health  # the worker side's health record (read only)
+        self._epoch = self.health.epoch
         self.local, self.mappings = local, mappings
         self.tier_metrics = TierMetrics(metrics, self)
 
@@ -120,7 +199,7 @@ class OffloadConnector(LookupOutcomes, TransferOutcomes, Connector):
     # ---- Connector: step thread ------------------------------------------------------------
 
     def update(self) -> list[Outcome]:
-        epoch = self.transfers.epoch
+        epoch = self.health.epoch
         if epoch != self._epoch:  # the tier may have lost everything: store again from 0
             self._epoch = epoch
             self.tier_lost()
@@ -172,9 +251,9 @@ class OffloadConnector(LookupOutcomes, TransferOutcomes, Connector):
         return TierAnswer(st.answer if st.phase is Phase.ANSWERED else 0)
 
     def _first_lookup(self, st: TierRequest, local_hit: int) -> None:
-        if not self.policy.may_load or not self.transfers.healthy:
+        if not self.policy.may_load or not self.health.healthy:
             # save-only: store everything, load nothing; tier down: no answer, neither
-            st.tier_has = 0 if self.transfers.healthy else None
+            st.tier_has = 0 if self.health.healthy else None
             st.to(Phase.RUNNING)
             return
         tokens = st.seq.tokens[: st.seq.num_tokens - 1]
@@ -242,9 +321,82 @@ class OffloadConnector(LookupOutcomes, TransferOutcomes, Connector):
         return any(st.ops or st.lookup_pending for st in self._requests.values())
 
     def health(self) -> dict:
-        return {"healthy": self.transfers.healthy}
+        return {"healthy": self.health.healthy}
 
-    # ---- lookups (answers: lookup_outcomes.py) ----------------------------------------
+    # ---- lookups ------------------------------------------------------------------------
+
+    def _send_lookup(self, st: TierRequest, tokens: list[int], deadline: float) -> None:
+        st.lookup = LookupOp(st.lmc_id, tokens, deadline, st)
+        st.asked_at, st.replied_at, st.asks = self.clock(), None, st.asks + 1
+        self.lookups.lookup(st.lookup)
+
+    def _on_lookup(self, op: LookupOp) -> None:
+        st: TierRequest = op.owner
+        if op.finished_at is not None:
+            self.tier_metrics.lookup_latency.observe(op.finished_at - op.created_at)
+        if st.lookup is not op or st.answer is not None:
+            return  # given up (late): the lookup thread frees what it locked
+        st.replied_at = self.clock()
+        if op.state is not OpState.DONE:
+            self.tier_metrics.lookups.inc(outcome="failed")
+            log.debug("lookup %s: %s", op.lmc_id, op.error)
+            self._settle_answer(st, 0, known=False)
+            return
+        hit = op.hit // self.chunk_size * self.chunk_size
+        st.locked = hit
+        if st.phase is Phase.LOOKING_UP:
+            st.held = hit  # judged against concurrent lookups first (_judge_answers)
+        else:
+            self._settle_answer(st, hit)
+
+    def _judge_answers(self) -> None:
+        """Act on held answers: wait while a concurrent lookup of the same prefix may show one
+        short, ask a short one again (its locks freed first), settle the rest. An answer still
+        held at its lookup's deadline is settled as it is."""
+        now = self.clock()
+        for st in [s for s in self._requests.values() if s.held is not None]:
+            verdict = judge(st, self._requests.values(), self.chunk_size)
+            in_time = now < st.lookup.deadline
+            if verdict.wait and in_time:
+                continue
+            if verdict.owed > st.held and in_time and st.asks < MAX_ASKS:
+                self.tier_metrics.lookups.inc(outcome="short")
+                log.debug("lookup %s: %d of %d; asked again", st.lmc_id, st.held, verdict.owed)
+                st.held = None
+                self._free_locks(st)
+                self._send_lookup(st, st.lookup.token_ids, st.lookup.deadline)
+            else:
+                hit, st.held = st.held, None
+                self._settle_answer(st, hit)
+
+    def _drop_held(self, st: TierRequest) -> None:
+        """A held answer of a request that will not load it: final as it is (its locks stay
+        counted in ``locked``, for the caller to free)."""
+        if st.held is not None:
+            st.answer, st.held = st.held, None
+
+    def _settle_answer(self, st: TierRequest, hit: int, known: bool = True) -> None:
+        """The lookup's final answer: ``hit`` tokens (locked on the server), or no answer
+        (``known`` False: neither load nor store)."""
+        st.answer = hit
+        if known:
+            st.tier_has = st.saved_upto = hit
+            self.tier_metrics.lookups.inc(outcome="hit" if hit else "miss")
+        st.locked = hit
+        op = st.lookup
+        st.located = op.located if op.located is not None and op.located.end == hit else None
+        if st.phase is Phase.LOOKING_UP and hit:
+            st.to(Phase.ANSWERED)
+            self._emitted.append(Answered(st.seq))
+            return
+        self._free_locks(st)  # nothing to load: the request runs, or finished, without it
+        if st.phase is Phase.LOOKING_UP:
+            st.to(Phase.RUNNING)
+            self._emitted.append(Answered(st.seq))
+        elif st.phase is Phase.CONFIRMING:
+            st.to(Phase.RUNNING)
+            if st.seq.block_table:
+                self._plan_saves(st)
 
     def _free_locks(self, st: TierRequest) -> None:
         if st.locked:
@@ -269,6 +421,181 @@ class OffloadConnector(LookupOutcomes, TransferOutcomes, Connector):
             if op is not None and not op.was_late and now > op.deadline + margin:
                 op.mark_late()
                 self._on_load(op)
+
+    # ---- loads ----------------------------------------------------------------------------
+
+    def _on_load(self, op: TransferOp) -> None:
+        st: TierRequest = op.owner
+        if op.reported:
+            return
+        if op.state is OpState.LATE:
+            if not op.was_late:
+                op.was_late = True  # quarantined until it resolves
+                self.tier_metrics.loads.inc(outcome="late")
+                self._load_failed(st, op, "deadline passed")
+            return
+        op.reported = True
+        if op.was_late:  # the request moved on; the quarantine ends
+            self._retire(st, op)
+            return
+        why = self._check_loaded(op)
+        if why is None:
+            self._load_done(st, op)
+        else:
+            self.tier_metrics.loads.inc(outcome="failed")
+            self._retire(st, op)
+            self._load_failed(st, op, why)
+
+    def _check_loaded(self, op: TransferOp) -> str | None:
+        """None if the load put an image of this layout and of its own boundary in place."""
+        if op.state is not OpState.DONE:
+            return op.error or "failed"
+        if op.local:
+            return None  # checked in the source bytes before the copy (no device read)
+        tag, position = image_header(self.spec, self.pool_tensor, op.units)
+        if tag != self.spec.layout_tag:
+            return "image of another layout"
+        if position != op.end:
+            return f"image of boundary {position}, expected {op.end}"
+        return None
+
+    def _load_done(self, st: TierRequest, op: TransferOp) -> None:
+        """The loaded pages and image, named for the engine to publish while the op still
+        holds them (its ``Unlease`` comes after), then the request's (or, if it finished
+        meanwhile, the prefix cache's)."""
+        self.tier_metrics.loads.inc(outcome="done")
+        self.tier_metrics.bytes.inc(op.nbytes, direction="load")
+        if not op.local and op.finished_at is not None:
+            self.tier_metrics.latency.observe(op.finished_at - op.created_at, op="load")
+        self._remember_stored(op.image)  # it came from the tier
+        st.load = None
+        self._emitted.append(Loaded(st.seq, op.end, op.image, op.start, tuple(op.page_blocks)))
+        if not op.local:  # a local op is retired when its copy completed (_local_copied)
+            self._retire(st, op)
+        if st.alive:
+            st.saved_upto = max(st.saved_upto, op.end)
+            st.to(Phase.RUNNING)
+
+    def _load_locally(self, st: TierRequest, op: TransferOp, located) -> bool:
+        """Copy ``op`` from where the lookup located it (``located``, or None: nowhere);
+        False: send it to the server (counted as via_server)."""
+        why = self._local_refusal(located)
+        plan = None
+        if why is None:
+            try:
+                plan = self.local.plan(located, op.start, op.end, op.page_blocks, op.units)
+            except LocalLoadError as exc:
+                why = str(exc)
+        if plan is None:
+            self.tier_metrics.local_loads.inc(outcome="via_server")
+            log.debug("load %s through the server: %s", op, why)
+            return False
+        op.local = True
+        op.mark_in_flight()
+        with self._lock:
+            st.ops.add(op)
+        self.local.copy(located, plan, lambda t, st=st, op=op: self._local_copied(st, op, t))
+        op.resolve(True)
+        self.tier_metrics.local_loads.inc(outcome="copied")
+        self._on_load(op)
+        return True
+
+    def _local_refusal(self, located) -> str | None:
+        alive = getattr(self.transfers, "server_alive", None)
+        if located is None:
+            return "the answer says nowhere (mapping in progress, locate failed or timed out)"
+        if self.mappings is None or located.mapping is not self.mappings.current:
+            return "the server that located it was replaced"
+        if not self.health.healthy or (alive is not None and not alive()):
+            return "the server is down"
+        if self.clock() - located.at > self.cfg.located_max_age_s:
+            return f"located {self.clock() - located.at:.0f} s ago"
+        return None
+
+    def _local_copied(self, st: TierRequest, op: TransferOp, done_at: float) -> None:
+        """The copy completed: free the span's read locks, retire the op."""
+        self.lookups.free_locks(st.lmc_id, op.token_ids, op.start, op.end)
+        self.tier_metrics.latency.observe(done_at - op.created_at, op="load")
+        self._retire(st, op)
+
+    def _load_failed(self, st: TierRequest, op: TransferOp, why: str) -> None:
+        log.warning("tier load %s failed (%s); recomputing [%d, %d)", op, why, op.start, op.end)
+        if not op.reached_server:  # else the server releases them as its retrieve ends
+            self.lookups.free_locks(st.lmc_id, op.token_ids, op.start, op.end)
+        st.load = None
+        if st.alive:
+            st.to(Phase.RUNNING)
+            # the request computes the span itself; it is stored again (the tier lost or
+            # refused it), and what the tier said it held past start is doubtful
+            st.saved_upto = min(st.saved_upto, op.start)
+            if st.tier_has is not None:
+                st.tier_has = min(st.tier_has, op.start)
+        # the engine drops the destination image (and, for a running request, recomputes)
+        self._emitted.append(LoadFailed(st.seq, op.start, op.image))
+
+    # ---- saves --------------------------------------------------------------------------
+
+    def _plan_saves(self, st: TierRequest) -> None:
+        """The only maker of saves (every path that stores calls it): the policy's
+        ``may_store`` is asked here and nowhere else."""
+        if not self.policy.may_store or not self.health.healthy or st.tier_has is None:
+            return
+        seq, bs, chunk = st.seq, self.spec.block_size, self.chunk_size
+        b = st.saved_upto + chunk
+        while b <= seq.num_computed:
+            image = self.images.ready_image(seq.block_hashes[b // bs - 1])
+            if image is not None:
+                # stored is trusted only where this request's lookup confirmed it: the server
+                # may have evicted or lost what an older save put there
+                known = self.is_stored(image) and b <= st.tier_has
+                if not (known or self.is_saving(image)):
+                    blocks = seq.block_table[st.saved_upto // bs : b // bs]
+                    st.session_open = True
+                    self._launch(st, self._new_op("save", st, st.saved_upto, b, blocks, image))
+                st.saved_upto = b
+            b += chunk
+
+    def _on_save(self, op: TransferOp) -> None:
+        st: TierRequest = op.owner
+        if op.reported:
+            return
+        if op.state is OpState.LATE:
+            if not op.was_late:
+                op.was_late = True
+                self.tier_metrics.saves.inc(outcome="late")
+            return
+        op.reported = True
+        self._retire(st, op)
+        if op.state is OpState.DONE:
+            self._remember_stored(op.image)
+            self._publish_stored(st, op)
+            self.tier_metrics.saves.inc(outcome="done")
+            self.tier_metrics.bytes.inc(op.nbytes, direction="save")
+            if op.latency_s is not None:
+                self.tier_metrics.latency.observe(op.latency_s, op="save")
+        else:
+            if not op.was_late:
+                self.tier_metrics.saves.inc(outcome="failed")
+            st.saved_upto = min(st.saved_upto, op.start)  # store it again later
+            log.debug("tier save %s failed: %s", op, op.error)
+
+    def _publish_stored(self, st: TierRequest, op: TransferOp) -> None:
+        """Tell the KV-event publisher (``kv_events``, when events are on) that the tier holds
+        the saved blocks [op.start, op.end): their chained hashes, the parent and tokens."""
+        events = self.kv_events
+        if events is None:
+            return
+        bs, hashes = self.spec.block_size, st.seq.block_hashes
+        first, last = op.start // bs, op.end // bs
+        parent = hashes[first - 1] if first else None
+        events.tier_stored(hashes[first:last], token_ids=op.token_ids[op.start : op.end],
+                           parent_block_hash=parent)  # fmt: skip
+
+    def _remember_stored(self, image: Checkpoint) -> None:
+        self._stored[image.key] = None
+        self._stored.move_to_end(image.key)
+        if len(self._stored) > STORED_KEYS_KEPT:
+            self._stored.popitem(last=False)
 
     # ---- common -------------------------------------------------------------------------
 

@@ -33,8 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from atom.model_api import StateSpec, pool_bytes
-from atom.tier.worker_side.l1_map import clear_cuda_error
-from atom.tier.worker_side.locator import Located
+from atom.tier.worker_side.locator import Located, clear_cuda_error
 
 log = logging.getLogger("atom.offload")
 

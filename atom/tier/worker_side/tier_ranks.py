@@ -158,6 +158,12 @@ class RankedTransfers:
         self.local.submit(local)
 
     @property
+    def health(self) -> RankedTransfers:
+        """What the connector reads (``healthy``, ``epoch``): across ranks, this object, which
+        combines rank 0's health record with the other ranks' reports."""
+        return self
+
+    @property
     def healthy(self) -> bool:
         return self.local.healthy and self._ranks_healthy()
 

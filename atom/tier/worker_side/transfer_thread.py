@@ -27,7 +27,7 @@ from collections.abc import Callable
 import torch
 
 from atom.tier.config import OffloadConfig
-from atom.tier.operations import OpState, TransferOp
+from atom.tier.operations import OpState, TransferOp, WorkerHealth
 from atom.tier.worker_side.backoff import ConnectBackoff
 from atom.tier.worker_side.layout import SpecShape, build_spec, group_infos, kv_caches
 
@@ -72,7 +72,7 @@ class TransferThread:
         self._cond = threading.Condition()
         self._queue: deque[TransferOp] = deque()
         self._inflight: list[TransferOp] = []
-        self._adapter = None
+        self.health = WorkerHealth()  # what the connector reads: adapter, registrations, ...
         self._old_adapters: list = []
         self._backoff = ConnectBackoff(config.heartbeat_s)
         self._was_healthy = False
@@ -81,8 +81,6 @@ class TransferThread:
         self._stop = False
         self._drain_until: float | None = None
         self._registered = threading.Event()
-        self.registrations = 0
-        self.recoveries = 0  # healthy again after an outage (the server may have lost data)
         self.round_errors = 0
         self.last_error = ""
         self.since = time.time()  # wall time of the last up/down change (or of the start)
@@ -105,13 +103,20 @@ class TransferThread:
 
     @property
     def healthy(self) -> bool:
-        adapter = self._adapter
-        return adapter is not None and bool(adapter.is_healthy)
+        return self.health.healthy
 
     @property
     def epoch(self) -> int:
         """Changes whenever the tier may have lost what it held (re-registration, recovery)."""
-        return self.registrations + self.recoveries
+        return self.health.epoch
+
+    @property
+    def registrations(self) -> int:
+        return self.health.registrations
+
+    @property
+    def recoveries(self) -> int:
+        return self.health.recoveries
 
     @property
     def in_flight(self) -> int:
@@ -136,8 +141,8 @@ class TransferThread:
             while True:
                 with self._cond:
                     while not self._queue and not self._inflight and not self._stop:
-                        wait = None if self._adapter is not None else self._retry_in()
-                        if not self._cond.wait(wait) and self._adapter is None:
+                        wait = None if self.health.adapter is not None else self._retry_in()
+                        if not self._cond.wait(wait) and self.health.adapter is None:
                             break  # time to try connecting again
                     if self._inflight and not self._queue and not self._stop:
                         only_late = all(op.state is OpState.LATE for op in self._inflight)
@@ -176,7 +181,7 @@ class TransferThread:
         if up:
             log.info("LMCache tier at %s is back (registration %d)", self.url, self.registrations)
         else:
-            if error or self._adapter is not None or not self.last_error:
+            if error or self.health.adapter is not None or not self.last_error:
                 self.last_error = error or "heartbeat failed: the server stopped answering"
             log.warning("LMCache tier at %s is down: %s", self.url, self.last_error)
 
@@ -210,10 +215,10 @@ class TransferThread:
         return adapter
 
     def _ensure_adapter(self) -> None:
-        if self._adapter is not None or self._stop or not self._backoff.ready():
+        if self.health.adapter is not None or self._stop or not self._backoff.ready():
             return
         try:
-            self._adapter = self._connect()
+            self.health.adapter = self._connect()
         except Exception as exc:
             self._backoff.failed()
             if self._reported_up or not self.last_error:
@@ -228,7 +233,7 @@ class TransferThread:
             self._was_healthy = False
             self._registered.set()  # the first attempt is over, whatever its outcome
             return
-        self.registrations += 1
+        self.health.registrations += 1
         self._refusals = 0
         self._registered.set()
         log.info("registered the pool with LMCache at %s (namespace %s)", self.url, self.namespace)
@@ -236,8 +241,8 @@ class TransferThread:
     def _replace_adapter(self) -> None:
         """A silent de-registration (refused saves while 'healthy'): register afresh."""
         log.warning("LMCache refused %d saves in a row; re-registering", self._refusals)
-        self._old_adapters.append(self._adapter)
-        self._adapter = None
+        self._old_adapters.append(self.health.adapter)
+        self.health.adapter = None
         self._recovered_at = time.monotonic()
         self._backoff.reset()
         self._ensure_adapter()
@@ -248,7 +253,7 @@ class TransferThread:
                 if not self._queue:
                     return
                 op = self._queue.popleft()
-            adapter = self._adapter
+            adapter = self.health.adapter
             if adapter is None or not adapter.is_healthy:
                 self._finish(op, False, "tier unavailable")
                 continue
@@ -272,12 +277,12 @@ class TransferThread:
                 self._inflight.append(op)
 
     def _poll_round(self) -> None:
-        adapter = self._adapter
+        adapter = self.health.adapter
         healthy = adapter is not None and adapter.is_healthy
         now = time.monotonic()
         if healthy and not self._was_healthy and self.registrations > 0:
             self._recovered_at = now
-            self.recoveries += 1
+            self.health.recoveries += 1
         self.note_health()
         self._was_healthy = healthy
         grace = 2 * self.cfg.heartbeat_s + 1.0
@@ -330,11 +335,11 @@ class TransferThread:
         for op in left:
             fail_future(op.future)
             self._finish(op, False, "abandoned at shutdown")
-        for adapter in [*self._old_adapters, self._adapter]:
+        for adapter in [*self._old_adapters, self.health.adapter]:
             if adapter is None:
                 continue
             try:
                 adapter.shutdown()
             except Exception:
                 log.warning("LMCache worker adapter shutdown failed", exc_info=True)
-        self._adapter = None
+        self.health.adapter = None
