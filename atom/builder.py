@@ -42,9 +42,12 @@ def build_engine(config: EngineConfig, attach_tier=None) -> LLMEngine:
         from atom.distributed.ranks import start_ranks
         from atom.tier.worker_side.rank_tier import RankTierOps
 
-        # every rank runs every forward eagerly (no decode graphs across ranks yet); each rank
-        # makes the tier's ops rank 0 sends (a tier attached here, or by ``attach_tier``)
-        return LLMEngine(cfg, start_ranks(cfg, rank_ops=RankTierOps), attach)
+        # each rank makes the tier's ops rank 0 sends (a tier attached here, or by
+        # ``attach_tier``), and with graphs captures and replays its own (CUDA only)
+        ranks = start_ranks(cfg, rank_ops=RankTierOps)
+        if decode_graphs_wanted(cfg):
+            ranks.enable_decode_graphs(cfg.max_num_seqs, cfg.max_model_len)
+        return LLMEngine(cfg, ranks, attach)
     runtime = load_runtime(
         cfg.model,
         dtype=getattr(torch, cfg.dtype),

@@ -152,11 +152,6 @@ class EngineConfig(BaseModel):
                 f"num_blocks={self.num_blocks} and pool_memory_gb={self.pool_memory_gb} both "
                 "size the pool; set only one"
             )
-        if self.tensor_parallel_size > 1 and self.speculative_tokens:
-            raise ValueError(
-                f"tensor_parallel_size={self.tensor_parallel_size} with speculative_tokens="
-                f"{self.speculative_tokens}: speculative decoding does not run across ranks yet"
-            )
         if self.tensor_parallel_size > 1 and self.batch_invariant:
             raise ValueError(
                 f"tensor_parallel_size={self.tensor_parallel_size} with batch_invariant=true: "

@@ -10,10 +10,27 @@ bytes and the logits are the same on every rank. Rank 0's are the ones the engin
 An op is a tuple ``(name, *args)`` of host values (token ids and block tables on the host,
 image units as lists), sent with one object broadcast on the control group. Ops:
 ``("bind", pool_shape, pool_dtype, slot_shape)``, ``("forward", ids, spans, all_logits)``,
-``("store_image", slot, units)``, ``("restore_image", units, slot)``, ``("stop",)``, and the
+``("store_image", slot, units)``, ``("restore_image", units, slot)``, ``("stop",)``, the
+drafters' (below), ``("digest",)`` (``rank_digests``: every rank's pool and slot digest, for
+checks), and the
 tier's ``tier_attach`` / ``tier_op`` / ``tier_stop`` (a ``RankOps``, made on each rank by
 ``atom.tier.worker_side.rank_tier.RankTierOps``), which ride the same
 broadcast so each rank sees them in order with the forwards.
+
+Drafts: with ``speculative_tokens`` every rank's runtime is built with the same draft state
+(its slots' geometry includes it, and checkpoint images carry it), and the draft layers (or
+DSpark stages) are whole on every rank: they split nothing and reduce nothing. Rank 0 sends
+``("draft_forward", ids, spans, layer, all_logits, residual shape, dtype)`` and
+``("fill_draft_windows", spans, residual shape, dtype)`` followed by the residual rows
+themselves, broadcast on the forward's group (on the device), and ``("draft_blocks", tokens,
+positions, slots)``; every rank makes the call on its own runtime, so the draft state too holds
+the same bytes on every rank. A verify forward is ``forward_with_residual`` on every rank (it
+updates the state as ``forward`` does, and runs the same graphs on every rank; only rank 0
+reads its rows).
+
+Graphs: ``enable_decode_graphs`` sends ``("enable_graphs", max_batch, max_len, eager)`` before
+``bind``, and every rank replays graphs of its own, captured at the same forward on every rank,
+with the forward's collectives inside (``eager``: the tests' ``EagerBackend`` on every rank).
 
 Idle engines: a rank waits for the next op inside a collective of the control group, which
 fails after that group's timeout. So while no op has been sent for ``keepalive_s`` (a quarter
@@ -24,6 +41,7 @@ watchdog). Sends are serialized by one lock, so a ping never interleaves with an
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 import time
@@ -33,7 +51,7 @@ from typing import Protocol
 import torch
 
 from atom.distributed.parallel_state import RankChannels, RankFailure
-from atom.model_api import RuntimeCapabilities, Span
+from atom.model_api import RuntimeCapabilities, Span, block_draft_size, draft_layers
 
 __all__ = ["BroadcastRuntime", "RankFailure", "RankOps", "run_forward", "serve_ops"]
 
@@ -75,6 +93,11 @@ class BroadcastRuntime:
         self.spec, self.vocab_size, self.device = runtime.spec, runtime.vocab_size, runtime.device
         caps = RuntimeCapabilities.of(runtime)
         self.reserved_blocks, self.reserved_slots = caps.reserved_blocks, caps.reserved_slots
+        self.rewinds_on_rejection = caps.rewinds_on_rejection
+        self.graph_stats = caps.graph_stats  # rank 0's graphs (every rank captures the same)
+        # the drafters the rank runtimes have (0: none; the DraftRuntime methods then refuse)
+        self.num_draft_layers = draft_layers(runtime)
+        self.draft_block_size = block_draft_size(runtime)
         self._on_close = on_close
         self.closed = False
         self.processes = list(processes)  # the other ranks' processes
@@ -148,6 +171,27 @@ class BroadcastRuntime:
             why = "; ".join(dead) or f"a collective failed: {exc}"
             raise RankFailure(f"tensor parallelism: {why}; the engine cannot continue") from exc
 
+    def enable_decode_graphs(
+        self, max_batch: int, max_len: int | None = None, backend=None
+    ) -> bool:
+        """Every rank replays graphs for its decode (and, with drafts, verify and draft)
+        forwards: each captures its own, with the forward's collectives inside, at the same op
+        (each rank sees the same forwards, so each captures the same buckets in the same order
+        and their collectives pair up). ``backend``: None (CUDA graphs) or ``EagerBackend``
+        (tests: the same on every rank). Before ``bind``, as on one rank."""
+        from atom.models.common.graphs import EagerBackend
+
+        enable = RuntimeCapabilities.of(self.inner).enable_decode_graphs
+        if enable is None:
+            return False
+        if backend is not None and not isinstance(backend, EagerBackend):
+            raise ValueError(f"across ranks graphs use CUDA graphs or EagerBackend, not {backend}")
+        self._send("enable_graphs", max_batch, max_len, backend is not None)
+        on = enable(max_batch, max_len, backend=backend)
+        caps = RuntimeCapabilities.of(self.inner)
+        self.reserved_blocks, self.reserved_slots = caps.reserved_blocks, caps.reserved_slots
+        return on
+
     def bind(self, pool: torch.Tensor, slot_bytes: torch.Tensor) -> None:
         self._send("bind", tuple(pool.shape), str(pool.dtype), tuple(slot_bytes.shape))
         self.inner.bind(pool, slot_bytes)
@@ -160,6 +204,59 @@ class BroadcastRuntime:
         self._send("forward", ids, spans, all_logits)
         with self._ranks():
             return run_forward(self.inner, ids, spans, all_logits)
+
+    # ---- drafts (module doc) ----------------------------------------------------------------
+
+    def forward_with_residual(
+        self, token_ids: torch.Tensor, spans: list[Span], all_logits: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        ids = token_ids.cpu()
+        spans = [Span(s.start, s.end, s.slot, s.block_table.cpu()) for s in spans]
+        self._send("forward_with_residual", ids, spans, all_logits)
+        with self._ranks():
+            return self.inner.forward_with_residual(ids, spans, all_logits)
+
+    def draft_forward(
+        self,
+        token_ids: torch.Tensor,
+        residual: torch.Tensor,
+        spans: list[Span],
+        *,
+        layer: int = 0,
+        all_logits: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        ids, residual = token_ids.cpu(), residual.contiguous()
+        spans = [Span(s.start, s.end, s.slot, s.block_table.cpu()) for s in spans]
+        shape, dtype = tuple(residual.shape), str(residual.dtype)
+        self._send("draft_forward", ids, spans, layer, all_logits, shape, dtype)
+        with self._ranks():
+            self.state.broadcast(residual)
+            return self.inner.draft_forward(
+                ids, residual, spans, layer=layer, all_logits=all_logits
+            )
+
+    def fill_draft_windows(self, residual: torch.Tensor, spans: list[Span]) -> None:
+        residual = residual.contiguous()
+        spans = [Span(s.start, s.end, s.slot, s.block_table.cpu()) for s in spans]
+        self._send("fill_draft_windows", spans, tuple(residual.shape), str(residual.dtype))
+        with self._ranks():
+            self.state.broadcast(residual)
+            self.inner.fill_draft_windows(residual, spans)
+
+    def draft_blocks(
+        self, tokens: list[int], positions: list[int], slots: list[int]
+    ) -> list[list[int]]:
+        self._send("draft_blocks", list(tokens), list(positions), list(slots))
+        with self._ranks():
+            return self.inner.draft_blocks(tokens, positions, slots)
+
+    def rank_digests(self) -> list[str]:
+        """Every rank's digest of its pool and state slots, in rank order: equal when the
+        ranks hold the same bytes (module doc), as they must. A check for tests and debugging:
+        it copies both to the host."""
+        self._send("digest")
+        with self._ranks():
+            return self.state.all_gather_object(state_digest(self.inner))
 
     def store_image(self, slot: int, units: torch.Tensor) -> None:
         self._send("store_image", slot, units.tolist())
@@ -218,6 +315,25 @@ def serve_ops(runtime, state, rank_ops: RankOps | None = None) -> None:
                 runtime.bind(pool, slots)
             elif name == "forward":
                 run_forward(runtime, *args)
+            elif name == "forward_with_residual":  # the same graphs as rank 0's (verify)
+                runtime.forward_with_residual(*args)
+            elif name == "enable_graphs":
+                from atom.models.common.graphs import EagerBackend
+
+                max_batch, max_len, eager = args
+                backend = EagerBackend() if eager else None
+                runtime.enable_decode_graphs(max_batch, max_len, backend=backend)
+            elif name == "draft_forward":
+                ids, spans, layer, all_logits, shape, dtype = args
+                residual = _received(state, shape, dtype, device)
+                runtime.draft_forward(ids, residual, spans, layer=layer, all_logits=all_logits)
+            elif name == "fill_draft_windows":
+                spans, shape, dtype = args
+                runtime.fill_draft_windows(_received(state, shape, dtype, device), spans)
+            elif name == "draft_blocks":
+                runtime.draft_blocks(*args)
+            elif name == "digest":
+                state.all_gather_object(state_digest(runtime))
             elif name == "store_image":
                 slot, units = args
                 runtime.store_image(slot, torch.tensor(units, dtype=torch.int64, device=device))
@@ -231,3 +347,17 @@ def serve_ops(runtime, state, rank_ops: RankOps | None = None) -> None:
     finally:
         if rank_ops is not None:
             rank_ops.close()
+
+
+def state_digest(runtime) -> str:
+    """A digest of a bound runtime's pool and state-slot bytes."""
+    h = hashlib.blake2b(digest_size=16)
+    for t in (runtime.pool, runtime.slot_bytes):
+        h.update(t.detach().contiguous().view(torch.uint8).cpu().numpy().tobytes())
+    return h.hexdigest()
+
+
+def _received(state, shape: tuple, dtype: str, device) -> torch.Tensor:
+    """The rows rank 0 broadcasts after an op that names their shape and dtype."""
+    x = torch.empty(shape, dtype=getattr(torch, dtype.split(".")[-1]), device=device)
+    return state.broadcast(x)

@@ -152,6 +152,13 @@ class ParallelState:
         dist.all_reduce(x, op=dist.ReduceOp.SUM, group=self.group)
         return x
 
+    def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """Rank ``src``'s ``x`` on every rank, in place (every rank passes a contiguous tensor
+        of the same shape and dtype; on the forward's group); ``x`` itself at world size 1."""
+        if self.world_size > 1:
+            dist.broadcast(x, src=src, group=self.group)
+        return x
+
     def broadcast_object(self, obj: Any = None, src: int = 0) -> Any:
         """``obj`` of rank ``src`` on every rank (picklable; on the control group)."""
         if self.world_size == 1:

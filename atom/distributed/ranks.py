@@ -35,6 +35,9 @@ from atom.models.common.moe import configure_grouped_mm
 
 log = logging.getLogger("atom.distributed")
 
+#: this process's CPU threads before any engine split them (one engine after another divides
+#: the same count, not the last one's share)
+_PROCESS_THREADS = torch.get_num_threads()
 #: seconds a collective of the forward may take before it fails (a dead rank)
 TP_TIMEOUT_S = 30.0
 #: seconds a rank waits for rank 0's next op before it gives up on rank 0 (an idle rank 0
@@ -44,6 +47,15 @@ CONTROL_TIMEOUT_S = 600.0
 
 def rank_device(device: str, rank: int) -> str:
     return f"cuda:{rank}" if device.startswith("cuda") else "cpu"
+
+
+def rank_threads(world: int) -> int:
+    """CPU threads each rank computes with: an equal share of rank 0's. Every rank, rank 0
+    included, uses the same count (rank 0 passes it to the others), so their CPU kernels
+    reduce in the same order and the ranks' whole (unsplit) computations give the same bits:
+    their pools and slots hold the same bytes (``broadcast_runtime``). With different counts
+    they did not: a few KV values differed in their last bits."""
+    return max(1, _PROCESS_THREADS // world)
 
 
 def build_rank_runtime(cfg, state: ParallelState):
@@ -62,7 +74,10 @@ def build_rank_runtime(cfg, state: ParallelState):
         device=rank_device(cfg.device, state.rank),
     )
     model = build_tp_model(fam, model_cfg, path, state, seed=cfg.seed, **kw)
-    return fam.get("runtime")(model, block_size=cfg.block_size, speculative_tokens=0)
+    # every rank's slots hold the draft state (the images carry it; module broadcast_runtime)
+    return fam.get("runtime")(
+        model, block_size=cfg.block_size, speculative_tokens=cfg.speculative_tokens
+    )
 
 
 def _rank_main(
@@ -73,6 +88,7 @@ def _rank_main(
     tier_conn=None,
     control_timeout_s: float = CONTROL_TIMEOUT_S,
     rank_ops=None,
+    threads: int = 1,
 ) -> None:
     from atom.config import EngineConfig
 
@@ -85,7 +101,7 @@ def _rank_main(
     cfg = EngineConfig(**values)
     kernels.configure(cfg.triton_kernels, cfg.triton_off, cfg.triton_on)  # as rank 0's build
     configure_grouped_mm(cfg.moe_grouped_mm)
-    torch.set_num_threads(max(1, torch.get_num_threads() // world))
+    torch.set_num_threads(threads)
     start_s = cfg.tensor_parallel_start_timeout_s
     state = ParallelState.init(
         rank,
@@ -113,6 +129,9 @@ def start_ranks(cfg, rank_ops=None) -> BroadcastRuntime:
 
     refuse_reimport()  # a spawned rank importing an entry script that starts an engine
     world = cfg.tensor_parallel_size
+    threads = rank_threads(world)
+    if not cfg.device.startswith("cuda"):
+        torch.set_num_threads(threads)  # as every rank (rank_threads)
     model_cfg, _ = resolve_config(cfg.model)
     check_divides(model_cfg, world)  # before any process or group exists
     start_s = cfg.tensor_parallel_start_timeout_s
@@ -126,7 +145,7 @@ def start_ranks(cfg, rank_ops=None) -> BroadcastRuntime:
             target=_rank_main,
             args=(
                 rank, world, rendezvous.address, cfg.model_dump(), pipes[rank - 1][1], control_s,
-                rank_ops,
+                rank_ops, threads,
             ),  # fmt: skip
             name=f"atom-tp-rank{rank}",
             daemon=True,
