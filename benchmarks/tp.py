@@ -3,8 +3,9 @@
     python -m benchmarks.tp --model v41-bench --device cuda --tp 2       # two GPUs
     python -m benchmarks.tp --model v41-tiny --device cpu --tp 2          # gloo, CPU
 
-One engine per arm (TP=1, then TP=N; both eager: decode graphs do not run across ranks yet)
-generates ``--output-len`` greedy tokens for ``--prompts`` random prompts, ``--repeats`` times.
+One engine per arm (TP=1, then TP=N; both with decode graphs, or both eager with
+``--graphs off``: at TP=N every rank captures and replays its own graphs) generates
+``--output-len`` greedy tokens for ``--prompts`` random prompts, ``--repeats`` times.
 Reported per arm: wall time of the generate call (median, spread), output tokens/s, and for
 TP=N the fraction of sequences whose tokens equal TP=1's and, where they part, the first
 parting output and TP=1's top-2 logprob gap there (bf16 splits change rounding, which decides
@@ -35,6 +36,7 @@ def parse(argv=None) -> argparse.Namespace:
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--graphs", choices=("on", "off"), default="on")
     ap.add_argument("--name", default=None)
     return ap.parse_args(argv)
 
@@ -50,7 +52,7 @@ def arm(args, tp: int, prompts, params):
         num_blocks=blocks,
         max_num_seqs=args.concurrency,
         max_num_batched_tokens=4096,
-        cuda_graphs=False,
+        cuda_graphs=args.graphs == "on",
         enable_prefix_caching=False,
         tensor_parallel_size=tp,
     )
@@ -89,6 +91,7 @@ def main(argv=None) -> int:
         med = statistics.median(times)
         rows.append([tp, f"{med:.3f} ({min(times):.3f}-{max(times):.3f})", f"{tokens / med:.1f}"])
     table = md_table(["TP", "generate s (median, min-max)", "output tok/s"], rows)
+    table += f"\n\nDecode graphs: {args.graphs} in both arms."
     table += (
         f"\n\nGreedy agreement TP={args.tp} vs TP=1: {same}/{args.prompts} sequences equal; "
         f"parting points (output index, TP=1 top-2 logprob gap): "
@@ -103,6 +106,7 @@ def main(argv=None) -> int:
         prompts=args.prompts,
         prompt_len=args.prompt_len,
         output_len=args.output_len,
+        graphs=args.graphs,
     )
     name = args.name or f"tp{args.tp}_{'h200' if args.device.startswith('cuda') else 'cpu'}"
     print(table)

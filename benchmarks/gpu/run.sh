@@ -76,7 +76,8 @@ for s in "$@"; do
         --device cuda --ks 0 1 2 --eager-baseline --prompts 16 --prompt-len 512 \
         --output-len 64 --concurrency 16 --repeats 2 --name speculative_v4_h200 ;;
     tp) step "${TP_LIMIT:-400}" python3 -m benchmarks.tp --model v41-bench --device cuda --tp 2 \
-      --prompts 16 --prompt-len 1024 --output-len 64 --concurrency 16 --repeats 3 ;;
+      --prompts 16 --prompt-len 1024 --output-len 64 --concurrency 16 --repeats 3 \
+      --graphs "${TP_GRAPHS:-on}" --name "tp2_h200_graphs_${TP_GRAPHS:-on}" ;;
     tp_tests) step "${TP_TESTS_LIMIT:-500}" python3 -m pytest -x -q -s -p no:cacheprovider \
       tests/gpu/test_tp_cuda.py tests/gpu/test_tp_tier_cuda.py tests/distributed ;;
     serving_tp)  # the three arms at TP=2 (two GPUs, eager), the tier arm with rank collapse;
