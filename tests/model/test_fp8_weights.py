@@ -137,13 +137,21 @@ def test_the_engine_at_stored_precision_matches_its_oracle(preset):
         assert predicted == out.token_ids
 
 
-def test_weight_dtype_resolution_and_errors():
+def test_weight_dtype_resolution_and_errors(monkeypatch):
     assert EngineConfig(model="v4-tiny-fp8", device="cpu").resolved().weight_dtype == "bf16"
     assert EngineConfig(model="v4-tiny", device="cpu").resolved().weight_dtype == "bf16"
     forced = EngineConfig(model="v41-tiny", device="cpu", weight_dtype="fp8").resolved()
     assert forced.weight_dtype == "fp8"
-    with pytest.raises(EngineConfigError, match="weight_dtype=fp8 with tensor_parallel_size=2"):
-        EngineConfig(model="v4-tiny-fp8", weight_dtype="fp8", tensor_parallel_size=2).resolved()
+    # across ranks as on one: fp8 is kept, auto keeps stored FP8 on a GPU and dequantizes on CPU
+    for tp in (1, 2, 4):
+        kw = dict(model="v4-tiny-fp8", tensor_parallel_size=tp)
+        assert EngineConfig(**kw, weight_dtype="fp8", device="cpu").resolved().weight_dtype == "fp8"
+        assert EngineConfig(**kw, device="cpu").resolved().weight_dtype == "bf16"
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # resolution only
+        assert EngineConfig(**kw, device="cuda").resolved().weight_dtype == "fp8"
+        assert EngineConfig(model="v4-tiny", tensor_parallel_size=tp, device="cuda").resolved(
+        ).weight_dtype == "bf16"  # fmt: skip
+        monkeypatch.undo()
     with pytest.raises(EngineConfigError, match="weight_dtype"):
         EngineConfig.build(model="v4-tiny", weight_dtype="int4")
 
