@@ -43,7 +43,8 @@ class EngineConfig(BaseModel):
     # the linear weights a checkpoint stores as FP8 (block-scaled E4M3): fp8 keeps them so and
     # computes FP8 GEMMs (inputs quantized per block), bf16 dequantizes them to ``dtype`` at
     # load, auto is as stored on a GPU (fp8 where the model's quantization_config says fp8,
-    # without tensor parallelism) and bf16 on CPU (the dequantized reference path). fp8 on a
+    # with or without tensor parallelism: the ranks split the FP8 weights and FP4 experts
+    # with their scales) and bf16 on CPU (the dequantized reference path). fp8 on a
     # checkpoint stored unquantized quantizes its linears at load (online quantization)
     weight_dtype: Literal["auto", "bf16", "fp8"] = "auto"
     seed: int = 0
@@ -265,14 +266,8 @@ class EngineConfig(BaseModel):
             model_cfg.max_position_embeddings,
         )
         weights = self.weight_dtype
-        if weights == "auto":
-            keep = stored_fp8(model_cfg) and on_gpu and self.tensor_parallel_size == 1
-            weights = "fp8" if keep else "bf16"
-        if weights == "fp8" and self.tensor_parallel_size > 1:
-            raise EngineConfigError(
-                f"weight_dtype=fp8 with tensor_parallel_size={self.tensor_parallel_size}: FP8 "
-                "weights are not sharded across ranks yet; use weight_dtype=bf16 (or auto)"
-            )
+        if weights == "auto":  # the same at any tensor_parallel_size: ranks split FP8 and FP4
+            weights = "fp8" if stored_fp8(model_cfg) and on_gpu else "bf16"
         if self.max_num_batched_tokens < block:
             raise EngineConfigError(
                 f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= "

@@ -61,7 +61,8 @@ def rank_threads(world: int) -> int:
 def build_rank_runtime(cfg, state: ParallelState):
     """This rank's split runtime for the resolved config ``cfg``, of the model's family (the
     splits its layers declare: ``atom.models.common.tensor_parallel``; of a checkpoint only
-    this rank's slices are read)."""
+    this rank's slices are read), at its ``weight_dtype`` (FP8 linears and FP4 experts split
+    with their scales at "fp8")."""
     from atom.distributed.split_models import build_tp_model
     from atom.models.registry import family, resolve_config
 
@@ -73,7 +74,9 @@ def build_rank_runtime(cfg, state: ParallelState):
         index_dtype=cfg.index_dtype,
         device=rank_device(cfg.device, state.rank),
     )
-    model = build_tp_model(fam, model_cfg, path, state, seed=cfg.seed, **kw)
+    model = build_tp_model(
+        fam, model_cfg, path, state, seed=cfg.seed, weight_dtype=cfg.weight_dtype, **kw
+    )
     # every rank's slots hold the draft state (the images carry it; module broadcast_runtime)
     return fam.get("runtime")(
         model, block_size=cfg.block_size, speculative_tokens=cfg.speculative_tokens
@@ -124,7 +127,7 @@ def start_ranks(cfg, rank_ops=None) -> BroadcastRuntime:
     pipe (write end); None: the ranks make the model's ops only.
     Every rank joins within ``cfg.tensor_parallel_start_timeout_s``, or this raises
     ``TensorParallelStartError`` saying which rank and why (``rendezvous``)."""
-    from atom.distributed.split_models import TIER_BYTES_REPLICATED, check_divides
+    from atom.distributed.split_models import TIER_BYTES_REPLICATED, check_tp_split
     from atom.models.registry import resolve_config
 
     refuse_reimport()  # a spawned rank importing an entry script that starts an engine
@@ -133,7 +136,9 @@ def start_ranks(cfg, rank_ops=None) -> BroadcastRuntime:
     if not cfg.device.startswith("cuda"):
         torch.set_num_threads(threads)  # as every rank (rank_threads)
     model_cfg, _ = resolve_config(cfg.model)
-    check_divides(model_cfg, world)  # before any process or group exists
+    # before any process or group exists: the heads, groups and experts divide, and (FP8) no
+    # rank would hold part of a weight block
+    check_tp_split(model_cfg, world, weight_dtype=cfg.weight_dtype)
     start_s = cfg.tensor_parallel_start_timeout_s
     rendezvous = Rendezvous(world, start_s)
     control_s = CONTROL_TIMEOUT_S

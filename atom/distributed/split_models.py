@@ -42,6 +42,7 @@ from atom.distributed.parallel_state import ParallelState
 from atom.models.common.tensor_parallel import (
     TensorParallelError,
     check_divides,
+    check_split,
     rank_slices,
     shard_model,
 )
@@ -52,6 +53,7 @@ from atom.models.deepseek_v41.model import DeepseekV41ForCausalLM
 __all__ = [
     "TensorParallelError",
     "check_divides",
+    "check_tp_split",
     "shard_for_ranks",
     "build_v41_tp",
     "build_tp_model",
@@ -120,21 +122,59 @@ def materialize(model, device: torch.device | str) -> None:
         raise RuntimeError(f"tensors left on meta after materializing: {left}")
 
 
+def check_tp_split(config, world_size: int, *, weight_dtype: str = "bf16") -> None:
+    """Refuse, before any rank builds anything, a world size the model cannot be split over:
+    one that does not divide its heads, groups and experts' width (``check_divides``), or, at
+    ``weight_dtype`` "fp8", one that would cut an FP8 weight block or an FP4 scale group
+    (``tensor_parallel.check_split``, on the model's layers built on ``meta``)."""
+    from atom.models.registry import family, keep_stored_precision
+
+    check_divides(config, world_size)
+    if weight_dtype != "fp8" or world_size == 1:
+        return
+    fam = family(config)
+    probe = fam.get("model")(config, device="meta")
+    keep_stored_precision(probe, fam)
+    check_split(probe, world_size)
+
+
 def build_tp_model(
-    fam, config, path, state: ParallelState, *, dtype, kv_dtype, index_dtype, device, seed
+    fam,
+    config,
+    path,
+    state: ParallelState,
+    *,
+    dtype,
+    kv_dtype,
+    index_dtype,
+    device,
+    seed,
+    weight_dtype: str = "bf16",
 ):
     """This rank's split model of any family (``atom.models.registry``'s ``fam``), in eval
-    mode. From the checkpoint at ``path``: built on ``meta``, split, materialized on
-    ``device`` and loaded, so only this rank's slices are ever allocated or read (the family's
-    loader takes ``shards``). Else from ``seed``: the whole model built and initialized as
-    ``init_weights(seed)`` does at world size 1 on that device, then split (the same weights
-    as the unsplit model)."""
+    mode, at ``weight_dtype`` ("bf16" or "fp8", resolved; ``registry.build_model``). From the
+    checkpoint at ``path``: built on ``meta`` (its FP8 linears and FP4 experts as such at
+    "fp8"), split, materialized on ``device`` and loaded, so only this rank's slices, scales
+    included, are ever allocated or read (the family's loader takes ``shards``). Else from
+    ``seed``: the whole model built and initialized as ``init_weights(seed)`` does at world
+    size 1 on that device, put at its precision, then split (the same weights as the unsplit
+    model, each rank holding its slice of their bytes and scales)."""
+    from atom.models.common.fp8_linear import stored_fp8
+    from atom.models.registry import build_model
+
     check_divides(config, state.world_size)
-    kw = dict(dtype=dtype, kv_dtype=kv_dtype, index_dtype=index_dtype)
-    if path is None:
-        net = fam.get("model")(config, device=device, **kw).init_weights(seed)
-        return shard_for_ranks(net, state).eval()
-    net = shard_for_ranks(fam.get("model")(config, device="meta", **kw), state)
-    materialize(net, device)
-    fam.get("loader")(net, path, shards=rank_slices(net))
-    return net.eval()
+    if weight_dtype == "fp8" and path is not None and not stored_fp8(config):
+        # quantized once the rank's slices are loaded: check the blocks before anything is
+        # built (elsewhere the split itself checks them, ``shard_model``)
+        check_tp_split(config, state.world_size, weight_dtype=weight_dtype)
+
+    def split(net) -> dict:
+        shard_for_ranks(net, state)
+        if any(t.is_meta for t in net.parameters()):
+            materialize(net, device)
+        return rank_slices(net)
+
+    return build_model(
+        config, path, dtype=dtype, kv_dtype=kv_dtype, index_dtype=index_dtype, device=device,
+        seed=seed, weight_dtype=weight_dtype, split=split,
+    )  # fmt: skip

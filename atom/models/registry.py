@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -159,20 +160,59 @@ def load_runtime(
     from atom.models.common.fp8_linear import stored_fp8
 
     config, path = resolve_config(model)
-    fam = family(config)
     if weight_dtype == "auto":
         on_gpu = str(device).startswith("cuda")
         weight_dtype = "fp8" if stored_fp8(config) and on_gpu else "bf16"
-    net = fam.get("model")(
-        config, dtype=dtype, kv_dtype=kv_dtype, index_dtype=index_dtype, device=device
-    )
+    net = build_model(
+        config, path, dtype=dtype, kv_dtype=kv_dtype, index_dtype=index_dtype, device=device,
+        seed=seed, weight_dtype=weight_dtype,
+    )  # fmt: skip
+    runtime = family(config).get("runtime")
+    return runtime(net, block_size=block_size, speculative_tokens=speculative_tokens)
+
+
+def build_model(
+    config: Any,
+    path: Path | None,
+    *,
+    dtype: torch.dtype,
+    kv_dtype: str,
+    index_dtype: str,
+    device: str | torch.device,
+    seed: int | None,
+    weight_dtype: str,
+    split: Callable[[Any], dict] | None = None,
+):
+    """The model of ``config`` in eval mode at ``weight_dtype`` ("bf16" or "fp8", resolved):
+    from ``seed`` (``path`` None) or the checkpoint at ``path``.
+
+    ``split`` (tensor parallelism: ``atom.distributed.split_models``) narrows the model to one
+    rank's slices, allocates it on ``device`` if it is on ``meta``, and returns the loader's
+    ``shards``. From a seed the whole model is built, initialized and put at its precision as
+    at one rank, then split. From a checkpoint the model is built on ``meta``, its stored
+    precision kept (``Fp8Linear`` / ``Fp4Linear`` where the checkpoint stores them, empty),
+    split, and only the rank's slices, scales included, are read into it."""
+    from atom.models.common.fp8_linear import stored_fp8
+
+    fam = family(config)
+    kw = dict(dtype=dtype, kv_dtype=kv_dtype, index_dtype=index_dtype)
     if path is None:
-        net.init_weights(seed)
+        net = fam.get("model")(config, device=device, **kw).init_weights(seed)
         set_weight_precision(net, fam, weight_dtype, random=True)
-    elif weight_dtype == "fp8" and not stored_fp8(config):
-        # a checkpoint stored in bf16 (or float32), asked for FP8: quantized once loaded, as
-        # the presets are (online quantization; the checkpoint's values are rounded)
+        if split is not None:
+            split(net)
+        return net.eval()
+    net = fam.get("model")(config, device="meta" if split is not None else device, **kw)
+    # a checkpoint stored in bf16 (or float32), asked for FP8: quantized once loaded, as the
+    # presets are (online quantization; the checkpoint's values are rounded)
+    online = weight_dtype == "fp8" and not stored_fp8(config)
+    if weight_dtype == "fp8" and not online:  # the loader fills them with the stored bytes
+        keep_stored_precision(net, fam)
+    if split is None:
         fam.get("loader")(net, path)
+    else:
+        fam.get("loader")(net, path, shards=split(net))
+    if online:
         count = set_weight_precision(net, fam, "fp8", random=False)
         log.info(
             "%s stores its weights unquantized: %d linears quantized to FP8 at load "
@@ -180,20 +220,21 @@ def load_runtime(
             path,
             count,
         )
-    else:
-        if weight_dtype == "fp8":  # the loader fills them with the stored bytes
-            from atom.models.common.fp8_linear import quantize_linears
+    return net.eval()
 
-            names, block = fam.get("fp8_linears")(net)
-            quantize_linears(net, names, block, empty=True)
-        fam.get("loader")(net, path)
-        if weight_dtype == "fp8":  # FP4 experts: their stored values, as FP4 again (exact)
-            from atom.models.common.fp4_linear import quantize_fp4_linears
 
-            fp4 = fam.get("fp4_linears")(net)
-            quantize_fp4_linears(net, fp4, exact=True, act_block=block[1])
-    net.eval()
-    return fam.get("runtime")(net, block_size=block_size, speculative_tokens=speculative_tokens)
+def keep_stored_precision(net, fam: ModelFamily) -> tuple[int, int]:
+    """Make the linears a checkpoint stores as FP8 ``Fp8Linear`` and the routed experts it
+    stores as FP4 ``Fp4Linear``, empty, for the family's loader to fill with the stored bytes
+    (on any device, ``meta`` too); returns the FP8 weight block. The experts round their inputs
+    per the FP8 linears' K block, as DeepSeek's kernels do."""
+    from atom.models.common.fp4_linear import quantize_fp4_linears
+    from atom.models.common.fp8_linear import quantize_linears
+
+    names, block = fam.get("fp8_linears")(net)
+    quantize_linears(net, names, block, empty=True)
+    quantize_fp4_linears(net, fam.get("fp4_linears")(net), act_block=block[1], empty=True)
+    return block
 
 
 def set_weight_precision(net, fam: ModelFamily, weight_dtype: str, *, random: bool) -> int:
@@ -204,8 +245,8 @@ def set_weight_precision(net, fam: ModelFamily, weight_dtype: str, *, random: bo
     routed experts a config says are FP4 (``fp4_linears``) become ``Fp4Linear``. "bf16": a
     preset whose config says FP8 (random weights, ``random``) has them rounded through FP8
     (and its experts through FP4) and back, so both precisions run the same model; other
-    weights are left as they are. (A checkpoint loads its FP8 tensors' bytes directly:
-    ``load_runtime``.)
+    weights are left as they are. (A checkpoint loads its FP8 and FP4 tensors' bytes directly:
+    ``keep_stored_precision``.)
     """
     from atom.models.common.fp4_linear import dequantize_fp4_linears, quantize_fp4_linears
     from atom.models.common.fp8_linear import dequantize_linears, quantize_linears, stored_fp8

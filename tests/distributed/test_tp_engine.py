@@ -92,6 +92,44 @@ def test_v4_checkpoint_at_tp2_reads_each_ranks_slices_and_decodes_what_one_rank_
     assert_same_greedy(two, one, eps=1e-3, most=1)
 
 
+@pytest.mark.parametrize("preset", ["v41-tiny-fp8", "v4-tiny-fp8"])
+def test_stored_precision_checkpoint_at_tp2_decodes_what_one_rank_does(preset, tmp_path):
+    """``weight_dtype: fp8`` across ranks: a published-format checkpoint (FP8 in 32 x 32
+    blocks, FP4 experts; the tiny model widened so that each rank holds whole blocks) runs as
+    FP8 linears and FP4 experts on every rank, split with their scales (rank 0's shapes here;
+    tests/model/test_tp_stored_precision.py checks every rank's bytes, in-process), and TP=2
+    decodes what one rank does at the same precision."""
+    from atom.models.common.fp4_linear import Fp4Linear
+    from atom.models.common.fp8_linear import Fp8Linear
+    from tests.model.test_tp_stored_precision import _write
+
+    _write(preset, tmp_path)
+    prompts = prefix_tree_prompts(6, 16, seed=9)
+    params = SamplingParams(max_tokens=6, ignore_eos=True, logprobs=2)
+    one_llm = LLM(str(tmp_path), weight_dtype="fp8", **KW)
+    whole = one_llm.engine.runtime.model
+    one = one_llm.generate(prompts, params)
+    llm = LLM(str(tmp_path), tensor_parallel_size=2, weight_dtype="fp8", **KW)
+    try:
+        assert llm.engine.config.weight_dtype == "fp8"
+        model = llm.engine.runtime.model
+        two = run_checked(llm, prompts, params)
+    finally:
+        llm.shutdown()
+    kinds = {n: type(m) for n, m in model.named_modules()}
+    assert kinds == {n: type(m) for n, m in whole.named_modules()}
+    moe = "model.layers.0.mlp" if preset.startswith("v41") else "layers.0.ffn"
+    for sub, kind, dim in (
+        ("shared_experts.gate_proj", Fp8Linear, 0),
+        ("experts.1.down_proj", Fp4Linear, 1),
+    ):
+        part, full = model.get_submodule(f"{moe}.{sub}"), whole.get_submodule(f"{moe}.{sub}")
+        assert type(part) is kind
+        for t in ("weight", "weight_scale"):
+            assert getattr(part, t).shape[dim] * 2 == getattr(full, t).shape[dim]
+    assert_same_greedy(two, one, eps=1e-3, most=1)
+
+
 def test_a_killed_rank_stops_the_engine_with_an_error():
     llm = LLM("v41-tiny", tensor_parallel_size=2, **KW)
     (proc,) = llm.engine.runtime.processes

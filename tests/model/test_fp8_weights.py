@@ -17,6 +17,7 @@ from atom.models.common.formats import dequant_fp4, e8m0_to_float, fp8_act_sim
 from atom.models.common.fp4_linear import Fp4Linear
 from atom.models.common.fp8_linear import Fp8Linear, dequantize_linears, quantize_linears
 from atom.models.common.layers import Linear
+from atom.models.common.weights import WeightLoadError
 from atom.models.deepseek_v4.model import DeepseekV4ForCausalLM
 from atom.models.deepseek_v4.presets import preset_config as v4_preset
 from atom.models.deepseek_v4.reference import reference_forward as v4_reference
@@ -136,13 +137,21 @@ def test_the_engine_at_stored_precision_matches_its_oracle(preset):
         assert predicted == out.token_ids
 
 
-def test_weight_dtype_resolution_and_errors():
+def test_weight_dtype_resolution_and_errors(monkeypatch):
     assert EngineConfig(model="v4-tiny-fp8", device="cpu").resolved().weight_dtype == "bf16"
     assert EngineConfig(model="v4-tiny", device="cpu").resolved().weight_dtype == "bf16"
     forced = EngineConfig(model="v41-tiny", device="cpu", weight_dtype="fp8").resolved()
     assert forced.weight_dtype == "fp8"
-    with pytest.raises(EngineConfigError, match="weight_dtype=fp8 with tensor_parallel_size=2"):
-        EngineConfig(model="v4-tiny-fp8", weight_dtype="fp8", tensor_parallel_size=2).resolved()
+    # across ranks as on one: fp8 is kept, auto keeps stored FP8 on a GPU and dequantizes on CPU
+    for tp in (1, 2, 4):
+        kw = dict(model="v4-tiny-fp8", tensor_parallel_size=tp)
+        assert EngineConfig(**kw, weight_dtype="fp8", device="cpu").resolved().weight_dtype == "fp8"
+        assert EngineConfig(**kw, device="cpu").resolved().weight_dtype == "bf16"
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # resolution only
+        assert EngineConfig(**kw, device="cuda").resolved().weight_dtype == "fp8"
+        assert EngineConfig(model="v4-tiny", tensor_parallel_size=tp, device="cuda").resolved(
+        ).weight_dtype == "bf16"  # fmt: skip
+        monkeypatch.undo()
     with pytest.raises(EngineConfigError, match="weight_dtype"):
         EngineConfig.build(model="v4-tiny", weight_dtype="int4")
 
@@ -169,14 +178,39 @@ def test_a_published_fp8_checkpoint_keeps_its_bytes(tmp_path):
     raw = stored["layers.2.attn.wq_b.weight"]
     assert torch.equal(q.weight.view(torch.uint8), raw.view(torch.uint8))
     assert torch.equal(q.weight_scale, e8m0_to_float(stored["layers.2.attn.wq_b.scale"]))
-    # the FP4 routed experts hold the checkpoint's values as FP4 again (its loader dequantized
-    # them; quantizing FP4 values gives them back exactly)
+    # the FP4 routed experts hold the checkpoint's bytes: codes and E8M0 scales
     e = model.get_submodule("layers.1.ffn.experts.2.down_proj")
     assert isinstance(e, Fp4Linear) and e.weight.dtype == torch.uint8
-    want = dequant_fp4(
-        stored["layers.1.ffn.experts.2.w2.weight"], stored["layers.1.ffn.experts.2.w2.scale"]
-    )
-    assert torch.equal(e.dequantized(), want)
+    codes, scale = (stored[f"layers.1.ffn.experts.2.w2.{k}"] for k in ("weight", "scale"))
+    assert torch.equal(e.weight, codes.view(torch.uint8))
+    assert torch.equal(e.weight_scale, scale.view(torch.uint8))
+    assert torch.equal(e.dequantized(), dequant_fp4(codes, scale))
+
+
+def test_an_fp4_expert_stored_dequantized_loads_only_if_its_values_are_fp4(tmp_path):
+    """An expert a re-export stores in bf16 loads into its ``Fp4Linear`` quantized, when its
+    values are FP4 values (exactly); other values are refused, naming the tensor."""
+    from atom.models.deepseek_v4.presets import PRESETS as V4
+    from atom.models.registry import load_runtime
+
+    from .test_v4_checkpoint import write_checkpoint
+
+    cfg = dict(V4["v4-tiny"], expert_dtype="fp4")
+    cfg["quantization_config"] = dict(quant_method="fp8", weight_block_size=[32, 32])
+    name, param = "layers.1.ffn.experts.2.w2", "layers.1.ffn.experts.2.down_proj"
+    kw = dict(dtype=torch.float32, kv_dtype="fp32", index_dtype="fp32", block_size=16)
+    exact = write_checkpoint(tmp_path / "a", config=cfg, block=(32, 32))
+    value = exact[f"{param}.weight"]
+    for directory, stored in (("a", value), ("b", value * 1.01)):
+        extra = {f"{name}.weight": stored.to(torch.bfloat16)}
+        write_checkpoint(
+            tmp_path / directory, config=cfg, block=(32, 32), extra=extra, drop=[f"{name}.scale"]
+        )
+    model = load_runtime(str(tmp_path / "a"), device="cpu", seed=0, weight_dtype="fp8", **kw)
+    expert = model.model.get_submodule(param)
+    assert isinstance(expert, Fp4Linear) and torch.equal(expert.dequantized(), value)
+    with pytest.raises(WeightLoadError, match=f"tensor {name}.weight holds values that are not"):
+        load_runtime(str(tmp_path / "b"), device="cpu", seed=0, weight_dtype="fp8", **kw)
 
 
 def test_an_unquantized_checkpoint_asked_for_fp8_is_quantized_at_load(tmp_path):

@@ -33,12 +33,12 @@ from .test_v41_dspark import DSPARK
 PUBLISHED = Path(__file__).resolve().parent.parent / "data" / "deepseek_v41_flash_config.json"
 
 
-def published_tiny(dspark: bool = False) -> dict:
+def published_tiny(dspark: bool = False, shape: dict | None = None) -> dict:
     """v41-tiny in the published config.json form, with the published quantization_config
     (so the published roundings are on) and vision_config; with ``dspark``, two DSpark
-    stages."""
+    stages; ``shape``: v41-tiny's fields changed."""
     shipped = json.loads(PUBLISHED.read_text())
-    flat = preset_config("v41-tiny", **(DSPARK if dspark else {})).to_dict()
+    flat = preset_config("v41-tiny", **(DSPARK if dspark else {}), **(shape or {})).to_dict()
     for key in ("kv_fp8_sim", "compressed_fp4_sim", "index_fp4_sim", "act_fp8_sim"):
         flat.pop(key)  # as in the published file: the quantization_config turns them on
     out = to_published(flat)
@@ -48,10 +48,11 @@ def published_tiny(dspark: bool = False) -> dict:
 
 
 def write_checkpoint(
-    directory: Path, seed: int = 0, extra=None, drop=(), dspark: bool = False
+    directory: Path, seed: int = 0, extra=None, drop=(), dspark: bool = False, shape=None
 ) -> dict:
-    """Writes the reduced checkpoint; returns the exact values it holds, by parameter."""
-    config = V41Config.from_dict(published_tiny(dspark))
+    """Writes the reduced checkpoint; returns the exact values it holds, by parameter.
+    ``shape``: v41-tiny's fields changed (``published_tiny``)."""
+    config = V41Config.from_dict(published_tiny(dspark, shape))
     model = DeepseekV41ForCausalLM(config).init_weights(seed)
     params = model.state_dict()
     shards: tuple[dict, dict] = ({}, {})
@@ -84,7 +85,7 @@ def write_checkpoint(
     for name, value in (extra or {}).items():  # replaces a tensor where it is stored
         (shards[1] if name in shards[1] else shards[0])[name] = value
     save_shards(directory, shards, drop)
-    (directory / "config.json").write_text(json.dumps(published_tiny(dspark), indent=2))
+    (directory / "config.json").write_text(json.dumps(published_tiny(dspark, shape), indent=2))
     return exact
 
 

@@ -20,10 +20,14 @@ from .published_quant import quant_fp4, quant_fp8, save_shards
 from .test_v4_paged import Harness, assert_matches, one_thread_fixture, tokens  # noqa: F401
 
 
-def write_checkpoint(directory, seed=0, extra=None, drop=(), config=None, block=(128, 128)):
+def write_checkpoint(
+    directory, seed=0, extra=None, drop=(), config=None, block=(128, 128), shape=None
+):
     """A reduced V4 checkpoint as published (FP8 in ``block`` tiles); returns the exact weights
-    it holds (by param)."""
-    model = DeepseekV4ForCausalLM(preset_config("v4-tiny")).init_weights(seed)
+    it holds (by param). ``shape``: v4-tiny's fields changed (the model written and, unless
+    ``config`` is given, its config.json)."""
+    shape = shape or {}
+    model = DeepseekV4ForCausalLM(preset_config("v4-tiny", **shape)).init_weights(seed)
     params = model.state_dict()
     shards, exact = ({}, {}), {}
     for name, (param, fmt) in expected_names(model).items():
@@ -44,7 +48,7 @@ def write_checkpoint(directory, seed=0, extra=None, drop=(), config=None, block=
     shards[0].update(extra or {})
     save_shards(directory, shards, drop)
     published = PRESETS["v4-flash"]["quantization_config"]
-    cfg = dict(PRESETS["v4-tiny"], expert_dtype="fp4", quantization_config=published)
+    cfg = dict(PRESETS["v4-tiny"], **shape, expert_dtype="fp4", quantization_config=published)
     (directory / "config.json").write_text(json.dumps(config or cfg))
     return exact
 

@@ -21,30 +21,44 @@ Formats:
 Scales are E8M0 exponent bytes (``float8_e8m0fnu`` or uint8) or float multipliers.
 
 The whole check runs before anything is copied: a refused checkpoint leaves the model as it was.
-Values are dequantized at load to the parameter's dtype, except into an FP8 target (an
-``Fp8Linear``'s ``float8_e4m3fn`` weight, its scale beside it as ``X.weight_scale``): an FP8
-tensor stored in the layout's block goes there byte for byte with its scale; any other stored
-format is decoded and quantized (``fp8_weight_quant``).
+Values are dequantized at load to the parameter's dtype, except into a stored-precision target,
+whose scale is beside its weight as ``X.weight_scale``:
+
+* an FP8 target (an ``Fp8Linear``'s ``float8_e4m3fn`` weight): an FP8 tensor stored in the
+  layout's block goes there byte for byte with its scale; any other stored format is decoded
+  and quantized (``fp8_weight_quant``);
+* an FP4 target (an ``Fp4Linear``'s uint8 codes, uint8 E8M0 scales): an FP4 tensor with E8M0
+  scales goes there byte for byte; any other is decoded and quantized (``fp4_weight_quant``),
+  and refused (``WeightLoadError``, once the tensors before it are copied) unless that gives
+  its values back exactly.
+
+Tensor parallelism (``shards``): a target that holds slice ``index`` of ``parts`` of a stored
+tensor along ``dim`` has only that slice read, and of its scale only the blocks (FP8) or groups
+(FP4, along K) the slice covers. A slice that starts and ends on block boundaries is copied byte
+for byte as above; one that cuts a block (a dense target only: ``tensor_parallel.check_split``
+refuses such splits of stored-precision targets) is dequantized from the covering blocks.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Callable, Mapping
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors import safe_open
 
 from atom.models.common.formats import (
     FP4_GROUP,
-    dequant_fp4,
-    dequant_fp8,
     e8m0_to_float,
     fp4_shapes,
+    fp4_weight_quant,
     fp8_scale_shape,
     fp8_weight_quant,
+    unpack_fp4,
 )
 from atom.models.common.weights import WeightLoadError
 
@@ -188,7 +202,7 @@ def load_published(
                 found[name] = (f, sl.get_dtype(), tuple(sl.get_shape()))
 
     def whole(param: str) -> tuple[int, ...]:
-        shape = list(params[param].shape)
+        shape = list(_logical_shape(params, param))
         if param in shards:
             dim, _, parts = shards[param]
             shape[dim] *= parts
@@ -223,45 +237,129 @@ def load_published(
     by_file: dict[Path, list[str]] = {}
     for name in expected:
         by_file.setdefault(found[name][0], []).append(name)
-    for f, names in by_file.items():
-        with safe_open(str(f), framework="pt") as sf:
+    with ExitStack() as stack:
+        files = {f: stack.enter_context(safe_open(str(f), framework="pt")) for f in _files(path)}
+        read = _Reader(files, found)
+        for names in by_file.values():
             for name in names:
                 param, fmt = expected[name]
-                target = params[param]
-                if target.dtype == torch.float8_e4m3fn:
-                    if param in shards:
-                        raise WeightLoadError(f"{param}: FP8 weights are not sharded across ranks")
-                    _load_fp8(layout, sf, f, name, found, target, params[param + "_scale"])
-                    continue
-                value = _decode(layout, sf, f, name, fmt, found)
+                cut, want = None, whole(param)
                 if param in shards:
                     dim, index, parts = shards[param]
-                    value = value.chunk(parts, dim)[index]
-                target = params[param]
-                target.copy_(value.to(device=target.device, dtype=target.dtype))
+                    n = want[dim] // parts
+                    cut = (dim, index * n, (index + 1) * n)
+                _load(layout, read, name, fmt, params, param, cut, want)
     return unread
 
 
-def _scale_of(sf, file: Path, name: str, found: dict) -> torch.Tensor:
+#: (dim, first, end) of a tensor's logical elements a target holds; None: all of it
+Cut = tuple[int, int, int] | None
+
+
+def _target_kind(params: Mapping[str, torch.Tensor], param: str) -> str:
+    """FP8 (an ``Fp8Linear``'s weight), FP4 (an ``Fp4Linear``'s codes: uint8 beside uint8
+    scales) or BF16 (any dense tensor, whatever its dtype)."""
+    target, scale = params[param], params.get(param + "_scale")
+    if target.dtype == torch.float8_e4m3fn:
+        return FP8
+    if target.dtype == torch.uint8 and scale is not None and scale.dtype == torch.uint8:
+        return FP4
+    return BF16
+
+
+def _logical_shape(params: Mapping[str, torch.Tensor], param: str) -> tuple[int, ...]:
+    """The shape of the values a target holds (an FP4 target packs two per byte)."""
+    shape = tuple(params[param].shape)
+    if _target_kind(params, param) == FP4:
+        return shape[:-1] + (shape[-1] * 2,)
+    return shape
+
+
+class _Reader:
+    """Stored tensors, whole or a slice along one dimension, from whichever open file holds
+    them (a quantized tensor's scale may be in another shard). ``__call__(name, cut)``: ``cut``
+    is (dim, first, end) in stored elements (an FP4 tensor's bytes: two values each)."""
+
+    def __init__(self, files: dict, found: dict):
+        self.files, self.found = files, found
+
+    def __call__(self, name: str, cut: Cut = None) -> torch.Tensor:
+        file, dtype, _ = self.found[name]
+        if dtype == "F4":
+            return _read_f4(file, name, cut)
+        sf = self.files[file]
+        if cut is None:
+            return sf.get_tensor(name)
+        dim, first, end = cut
+        return sf.get_slice(name)[(slice(None),) * dim + (slice(first, end),)]
+
+
+def _blocks(cut: Cut, block: tuple[int, ...]) -> tuple[Cut, int]:
+    """(the cut of the scale tensor covering ``cut``'s blocks, the offset of ``cut`` in its
+    first block)."""
+    if cut is None:
+        return None, 0
+    dim, first, end = cut
+    b = block[dim]
+    return (dim, first // b, -(-end // b)), first - first // b * b
+
+
+def _expand(scale: torch.Tensor, block: tuple[int, int], cut: Cut, shape) -> torch.Tensor:
+    """Per-element float32 scales of a slice of ``shape`` from its covering blocks' scales."""
+    s = e8m0_to_float(scale).repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)
+    _, offset = _blocks(cut, block)
+    dim = cut[0] if cut is not None else 0
+    return s.narrow(dim, offset, shape[dim]).narrow(1 - dim, 0, shape[1 - dim])
+
+
+def _aligned(cut: Cut, block: tuple[int, ...], size: int) -> bool:
+    """Whether ``cut`` starts on a block boundary and ends on one (or at the tensor's end)."""
+    if cut is None:
+        return True
+    dim, first, end = cut
+    return first % block[dim] == 0 and (end % block[dim] == 0 or end == size)
+
+
+def _load(layout, read: _Reader, name: str, fmt: str, params, param: str, cut: Cut, want) -> None:
+    """Fill ``params[param]`` (and its ``_scale`` for a stored-precision target) from stored
+    tensor ``name`` (of logical shape ``want``), or from the part of it ``cut`` names."""
+    target, kind = params[param], _target_kind(params, param)
+    stored = _STORED.get(read.found[name][1], BF16)
+    size = want[cut[0]] if cut is not None else 0
     sname = scale_name(name)
-    if found[sname][0] == file:
-        return sf.get_tensor(sname)
-    with safe_open(str(found[sname][0]), framework="pt") as other:
-        return other.get_tensor(sname)
+    if kind == FP8 and stored == FP8 and fmt != FP8_ROWS:
+        block, scale = layout.fp8_block, params[param + "_scale"]
+        fits = tuple(scale.shape) == fp8_scale_shape(tuple(target.shape), block)
+        if fits and _aligned(cut, block, size):
+            target.copy_(read(name, cut).view(torch.float8_e4m3fn).to(target.device))
+            scale.copy_(e8m0_to_float(read(sname, _blocks(cut, block)[0])).to(scale.device))
+            return
+    if kind == FP4 and stored == FP4 and read.found[sname][1] in ("F8_E8M0", "U8"):
+        group, scale = (1, layout.fp4_group), params[param + "_scale"]
+        if _aligned(cut, group, size):
+            target.copy_(read(name, _packed(cut)).view(torch.uint8).to(target.device))
+            scale.copy_(read(sname, _blocks(cut, group)[0]).view(torch.uint8).to(scale.device))
+            return
+    value = _decode(layout, read, name, fmt, cut)
+    if kind == FP8:
+        _quantize_fp8(layout, name, value, target, params[param + "_scale"])
+    elif kind == FP4:
+        _quantize_fp4(layout, name, value, target, params[param + "_scale"])
+    else:
+        target.copy_(value.to(device=target.device, dtype=target.dtype))
 
 
-def _load_fp8(layout, sf, file: Path, name: str, found: dict, weight, scale) -> None:
-    """Fill an FP8 target (``weight`` e4m3, ``scale`` float32 per block) from tensor ``name``:
-    the stored bytes when it is FP8 in the target's block, else its value quantized."""
+def _packed(cut: Cut) -> Cut:
+    """A cut of FP4 values as a cut of their bytes (two per byte along K)."""
+    if cut is None or cut[0] == 0:
+        return cut
+    return (cut[0], cut[1] // 2, -(-cut[2] // 2))
+
+
+def _quantize_fp8(layout, name: str, value: torch.Tensor, weight, scale) -> None:
+    """An FP8 target filled from decoded values (``fp8_weight_quant`` in the layout's block)."""
     block = layout.fp8_block
-    if _STORED.get(found[name][1], BF16) == FP8 and tuple(scale.shape) == fp8_scale_shape(
-        tuple(weight.shape), block
-    ):
-        weight.copy_(sf.get_tensor(name).view(torch.float8_e4m3fn).to(weight.device))
-        scale.copy_(e8m0_to_float(_scale_of(sf, file, name, found)).to(scale.device))
-        return
-    value = _decode(layout, sf, file, name, FP8, found).float()
-    q, s = fp8_weight_quant(value, block)
+    q, s = fp8_weight_quant(value.float(), block)
     if tuple(s.shape) != tuple(scale.shape):
         raise WeightLoadError(
             f"tensor {name}: the FP8 linear's scales are {list(scale.shape)}, the layout's "
@@ -271,37 +369,58 @@ def _load_fp8(layout, sf, file: Path, name: str, found: dict, weight, scale) -> 
     scale.copy_(s.to(scale.device))
 
 
-def _decode(layout, sf, file: Path, name: str, fmt: str, found: dict) -> torch.Tensor:
-    """One published tensor as float (or int64), its scale read from whichever shard holds it."""
-    raw = _read_f4(file, name) if found[name][1] == "F4" else sf.get_tensor(name)
-    stored = _STORED.get(found[name][1], BF16)
+def _quantize_fp4(layout, name: str, value: torch.Tensor, weight, scale) -> None:
+    """An FP4 target filled from decoded values, which must be FP4 values (exactly)."""
+    value = value.float()
+    packed, exponent = fp4_weight_quant(value, layout.fp4_group)
+    back = unpack_fp4(packed) * e8m0_to_float(exponent).repeat_interleave(layout.fp4_group, 1)
+    if not torch.equal(back, value):
+        raise WeightLoadError(
+            f"tensor {name} holds values that are not FP4 values, so the FP4 expert it loads "
+            "into cannot keep them; use weight_dtype bf16, or a checkpoint whose experts are "
+            "stored as FP4"
+        )
+    weight.copy_(packed.to(weight.device))
+    scale.copy_(exponent.to(scale.device))
+
+
+def _decode(layout, read: _Reader, name: str, fmt: str, cut: Cut = None) -> torch.Tensor:
+    """One published tensor (or the part ``cut`` names) as float (or int64), reading only the
+    scale blocks it covers."""
+    file, dtype, _ = read.found[name]
+    stored = _STORED.get(dtype, BF16)
     if stored not in (FP8, FP4):
-        return raw
+        return read(name, cut)
     sname = scale_name(name)
-    if found[sname][0] == file:
-        scale = sf.get_tensor(sname)
-    else:
-        with safe_open(str(found[sname][0]), framework="pt") as other:
-            scale = other.get_tensor(sname)
     if stored == FP4:
-        return dequant_fp4(raw, scale, layout.fp4_group)
+        group = (1, layout.fp4_group)
+        raw = read(name, _packed(cut))
+        values = unpack_fp4(raw)
+        if cut is not None and cut[0] == 1:  # an odd first column starts in a byte's high half
+            values = values[:, cut[1] % 2 : cut[1] % 2 + cut[2] - cut[1]]
+        return values * _expand(read(sname, _blocks(cut, group)[0]), group, cut, values.shape)
     block = (1, layout.fp8_block[1]) if fmt == FP8_ROWS else layout.fp8_block
-    return dequant_fp8(raw, scale, block)
+    raw = read(name, cut).float()
+    return raw * _expand(read(sname, _blocks(cut, block)[0]), block, cut, raw.shape)
 
 
-def _read_f4(file: Path, name: str) -> torch.Tensor:
-    """An ``F4`` tensor's bytes as uint8 [..., n/2], read from the file's header offsets.
+def _read_f4(file: Path, name: str, cut: Cut = None) -> torch.Tensor:
+    """An ``F4`` tensor's bytes as uint8 [..., n/2] (or the part ``cut`` names, in bytes), read
+    from the file's header offsets.
 
     safetensors 0.8 cannot hand an ``F4`` tensor to torch (it sizes ``float4_e2m1fn_x2``, two
     values per element, as one value per element), so the bytes are read directly: an 8-byte
-    little-endian header length, the JSON header, then the data the offsets index.
+    little-endian header length, the JSON header, then the data the offsets index. A part is
+    read through a memory map, so only its bytes are copied.
     """
     with open(file, "rb") as fh:
         header_len = int.from_bytes(fh.read(8), "little")
         entry = json.loads(fh.read(header_len))[name]
-        begin, end = entry["data_offsets"]
-        fh.seek(8 + header_len + begin)
-        data = bytearray(fh.read(end - begin))
+    begin, end = entry["data_offsets"]
     shape = list(entry["shape"])
     shape[-1] //= 2
-    return torch.frombuffer(data, dtype=torch.uint8).reshape(shape)
+    data = np.memmap(file, dtype=np.uint8, mode="r", offset=8 + header_len + begin, shape=shape)
+    if cut is not None:
+        dim, first, stop = cut
+        data = data[(slice(None),) * dim + (slice(first, stop),)]
+    return torch.from_numpy(np.array(data))  # a copy: the map is closed with it

@@ -22,6 +22,7 @@ bf16``) takes it unrounded, as the FP8 linears' twins do.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 
 import torch
@@ -49,7 +50,8 @@ class Fp4Linear(nn.Module):
     """A bias-free linear with a packed FP4 weight. Buffers: ``weight`` uint8 [out, in/2],
     ``weight_scale`` uint8 [out, in/32] (E8M0). ``dtype``: the compute dtype around it (outputs
     come back in the input's). Call sites must not read ``weight`` as numbers:
-    ``dequantized()`` gives them.
+    ``dequantized()`` gives them. ``in_features`` and ``out_features`` are the weight's (a
+    tensor-parallel rank's slice, once split).
 
     ``act_block``: its input is rounded to E4M3 per that many values along K first
     (``round_input``), as DeepSeek's ``fp4_gemm(act_quant(x, block), w)`` computes (the
@@ -74,8 +76,7 @@ class Fp4Linear(nn.Module):
                 f"an FP4 linear rounding its input per {act_block} needs in_features divisible "
                 f"by it; got {in_features}"
             )
-        self.in_features, self.out_features, self.dtype = in_features, out_features, dtype
-        self.act_block = act_block
+        self.dtype, self.act_block = dtype, act_block
         self.register_buffer(
             "weight", torch.zeros(out_features, in_features // 2, dtype=torch.uint8, device=device)
         )
@@ -85,6 +86,29 @@ class Fp4Linear(nn.Module):
                 (out_features, in_features // FP4_GROUP), 127, dtype=torch.uint8, device=device
             ),
         )
+
+    @property
+    def in_features(self) -> int:
+        return self.weight.shape[1] * 2
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.shape[0]
+
+    def tp_companions(self, name: str) -> tuple[str, ...]:
+        """What splits with ``name`` across tensor-parallel ranks, along the same dimension
+        (``atom.models.common.tensor_parallel``): the weight's group scales."""
+        return ("weight_scale",) if name == "weight" else ()
+
+    def tp_granule(self, dim: int) -> tuple[int, str]:
+        """(what a rank's slice along ``dim`` must be a multiple of, why): any rows; along K
+        whole scale groups (and whole input-rounding blocks, ``act_block``)."""
+        what = f"packed FP4, one E8M0 scale per {FP4_GROUP} inputs"
+        if self.act_block is not None:
+            what += f", inputs rounded to E4M3 per {self.act_block}"
+        if dim == 0:
+            return 1, what
+        return math.lcm(FP4_GROUP, self.act_block or 1), what
 
     @classmethod
     @torch.no_grad()
@@ -139,11 +163,13 @@ def quantize_fp4_linears(
     *,
     exact: bool = False,
     act_block: int | None = None,
+    empty: bool = False,
 ) -> int:
     """Replace each named ``nn.Linear`` by its ``Fp4Linear``; returns how many. ``exact``: the
     weights must already be FP4 values (a checkpoint's, dequantized by its loader), and a
     weight that quantizing would change raises ValueError naming it (before any replacement).
-    ``act_block``: each rounds its input to E4M3 per that many values (``Fp4Linear``)."""
+    ``act_block``: each rounds its input to E4M3 per that many values (``Fp4Linear``).
+    ``empty``: left for a loader to fill (nothing quantized; a model on ``meta`` too)."""
     mods = {name: model.get_submodule(name) for name in names}
     group = FP4_GROUP if act_block is None else max(FP4_GROUP, act_block)
     bad = [f"{n} ({m.in_features})" for n, m in mods.items() if m.in_features % group]
@@ -153,8 +179,16 @@ def quantize_fp4_linears(
             f"the input rounding's block {act_block}); not so for {', '.join(bad[:5])}. Use "
             "weight_dtype bf16"
         )
-    new = {name: Fp4Linear.from_linear(module, act_block) for name, module in mods.items()}
-    if exact:
+    if empty:
+        new = {
+            name: Fp4Linear(
+                m.weight.shape[1], m.weight.shape[0], m.weight.dtype, m.weight.device, act_block
+            )
+            for name, m in mods.items()
+        }
+    else:
+        new = {name: Fp4Linear.from_linear(module, act_block) for name, module in mods.items()}
+    if exact and not empty:
         changed = [
             n for n, m in new.items() if not torch.equal(m.dequantized(), mods[n].weight.float())
         ]

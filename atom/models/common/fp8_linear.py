@@ -43,7 +43,8 @@ class Fp8Linear(nn.Module):
     Buffers: ``weight`` ``float8_e4m3fn`` [out, in] and ``weight_scale`` float32
     [ceil(out/bo), in/bi] (powers of two). ``dtype`` is the compute dtype of the layers around
     it (the dtype outputs come back in is the input's). Call sites must not read ``weight`` as
-    numbers: ``dequantized()`` gives them.
+    numbers: ``dequantized()`` gives them. ``in_features`` and ``out_features`` are the
+    weight's (a tensor-parallel rank's slice, once split).
     """
 
     def __init__(
@@ -60,7 +61,6 @@ class Fp8Linear(nn.Module):
                 f"an FP8 linear needs in_features divisible by the block's {block[1]} "
                 f"columns (activations are quantized per {block[1]}); got {in_features}"
             )
-        self.in_features, self.out_features = in_features, out_features
         self.block, self.dtype = (int(block[0]), int(block[1])), dtype
         self.register_buffer(
             "weight",
@@ -68,6 +68,26 @@ class Fp8Linear(nn.Module):
         )
         shape = fp8_scale_shape((out_features, in_features), self.block)
         self.register_buffer("weight_scale", torch.ones(shape, dtype=torch.float32, device=device))
+
+    @property
+    def in_features(self) -> int:
+        return self.weight.shape[1]
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.shape[0]
+
+    def tp_companions(self, name: str) -> tuple[str, ...]:
+        """What splits with ``name`` across tensor-parallel ranks, along the same dimension
+        (``atom.models.common.tensor_parallel``): the weight's block scales."""
+        return ("weight_scale",) if name == "weight" else ()
+
+    def tp_granule(self, dim: int) -> tuple[int, str]:
+        """(what a rank's slice along ``dim`` must be a multiple of, why): the weight block's
+        side along it, so each rank holds whole blocks and their scales (and, along K, rounds
+        its input per the same blocks)."""
+        bo, bi = self.block
+        return self.block[dim], f"E4M3 in {bo} x {bi} blocks, one scale per block"
 
     @classmethod
     @torch.no_grad()
