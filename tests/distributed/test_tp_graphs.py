@@ -12,19 +12,9 @@ import pytest
 from atom import LLM, SamplingParams
 from atom.distributed import ranks
 from atom.models.common.graphs import EagerBackend
+from tests.distributed.test_tp_drafts import KW
 from tests.engine.test_speculative import prompts_of
 
-KW = dict(
-    block_size=16,
-    num_blocks=48,
-    max_num_seqs=4,
-    max_num_batched_tokens=64,
-    dtype="float32",
-    kv_dtype="fp32",
-    index_dtype="fp32",
-    device="cpu",
-    tensor_parallel_size=2,
-)
 GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
 
 
