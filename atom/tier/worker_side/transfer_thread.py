@@ -351,7 +351,7 @@ class TransferThread:
                 done.append(op)
                 continue
             if finished:
-                engine = isinstance(fut, EngineSave) and not fut.via_server
+                engine = isinstance(fut, EngineSave) and fut.server is None  # no store sent
                 self._finish(
                     op, ok, "" if ok else (fut.error if engine else "") or "server returned False"
                 )
