@@ -163,6 +163,7 @@ class EngineConfig(BaseModel):
             self.lmcache.resolved_chunk(self.block_size)
         if self.offload == "lmcache_mp":
             self.lmcache.load_path(self.tensor_parallel_size)  # engine_driven: one rank only
+            self.lmcache.save_path(self.tensor_parallel_size)  # the same
         if self.block_size is not None and self.max_num_batched_tokens < self.block_size:
             raise ValueError(
                 f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= "
@@ -279,9 +280,11 @@ class EngineConfig(BaseModel):
                 self.lmcache.resolved_chunk(block)
             except ValueError as exc:
                 raise EngineConfigError(str(exc)) from None
-            # auto decided: engine_driven on one rank, lmcache_driven across ranks
+            # auto decided (loads and saves): engine_driven on one rank, lmcache_driven across
+            # ranks
             load_mode, _ = lmcache.load_path(self.tensor_parallel_size)
-            lmcache = lmcache.model_copy(update=dict(load_mode=load_mode))
+            save_mode, _ = lmcache.save_path(self.tensor_parallel_size)
+            lmcache = lmcache.model_copy(update=dict(load_mode=load_mode, save_mode=save_mode))
         return self.model_copy(
             update=dict(
                 device=device,

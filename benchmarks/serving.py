@@ -427,6 +427,7 @@ def idle(args) -> None:
         lmcache={
             "l1_size_gb": args.l1_gb,
             "load_mode": args.load_mode,
+            "save_mode": getattr(args, "save_mode", "lmcache_driven"),
             "tp_rank_collapse": getattr(args, "rank_collapse", "auto"),
         },
     )
@@ -490,6 +491,7 @@ def speculative(args, prompts: list[list[int]]) -> int:
         lmcache={
             "l1_size_gb": args.l1_gb,
             "load_mode": args.load_mode,
+            "save_mode": getattr(args, "save_mode", "lmcache_driven"),
             "tp_rank_collapse": getattr(args, "rank_collapse", "auto"),
         },
     )
@@ -726,6 +728,13 @@ def main() -> None:
         "server (lmcache.load_mode; auto: the engine on one rank, the server across ranks)",
     )
     ap.add_argument(
+        "--save-mode",
+        choices=("auto", "engine_driven", "lmcache_driven"),
+        default="lmcache_driven",
+        help="who copies tier saves: the engine, into space the server reserved in its "
+        "shared-memory L1, or the server (lmcache.save_mode; default lmcache_driven)",
+    )
+    ap.add_argument(
         "--tensor-parallel-size",
         type=int,
         default=1,
@@ -771,6 +780,7 @@ def main() -> None:
         lmcache={
             "l1_size_gb": args.l1_gb,
             "load_mode": args.load_mode,
+            "save_mode": getattr(args, "save_mode", "lmcache_driven"),
             "tp_rank_collapse": getattr(args, "rank_collapse", "auto"),
         },
     )

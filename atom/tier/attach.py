@@ -62,6 +62,8 @@ class LMCacheTier:
         self.policy = TierPolicy.of(config, self.tp_size)
         self.load_mode, why = config.load_path(self.tp_size)
         log.info("tier loads: %s (%s)", self.load_mode, why)
+        self.save_mode, why = config.save_path(self.tp_size)
+        log.info("tier saves: %s (%s)", self.save_mode, why)
         self.server: LMCacheServer | None = None
         url = config.url
         if url is None:
@@ -71,7 +73,7 @@ class LMCacheTier:
                 l2_adapters=config.l2_adapters,
                 l2_store_policy=config.l2_store_policy,
                 l2_prefetch_policy=config.l2_prefetch_policy,
-                shared_l1=self.load_mode == "engine_driven",
+                shared_l1="engine_driven" in (self.load_mode, self.save_mode),
             )
             try:
                 t0 = time.monotonic()
@@ -130,6 +132,23 @@ class LMCacheTier:
                 mappings=self.mappings,
             )
             local = LocalLoads(spec, pool_tensor, self.chunk)
+        self.saves = None
+        if self.policy.engine_saves:
+            from atom.tier.worker_side.local_save import EngineSaves
+
+            self.saves = EngineSaves(
+                url=url,
+                zmq_context=self.ctx,
+                namespace=self.namespace,
+                world_size=self.world_size,
+                worker_id=0,
+                pool=pool_tensor,
+                block_size=block_size,
+                chunk_size=self.chunk,
+                units_per_image=spec.units_per_image,
+                rpc_timeout_s=config.rpc_timeout_s,
+                transfer_timeout_s=config.transfer_timeout_s,
+            )
         self.transfers = TransferThread(
             url=url,
             namespace=self.namespace,
@@ -140,6 +159,7 @@ class LMCacheTier:
             zmq_context=self.ctx,
             on_outcome=settled.post,
             server_alive=(lambda: self.server.running) if self.server is not None else None,
+            saves=self.saves,
         )
         if ranks is not None:
             from atom.tier.worker_side.rank_tier import RankTierSpec
@@ -198,6 +218,17 @@ class LMCacheTier:
             lambda: {(("kind", k),): n for k, n in sorted(self.lookups.calls.items())},
             kind="counter",
         )
+        if self.saves is not None:
+            saves = self.saves
+            metrics.gauge(
+                "tier_local_saves_total",
+                "Engine-driven saves by outcome: copied (into the server's L1, committed), "
+                "resident (the server held every object already), via_server (the server "
+                "stored it: reserve refused, no module, segment not mapped yet), aborted (late "
+                "before its copy), failed.",
+                lambda: {(("outcome", k),): n for k, n in sorted(saves.counts.items())},
+                kind="counter",
+            )
         self.supervisor: ServerSupervisor | None = None
         if self.server is not None:
             self.supervisor = ServerSupervisor(self.server).start()
@@ -208,6 +239,8 @@ class LMCacheTier:
                 kind="counter",
             )
         self.lookups.start()
+        if self.saves is not None:
+            self.saves.start_probe(config.rpc_timeout_s)
         # across ranks a rank's first registration can time out (on CUDA the server opens
         # another device's memory) and is retried: wait for the retry too
         wait_s = config.rpc_timeout_s + 2 if ranks is None else 3 * config.rpc_timeout_s + 10
@@ -274,6 +307,7 @@ class LMCacheTier:
             "l2_prefetch_policy": self.cfg.l2_prefetch_policy if self.cfg.l2_adapters else None,
             "server_metrics_url": self.server_metrics.url,
             "load_mode": self._load_mode(),
+            "save_mode": self._save_mode(),
             "tensor_parallel": self._tensor_parallel(),
         }
 
@@ -294,6 +328,15 @@ class LMCacheTier:
                 return "lmcache_driven (engine-driven loads run on one rank only)"
             return "lmcache_driven"
         return self.locator.mode
+
+    def _save_mode(self) -> str:
+        """engine_driven when saves are copied by the engine (lmcache_driven: by the server;
+        the resolved ``save_mode``, logged at attach with its reason)."""
+        if self.saves is None:
+            if self.tp_size > 1:
+                return "lmcache_driven (engine-driven saves run on one rank only)"
+            return "lmcache_driven"
+        return self.saves.mode
 
     def release(self) -> None:
         """What must not outlive the process, when ``shutdown`` cannot finish in time: stop

@@ -46,8 +46,16 @@ class OffloadConfig(BaseModel):
     # without the locate module, on another host, or an answer older than located_max_age_s);
     # one rank only. lmcache_driven: the server copies every load. auto: engine_driven with
     # one rank, lmcache_driven across ranks (EngineConfig.resolved, so --print-config, shows
-    # which). Saves are lmcache_driven either way.
+    # which). Saves follow save_mode.
     load_mode: Literal["auto", "engine_driven", "lmcache_driven"] = "auto"
+    # who copies a save out of the pool (``save_path``). engine_driven: the server module
+    # reserves space in the server's shared-memory L1 (atom.reserve), the engine copies the
+    # save's objects into it itself and commits them (atom.commit); a reserve refused, a server
+    # without the module (or on another host), the segment not mapped yet: that save is the
+    # server's store. lmcache_driven: the server copies every save (its store). auto:
+    # engine_driven with one rank, lmcache_driven across ranks. The default stays
+    # lmcache_driven until engine-driven saves are measured on a GPU.
+    save_mode: Literal["auto", "engine_driven", "lmcache_driven"] = "lmcache_driven"
     # a located answer older than this is loaded through the server, which checks the objects
     # are still there (the server's read locks lapse after its --l1-read-ttl-seconds, 300 s)
     located_max_age_s: float = 120.0
@@ -155,6 +163,35 @@ class OffloadConfig(BaseModel):
             )
         if not self.load:
             why = f"lmcache.load=false: nothing is loaded ({why})"
+        return mode, why
+
+    def save_path(self, tp_size: int) -> tuple[str, str]:
+        """(save mode, why) for an engine of ``tp_size`` ranks: ``auto`` resolved, and
+        ``engine_driven`` across ranks refused (the engine's copies are built for one rank)."""
+        mode = self.save_mode
+        if mode == "engine_driven" and tp_size > 1:
+            raise EngineConfigError(
+                f"lmcache.save_mode=engine_driven with tensor_parallel_size={tp_size}: "
+                "engine-driven saves run on one rank only; use save_mode auto (lmcache_driven "
+                "across ranks) or lmcache_driven"
+            )
+        if mode == "auto":
+            mode = "engine_driven" if tp_size == 1 else "lmcache_driven"
+        if tp_size > 1:
+            why = (
+                f"tensor_parallel_size={tp_size}: engine-driven saves run on one rank only, so "
+                "every rank's part of a save is the server's store"
+            )
+        elif mode == "lmcache_driven":
+            why = "lmcache.save_mode=lmcache_driven: the server copies every save"
+        else:
+            why = (
+                "one rank: the engine copies each save into space the server reserved in its "
+                "shared-memory L1 and commits it, through the server where it cannot "
+                "(/health tier.save_mode)"
+            )
+        if not self.save:
+            why = f"lmcache.save=false: nothing is saved ({why})"
         return mode, why
 
     def rank_collapse(self, tp_size: int, rank_replicated: bool) -> bool:

@@ -13,6 +13,10 @@ One object answers each question, and each question is asked at the one place th
                  engine_driven on one rank, lmcache_driven across ranks) and loads on: loads
                  are local copies located by the server module; otherwise the server copies
                  every load.
+  engine_saves   ``save_mode`` resolved to engine_driven (``OffloadConfig.save_path``) and saves
+                 on: a save is copied by the engine into space the server module reserved in
+                 its shared-memory L1 (worker_side/local_save.py); otherwise the server copies
+                 every save (its store).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ class TierPolicy:
     may_store: bool
     may_load: bool
     engine_copies: bool
+    engine_saves: bool = False
 
     @classmethod
     def of(cls, config: OffloadConfig, tp_size: int = 1) -> TierPolicy:
@@ -34,8 +39,10 @@ class TierPolicy:
         are built for one rank: across ranks every rank's part is a retrieve, and an explicit
         ``engine_driven`` is refused, by ``OffloadConfig.load_path``)."""
         mode, _ = config.load_path(tp_size)
+        save_mode, _ = config.save_path(tp_size)
         return cls(
             may_store=config.save,
             may_load=config.load,
             engine_copies=mode == "engine_driven" and config.load,
+            engine_saves=save_mode == "engine_driven" and config.save,
         )

@@ -73,3 +73,50 @@ def test_the_tier_logs_its_load_mode_once_at_start(lmcache_server, make_llm, cap
     assert len(lines) == 1 and lines[0].levelno == logging.INFO
     assert lines[0].getMessage().startswith("tier loads: engine_driven (one rank: ")
     assert llm.engine.tier_health()["load_mode"].startswith(("engine_driven", "probing"))
+
+
+# ---- who copies a save (``lmcache.save_mode``): the same rules, lmcache_driven by default ----
+
+
+def test_save_mode_defaults_to_the_servers_stores_and_auto_resolves_by_ranks():
+    default = OffloadConfig()
+    assert default.save_mode == "lmcache_driven"
+    mode, why = default.save_path(1)
+    assert mode == "lmcache_driven" and "lmcache.save_mode=lmcache_driven" in why
+    mode, why = OffloadConfig(save_mode="auto").save_path(1)
+    assert mode == "engine_driven" and why.startswith("one rank")
+    mode, why = OffloadConfig(save_mode="auto").save_path(2)
+    assert mode == "lmcache_driven" and "tensor_parallel_size=2" in why
+    assert "lmcache.save=false" in OffloadConfig(save=False).save_path(1)[1]
+    assert not TierPolicy.of(OffloadConfig(), 1).engine_saves
+    assert TierPolicy.of(OffloadConfig(save_mode="engine_driven"), 1).engine_saves
+    assert not TierPolicy.of(OffloadConfig(save_mode="auto"), 2).engine_saves
+    assert not TierPolicy.of(OffloadConfig(save_mode="engine_driven", save=False), 1).engine_saves
+
+
+def test_save_mode_is_resolved_in_the_config_and_refused_across_ranks():
+    assert EngineConfig(**TIER_KW).resolved().lmcache.save_mode == "lmcache_driven"
+    auto = dict(lmcache={"save_mode": "auto"})
+    assert EngineConfig(**TIER_KW, **auto).resolved().lmcache.save_mode == "engine_driven"
+    two = EngineConfig(**TIER_KW, **auto, tensor_parallel_size=2).resolved()
+    assert two.lmcache.save_mode == "lmcache_driven"
+    with pytest.raises(EngineConfigError) as err:
+        EngineConfig.build(
+            **TIER_KW, tensor_parallel_size=2, lmcache={"save_mode": "engine_driven"}
+        )
+    msg = str(err.value)
+    assert "lmcache.save_mode=engine_driven with tensor_parallel_size=2" in msg
+    assert "use save_mode auto" in msg
+
+
+def test_the_tier_logs_its_save_mode_once_at_start(lmcache_server, make_llm, caplog):
+    with caplog.at_level(logging.INFO, logger="atom.offload"):
+        llm = make_llm(**tier(lmcache_server, save_mode="engine_driven"))
+        llm.generate(prompts_of([40], seed=78), GREEDY)
+    lines = [r for r in caplog.records if r.getMessage().startswith("tier saves:")]
+    assert len(lines) == 1 and lines[0].levelno == logging.INFO
+    assert lines[0].getMessage().startswith("tier saves: engine_driven (one rank: ")
+    assert llm.engine.tier_health()["save_mode"].startswith(("engine_driven", "probing"))
+    plain = make_llm(**tier(lmcache_server))
+    assert plain.engine.tier_health()["save_mode"] == "lmcache_driven"
+    assert plain.engine.tier.saves is None

@@ -152,6 +152,24 @@ def test_load_mode_flag_sets_the_tier_config_and_refuses_unknown_modes():
     assert "lmcache.load_mode='server'" in r.stderr and "engine_driven" in r.stderr
 
 
+def test_save_mode_flag_sets_the_tier_config_prints_it_and_refuses_unknown_modes():
+    r = run_cli(*TINY_FLAGS[:2], "--offload", "lmcache_mp", "--print-config")
+    assert r.returncode == 0, r.stderr
+    assert yaml.safe_load(r.stdout)["lmcache"]["save_mode"] == "lmcache_driven"  # the default
+    r = run_cli(
+        *TINY_FLAGS[:2], "--offload", "lmcache_mp", "--lmcache-save-mode", "auto",
+        "--print-config",
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert yaml.safe_load(r.stdout)["lmcache"]["save_mode"] == "engine_driven"  # one rank
+    r = run_cli(
+        *TINY_FLAGS[:2], "--offload", "lmcache_mp", "--lmcache-save-mode", "engine",
+        "--print-config",
+    )  # fmt: skip
+    assert r.returncode == 2
+    assert "lmcache.save_mode='engine'" in r.stderr and "engine_driven" in r.stderr
+
+
 def test_rank_collapse_flag_sets_the_tier_config_and_refuses_unknown_values():
     r = run_cli(
         *TINY_FLAGS[:2], "--offload", "lmcache_mp", "--tensor-parallel-size", "2",

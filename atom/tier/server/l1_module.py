@@ -17,15 +17,17 @@ Wire format (msgpack maps, both ways), version ``LOCATE_VERSION``:
   request  {v, model_name, world_size, worker_id, request_id, token_ids, start, end, groups}
            groups: [[object_group_id, last_n]] -- last_n < 0: every chunk, else the last n
   answer   {v, found, error, shm_name, shm_size, shm_dev, shm_ino, boot_id, server_id,
-            lookup_locate, objects: [[[offset, length], ...] per asked group]}
+            lookup_locate, saves, objects: [[[offset, length], ...] per asked group]}
 The segment's device and inode and the host's boot id let the engine prove that the file it
 maps is this server's segment on this host (a name alone could be another server's). Every
 answer also carries ``lookup_locate``: the version of ``atom.lookup_locate`` this server serves
 (``lookup_locate.py``: LMCache's lookup and this locate in one call), 0 for none; a module
-without the key (older) serves none.
+without the key (older) serves none. ``saves`` likewise: the version of ``atom.reserve``,
+``atom.commit`` and ``atom.abort`` served (``l1_saves.py``: engine-driven saves).
 
-The factory composes both methods; with ``"config": {"lookup_locate": false}`` in the
-``--server-module`` spec it composes ``atom.locate`` alone (as an older module did).
+The factory composes these methods; with ``"config": {"lookup_locate": false}`` in the
+``--server-module`` spec it leaves out ``atom.lookup_locate`` (as an older module did), with
+``"saves": false`` the saves' methods.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ class L1Locator:
         self.calls = 0
         self.misses = 0
         self.lookup_locate = 0  # the atom.lookup_locate version served beside (the factory's)
+        self.saves = 0  # the atom.reserve/commit/abort version served beside (the factory's)
         self._segment: dict | None = None
 
     def _segment_identity(self) -> dict:
@@ -100,6 +103,7 @@ class L1Locator:
             **self._segment_identity(),
             "server_id": self.server_id,
             "lookup_locate": self.lookup_locate,
+            "saves": self.saves,
             "objects": [],
         }
         if req.get("v") != LOCATE_VERSION:
@@ -157,14 +161,25 @@ def boot_id() -> str:
 
 
 def build_server_modules(build_context) -> list:
-    """The factory ``--server-module`` names (lmcache's default factory name): ``atom.locate``
-    and, unless the spec's config says ``"lookup_locate": false``, ``atom.lookup_locate``."""
+    """The factory ``--server-module`` names (lmcache's default factory name): ``atom.locate``;
+    unless the spec's config says ``"lookup_locate": false``, ``atom.lookup_locate``; unless it
+    says ``"saves": false``, ``atom.reserve``, ``atom.commit`` and ``atom.abort``
+    (``l1_saves.py``; ``"reap_interval_s"`` sets how often it releases abandoned
+    reservations)."""
+    from atom.tier.server.l1_saves import DEFAULT_REAP_INTERVAL_S, L1Saves
     from atom.tier.server.lookup_locate import LookupLocator, lookup_handlers
 
+    config = build_context.config
     locator = L1Locator(build_context.server_context)
-    if not build_context.config.get("lookup_locate", True):
-        return [locator]
-    handlers = lookup_handlers(build_context.modules)
-    combined = LookupLocator(build_context.server_context, handlers, locator)
-    locator.lookup_locate = combined.version
-    return [locator, combined]
+    modules: list = [locator]
+    if config.get("lookup_locate", True):
+        handlers = lookup_handlers(build_context.modules)
+        combined = LookupLocator(build_context.server_context, handlers, locator)
+        locator.lookup_locate = combined.version
+        modules.append(combined)
+    if config.get("saves", True):
+        interval = float(config.get("reap_interval_s", DEFAULT_REAP_INTERVAL_S))
+        saves = L1Saves(build_context.server_context, locator, interval)
+        locator.saves = saves.version
+        modules.append(saves)
+    return modules

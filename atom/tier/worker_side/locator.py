@@ -30,9 +30,12 @@ session end sent after a lookup is applied after it, as with LMCache's own calls
 **The L1 mapping** (``L1Mapping``, ``Mappings``): the LMCache server's shared-memory L1, mapped
 into the engine for engine-driven loads.
 
-A mapping is read-only (``PROT_READ``: the engine can never write the server's cache) and, on
+A load's mapping is read-only (``PROT_READ``: loads can never write the server's cache) and, on
 CUDA, registered with the driver (``cudaHostRegister``, read-only flag), so host-to-device
-copies from it run at pinned-memory speed on the engine's own stream.
+copies from it run at pinned-memory speed on the engine's own stream. Engine-driven saves
+(``local_save.py``) map the same segment a second time, writable (``writable=True``), and write
+through that mapping only into spans the server reserved for them; the loads' mapping stays
+read-only.
 
 Identity: the server's locate answer names the segment with its size, device, inode and the
 host's boot id. A mapping is made only of a file whose ``fstat`` matches all of them, so the
@@ -66,6 +69,7 @@ log = logging.getLogger("atom.offload")
 SHM_DIR = "/dev/shm"
 # cudaHostRegisterPortable | cudaHostRegisterReadOnly: pinned for every device, never written
 CUDA_HOST_REGISTER_FLAGS = 1 | 8
+CUDA_HOST_REGISTER_WRITABLE = 1  # cudaHostRegisterPortable (saves write the mapping)
 
 
 @dataclass(frozen=True)
@@ -91,16 +95,20 @@ class SegmentError(RuntimeError):
 
 
 class L1Mapping:
-    """One server's L1 segment, mapped read-only; ``data`` is a uint8 tensor over it."""
+    """One server's L1 segment, mapped read-only (``writable``: read-write, for saves);
+    ``data`` is a uint8 tensor over it."""
 
-    def __init__(self, ident: SegmentId, device: torch.device, local_boot_id: str):
+    def __init__(
+        self, ident: SegmentId, device: torch.device, local_boot_id: str, writable: bool = False
+    ):
         if not ident.name or "/" in ident.name:
             raise SegmentError(f"the server names no usable segment ({ident.name!r})")
         if ident.boot_id != local_boot_id:
             raise SegmentError("the segment is on another host")
         self.ident = ident
+        self.writable = writable
         path = os.path.join(SHM_DIR, ident.name)
-        fd = os.open(path, os.O_RDONLY)
+        fd = os.open(path, os.O_RDWR if writable else os.O_RDONLY)
         try:
             st = os.fstat(fd)
             if (st.st_dev, st.st_ino, st.st_size) != (ident.dev, ident.ino, ident.size):
@@ -111,28 +119,29 @@ class L1Mapping:
                 )
             # not populated: page tables for a large L1 would take seconds; a CPU load pays a
             # minor fault on its first read of a page (on CUDA the registration pins them)
-            self._mm = mmap.mmap(fd, ident.size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+            prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+            self._mm = mmap.mmap(fd, ident.size, flags=mmap.MAP_SHARED, prot=prot)
         finally:
             os.close(fd)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # read-only buffer: never written
             self.data = torch.frombuffer(self._mm, dtype=torch.uint8)
+        flags = CUDA_HOST_REGISTER_WRITABLE if writable else CUDA_HOST_REGISTER_FLAGS
         self.pinned = False
         self.register_s = 0.0
         if device.type == "cuda":
             t0 = time.monotonic()
             with torch.cuda.device(device):
-                rc = torch.cuda.cudart().cudaHostRegister(
-                    self.data.data_ptr(), ident.size, CUDA_HOST_REGISTER_FLAGS
-                )
+                rc = torch.cuda.cudart().cudaHostRegister(self.data.data_ptr(), ident.size, flags)
             self.pinned = int(rc) == 0
             self.register_s = time.monotonic() - t0
             if not self.pinned:
                 clear_cuda_error()
                 log.warning(
-                    "cudaHostRegister of %s failed (error %s): loads copy from pageable memory",
+                    "cudaHostRegister of %s failed (error %s): %s pageable memory",
                     path,
                     int(rc),
+                    "saves copy to" if writable else "loads copy from",
                 )
         self.in_flight = 0  # copies from this mapping not known complete (step thread)
         self.closed = False
@@ -178,8 +187,9 @@ class Mappings:
     seconds, which no lookup should wait for); until it is mapped, ``for_answer`` returns
     None and loads go through the server."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, writable: bool = False):
         self.device = torch.device(device)
+        self.writable = writable  # saves' mappings (local_save.py); loads' are read-only
         self.boot_id = boot_id()
         self._lock = threading.Lock()
         self.current: L1Mapping | None = None
@@ -199,7 +209,8 @@ class Mappings:
         if ident.boot_id != self.boot_id:
             raise SegmentError(
                 "the LMCache server runs on another host (its boot id differs): engine-driven "
-                "loads need the server on this host; use lmcache.load_mode=lmcache_driven"
+                "loads and saves need the server on this host; use lmcache.load_mode="
+                "lmcache_driven (and save_mode=lmcache_driven)"
             )
         with self._lock:
             if ident in self._failed:
@@ -215,7 +226,7 @@ class Mappings:
 
     def _map(self, ident: SegmentId) -> None:
         try:
-            mapping = L1Mapping(ident, self.device, self.boot_id)
+            mapping = L1Mapping(ident, self.device, self.boot_id, self.writable)
         except Exception as exc:
             with self._lock:
                 self._failed[ident] = f"cannot map the server's L1 {ident.name}: {exc}"
@@ -223,8 +234,9 @@ class Mappings:
             log.warning("%s", self._failed[ident])
             return
         log.info(
-            "mapped LMCache L1 %s (%.2f GiB%s)",
+            "mapped LMCache L1 %s%s (%.2f GiB%s)",
             ident.name,
+            " for saves (writable)" if self.writable else "",
             ident.size / 2**30,
             f", registered with CUDA in {mapping.register_s:.2f} s" if mapping.pinned else "",
         )

@@ -14,6 +14,11 @@ server has been healthy again for a grace period without answering it, or until 
 server process is known dead: a resumed server answers within milliseconds, so silence after
 that means the process that held the op is gone. A run of refused saves while "healthy"
 (a restart the heartbeat missed) replaces the adapter with a fresh registration.
+
+Engine-driven saves (``saves``, ``local_save.EngineSaves``): the saves queued in a round are
+reserved in one call to the server module, and each op's future is an ``EngineSave`` that
+copies and commits it (or hands it to the server's store, ``_store_via_server``), polled in the
+same rounds under the same deadlines; the round's commits go out together at its end.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from atom.tier.config import OffloadConfig
 from atom.tier.operations import OpState, TransferOp, WorkerHealth
 from atom.tier.worker_side.backoff import ConnectBackoff
 from atom.tier.worker_side.layout import SpecShape, build_spec, group_infos, kv_caches
+from atom.tier.worker_side.local_save import EngineSave
 
 log = logging.getLogger("atom.offload")
 
@@ -38,7 +44,12 @@ REFUSALS_BEFORE_REREGISTER = 3
 
 def fail_future(fut) -> None:
     """Resolve a future the server will never answer, so adapter.shutdown() cannot hang on it
-    (``set_result``, not ``set_exception``: a stored traceback pins the adapter's frames)."""
+    (``set_result``, not ``set_exception``: a stored traceback pins the adapter's frames); an
+    engine-driven save gives up (``EngineSave.give_up``)."""
+    give_up = getattr(fut, "give_up", None)
+    if give_up is not None:
+        give_up()
+        return
     raw = getattr(fut, "raw_future_", None)
     try:
         if raw is not None and not raw.query():
@@ -62,6 +73,7 @@ class TransferThread:
         on_outcome: Callable[[TransferOp], None],
         server_alive: Callable[[], bool] | None = None,
         poll_interval_s: float = 0.0005,
+        saves=None,
     ):
         self.url, self.namespace, self.world_size = url, namespace, world_size
         self.worker_id = worker_id  # this rank's worker in the keys (0 with rank collapse)
@@ -69,6 +81,9 @@ class TransferThread:
         self.ctx, self.on_outcome = zmq_context, on_outcome
         self.server_alive = server_alive
         self.poll_interval_s = poll_interval_s
+        self.saves = saves  # local_save.EngineSaves: engine-driven saves (None: the server's)
+        if saves is not None:
+            saves.fallback = self._store_via_server
         self._cond = threading.Condition()
         self._queue: deque[TransferOp] = deque()
         self._inflight: list[TransferOp] = []
@@ -248,14 +263,18 @@ class TransferThread:
         self._ensure_adapter()
 
     def _submit_queued(self) -> None:
+        engine_saves: list[TransferOp] = []
         while True:
             with self._cond:
                 if not self._queue:
-                    return
+                    break
                 op = self._queue.popleft()
             adapter = self.health.adapter
             if adapter is None or not adapter.is_healthy:
                 self._finish(op, False, "tier unavailable")
+                continue
+            if op.kind == "save" and self.saves is not None and self.saves.ready:
+                engine_saves.append(op)
                 continue
             try:
                 spec = build_spec(op, self.shape)
@@ -275,6 +294,40 @@ class TransferThread:
             op.mark_submitted(fut)
             with self._cond:
                 self._inflight.append(op)
+        if engine_saves:
+            self._reserve(engine_saves)
+
+    def _reserve(self, ops: list[TransferOp]) -> None:
+        """Engine-driven saves: one reserve call for ``ops`` (if it cannot be sent, each is
+        the server's store)."""
+        try:
+            futures = self.saves.reserve(ops)
+        except Exception as exc:
+            log.debug("reserve not sent (%r): the server stores %d saves", exc, len(ops))
+            futures = []
+            for op in ops:
+                try:
+                    futures.append(self._store_via_server(op))
+                except Exception as err:
+                    self._finish(op, False, f"refused: {err!r}")
+                    futures.append(None)
+        for op, fut in zip(ops, futures):
+            if fut is None:
+                continue
+            op.reached_server = True
+            op.mark_submitted(fut)
+            with self._cond:
+                self._inflight.append(op)
+
+    def _store_via_server(self, op: TransferOp):
+        """The server's store of ``op`` (its future); raises when it cannot be sent."""
+        adapter = self.health.adapter
+        if adapter is None or not adapter.is_healthy:
+            raise RuntimeError("tier unavailable")
+        fut = adapter.submit_store_request(op.lmc_id, build_spec(op, self.shape), op.event)
+        if fut is None:
+            raise RuntimeError("adapter unhealthy at submit")
+        return fut
 
     def _poll_round(self) -> None:
         adapter = self.health.adapter
@@ -298,8 +351,13 @@ class TransferThread:
                 done.append(op)
                 continue
             if finished:
-                self._finish(op, ok, "" if ok else "server returned False")
-                if op.kind == "save" and not op.was_late:
+                engine = isinstance(fut, EngineSave) and fut.server is None  # no store sent
+                self._finish(
+                    op, ok, "" if ok else (fut.error if engine else "") or "server returned False"
+                )
+                # a refused store of the server's (an engine-driven save's refusals are the
+                # module's, not a sign of a lost registration)
+                if op.kind == "save" and not op.was_late and not engine:
                     self._refusals = 0 if ok else self._refusals + 1
                 done.append(op)
             elif op.state is OpState.IN_FLIGHT and now > op.deadline:
@@ -318,6 +376,8 @@ class TransferThread:
                 done.append(op)
         with self._cond:
             self._inflight = [op for op in self._inflight if op not in done]
+        if self.saves is not None:
+            self.saves.flush()  # this round's commits and aborts, one call each
         if healthy and self._refusals >= REFUSALS_BEFORE_REREGISTER:
             self._replace_adapter()
 
@@ -335,6 +395,11 @@ class TransferThread:
         for op in left:
             fail_future(op.future)
             self._finish(op, False, "abandoned at shutdown")
+        if self.saves is not None:
+            try:
+                self.saves.close()  # aborts what is reserved, unmaps
+            except Exception:
+                log.warning("closing engine-driven saves failed", exc_info=True)
         for adapter in [*self._old_adapters, self.health.adapter]:
             if adapter is None:
                 continue
