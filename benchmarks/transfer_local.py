@@ -57,7 +57,8 @@ class EngineDriven:
             mappings=self.mappings,
         )
         t0 = time.perf_counter()
-        self.locator.prepare(30.0)
+        self.locator.start_probe(30.0)
+        self.locator.wait_probed(30.0)
         self.mappings.wait_mapped(300.0)
         self.map_s = time.perf_counter() - t0
         if self.locator.unsupported or self.mappings.current is None:

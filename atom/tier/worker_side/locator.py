@@ -221,7 +221,7 @@ class Mappings:
             self._thread = threading.Thread(
                 target=self._map, args=(ident,), name="atom-lmcache-l1-map", daemon=True
             )
-        self._thread.start()
+            self._thread.start()  # under the lock: nobody sees (and joins) it unstarted
         return None
 
     def _map(self, ident: SegmentId) -> None:
@@ -252,7 +252,8 @@ class Mappings:
 
     def wait_mapped(self, timeout_s: float) -> bool:
         """Wait for a mapping in progress (benchmarks, tests); True if one is current."""
-        thread = self._thread
+        with self._lock:  # a thread is published started (for_answer starts it under the lock)
+            thread = self._thread
         if thread is not None:
             thread.join(timeout_s)
         return self.current is not None
@@ -268,8 +269,9 @@ class Mappings:
     def close_all(self, timeout_s: float = 30.0) -> None:
         with self._lock:
             self._closed = True
-        if self._thread is not None:
-            self._thread.join(timeout_s)  # a mapping finishing later closes itself
+            thread = self._thread
+        if thread is not None:
+            thread.join(timeout_s)  # a mapping finishing later closes itself
         with self._lock:
             every = [*self._retired, *([self.current] if self.current else [])]
             self._retired, self.current = [], None
@@ -450,6 +452,16 @@ class Locator:
             target=self._probe, args=(timeout_s,), name="atom-locate-probe", daemon=True
         )
         self._probe_thread.start()
+
+    def wait_probed(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for the probe to find out (module or not); True if it did.
+        For tools that need the answer before their first hit (the engine never waits)."""
+        deadline = time.monotonic() + timeout_s
+        while not (self._known.is_set() or self.unsupported):
+            if time.monotonic() >= deadline:
+                return False
+            self._known.wait(min(0.1, max(0.0, deadline - time.monotonic())))
+        return True
 
     def _probe(self, timeout_s: float) -> None:
         """The probe, on its own zmq context (closing the tier's never waits for it). A probe
