@@ -6,7 +6,7 @@
 #          tier_only idle
 #          train forward_v4 roofline_v4 serving_v4 speculative_v4 fp8_gemm roofline_fp8
 #          invariant_cost invariant_sweep serving_invariant determinism precision_agreement
-#          fp4_sweep
+#          fp4_sweep transfer_saves serving_saves
 # cuda_ops builds lmcache.cuda_ops from lmcache's sources against this machine's torch
 # (benchmarks/gpu/build_cuda_ops.py); once built (build/ stays while the machine is warm, or
 # carried back), every later step's LMCache server uses it.
@@ -66,6 +66,12 @@ for s in "$@"; do
       && cp build/lmcache_cuda_ops/cuda_ops.so "$RESULTS"/ ;;
     transfer_modes) step 200 python3 -m benchmarks.transfer --device cuda --chunks 1 4 16 28 \
       --repeats 5 --burst 16 --name transfer_h200_load_modes ;;
+    transfer_saves)  # saves in both save modes (server's store vs the engine's copy into L1)
+      step "${SAVES_LIMIT:-240}" python3 -m benchmarks.transfer_saves --device cuda \
+        --chunks 1 4 16 28 --repeats 5 --burst 16 --name transfer_saves_h200 ;;
+    serving_saves)  # the serving preset with engine-driven saves (compare: serving)
+      step 585 python3 -m benchmarks.serving --preset gpu --save-mode engine_driven \
+        --name serving_h200_engine_saves ;;
     transfer_native) step 150 python3 -m benchmarks.transfer --device cuda --chunks 1 4 16 28 \
       --repeats 5 --burst 16 --name transfer_h200_native ;;
     speculative) step "${SPEC_LIMIT:-300}" python3 -m benchmarks.speculative --device cuda \
