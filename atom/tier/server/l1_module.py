@@ -38,6 +38,8 @@ import uuid
 import msgspec
 from lmcache.v1.multiprocess.ext_server_module import server_module_handler
 
+from atom.tier.server.host import boot_id
+
 LOCATE_METHOD = "atom.locate"
 LOCATE_VERSION = 1
 
@@ -149,15 +151,6 @@ class L1Locator:
             answer["objects"].append(spans)
         answer["found"] = True
         return answer
-
-
-def boot_id() -> str:
-    """This host's boot id (Linux): equal in two processes only on the same host and boot."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return f.read().strip()
-    except OSError:
-        return ""
 
 
 def build_server_modules(build_context) -> list:

@@ -57,6 +57,8 @@ from dataclasses import dataclass
 import msgspec
 from lmcache.v1.multiprocess.ext_server_module import server_module_handler
 
+from atom.tier.server.host import boot_id
+
 log = logging.getLogger("atom.l1_saves")
 
 RESERVE_METHOD = "atom.reserve"
@@ -321,7 +323,5 @@ class L1Saves:
 
 def own_identity() -> dict:
     """What an engine sends as ``owner``: its pid, its start time and the host's boot id."""
-    from atom.tier.server.l1_module import boot_id
-
     seen = process_start(os.getpid())
     return {"pid": os.getpid(), "start": seen[1] if seen else -1, "boot_id": boot_id()}

@@ -162,8 +162,6 @@ class EngineSave:
         """The server that held this save is gone (or the engine shuts down): resolve it
         failed, discard its reservation if the server can still hear it."""
         if self.state == "server":
-            from atom.tier.worker_side.transfer_thread import fail_future
-
             fail_future(self.server)
             return
         if self.state == "done":
@@ -646,3 +644,19 @@ class EngineSaves:
             aborted.wait(min(1.0, self.rpc_timeout_s))
         self._reset_client()
         self.mappings.close_all()
+
+
+def fail_future(fut) -> None:
+    """Resolve a future the server will never answer, so adapter.shutdown() cannot hang on it
+    (``set_result``, not ``set_exception``: a stored traceback pins the adapter's frames); an
+    engine-driven save gives up (``EngineSave.give_up``)."""
+    give_up = getattr(fut, "give_up", None)
+    if give_up is not None:
+        give_up()
+        return
+    raw = getattr(fut, "raw_future_", None)
+    try:
+        if raw is not None and not raw.query():
+            raw.set_result((b"", False))
+    except Exception:  # already resolved by the server in the meantime
+        pass

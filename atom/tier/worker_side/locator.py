@@ -62,7 +62,7 @@ import msgspec
 import torch
 
 from atom.tier.operations import LookupOp, OpState
-from atom.tier.server.l1_module import boot_id
+from atom.tier.server.host import boot_id
 
 log = logging.getLogger("atom.offload")
 

@@ -35,27 +35,11 @@ from atom.tier.config import OffloadConfig
 from atom.tier.operations import OpState, TransferOp, WorkerHealth
 from atom.tier.worker_side.backoff import ConnectBackoff
 from atom.tier.worker_side.layout import SpecShape, build_spec, group_infos, kv_caches
-from atom.tier.worker_side.local_save import EngineSave
+from atom.tier.worker_side.local_save import EngineSave, fail_future
 
 log = logging.getLogger("atom.offload")
 
 REFUSALS_BEFORE_REREGISTER = 3
-
-
-def fail_future(fut) -> None:
-    """Resolve a future the server will never answer, so adapter.shutdown() cannot hang on it
-    (``set_result``, not ``set_exception``: a stored traceback pins the adapter's frames); an
-    engine-driven save gives up (``EngineSave.give_up``)."""
-    give_up = getattr(fut, "give_up", None)
-    if give_up is not None:
-        give_up()
-        return
-    raw = getattr(fut, "raw_future_", None)
-    try:
-        if raw is not None and not raw.query():
-            raw.set_result((b"", False))
-    except Exception:  # already resolved by the server in the meantime
-        pass
 
 
 class TransferThread:
