@@ -162,13 +162,23 @@ class EngineConfig(BaseModel):
         if self.block_size is not None and self.offload == "lmcache_mp":
             self.lmcache.resolved_chunk(self.block_size)
         if self.offload == "lmcache_mp":
-            self.lmcache.load_path(self.tensor_parallel_size)  # engine_driven: one rank only
+            # engine_driven across ranks: with rank collapse only
+            self.lmcache.load_path(self.tensor_parallel_size, self._tier_collapse())
         if self.block_size is not None and self.max_num_batched_tokens < self.block_size:
             raise ValueError(
                 f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= "
                 f"block_size={self.block_size} (prefill chunks end on the block grid)"
             )
         return self
+
+    def _tier_collapse(self) -> bool:
+        """Whether the tier's ranks share one stored copy (``OffloadConfig.rank_collapse``;
+        the split models' tier bytes are the same on every rank)."""
+        if self.tensor_parallel_size == 1:
+            return False
+        from atom.distributed.split_models import TIER_BYTES_REPLICATED
+
+        return self.lmcache.rank_collapse(self.tensor_parallel_size, TIER_BYTES_REPLICATED)
 
     # ---- construction -------------------------------------------------------------------
 
@@ -279,8 +289,9 @@ class EngineConfig(BaseModel):
                 self.lmcache.resolved_chunk(block)
             except ValueError as exc:
                 raise EngineConfigError(str(exc)) from None
-            # auto decided: engine_driven on one rank, lmcache_driven across ranks
-            load_mode, _ = lmcache.load_path(self.tensor_parallel_size)
+            # auto decided: engine_driven on one rank and across ranks with rank collapse,
+            # lmcache_driven across ranks without it
+            load_mode, _ = lmcache.load_path(self.tensor_parallel_size, self._tier_collapse())
             lmcache = lmcache.model_copy(update=dict(load_mode=load_mode))
         return self.model_copy(
             update=dict(
