@@ -32,7 +32,7 @@ from atom.distributed.broadcast_runtime import RankFailure
 from atom.tier.server.admin import clear_server
 from atom.tier.server.lmcache_server import LMCacheServer
 from tests.distributed.test_tp_engine import KW, alive
-from tests.offload.test_engine_driven import mapped
+from tests.offload.test_engine_driven import double_frees, mapped
 from tests.offload.test_two_pass import ceiling, prompts_of
 
 BLOCK = KW["block_size"]
@@ -99,6 +99,7 @@ def two_pass(collapse: str, model: str = "v41-tiny"):
         clear_server(server.url, ctx, 10.0)  # drops only objects no read lock holds
         ctx.term()
         left = l1_bytes(server)
+        assert double_frees(server) == 0, "a read lock was released twice"
     finally:
         server.stop()
     return out1, out2, health1, health2, stored, left, log.lines
@@ -330,8 +331,10 @@ def test_a_located_copy_rank_1_refuses_fails_the_load_and_releases_every_lock(mo
         clear_server(server.url, ctx, 10.0)  # drops only objects no read lock holds
         ctx.term()
         left = l1_bytes(server)
+        frees = double_frees(server)
     finally:
         server.stop()
+    assert frees == 0, "a read lock was released twice"
     assert [o.token_ids for o in out2] == [o.token_ids for o in out1]
     assert [o.token_ids for o in out3] == [o.token_ids for o in out1]
     r0, r1 = refused
