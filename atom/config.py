@@ -162,14 +162,24 @@ class EngineConfig(BaseModel):
         if self.block_size is not None and self.offload == "lmcache_mp":
             self.lmcache.resolved_chunk(self.block_size)
         if self.offload == "lmcache_mp":
-            self.lmcache.load_path(self.tensor_parallel_size)  # engine_driven: one rank only
-            self.lmcache.save_path(self.tensor_parallel_size)  # the same
+            # engine_driven across ranks: loads with rank collapse only; saves one rank only
+            self.lmcache.load_path(self.tensor_parallel_size, self._tier_collapse())
+            self.lmcache.save_path(self.tensor_parallel_size)
         if self.block_size is not None and self.max_num_batched_tokens < self.block_size:
             raise ValueError(
                 f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= "
                 f"block_size={self.block_size} (prefill chunks end on the block grid)"
             )
         return self
+
+    def _tier_collapse(self) -> bool:
+        """Whether the tier's ranks share one stored copy (``OffloadConfig.rank_collapse``;
+        the split models' tier bytes are the same on every rank)."""
+        if self.tensor_parallel_size == 1:
+            return False
+        from atom.distributed.split_models import TIER_BYTES_REPLICATED
+
+        return self.lmcache.rank_collapse(self.tensor_parallel_size, TIER_BYTES_REPLICATED)
 
     # ---- construction -------------------------------------------------------------------
 
@@ -280,9 +290,9 @@ class EngineConfig(BaseModel):
                 self.lmcache.resolved_chunk(block)
             except ValueError as exc:
                 raise EngineConfigError(str(exc)) from None
-            # auto decided (loads and saves): engine_driven on one rank, lmcache_driven across
-            # ranks
-            load_mode, _ = lmcache.load_path(self.tensor_parallel_size)
+            # auto decided: loads engine_driven on one rank and across ranks with rank
+            # collapse, lmcache_driven across ranks without it; saves engine_driven on one rank
+            load_mode, _ = lmcache.load_path(self.tensor_parallel_size, self._tier_collapse())
             save_mode, _ = lmcache.save_path(self.tensor_parallel_size)
             lmcache = lmcache.model_copy(update=dict(load_mode=load_mode, save_mode=save_mode))
         return self.model_copy(

@@ -725,7 +725,8 @@ def main() -> None:
         choices=("auto", "engine_driven", "lmcache_driven"),
         default="auto",
         help="who copies tier loads: the engine, from the server's shared-memory L1, or the "
-        "server (lmcache.load_mode; auto: the engine on one rank, the server across ranks)",
+        "server (lmcache.load_mode; auto: the engine on one rank and across ranks with rank "
+        "collapse, the server across ranks without it)",
     )
     ap.add_argument(
         "--save-mode",

@@ -59,8 +59,10 @@ class LMCacheTier:
         self.cfg = config
         self.chunk = config.resolved_chunk(block_size)
         self.tp_size = ranks.world_size if ranks is not None else 1
-        self.policy = TierPolicy.of(config, self.tp_size)
-        self.load_mode, why = config.load_path(self.tp_size)
+        replicated = ranks.rank_replicated if ranks is not None else True
+        self.rank_collapse = config.rank_collapse(self.tp_size, replicated)
+        self.policy = TierPolicy.of(config, self.tp_size, self.rank_collapse)
+        self.load_mode, why = config.load_path(self.tp_size, self.rank_collapse)
         log.info("tier loads: %s (%s)", self.load_mode, why)
         self.save_mode, why = config.save_path(self.tp_size)
         log.info("tier saves: %s (%s)", self.save_mode, why)
@@ -101,8 +103,6 @@ class LMCacheTier:
         self.server_metrics = ServerMetrics(
             self.server.metrics_url if self.server is not None else config.metrics_url
         )
-        replicated = ranks.rank_replicated if ranks is not None else True
-        self.rank_collapse = config.rank_collapse(self.tp_size, replicated)
         self.world_size = 1 if self.rank_collapse else self.tp_size  # in the keys
         self.namespace = namespace(
             model=model,
@@ -178,6 +178,7 @@ class LMCacheTier:
                     offload=config.model_dump(include=set(fields)),
                     pool_shape=tuple(pool_tensor.shape),
                     pool_dtype=str(pool_tensor.dtype),
+                    engine_loads=self.policy.engine_copies,  # with rank collapse only
                 ),
                 on_outcome=settled.post,
             )
@@ -190,7 +191,8 @@ class LMCacheTier:
             zmq_context=self.ctx,
             on_outcome=settled.post,
             locator=self.locator,
-            # with one copy for every rank, each rank's retrieve releases one read lock
+            # with one copy for every rank, one read lock per loading rank: each rank's
+            # retrieve releases one; an engine-driven load's single free releases them all
             readers=self.tp_size if self.rank_collapse else 1,
         )
         self.connector = OffloadConnector(
@@ -324,8 +326,8 @@ class LMCacheTier:
         """engine_driven when loads are copied by the engine (lmcache_driven: by the server;
         the resolved ``load_mode``, logged at attach with its reason)."""
         if self.locator is None:
-            if self.tp_size > 1:
-                return "lmcache_driven (engine-driven loads run on one rank only)"
+            if self.tp_size > 1 and not self.rank_collapse:
+                return "lmcache_driven (across ranks without rank collapse)"
             return "lmcache_driven"
         return self.locator.mode
 

@@ -124,6 +124,8 @@ class TransferOp(_Settles):
     # releases the lookup's read locks that retrieve holds itself, whether it succeeds or not
     reached_server: bool = False
     reported: bool = False  # the step thread has acted on its outcome
+    copied_at: float | None = None  # an engine-driven load: when rank 0's copy completed
+    locks_freed: bool = False  # an engine-driven load: its span's read locks were freed
     future: Any = None  # transfer thread only
     _leased: bool = False
     _lock: threading.Lock = field(default_factory=threading.Lock)

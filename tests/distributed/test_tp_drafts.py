@@ -74,13 +74,15 @@ def test_tp2_real_drafts_equal_plain_tokens():
 def test_tp2_drafts_resume_from_one_collapsed_copy_in_the_tier():
     """Pass 2 (a fresh TP=2 engine with drafts, an empty pool) resumes every prompt from the
     tier at the ceiling, from rank 0's one copy (the images carry the draft state), and gives
-    pass 1's tokens; the ranks hold the same bytes after both passes."""
+    pass 1's tokens; the ranks hold the same bytes after both passes. Each rank copies the
+    loads itself out of the server's shared-memory L1 (engine-driven, with rank collapse)."""
     from atom.tier.server.lmcache_server import LMCacheServer
+    from tests.offload.test_engine_driven import mapped
     from tests.offload.test_two_pass import ceiling
 
     prompts = prompts_of([40, 77, 64], seed=8)
     params = SamplingParams(max_tokens=8, ignore_eos=True)
-    server = LMCacheServer(chunk_size=KW["block_size"], l1_size_gb=0.2)
+    server = LMCacheServer(chunk_size=KW["block_size"], l1_size_gb=0.2, shared_l1=True)
     server.start(wait=True)
     passes = []
     try:
@@ -93,14 +95,18 @@ def test_tp2_drafts_resume_from_one_collapsed_copy_in_the_tier():
                 **{**KW, "num_blocks": 64},
             )
             try:
+                if passes:
+                    mapped(llm)  # else pass 2's hits load through the server
                 outs = llm.generate(prompts, params)
                 passes.append((outs, llm.engine.runtime.rank_digests()))
+                ranks = llm.engine.tier.health()["tensor_parallel"]["ranks"]
             finally:
                 llm.shutdown()
     finally:
         server.stop()
     (first, d1), (second, d2) = passes
     assert d1[0] == d1[1] and d2[0] == d2[1]
+    assert [r["loads"]["copied"] for r in ranks] == [len(prompts)] * 2, ranks
     for p, a, b in zip(prompts, first, second):
         assert a.token_ids == b.token_ids
         assert b.tier_hit_tokens == ceiling(len(p)) > 0, (len(p), b.tier_hit_tokens)

@@ -3,10 +3,15 @@ LMCache servers: every rank registers its pool and moves its part of every trans
 
 - Two passes at TP=2, with rank collapse on and off: pass 2 (a fresh engine, an empty pool)
   resumes from the tier at the ceiling and equals pass 1 token for token; each rank loaded
-  every hit; with collapse rank 1 stored nothing, without it as much as rank 0.
+  every hit; with collapse rank 1 stored nothing, without it as much as rank 0. With collapse
+  loads are engine-driven on every rank (each rank copies the located copy out of the
+  server's shared-memory L1: no retrieve), without it every part is the server's retrieve.
+- A located copy rank 1 refuses (a stale answer: another segment) fails the op: the request
+  recomputes on every rank, outputs unchanged, and every read lock is still released.
 - The server's stored bytes with collapse are exactly 1/2 of those without.
-- Every read lock a collapsed lookup took (one per rank) is released by the ranks' loads: a
-  non-forced clear afterwards empties the server's L1.
+- Every read lock a collapsed lookup took (one per rank) is released once every rank copied
+  (one free of rank 0's, which releases every reader's lock): a non-forced clear afterwards
+  empties the server's L1.
 - A rank killed mid-run stops the engine with an error within 30 s; afterwards no rank, no
   owned server and no shared-memory segment is left.
 """
@@ -27,6 +32,7 @@ from atom.distributed.broadcast_runtime import RankFailure
 from atom.tier.server.admin import clear_server
 from atom.tier.server.lmcache_server import LMCacheServer
 from tests.distributed.test_tp_engine import KW, alive
+from tests.offload.test_engine_driven import double_frees, mapped
 from tests.offload.test_two_pass import ceiling, prompts_of
 
 BLOCK = KW["block_size"]
@@ -62,9 +68,10 @@ class LoadPathLog(logging.Handler):
 
 
 def two_pass(collapse: str, model: str = "v41-tiny"):
-    """Pass 1 and pass 2 at TP=2 on a fresh server; returns outputs, health and stored bytes,
-    and the first engine's ``tier loads:`` log lines."""
-    server = LMCacheServer(chunk_size=BLOCK, l1_size_gb=0.2)
+    """Pass 1 and pass 2 at TP=2 on a fresh server (its L1 in shared memory, with atom's
+    module); returns outputs, health and stored bytes, and the first engine's ``tier loads:``
+    log lines."""
+    server = LMCacheServer(chunk_size=BLOCK, l1_size_gb=0.2, shared_l1=True)
     server.start(wait=True)
     log, tier_log = LoadPathLog(), logging.getLogger("atom.offload")
     level = tier_log.level
@@ -83,6 +90,8 @@ def two_pass(collapse: str, model: str = "v41-tiny"):
         second = tp_llm(server, collapse, model)
         # one read lock per loading rank when they share one copy
         assert second.engine.tier.lookups.readers == (2 if collapse == "true" else 1)
+        if collapse == "true":
+            assert mapped(second).ident.name == server.l1_segment  # else hits go via server
         out2 = second.generate(PROMPTS, GREEDY)
         health2 = second.engine.tier.health()
         second.shutdown()
@@ -90,6 +99,7 @@ def two_pass(collapse: str, model: str = "v41-tiny"):
         clear_server(server.url, ctx, 10.0)  # drops only objects no read lock holds
         ctx.term()
         left = l1_bytes(server)
+        assert double_frees(server) == 0, "a read lock was released twice"
     finally:
         server.stop()
     return out1, out2, health1, health2, stored, left, log.lines
@@ -103,11 +113,16 @@ def runs():
 @pytest.mark.parametrize("collapse", ["true", "false"])
 def test_tp2_two_pass_resumes_from_the_tier_on_every_rank(runs, collapse):
     out1, out2, health1, health2, stored, left, load_log = runs[collapse]
-    # loads across ranks go through the server, said once at start (INFO) and in /health
+    # with collapse every rank copies its loads, without it the server does: said once at
+    # start (INFO) and in /health
     [(level, line)] = load_log
     assert level == logging.INFO
-    assert line.startswith("tier loads: lmcache_driven (tensor_parallel_size=2: "), line
-    assert health2["load_mode"] == "lmcache_driven (engine-driven loads run on one rank only)"
+    if collapse == "true":
+        assert line.startswith("tier loads: engine_driven (tensor_parallel_size=2 with "), line
+        assert health2["load_mode"] == "engine_driven"
+    else:
+        assert line.startswith("tier loads: lmcache_driven (tensor_parallel_size=2 without "), line
+        assert health2["load_mode"] == "lmcache_driven (across ranks without rank collapse)"
     tp = health2["tensor_parallel"]
     assert tp["size"] == 2 and tp["rank_collapse"] is (collapse == "true")
     for p, a, b in zip(PROMPTS, out1, out2):
@@ -120,6 +135,9 @@ def test_tp2_two_pass_resumes_from_the_tier_on_every_rank(runs, collapse):
     assert r0["failed"] == r1["failed"] == {"load": 0, "save": 0}
     assert r1["bytes"]["load"] == r0["bytes"]["load"] > 0
     assert "load_ms_p50" in r1, "rank 1's load latency was not recorded"
+    # how each rank's parts moved: copied out of the server's L1, or the server's retrieve
+    how = "copied" if collapse == "true" else "retrieved"
+    assert r0["loads"] == r1["loads"] == {**{"copied": 0, "refused": 0, "retrieved": 0}, how: hits}
     s0, s1 = health1["tensor_parallel"]["ranks"]
     assert s0["parts"]["save"] > 0
     if collapse == "true":
@@ -273,3 +291,56 @@ def test_a_rank_whose_tier_cannot_attach_leaves_the_engine_serving(runs, monkeyp
     assert after[1]["parts"] == {"load": 0, "save": 0}
     left = shm_entries() - before
     assert not left, f"shared-memory segments left behind: {sorted(left)}"
+
+
+def test_a_located_copy_rank_1_refuses_fails_the_load_and_releases_every_lock(monkeypatch):
+    """Rank 1 is sent a stale answer (the segment's inode one off: another file than the one
+    the server describes): it refuses to map it, reports its part refused, the op fails, the
+    request recomputes on every rank (pass 2's tokens equal pass 1's), rank 0's single free
+    still releases every reader's lock (a non-forced clear empties L1), and the next pass
+    copies on both ranks again (rank 1's mapping of the real segment is untouched)."""
+    import dataclasses
+
+    from atom.tier.worker_side.tier_ranks import RankedTransfers
+
+    submit = RankedTransfers.submit_copies
+
+    def stale(self, op, where):
+        ident = dataclasses.replace(where.ident, ino=where.ident.ino + 1)
+        submit(self, op, dataclasses.replace(where, ident=ident))
+
+    server = LMCacheServer(chunk_size=BLOCK, l1_size_gb=0.2, shared_l1=True)
+    server.start(wait=True)
+    try:
+        first = tp_llm(server, "true")
+        out1 = first.generate(PROMPTS, GREEDY)
+        first.shutdown()
+        monkeypatch.setattr(RankedTransfers, "submit_copies", stale)
+        second = tp_llm(server, "true")
+        mapped(second)
+        out2 = second.generate(PROMPTS, GREEDY)
+        refused = second.engine.tier.health()["tensor_parallel"]["ranks"]
+        second.shutdown()
+        monkeypatch.setattr(RankedTransfers, "submit_copies", submit)
+        third = tp_llm(server, "true")
+        mapped(third)
+        out3 = third.generate(PROMPTS, GREEDY)
+        copied = third.engine.tier.health()["tensor_parallel"]["ranks"]
+        third.shutdown()
+        ctx = zmq.Context()
+        clear_server(server.url, ctx, 10.0)  # drops only objects no read lock holds
+        ctx.term()
+        left = l1_bytes(server)
+        frees = double_frees(server)
+    finally:
+        server.stop()
+    assert frees == 0, "a read lock was released twice"
+    assert [o.token_ids for o in out2] == [o.token_ids for o in out1]
+    assert [o.token_ids for o in out3] == [o.token_ids for o in out1]
+    r0, r1 = refused
+    assert r1["loads"]["refused"] == r1["failed"]["load"] == r0["loads"]["copied"] > 0, refused
+    assert r1["loads"]["copied"] == 0 and r1["bytes"]["load"] == 0
+    assert all(o.tier_hit_tokens == 0 for o in out2)  # every hit failed: recomputed
+    r0, r1 = copied
+    assert r0["loads"]["copied"] == r1["loads"]["copied"] > 0 and r1["failed"]["load"] == 0
+    assert left == 0, "a refused copy left a read lock behind"

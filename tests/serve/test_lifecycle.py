@@ -178,7 +178,7 @@ def test_rank_collapse_flag_sets_the_tier_config_and_refuses_unknown_values():
     assert r.returncode == 0, r.stderr
     cfg = yaml.safe_load(r.stdout)
     assert cfg["lmcache"]["tp_rank_collapse"] == "false" and cfg["tensor_parallel_size"] == 2
-    assert cfg["lmcache"]["load_mode"] == "lmcache_driven"  # auto, resolved across ranks
+    assert cfg["lmcache"]["load_mode"] == "lmcache_driven"  # auto, across ranks without collapse
     r = run_cli(
         *TINY_FLAGS[:2], "--offload", "lmcache_mp", "--lmcache-tp-rank-collapse", "yes",
         "--print-config",
@@ -187,13 +187,21 @@ def test_rank_collapse_flag_sets_the_tier_config_and_refuses_unknown_values():
     assert "tp_rank_collapse" in r.stderr and "auto" in r.stderr
 
 
-def test_load_mode_prints_resolved_and_engine_driven_across_ranks_is_refused():
+def test_load_mode_prints_resolved_and_engine_driven_without_collapse_is_refused():
     r = run_cli(*TINY_FLAGS[:2], "--offload", "lmcache_mp", "--print-config")
     assert r.returncode == 0, r.stderr
     assert yaml.safe_load(r.stdout)["lmcache"]["load_mode"] == "engine_driven"  # auto, one rank
     r = run_cli(
         *TINY_FLAGS[:2], "--offload", "lmcache_mp", "--tensor-parallel-size", "2",
-        "--lmcache-load-mode", "engine_driven", "--print-config",
+        "--print-config",
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    # auto across ranks with rank collapse (auto: one shared copy): every rank copies
+    assert yaml.safe_load(r.stdout)["lmcache"]["load_mode"] == "engine_driven"
+    r = run_cli(
+        *TINY_FLAGS[:2], "--offload", "lmcache_mp", "--tensor-parallel-size", "2",
+        "--lmcache-tp-rank-collapse", "false", "--lmcache-load-mode", "engine_driven",
+        "--print-config",
     )  # fmt: skip
     assert r.returncode == 2 and r.stderr.startswith("error: ")
     assert "lmcache.load_mode=engine_driven with tensor_parallel_size=2" in r.stderr

@@ -62,6 +62,15 @@ the copy completed: then the read locks of its span are freed and its latency is
 (from the decision to load to the copy's completion). A located answer that cannot serve the
 load (a server since gone or replaced, too old, objects not what the load expects) sends the
 load through the server instead.
+
+Across ranks (rank collapse: every rank copies the one copy rank 0's lookup located) rank 0
+copies its part the same way and every other rank is sent where the objects sit
+(``RankedTransfers.submit_copies``); the op is terminal when every rank reported its copy,
+so the forward that reads the blocks is sent after every rank copied. A rank that cannot copy
+fails the op (the request recomputes on every rank). The span's read locks (one per rank,
+taken by the lookup) are freed by one free once the op is terminal and rank 0's copy
+completed, on success and on failure alike (``_local_settle``): no rank's part reached the
+server, and LMCache's free releases as many locks per object as its key declares readers.
 """
 
 from __future__ import annotations
@@ -435,15 +444,16 @@ class OffloadConnector(Connector):
                 self._load_failed(st, op, "deadline passed")
             return
         op.reported = True
+        end = self._local_settle if op.local else self._retire
         if op.was_late:  # the request moved on; the quarantine ends
-            self._retire(st, op)
+            end(st, op)
             return
         why = self._check_loaded(op)
         if why is None:
             self._load_done(st, op)
         else:
             self.tier_metrics.loads.inc(outcome="failed")
-            self._retire(st, op)
+            end(st, op)
             self._load_failed(st, op, why)
 
     def _check_loaded(self, op: TransferOp) -> str | None:
@@ -470,7 +480,9 @@ class OffloadConnector(Connector):
         self._remember_stored(op.image)  # it came from the tier
         st.load = None
         self._emitted.append(Loaded(st.seq, op.end, op.image, op.start, tuple(op.page_blocks)))
-        if not op.local:  # a local op is retired when its copy completed (_local_copied)
+        if op.local:  # retired once its copy completed too (_local_settle)
+            self._local_settle(st, op)
+        else:
             self._retire(st, op)
         if st.alive:
             st.saved_upto = max(st.saved_upto, op.end)
@@ -495,8 +507,12 @@ class OffloadConnector(Connector):
         with self._lock:
             st.ops.add(op)
         self.local.copy(located, plan, lambda t, st=st, op=op: self._local_copied(st, op, t))
-        op.resolve(True)
         self.tier_metrics.local_loads.inc(outcome="copied")
+        submit_copies = getattr(self.transfers, "submit_copies", None)
+        if submit_copies is not None:  # across ranks: terminal once every rank copied
+            submit_copies(op, located.where())
+            return True
+        op.resolve(True)
         self._on_load(op)
         return True
 
@@ -513,14 +529,29 @@ class OffloadConnector(Connector):
         return None
 
     def _local_copied(self, st: TierRequest, op: TransferOp, done_at: float) -> None:
-        """The copy completed: free the span's read locks, retire the op."""
+        """Rank 0's copy completed."""
+        op.copied_at = done_at
+        self._local_settle(st, op)
+
+    def _local_settle(self, st: TierRequest, op: TransferOp) -> None:
+        """An engine-driven load ends once rank 0's copy completed and the step thread acted
+        on the op's outcome (across ranks: every rank's part is terminal): the span's read
+        locks are freed (once: one free releases every reader's lock), its latency observed
+        (a load done in time), the op retired."""
+        if op.copied_at is None or not op.reported or op.locks_freed:
+            return
+        op.locks_freed = True
         self.lookups.free_locks(st.lmc_id, op.token_ids, op.start, op.end)
-        self.tier_metrics.latency.observe(done_at - op.created_at, op="load")
+        if op.state is OpState.DONE and not op.was_late:
+            done_at = max(op.copied_at, op.finished_at or op.copied_at)
+            self.tier_metrics.latency.observe(done_at - op.created_at, op="load")
         self._retire(st, op)
 
     def _load_failed(self, st: TierRequest, op: TransferOp, why: str) -> None:
         log.warning("tier load %s failed (%s); recomputing [%d, %d)", op, why, op.start, op.end)
-        if not op.reached_server:  # else the server releases them as its retrieve ends
+        # a retrieve that reached the server releases them as it ends; an engine-driven load
+        # frees them once every copy from them is known complete (_local_settle)
+        if not op.reached_server and not op.local:
             self.lookups.free_locks(st.lmc_id, op.token_ids, op.start, op.end)
         st.load = None
         if st.alive:
@@ -657,6 +688,9 @@ class OffloadConnector(Connector):
                 self.lookups.free_locks(st.lmc_id, lk.token_ids, 0, len(lk.token_ids))
             for op in list(st.ops):
                 op.resolve(False, "shutdown")
+                if op.local:  # a copy that completed: its locks are freed now
+                    op.reported = True
+                    self._local_settle(st, op)
                 self._retire(st, op)
             if st.alive:
                 self._drop_held(st)

@@ -297,6 +297,26 @@ class Located:
     end: int
     at: float  # monotonic time of the answer (the read locks lapse after the server's TTL)
 
+    def where(self) -> Where:
+        """What another process needs to copy the same objects (picklable: no mapping)."""
+        return Where(self.mapping.ident, self.pages, self.image, self.end)
+
+
+@dataclass(frozen=True)
+class Where:
+    """A ``Located`` as it travels to another rank: the segment's identity (which that rank
+    maps itself, identity-checked) and the byte spans of the pages and the image."""
+
+    ident: SegmentId
+    pages: tuple[tuple[int, int], ...]
+    image: tuple[int, int]
+    end: int
+
+    def located(self, mapping: L1Mapping, at: float) -> Located:
+        if mapping.ident != self.ident:
+            raise SegmentError(f"{mapping} is not the segment {self.ident.name} located in")
+        return Located(mapping, self.pages, self.image, self.end, at)
+
 
 @dataclass
 class Call:

@@ -14,7 +14,9 @@ reported its part done). Ops:
 
 Outcomes go back to rank 0 on this rank's own pipe (``conn``), as tuples:
 
-  ("part", op_id, state, ok, error, latency_s)   state: "late" | "done" | "failed"
+  ("part", op_id, state, ok, error, latency_s[, how])
+                                                 state: "late" | "done" | "failed"; how (an
+                                                 engine-driven part): "copied" | "refused"
   ("health", healthy, epoch, last_error)         on every change, and once registered
   ("segment", name)                              the pool's /dev/shm segment ("" on CUDA)
   ("stopped",)
@@ -22,6 +24,16 @@ Outcomes go back to rank 0 on this rank's own pipe (``conn``), as tuples:
 With rank collapse every rank's adapter names worker 0 of a world of 1, so every rank reads
 the one copy rank 0 stored (its lookup took one read lock per reader); without it, rank r is
 worker r of N and reads and writes its own objects.
+
+Engine-driven loads (``spec.engine_loads``: rank collapse, load_mode engine_driven): a load's
+part carries where rank 0's lookup located the objects (``Where``). The rank maps the server's
+shared-memory L1 itself (its own ``Mappings``: read-only, identity-checked against the
+answer; the first part waits for the mapping), checks the objects and the image header
+(``LocalLoads.plan``), copies them into its own pool and reports the part done once the copy
+completed (on CUDA it waits for the copy's event: the first version). A part whose copy cannot
+be made (no mapping, another segment, objects not what the load expects) is reported failed
+("refused"): the op fails and the request recomputes on every rank; never a retrieve, so the
+read locks stay rank 0's to free.
 """
 
 from __future__ import annotations
@@ -38,6 +50,8 @@ from atom.tier.config import OffloadConfig
 from atom.tier.operations import OpState, TransferOp
 from atom.tier.worker_side.events import EventPool
 from atom.tier.worker_side.layout import SpecShape, share_pool, unlink_segment
+from atom.tier.worker_side.local_load import LocalLoads
+from atom.tier.worker_side.locator import Mappings, SegmentError, Where
 from atom.tier.worker_side.transfer_thread import TransferThread
 
 log = logging.getLogger("atom.distributed")
@@ -55,6 +69,7 @@ class RankTierSpec:
     offload: dict  # OffloadConfig fields
     pool_shape: tuple[int, ...]
     pool_dtype: str  # e.g. "torch.uint8"
+    engine_loads: bool = False  # loads are copied from the server's L1 (with collapse only)
 
     def worker_id(self, rank: int) -> int:
         return 0 if self.collapse else rank
@@ -73,6 +88,7 @@ class TierPart:
     end: int
     page_blocks: tuple[int, ...]
     units: tuple[int, ...]
+    where: Where | None = None  # an engine-driven load: where its objects sit (else a retrieve)
 
 
 class _Units:
@@ -100,6 +116,8 @@ class RankTier:
         self.pool: torch.Tensor | None = None
         self.transfers: TransferThread | None = None
         self.events: EventPool | None = None
+        self.mappings: Mappings | None = None
+        self.local: LocalLoads | None = None
         self._health_thread = threading.Thread(
             target=self._watch_health, name=f"atom-tier-health-r{rank}", daemon=True
         )
@@ -115,6 +133,9 @@ class RankTier:
         self.segment = share_pool(self.pool)
         self._send(("segment", self.segment))  # rank 0 removes it if this rank dies
         self.events = EventPool(self.pool.device)
+        if self.spec.engine_loads:
+            self.mappings = Mappings(self.pool.device)
+            self.local = LocalLoads(self.state_spec, self.pool, self.spec.shape.chunk_size)
         self.transfers = TransferThread(
             url=self.spec.url,
             namespace=self.spec.namespace,
@@ -139,6 +160,9 @@ class RankTier:
         if self.transfers is None:
             self._send(("part", part.op_id, "failed", False, "rank tier not started", None))
             return
+        if part.where is not None:
+            self._copy(part)
+            return
         op = TransferOp(
             part.kind,
             part.lmc_id,
@@ -153,6 +177,36 @@ class RankTier:
         op.event = self.events.acquire()
         self.transfers.submit(op)
 
+    def _copy(self, part: TierPart) -> None:
+        """Copy this rank's part of an engine-driven load from the server's L1 (step thread:
+        the next forward this rank runs comes after it); report it done or refused."""
+        t0 = time.monotonic()
+        try:
+            located = part.where.located(self._mapping(part.where), t0)
+            plan = self.local.plan(located, part.start, part.end, part.page_blocks, part.units)
+        except Exception as exc:  # noqa: BLE001 - refused: the op fails, never wrong bytes
+            why = f"rank {self.rank}: located copy refused: {exc}"
+            log.warning("tier load part %d: %s", part.op_id, why)
+            self._send(("part", part.op_id, "failed", False, why, None, "refused"))
+            return
+        done: list[float] = []
+        self.local.copy(located, plan, done.append)
+        self.local.drain()  # CUDA: wait for the copy's event (CPU: already done)
+        self.mappings.close_idle()
+        latency = (done[0] if done else time.monotonic()) - t0
+        self._send(("part", part.op_id, "done", True, "", latency, "copied"))
+
+    def _mapping(self, where: Where):
+        """This rank's mapping of the segment ``where`` names (mapped now if new); raises
+        ``SegmentError`` when it cannot be (another host, another file, a failed map)."""
+        mapping = self.mappings.for_answer(where.ident)
+        if mapping is None:  # being mapped on its thread: this part waits for it
+            self.mappings.wait_mapped(self.cfg.rpc_timeout_s)
+            mapping = self.mappings.for_answer(where.ident)
+        if mapping is None:
+            raise SegmentError(f"the server's L1 {where.ident.name} is not mapped yet")
+        return mapping
+
     def stop(self, drain_s: float) -> None:
         """Let what is in flight finish for up to ``drain_s``, unregister, report, clean up."""
         if self._stopped.is_set():
@@ -166,6 +220,8 @@ class RankTier:
             self.ctx.term()
         except Exception:
             log.warning("rank %d: zmq context did not terminate cleanly", self.rank)
+        if self.mappings is not None:
+            self.mappings.close_all()
         unlink_segment(self.segment)
         self.segment = ""
         self._send(("stopped",))

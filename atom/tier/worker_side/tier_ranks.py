@@ -13,6 +13,11 @@ order with the forwards; see ``rank_tier``). The op is terminal when every part 
 Which ranks move bytes: a load, every rank (each pool must hold the bytes); a save, every rank
 without rank collapse (each stores its own object), rank 0 alone with it (one copy).
 
+An engine-driven load (``submit_copies``, rank collapse only): rank 0's connector copied its
+part itself from where its lookup located the objects; every other rank is sent that place
+(``Where``) and copies its own part from the server's shared-memory L1 (``rank_tier``), with
+no retrieve: the op is terminal when every other rank reported its copy.
+
 Per-rank numbers (parts, bytes, latencies) are kept for /health and the benchmarks.
 """
 
@@ -29,6 +34,7 @@ from multiprocessing.connection import wait as wait_connections
 from atom.distributed.parallel_state import RankChannels, RankFailure
 from atom.tier.operations import OpState, TransferOp
 from atom.tier.worker_side.layout import unlink_segment
+from atom.tier.worker_side.locator import Where
 from atom.tier.worker_side.rank_tier import RankTierSpec, TierPart
 
 log = logging.getLogger("atom.distributed")
@@ -47,14 +53,23 @@ class RankStats:
     """One rank's transfers: parts ended, bytes moved, latencies (seconds, newest 4096)."""
 
     parts: dict[str, int] = field(default_factory=lambda: {"load": 0, "save": 0})
+    # load parts by how they moved: "copied" (from the server's L1 by this rank), "refused"
+    # (a located copy this rank could not make: the op failed), "retrieved" (the server's)
+    loads: dict[str, int] = field(
+        default_factory=lambda: {"copied": 0, "refused": 0, "retrieved": 0}
+    )
     failed: dict[str, int] = field(default_factory=lambda: {"load": 0, "save": 0})
     bytes: dict[str, int] = field(default_factory=lambda: {"load": 0, "save": 0})
     latency_s: dict[str, deque] = field(
         default_factory=lambda: {"load": deque(maxlen=4096), "save": deque(maxlen=4096)}
     )
 
-    def record(self, kind: str, ok: bool, nbytes: int, latency_s: float | None) -> None:
+    def record(
+        self, kind: str, ok: bool, nbytes: int, latency_s: float | None, how: str = ""
+    ) -> None:
         self.parts[kind] += 1
+        if kind == "load" and (how or ok):
+            self.loads[how or "retrieved"] += 1
         if not ok:
             self.failed[kind] += 1
             return
@@ -64,6 +79,7 @@ class RankStats:
 
     def summary(self) -> dict:
         out = {"parts": dict(self.parts), "failed": dict(self.failed), "bytes": dict(self.bytes)}
+        out["loads"] = dict(self.loads)
         for kind, xs in self.latency_s.items():
             if xs:
                 s = sorted(xs)
@@ -156,6 +172,31 @@ class RankedTransfers:
             op_id=op.op_id,
         )
         self.local.submit(local)
+
+    def submit_copies(self, op: TransferOp, where: Where) -> None:
+        """An engine-driven load: rank 0's part is the copy its connector made (or issued);
+        every other rank copies its own part from ``where``. No part reaches the server, so
+        the op's read locks stay the connector's to free once the op is terminal."""
+        self.stats[0].record("load", True, op.nbytes, None, "copied")
+        with self._lock:
+            self._fans[op.op_id] = _Fan(op, set(range(1, self.world)))
+        op.mark_submitted(None)
+        part = TierPart(
+            op.op_id,
+            op.kind,
+            op.lmc_id,
+            tuple(op.token_ids[: op.end]),
+            op.start,
+            op.end,
+            tuple(op.page_blocks),
+            tuple(op.units),
+            where,
+        )
+        try:
+            self.ranks.send("tier_op", part)
+        except RankFailure as exc:  # the next forward stops the engine; fail the parts
+            for r in range(1, self.world):
+                self._part(r, op.op_id, "failed", False, str(exc), None)
 
     @property
     def health(self) -> RankedTransfers:
@@ -321,7 +362,7 @@ class RankedTransfers:
         except OSError as exc:
             log.warning("could not remove rank %d's pool segment %s: %s", rank, name, exc)
 
-    def _part(self, rank, op_id, state, ok, error, latency_s) -> None:
+    def _part(self, rank, op_id, state, ok, error, latency_s, how="") -> None:
         """Record one rank's part; the op's outcome goes to the connector once it is known."""
         late = done = False
         with self._lock:
@@ -333,7 +374,7 @@ class RankedTransfers:
                 late = True
             else:
                 fan.pending.discard(rank)
-                self.stats[rank].record(parent.kind, ok, parent.nbytes, latency_s)
+                self.stats[rank].record(parent.kind, ok, parent.nbytes, latency_s, how)
                 if not ok and fan.ok:
                     fan.ok, fan.error = False, f"rank {rank}: {error or 'failed'}"
                 done = not fan.pending
