@@ -67,6 +67,7 @@ log = logging.getLogger("atom.offload")
 
 RESERVE_METHOD, COMMIT_METHOD, ABORT_METHOD = "atom.reserve", "atom.commit", "atom.abort"
 SAVES_VERSION = 1  # the atom.reserve/commit/abort version this engine speaks
+PROBE_WAIT_S = 10.0  # how long the probe waits for atom.reserve's answer (at least)
 CUDA_MEMCPY_DEVICE_TO_HOST = 2
 MODULE_HINT = (
     'start it with --server-module \'{"module_path": "atom.tier.server.l1_module"}\' and '
@@ -395,7 +396,11 @@ class EngineSaves:
         try:
             client = RequestClientFactory.create(self.url, context=ctx)
             call = _Call(self._send(RESERVE_METHOD, self._reserve_request([]), client), 0.0)
-            deadline = time.monotonic() + timeout_s
+            # nothing waits for the probe (saves are the server's stores meanwhile), and only
+            # its deadline says "no such method": wait longer than one RPC, so that a server
+            # just restarted on a busy machine is not taken for one without the module (in CI
+            # one answered a noop but not the reserve within 3 s, and saves stayed off)
+            deadline = time.monotonic() + max(timeout_s, PROBE_WAIT_S)
             while not call.read():
                 if self._closing.is_set():
                     return
