@@ -200,7 +200,7 @@ class BroadcastRuntime:
         self, token_ids: torch.Tensor, spans: list[Span], all_logits: bool = False
     ) -> torch.Tensor:
         ids = token_ids.cpu()
-        spans = [Span(s.start, s.end, s.slot, s.block_table.cpu()) for s in spans]
+        spans = host_spans(spans)
         self._send("forward", ids, spans, all_logits)
         with self._ranks():
             return run_forward(self.inner, ids, spans, all_logits)
@@ -211,7 +211,7 @@ class BroadcastRuntime:
         self, token_ids: torch.Tensor, spans: list[Span], all_logits: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor]:
         ids = token_ids.cpu()
-        spans = [Span(s.start, s.end, s.slot, s.block_table.cpu()) for s in spans]
+        spans = host_spans(spans)
         self._send("forward_with_residual", ids, spans, all_logits)
         with self._ranks():
             return self.inner.forward_with_residual(ids, spans, all_logits)
@@ -226,7 +226,7 @@ class BroadcastRuntime:
         all_logits: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         ids, residual = token_ids.cpu(), residual.contiguous()
-        spans = [Span(s.start, s.end, s.slot, s.block_table.cpu()) for s in spans]
+        spans = host_spans(spans)
         shape, dtype = tuple(residual.shape), str(residual.dtype)
         self._send("draft_forward", ids, spans, layer, all_logits, shape, dtype)
         with self._ranks():
@@ -237,7 +237,7 @@ class BroadcastRuntime:
 
     def fill_draft_windows(self, residual: torch.Tensor, spans: list[Span]) -> None:
         residual = residual.contiguous()
-        spans = [Span(s.start, s.end, s.slot, s.block_table.cpu()) for s in spans]
+        spans = host_spans(spans)
         self._send("fill_draft_windows", spans, tuple(residual.shape), str(residual.dtype))
         with self._ranks():
             self.state.broadcast(residual)
@@ -281,6 +281,11 @@ class BroadcastRuntime:
                 self._keepalive.join(5.0)
             if self._on_close is not None:
                 self._on_close()
+
+
+def host_spans(spans: list[Span]) -> list[Span]:
+    """The spans with their block tables on the host (what an op sends to the ranks)."""
+    return [Span(s.start, s.end, s.slot, s.block_table.cpu()) for s in spans]
 
 
 def run_forward(runtime, ids: torch.Tensor, spans: list[Span], all_logits: bool):

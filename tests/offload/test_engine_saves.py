@@ -406,7 +406,7 @@ saves = llm.engine.tier.saves
 deadline = time.monotonic() + 120
 while saves.mode != "engine_driven" or saves.mappings.current is None:
     assert time.monotonic() < deadline, saves.mode
-    time.sleep(0.05)
+    time.sleep(0.05)  # allowed: the child engine's own bounded poll of its probe (no hook)
 llm.generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True))
 threading.Event().wait()
 """
