@@ -58,6 +58,7 @@ def build_engine(config: EngineConfig, attach_tier=None) -> LLMEngine:
         seed=cfg.seed,
         speculative_tokens=cfg.speculative_tokens,
         weight_dtype=cfg.weight_dtype,
+        model_overrides=cfg.model_overrides,
     )
     graphs = decode_graphs_wanted(cfg)
     enable_graphs = RuntimeCapabilities.of(runtime).enable_decode_graphs

@@ -6,6 +6,7 @@ Every error names the field, the bad value and what is allowed. ``resolved()`` f
 
 from __future__ import annotations
 
+import json
 from functools import partial
 from pathlib import Path
 from typing import Any, Literal
@@ -25,9 +26,15 @@ _BOOL_WORDS = frozenset({"0", "1", "true", "false", "t", "f", "yes", "no", "y", 
 
 
 class EngineConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # protected_namespaces: the field model_overrides starts with pydantic's "model_"
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
 
     model: str = "v41-mini"
+    # fields of the model's config (a preset's, or the checkpoint's config.json) replaced
+    # before it is validated, as vLLM's hf_overrides: e.g. {"num_hidden_layers": 4} for a
+    # shorter random-weight preset. They enter the layout id (and so the tier's namespace);
+    # a checkpoint's weights must still fit the overridden shapes. A JSON string is read too
+    model_overrides: dict[str, Any] = {}
     block_size: int | None = None  # None: the model preset's block size (256 for real shapes)
     num_blocks: int | None = None  # the PAGE pool as a block count ...
     pool_memory_gb: float | None = None  # ... or as a memory budget (default 1 GiB)
@@ -111,6 +118,22 @@ class EngineConfig(BaseModel):
             raise ValueError(f"unknown kernels {unknown}; allowed: {', '.join(sorted(KERNELS))}")
         return names
 
+    @field_validator("model_overrides", mode="before")
+    @classmethod
+    def _overrides(cls, v: Any) -> Any:
+        if isinstance(v, str):  # the command line's --model-overrides JSON
+            try:
+                v = json.loads(v) if v.strip() else {}
+            except json.JSONDecodeError as exc:
+                raise ValueError(
+                    f"not valid JSON ({exc}); write an object, e.g. '{{\"num_hidden_layers\": 4}}'"
+                ) from None
+        if v is None:
+            return {}
+        if not isinstance(v, dict):
+            raise ValueError(f"must be a mapping of model config fields, got {type(v).__name__}")
+        return v
+
     @field_validator("speculative_tokens")
     @classmethod
     def _drafts(cls, v: int) -> int:
@@ -148,6 +171,14 @@ class EngineConfig(BaseModel):
 
     @model_validator(mode="after")
     def _cross(self) -> EngineConfig:
+        if self.model_overrides:  # refused here, naming the field, not when the model builds
+            from atom.models.common.config import ConfigError
+            from atom.models.registry import resolve_config
+
+            try:
+                resolve_config(self.model, self.model_overrides)
+            except ConfigError as exc:
+                raise ValueError(f"model_overrides {self.model_overrides}: {exc}") from None
         if self.num_blocks is not None and self.pool_memory_gb is not None:
             raise ValueError(
                 f"num_blocks={self.num_blocks} and pool_memory_gb={self.pool_memory_gb} both "
@@ -206,6 +237,13 @@ class EngineConfig(BaseModel):
 
     # ---- resolution ---------------------------------------------------------------------
 
+    def resolve_model(self) -> tuple[Any, Path | None]:
+        """(the model's config with ``model_overrides`` applied, its checkpoint directory or
+        None for a preset): what every rank builds."""
+        from atom.models.registry import resolve_config
+
+        return resolve_config(self.model, self.model_overrides)
+
     def resolved(self) -> EngineConfig:
         """A copy with every ``auto``/None field decided (device, dtypes, block and pool size,
         max_model_len), as the engine will run it."""
@@ -213,9 +251,9 @@ class EngineConfig(BaseModel):
 
         from atom.models.common.fp8_linear import stored_fp8
         from atom.models.common.geometry import GeometryError
-        from atom.models.registry import default_block_size, pool_geometry, resolve_config
+        from atom.models.registry import default_block_size, pool_geometry
 
-        model_cfg, _ = resolve_config(self.model)
+        model_cfg, _ = self.resolve_model()
         device = self.device
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -64,9 +64,9 @@ def build_rank_runtime(cfg, state: ParallelState):
     this rank's slices are read), at its ``weight_dtype`` (FP8 linears and FP4 experts split
     with their scales at "fp8")."""
     from atom.distributed.split_models import build_tp_model
-    from atom.models.registry import family, resolve_config
+    from atom.models.registry import family
 
-    model_cfg, path = resolve_config(cfg.model)
+    model_cfg, path = cfg.resolve_model()
     fam = family(model_cfg)
     kw = dict(
         dtype=getattr(torch, cfg.dtype),
@@ -128,14 +128,13 @@ def start_ranks(cfg, rank_ops=None) -> BroadcastRuntime:
     Every rank joins within ``cfg.tensor_parallel_start_timeout_s``, or this raises
     ``TensorParallelStartError`` saying which rank and why (``rendezvous``)."""
     from atom.distributed.split_models import TIER_BYTES_REPLICATED, check_tp_split
-    from atom.models.registry import resolve_config
 
     refuse_reimport()  # a spawned rank importing an entry script that starts an engine
     world = cfg.tensor_parallel_size
     threads = rank_threads(world)
     if not cfg.device.startswith("cuda"):
         torch.set_num_threads(threads)  # as every rank (rank_threads)
-    model_cfg, _ = resolve_config(cfg.model)
+    model_cfg, _ = cfg.resolve_model()
     # before any process or group exists: the heads, groups and experts divide, and (FP8) no
     # rank would hold part of a weight block
     check_tp_split(model_cfg, world, weight_dtype=cfg.weight_dtype)

@@ -98,11 +98,16 @@ def config_from_dict(data: dict, source: str = "config"):
     return FAMILIES[kind].get("config").from_dict(data, source=source)
 
 
-def resolve_config(model: str) -> tuple[Any, Path | None]:
-    """(config, checkpoint directory or None for a preset)."""
+def resolve_config(model: str, overrides: dict | None = None) -> tuple[Any, Path | None]:
+    """(config, checkpoint directory or None for a preset); ``overrides`` (the engine's
+    ``model_overrides``) replace fields of the preset or config.json before it is validated,
+    so a bad name or value is refused as a config.json's would be."""
+    overrides = dict(overrides or {})
     fam = _preset_family(model)
     if fam is not None:
-        return fam.get("presets").preset_config(model), None
+        config = fam.get("presets").preset_config(model, **overrides)
+        _known_fields(config, overrides)
+        return config, None
     path = Path(model)
     if path.is_dir() and (path / "config.json").exists():
         source = str(path / "config.json")
@@ -110,11 +115,27 @@ def resolve_config(model: str) -> tuple[Any, Path | None]:
             data = json.loads((path / "config.json").read_text())
         except json.JSONDecodeError as exc:
             raise ConfigError(f"{source} is not valid JSON: {exc}") from None
-        return config_from_dict(data, source=source), path
+        config = config_from_dict(data, source=source)
+        if overrides:  # on the config as atom reads it (a published file's names translated)
+            _known_fields(config, overrides)
+            source = f"{source} with model_overrides {sorted(overrides)}"
+            config = type(config).from_dict({**config.to_dict(), **overrides}, source=source)
+        return config, path
     raise ConfigError(
         f"model={model!r} is neither a preset ({', '.join(all_presets())}) nor a directory "
         "holding config.json and *.safetensors"
     )
+
+
+def _known_fields(config: Any, overrides: dict) -> None:
+    """Refuse overrides that name no field of the config (a config.json's extra keys are
+    ignored; an override's would silently change nothing)."""
+    unknown = sorted(set(overrides) - set(type(config).model_fields))
+    if unknown:
+        raise ConfigError(
+            f"{unknown} name no field of {type(config).__name__} (fields are "
+            "the model's config.json names, e.g. num_hidden_layers, num_attention_heads)"
+        )
 
 
 def default_block_size(model: str) -> int:
@@ -152,6 +173,7 @@ def load_runtime(
     seed: int,
     speculative_tokens: int = 0,
     weight_dtype: str = "bf16",
+    model_overrides: dict | None = None,
 ):
     """The model's runtime: weights from the preset's seed or the checkpoint, the linears its
     checkpoint stores as FP8 kept so when ``weight_dtype`` is "fp8", dequantized when "bf16"
@@ -159,7 +181,7 @@ def load_runtime(
     ``EngineConfig.resolved`` decides it)."""
     from atom.models.common.fp8_linear import stored_fp8
 
-    config, path = resolve_config(model)
+    config, path = resolve_config(model, model_overrides)
     if weight_dtype == "auto":
         on_gpu = str(device).startswith("cuda")
         weight_dtype = "fp8" if stored_fp8(config) and on_gpu else "bf16"

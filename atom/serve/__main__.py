@@ -23,6 +23,7 @@ log = logging.getLogger("atom.serve")
 # flag -> EngineConfig field (None: same name with dashes as underscores)
 ENGINE_FLAGS: dict[str, type] = {
     "model": str,
+    "model-overrides": str,  # JSON object of model config fields
     "block-size": int,
     "num-blocks": int,
     "pool-memory-gb": float,

@@ -77,3 +77,53 @@ def test_bad_requests_are_refused_and_the_engine_keeps_serving():
     # unset: as many as fit max_model_len
     out = llm.generate([[1] * 60], SamplingParams(max_tokens=None, ignore_eos=True))[0]
     assert out.finish_reason == "length" and len(out.token_ids) == 4
+
+
+@pytest.mark.parametrize(
+    "overrides, needle",
+    [
+        ({"num_attention_heds": 4}, "['num_attention_heds'] name no field of V41Config"),
+        ("{heads: 4}", "not valid JSON"),
+        ([4], "must be a mapping of model config fields, got list"),
+        ({"num_attention_heads": 0}, "num_attention_heads=0 is invalid"),
+        ({"num_hidden_layers": 4}, "compress_ratios="),  # the lists no longer fit
+    ],
+)
+def test_model_overrides_are_refused_at_build_naming_the_field(overrides, needle):
+    with pytest.raises(EngineConfigError) as err:
+        EngineConfig.build(model="v41-tiny", model_overrides=overrides)
+    assert needle in str(err.value) and "model_overrides" in str(err.value)
+
+
+def test_model_overrides_build_that_model_and_key_its_own_namespace():
+    """The JSON string of --model-overrides and a dict build the same model; the overridden
+    config enters the layout id (so a tier never mixes it with the preset's objects)."""
+    wide = EngineConfig.build(
+        model="v41-tiny", model_overrides='{"num_attention_heads": 4, "o_groups": 4}'
+    )
+    assert wide.model_overrides == {"num_attention_heads": 4, "o_groups": 4}
+    llm = LLM("v41-tiny", model_overrides=wide.model_overrides, num_blocks=30, device="cpu")
+    plain = LLM("v41-tiny", num_blocks=30, device="cpu")
+    try:
+        assert llm.engine.runtime.model.config.num_attention_heads == 4
+        assert plain.engine.runtime.model.config.num_attention_heads == 2
+        assert llm.engine.spec.layout_id != plain.engine.spec.layout_id
+        out = llm.generate([[1, 2, 3, 4, 5]], SamplingParams(max_tokens=3, ignore_eos=True))
+        assert len(out[0].token_ids) == 3
+    finally:
+        llm.shutdown()
+        plain.shutdown()
+
+
+def test_model_overrides_apply_to_a_checkpoints_config(tmp_path):
+    """A checkpoint's config.json field is replaced (max_position_embeddings bounds
+    max_model_len); a shape its weights do not have is refused by the loader."""
+    from tests.model.test_v41_published_checkpoint import write_checkpoint
+
+    write_checkpoint(tmp_path)
+    cfg = EngineConfig.build(
+        model=str(tmp_path), model_overrides={"max_position_embeddings": 512}, device="cpu"
+    )
+    assert cfg.resolved().max_model_len == 512
+    with pytest.raises(Exception, match="does not fit the model: tensor .*wo_a.weight has shape"):
+        LLM(str(tmp_path), model_overrides={"o_lora_rank": 64}, num_blocks=30, device="cpu")
