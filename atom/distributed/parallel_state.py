@@ -152,6 +152,17 @@ class ParallelState:
         dist.all_reduce(x, op=dist.ReduceOp.SUM, group=self.group)
         return x
 
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``x`` concatenated along the last dimension in rank order, the same
+        tensor on every rank (each passes the same shape and dtype; on the forward's group);
+        ``x`` itself at world size 1. Exact: nothing is summed."""
+        if self.world_size == 1:
+            return x
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(self.world_size)]
+        dist.all_gather(parts, x, group=self.group)
+        return torch.cat(parts, dim=-1)
+
     def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
         """Rank ``src``'s ``x`` on every rank, in place (every rank passes a contiguous tensor
         of the same shape and dtype; on the forward's group); ``x`` itself at world size 1."""

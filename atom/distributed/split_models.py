@@ -16,16 +16,23 @@ r-th of N equal contiguous slices of
     skew, and the shared expert and the routed ones share the one all-reduce. The cost: each
     expert's GEMMs are N times narrower, which expert parallelism would avoid at large N.
 
+  * V4.1's Engram tables by columns: each rank holds head_dim / N values of every row (the
+    tables are hundreds of millions of rows per engram layer in the published model, most of
+    its bytes); every rank looks up the same row ids and one all-gather concatenates the
+    ranks' columns into the unsplit rows, exactly. The rest of Engram (wkv, the gate) is whole.
+
 Replicated (whole and computed identically on every rank): the embedding and the LM head, all
 norms, the mHC hyper-connections, the query latent (which the indexer reads), the latent KV,
-the compressors, the indexers, Engram, the MoE routers, and the draft layers. So the paged state
+the compressors, the indexers, Engram's projections and gate, the MoE routers, and the draft
+layers. So the paged state
 (PAGE rows, window and compressor rings, cursors) is written from replicated inputs and is
 byte-identical on every rank, and every discrete choice (index top-k, candidate blocks, expert
 routing) is made from replicated inputs, identically everywhere.
 
-Collectives of a forward: two all-reduces per main decoder layer and nothing else (the
-attention output [N, hidden], summed in float32 and rounded to the compute dtype; the MoE output
-[N, hidden] in float32). After each, every rank holds the same tensor. Draft layers: none.
+Collectives of a forward: two all-reduces per main decoder layer (the attention output [N,
+hidden], summed in float32 and rounded to the compute dtype; the MoE output [N, hidden] in
+float32), and one all-gather per Engram layer (the looked-up rows [N, n_hash_cols, head_dim /
+N] of each rank), nothing else. After each, every rank holds the same tensor. Draft layers: none.
 Every rank must therefore run the same forwards (the same tokens and spans, in the same order,
 against its own pool and slots of the same geometry); the logits are the same on every rank.
 
@@ -73,7 +80,7 @@ def shard_for_ranks(model, state: ParallelState):
     its all-reduces on ``state``) and return it. The model may hold weights (each rank built
     the same whole model: same seed or the same checkpoint) or be on ``meta`` (``build_tp_model``
     then materializes it and loads only this rank's slices)."""
-    return shard_model(model, state.rank, state.world_size, state.all_reduce)
+    return shard_model(model, state.rank, state.world_size, state.all_reduce, state.all_gather)
 
 
 def build_v41_tp(

@@ -12,7 +12,12 @@ import pytest
 import torch
 
 from atom.model_api import Span
-from atom.models.common.tensor_parallel import TensorParallelError, shard_model, split_plan
+from atom.models.common.tensor_parallel import (
+    TensorParallelError,
+    check_divides,
+    shard_model,
+    split_plan,
+)
 from atom.models.deepseek_v4.presets import preset_config as v4_config
 from atom.models.deepseek_v41.presets import preset_config as v41_config
 from atom.models.registry import family
@@ -45,6 +50,19 @@ class BarrierReduce:
             return total
 
         return reduce
+
+    def gather_for(self, rank: int):
+        """The all-gather of ``world`` threads: every rank's tensor, concatenated along the
+        last dimension in rank order."""
+
+        def gather(t: torch.Tensor) -> torch.Tensor:
+            self.posted[rank] = t
+            self.barrier.wait()
+            whole = torch.cat([self.posted[r] for r in range(self.world)], dim=-1)
+            self.barrier.wait()
+            return whole
+
+        return gather
 
 
 def _logits(fam, net, prompt: torch.Tensor, steps: int) -> torch.Tensor:
@@ -89,7 +107,8 @@ def test_ranks_compute_one_ranks_logits(preset, world):
     want = _logits(fam, whole, prompt, steps=6)
     reduce = BarrierReduce(world)
     ranks = [
-        shard_model(_model(preset, **wide)[1], r, world, reduce.for_rank(r)) for r in range(world)
+        shard_model(_model(preset, **wide)[1], r, world, reduce.for_rank(r), reduce.gather_for(r))
+        for r in range(world)
     ]
     heads = whole.config.num_attention_heads // world
     assert all(m.heads == heads for m in ranks[0].tp_layers().values() if hasattr(m, "heads"))
@@ -118,3 +137,53 @@ def test_a_split_model_is_refused_a_second_split_and_world_one_changes_nothing()
         shard_model(net, 0, 2, reduce=None)
     with pytest.raises(TensorParallelError, match="tensor_parallel_size=3"):
         shard_model(_model("v4-tiny")[1], 0, 3, reduce=None)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_engram_tables_split_by_columns_gather_the_unsplit_rows_exactly(world):
+    """Each rank holds head_dim / N columns of every row; the gathered rows, and so the
+    Engram layer's output, are the unsplit layer's bits (nothing is summed)."""
+    wide = dict(num_attention_heads=4, o_groups=4)
+    _, whole = _model("v41-tiny", **wide)
+    layer_ids = whole.config.engram_layer_ids
+    plan = split_plan(whole)
+    for i in layer_ids:
+        assert plan[f"model.layers.{i}.engram.embed.weight"] == 1
+    gen = torch.Generator().manual_seed(5)
+    i = layer_ids[0]
+    engram = whole.model.layers[i].engram
+    x = torch.randn(7, engram.hc, engram.dim, generator=gen)
+    rows = torch.randint(0, engram.embed.num_embeddings, (7, engram.n_hash_cols), generator=gen)
+    want = engram(x, rows)
+    reduce = BarrierReduce(world)
+    ranks = [
+        shard_model(
+            _model("v41-tiny", **wide)[1], r, world, reduce.for_rank(r), reduce.gather_for(r)
+        )
+        for r in range(world)
+    ]
+    cols = engram.head_dim // world
+    for r, net in enumerate(ranks):
+        part = net.model.layers[i].engram.embed.weight
+        assert torch.equal(part, engram.embed.weight[:, r * cols : (r + 1) * cols])
+    got: dict[int, torch.Tensor] = {}
+    threads = [
+        threading.Thread(
+            target=lambda r=r: got.__setitem__(r, ranks[r].model.layers[i].engram(x, rows))
+        )
+        for r in range(world)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert set(got) == set(range(world)), "a rank's lookup failed"
+    assert all(torch.equal(got[r], want) for r in range(world))
+
+
+def test_a_world_size_that_does_not_divide_the_engram_columns_is_refused():
+    """64 ranks divide these heads, groups and experts' width, not the tables' 32 columns."""
+    wide = dict(num_attention_heads=64, o_groups=64, moe_intermediate_size=64)
+    config = v41_config("v41-tiny", **wide)
+    with pytest.raises(TensorParallelError, match=r"it does not divide engram_head_dim=32$"):
+        check_divides(config, 64)

@@ -153,7 +153,10 @@ def test_ranks_at_stored_precision_decode_one_ranks_greedy_tokens(preset, world)
     prompt = torch.randint(0, 200, (37,), generator=torch.Generator().manual_seed(3))
     want = _logits(fam, whole, prompt, steps=8)
     reduce = BarrierReduce(world)
-    ranks = [shard_model(_model(config), r, world, reduce.for_rank(r)) for r in range(world)]
+    ranks = [
+        shard_model(_model(config), r, world, reduce.for_rank(r), reduce.gather_for(r))
+        for r in range(world)
+    ]
     got = _run_ranks(fam, ranks, prompt, 8)
     assert all(torch.equal(got[0], got[r]) for r in range(1, world))  # the same sums everywhere
     tokens, one = got[0].argmax(-1), want.argmax(-1)
@@ -271,7 +274,9 @@ def test_a_published_checkpoint_at_tp2_reads_rank_slices_and_decodes_what_one_ra
     ranks, read_by = [], []
     for r in range(world):
         reads.clear()
-        state = SimpleNamespace(rank=r, world_size=world, all_reduce=reduce.for_rank(r))
+        state = SimpleNamespace(
+            rank=r, world_size=world, all_reduce=reduce.for_rank(r), all_gather=reduce.gather_for(r)
+        )
         ranks.append(build_tp_model(fam, config, tmp_path, state, seed=0, weight_dtype="fp8", **KW))
         read_by.append(list(reads))
     plan = split_plan(ranks[0])
@@ -333,7 +338,10 @@ def test_an_unquantized_checkpoint_asked_for_fp8_splits_one_ranks_quantization(t
     one = load_runtime(str(tmp_path / "wide"), block_size=16, seed=0, weight_dtype="fp8", **KW)
     one = one.model
     config, fam = one.config, family(one.config)
-    states = [SimpleNamespace(rank=r, world_size=world, all_reduce=None) for r in range(world)]
+    states = [
+        SimpleNamespace(rank=r, world_size=world, all_reduce=None, all_gather=None)
+        for r in range(world)
+    ]
     ranks = [
         build_tp_model(fam, config, tmp_path / "wide", s, seed=0, weight_dtype="fp8", **KW)
         for s in states
@@ -363,7 +371,7 @@ def test_a_stored_fp8_preset_at_bf16_splits_the_weights_one_rank_runs():
     (``set_weight_precision``); each rank holds the slices of those very values."""
     config = _config("v4-tiny-fp8", **WIDE)
     whole = _model(config, "bf16").state_dict()
-    state = SimpleNamespace(rank=1, world_size=2, all_reduce=None)
+    state = SimpleNamespace(rank=1, world_size=2, all_reduce=None, all_gather=None)
     rank = build_tp_model(family(config), config, None, state, seed=0, weight_dtype="bf16", **KW)
     assert not _stored(rank)
     plan = split_plan(rank)

@@ -122,7 +122,7 @@ class MoE(nn.Module):
         dims = {"gate_proj": 0, "up_proj": 0, "down_proj": 1}
         return {f"{e}.{p}.weight": d for e in experts for p, d in dims.items()}
 
-    def tp_narrow(self, world: int, reduce: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    def tp_narrow(self, world: int, reduce: Callable[[torch.Tensor], torch.Tensor], gather) -> None:
         """Restack from this rank's slices; sum the ranks' float32 partial outputs."""
         self._stack = None
         self.reduce_output = reduce

@@ -5,8 +5,11 @@ A layer that takes part (an attention with a grouped output projection, the MoE)
 
 * ``tp_splits() -> {parameter name, relative to the layer: dimension}``: rank r of N holds the
   r-th of N equal contiguous slices of each along that dimension;
-* ``tp_narrow(world, reduce)``: its counts become one rank's (heads, output groups), and its
-  output, a partial sum over its slice, is summed over the ranks by ``reduce`` (float32).
+* ``tp_narrow(world, reduce, gather)``: its counts become one rank's (heads, output groups),
+  and its output, a partial sum over its slice, is summed over the ranks by ``reduce``
+  (float32); a layer whose slice gives part of a result rather than a partial sum (V4.1's
+  Engram table, split by columns) joins the ranks' parts with ``gather`` (concatenation along
+  the last dimension in rank order: exact).
 
 A model defines ``tp_layers() -> {prefix: layer}``, the layers that split (its main decoder
 layers' attention and MoE; draft layers stay whole). ``split_plan`` turns that into full
@@ -58,20 +61,28 @@ class SplitLayer(Protocol):
 
     def tp_splits(self) -> dict[str, int]: ...
 
-    def tp_narrow(self, world: int, reduce: Callable[[torch.Tensor], torch.Tensor]) -> None: ...
+    def tp_narrow(
+        self,
+        world: int,
+        reduce: Callable[[torch.Tensor], torch.Tensor],
+        gather: Callable[[torch.Tensor], torch.Tensor],
+    ) -> None: ...
 
 
 def check_divides(config, world_size: int) -> None:
     """Refuse a world size that does not divide what the ranks split, naming each value."""
     if world_size < 1:
         raise TensorParallelError(f"tensor_parallel_size={world_size} must be >= 1")
-    bad = [f"{f}={getattr(config, f)}" for f in SPLIT_FIELDS if getattr(config, f) % world_size]
+    fields = SPLIT_FIELDS + (
+        ("engram_head_dim",) if getattr(config, "engram_layer_ids", ()) else ()
+    )
+    bad = [f"{f}={getattr(config, f)}" for f in fields if getattr(config, f) % world_size]
     if bad:
         raise TensorParallelError(
-            f"tensor_parallel_size={world_size} must divide num_attention_heads, o_groups and "
-            f"moe_intermediate_size (the ranks split the attention heads, the output "
-            f"projection's groups and every expert's intermediate dimension); it does not "
-            f"divide {', '.join(bad)}"
+            f"tensor_parallel_size={world_size} must divide num_attention_heads, o_groups, "
+            f"moe_intermediate_size and (with Engram layers) engram_head_dim (the ranks split "
+            f"the attention heads, the output projection's groups, every expert's intermediate "
+            f"dimension and the Engram tables' columns); it does not divide {', '.join(bad)}"
         )
 
 
@@ -170,7 +181,11 @@ def _narrow(model: nn.Module, name: str, dim: int, rank: int, world: int) -> Non
 
 @torch.no_grad()
 def shard_model(
-    model: nn.Module, rank: int, world: int, reduce: Callable[[torch.Tensor], torch.Tensor]
+    model: nn.Module,
+    rank: int,
+    world: int,
+    reduce: Callable[[torch.Tensor], torch.Tensor],
+    gather: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> nn.Module:
     """Split a whole model in place for ``rank`` of ``world`` (recorded as ``model.tp_shard``)
     and return it: each planned tensor (parameter or buffer) narrowed to the rank's slice (a
@@ -187,5 +202,5 @@ def shard_model(
     for name, dim in split_plan(model).items():
         _narrow(model, name, dim, rank, world)
     for layer in _layers(model).values():
-        layer.tp_narrow(world, reduce)
+        layer.tp_narrow(world, reduce, gather)
     return model

@@ -166,7 +166,7 @@ class V4Attention(nn.Module):
         The query latent, the window KV, the compressor and the indexer stay whole."""
         return {"wq_b.weight": 0, "attn_sink": 0, "wo_a.weight": 0, "wo_b.weight": 1}
 
-    def tp_narrow(self, world: int, reduce: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    def tp_narrow(self, world: int, reduce: Callable[[torch.Tensor], torch.Tensor], gather) -> None:
         """Hold one rank's heads and groups; sum the ranks' partial outputs with ``reduce``."""
         self.heads //= world
         self.groups //= world

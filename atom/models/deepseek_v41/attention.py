@@ -137,7 +137,7 @@ class CSA2Attention(nn.Module):
         exactly its groups' heads) and ``o_b_proj``'s matching input columns."""
         return {"q_b_proj.weight": 0, "attn_sink": 0, "o_a_proj.weight": 0, "o_b_proj.weight": 1}
 
-    def tp_narrow(self, world: int, reduce: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    def tp_narrow(self, world: int, reduce: Callable[[torch.Tensor], torch.Tensor], gather) -> None:
         """Hold one rank's heads and groups; sum the ranks' partial outputs with ``reduce``."""
         self.heads //= world
         self.groups //= world

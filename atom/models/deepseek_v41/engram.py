@@ -18,6 +18,7 @@ the token map and the hashing).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -101,6 +102,26 @@ class Engram(nn.Module):
         )
         self.q_weight = nn.Parameter(torch.ones(hc, dim, dtype=torch.float32, device=device))
         self.k_weight = nn.Parameter(torch.ones(hc, dim, dtype=torch.float32, device=device))
+        # tensor parallelism (``tp_narrow``): joins the ranks' columns of looked-up rows
+        self.gather_rows: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+    def tp_splits(self) -> dict[str, int]:
+        """What the ranks split (``atom.models.common.tensor_parallel``): the table by columns
+        (each rank holds every row's head_dim / N values, and with them whole scale groups
+        of 32 at stored precision). The table is most of the published model's bytes
+        (hundreds of millions of rows per engram layer), so holding it whole on every rank
+        would not fit; split by columns rather than rows, every rank looks up the same row
+        ids and the ranks' parts concatenate, exactly, into the unsplit rows (no padding: a
+        row count need not divide, head_dim does). wkv and the gate stay whole."""
+        return {"embed.weight": 1}
+
+    def tp_narrow(self, world: int, reduce, gather: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Look up this rank's columns; ``gather`` concatenates the ranks' in rank order."""
+        if self.head_dim % world:
+            raise ValueError(f"head_dim={self.head_dim} does not split over {world} ranks")
+        if gather is None and reduce is not None:
+            raise ValueError("a split Engram needs the ranks' gather")
+        self.gather_rows = gather
 
     def wkv_input(self, e: torch.Tensor) -> torch.Tensor:
         """wkv's activations [N, n_hash_cols * head_dim], rounded with ``act_fp8`` (per 32
@@ -120,7 +141,10 @@ class Engram(nn.Module):
         n = x.shape[0]
         if x.shape[1:] != (self.hc, self.dim) or row_ids.shape != (n, self.n_hash_cols):
             raise ValueError(f"x {tuple(x.shape)} / row_ids {tuple(row_ids.shape)} mismatch")
-        e = self.embed(row_ids).flatten(1).to(self.dtype)
+        e = self.embed(row_ids)
+        if self.gather_rows is not None:  # this rank's columns -> every rank's, in rank order
+            e = self.gather_rows(e)
+        e = e.flatten(1).to(self.dtype)
         kv = self.wkv(self.wkv_input(e))
         key, value = kv.split([self.hc * self.dim, self.dim], dim=-1)
         key = key.float().view(n, self.hc, self.dim)

@@ -79,11 +79,14 @@ class DeepseekV41ForCausalLM(nn.Module):
 
     def tp_layers(self) -> dict[str, nn.Module]:
         """The layers tensor parallelism splits (``atom.models.common.tensor_parallel``): every
-        main decoder layer's attention and MoE; the draft layers and DSpark stages stay whole."""
+        main decoder layer's attention and MoE, and every Engram table (by columns); the draft
+        layers and DSpark stages stay whole."""
         out: dict[str, nn.Module] = {}
         for i, layer in enumerate(self.model.layers):
             out[f"model.layers.{i}.self_attn"] = layer.self_attn
             out[f"model.layers.{i}.mlp"] = layer.mlp
+            if layer.engram is not None:
+                out[f"model.layers.{i}.engram"] = layer.engram
         return out
 
     @property
