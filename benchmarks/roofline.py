@@ -84,14 +84,16 @@ def lm_head(model):
 
 def stored_weights(model):
     """(name, tensor) of every weight as stored on the device: the parameters, and the FP8
-    linears' E4M3 weights and the FP4 experts' codes, with their scales (buffers;
-    ``weight_dtype: fp8``), so floors count the bytes a step really reads."""
+    linears' E4M3 weights, the FP4 experts' codes and the FP8 row tables (V4.1's Engram),
+    with their scales (buffers; ``weight_dtype: fp8``), so floors count the bytes a step
+    really reads."""
     from atom.models.common.fp4_linear import Fp4Linear
     from atom.models.common.fp8_linear import Fp8Linear
+    from atom.models.common.fp8_rows import Fp8RowTable
 
     yield from model.named_parameters()
     for mod_name, mod in model.named_modules():
-        if isinstance(mod, (Fp8Linear, Fp4Linear)):
+        if isinstance(mod, (Fp8Linear, Fp4Linear, Fp8RowTable)):
             yield f"{mod_name}.weight", mod.weight
             yield f"{mod_name}.weight_scale", mod.weight_scale
 
@@ -113,7 +115,8 @@ def weight_counts(model) -> dict:
                 if not name.endswith(".weight_scale"):  # packed FP4: two weights a byte
                     per_expert_params += p.numel() * (2 if p.dtype == torch.uint8 else 1)
             continue
-        if name.endswith(("embed_tokens.weight", "embed.weight")) or ".engram.tables." in name:
+        lookup = ("embed_tokens.weight", "embed.weight", "embed.weight_scale")
+        if name.endswith(lookup) or ".engram.tables." in name:
             lookup_bytes_per_row += p.shape[1] * p.element_size()  # one row per token
             continue
         dense_bytes += nbytes

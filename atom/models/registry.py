@@ -36,6 +36,7 @@ class ModelFamily:
     loader: str  # load_weights(model, path)
     fp8_linears: str  # (model) -> (module names that run as FP8 GEMMs, FP8 weight block)
     fp4_linears: str  # (model) -> module names kept as FP4 at stored precision (the experts)
+    fp8_tables: str = ""  # (model) -> tables kept as FP8 rows at stored precision ("": none)
 
     def get(self, what: str) -> Any:
         module, _, attr = getattr(self, what).partition(":")
@@ -56,6 +57,7 @@ FAMILIES: dict[str, ModelFamily] = {
         loader=f"{_V41}.weights:load_weights",
         fp8_linears=f"{_V41}.published_weights:fp8_linears",
         fp4_linears=f"{_V41}.published_weights:fp4_linears",
+        fp8_tables=f"{_V41}.published_weights:fp8_tables",
     ),
     "deepseek_v4": ModelFamily(
         model_type="deepseek_v4",
@@ -252,26 +254,36 @@ def keep_stored_precision(net, fam: ModelFamily) -> tuple[int, int]:
     per the FP8 linears' K block, as DeepSeek's kernels do."""
     from atom.models.common.fp4_linear import quantize_fp4_linears
     from atom.models.common.fp8_linear import quantize_linears
+    from atom.models.common.fp8_rows import quantize_tables
 
     names, block = fam.get("fp8_linears")(net)
     quantize_linears(net, names, block, empty=True)
     quantize_fp4_linears(net, fam.get("fp4_linears")(net), act_block=block[1], empty=True)
+    quantize_tables(net, _tables(net, fam), empty=True)
     return block
+
+
+def _tables(net, fam: ModelFamily) -> list[str]:
+    """The family's tables kept as FP8 rows at stored precision (``fp8_tables``)."""
+    return fam.get("fp8_tables")(net) if fam.fp8_tables else []
 
 
 def set_weight_precision(net, fam: ModelFamily, weight_dtype: str, *, random: bool) -> int:
     """Put the model's FP8-stored linears at the precision asked, after its weights are set;
     returns how many are FP8.
 
-    ``weight_dtype`` "fp8": each becomes an ``Fp8Linear`` holding its weight quantized, and the
-    routed experts a config says are FP4 (``fp4_linears``) become ``Fp4Linear``. "bf16": a
-    preset whose config says FP8 (random weights, ``random``) has them rounded through FP8
-    (and its experts through FP4) and back, so both precisions run the same model; other
+    ``weight_dtype`` "fp8": each becomes an ``Fp8Linear`` holding its weight quantized, the
+    routed experts a config says are FP4 (``fp4_linears``) become ``Fp4Linear``, and the
+    tables the family stores as FP8 rows (``fp8_tables``: V4.1's Engram) ``Fp8RowTable``.
+    "bf16": a preset whose config says FP8 (random weights, ``random``) has them rounded
+    through FP8 (its experts through FP4, its tables through FP8 rows) and back, so both
+    precisions run the same model; other
     weights are left as they are. (A checkpoint loads its FP8 and FP4 tensors' bytes directly:
     ``keep_stored_precision``.)
     """
     from atom.models.common.fp4_linear import dequantize_fp4_linears, quantize_fp4_linears
     from atom.models.common.fp8_linear import dequantize_linears, quantize_linears, stored_fp8
+    from atom.models.common.fp8_rows import dequantize_tables, quantize_tables
 
     if weight_dtype not in ("bf16", "fp8"):
         raise ValueError(
@@ -283,8 +295,10 @@ def set_weight_precision(net, fam: ModelFamily, weight_dtype: str, *, random: bo
     count = quantize_linears(net, names, block)
     # the experts' inputs are rounded per the FP8 linears' K block, as DeepSeek's kernels do
     quantize_fp4_linears(net, fam.get("fp4_linears")(net), act_block=block[1])
+    quantize_tables(net, _tables(net, fam))
     if weight_dtype == "bf16":
         dequantize_linears(net)
         dequantize_fp4_linears(net)
+        dequantize_tables(net)
         return 0
     return count

@@ -60,6 +60,7 @@ from atom.models.common.formats import (
     fp8_weight_quant,
     unpack_fp4,
 )
+from atom.models.common.fp8_rows import e8m0_bytes
 from atom.models.common.weights import WeightLoadError
 
 BF16, F32, FP8, FP8_ROWS, FP4, I64 = "bf16", "f32", "fp8", "fp8_rows", "fp4", "i64"
@@ -327,7 +328,10 @@ def _load(layout, read: _Reader, name: str, fmt: str, params, param: str, cut: C
     stored = _STORED.get(read.found[name][1], BF16)
     size = want[cut[0]] if cut is not None else 0
     sname = scale_name(name)
-    if kind == FP8 and stored == FP8 and fmt != FP8_ROWS:
+    if kind == FP8 and fmt == FP8_ROWS:
+        _load_rows(layout, read, name, params, param, cut, want)
+        return
+    if kind == FP8 and stored == FP8:
         block, scale = layout.fp8_block, params[param + "_scale"]
         fits = tuple(scale.shape) == fp8_scale_shape(tuple(target.shape), block)
         if fits and _aligned(cut, block, size):
@@ -347,6 +351,29 @@ def _load(layout, read: _Reader, name: str, fmt: str, params, param: str, cut: C
         _quantize_fp4(layout, name, value, target, params[param + "_scale"])
     else:
         target.copy_(value.to(device=target.device, dtype=target.dtype))
+
+
+def _load_rows(layout, read: _Reader, name: str, params, param: str, cut: Cut, want) -> None:
+    """An FP8-rows target (``Fp8RowTable``: E4M3 rows beside the uint8 E8M0 scales of the
+    groups its columns touch): FP8 rows stored with E8M0 scales are copied byte for byte;
+    anything else is decoded over the covering groups' columns and quantized per group, so
+    the scales are the unsplit table's."""
+    target, scale = params[param], params[param + "_scale"]
+    group = (1, layout.fp8_block[1])
+    covering, _ = _blocks(cut, group)
+    sname = scale_name(name)
+    stored = _STORED.get(read.found[name][1], BF16)
+    if stored == FP8 and read.found.get(sname, (None, None))[1] in ("F8_E8M0", "U8"):
+        target.copy_(read(name, cut).view(torch.float8_e4m3fn).to(target.device))
+        scale.copy_(read(sname, covering).view(torch.uint8).to(scale.device))
+        return
+    first = 0
+    if cut is not None:
+        first = cut[1] - covering[1] * group[1]
+        cut = (1, covering[1] * group[1], min(covering[2] * group[1], want[1]))
+    q, s = fp8_weight_quant(_decode(layout, read, name, FP8_ROWS, cut).float(), group)
+    target.copy_(q[:, first : first + target.shape[1]].to(target.device))
+    scale.copy_(e8m0_bytes(s).to(scale.device))
 
 
 def _packed(cut: Cut) -> Cut:

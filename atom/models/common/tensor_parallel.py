@@ -20,7 +20,10 @@ routing) are the same on every rank; ``atom.distributed`` holds the ranks and co
 
 Stored precision (``Fp8Linear``, ``Fp4Linear``): a split ``weight`` may be a buffer, and its
 module's ``tp_companions()`` names the tensors that split with it along the same dimension
-(its ``weight_scale``), so the plan names those too. Such a module's ``tp_granule(dim)`` says
+(its ``weight_scale``), so the plan names those too. A module whose other tensors follow a
+slice in a way equal slices cannot say (an ``Fp8RowTable``'s scale groups, which a column
+split may cut) defines ``tp_narrowed(attr, dim, rank, world)``, called once its tensor is
+narrowed. Such a module's ``tp_granule(dim)`` says
 how many rows or columns a rank's slice must be a multiple of (an FP8 weight block along that
 dimension; an FP4 scale group along K), since a rank then holds whole blocks with their own
 scales and rounds its inputs in the blocks the unsplit model does; ``check_split`` refuses a
@@ -177,6 +180,9 @@ def _narrow(model: nn.Module, name: str, dim: int, rank: int, world: int) -> Non
         setattr(module, attr, nn.Parameter(part, requires_grad=p.requires_grad))
     if isinstance(module, nn.Linear) and attr == "weight":
         module.out_features, module.in_features = part.shape
+    narrowed = getattr(module, "tp_narrowed", None)
+    if narrowed is not None:  # what else the module holds for the slice (its scale groups)
+        narrowed(attr, dim, rank, world)
 
 
 @torch.no_grad()

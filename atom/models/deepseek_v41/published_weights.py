@@ -33,6 +33,7 @@ from atom.models.common.checkpoint import (
 )
 from atom.models.common.fp4_linear import experts_fp4, fp4_module_names
 from atom.models.common.fp8_linear import fp8_module_names
+from atom.models.common.fp8_rows import table_names
 from atom.models.common.weights import WeightLoadError
 from atom.models.deepseek_v41.model import DeepseekV41ForCausalLM
 
@@ -151,9 +152,15 @@ def layout_of(model: DeepseekV41ForCausalLM) -> Layout:
 
 def fp8_linears(model: DeepseekV41ForCausalLM) -> tuple[list[str], tuple[int, int]]:
     """(the linears that run as FP8 GEMMs at stored precision, their weight block): every
-    published FP8 linear (the Engram table, an embedding, stays dequantized); the block from
-    the config, else 32 x 32."""
+    published FP8 linear (the Engram tables are ``fp8_tables``); the block from the config,
+    else 32 x 32."""
     return fp8_module_names(model, LAYOUT.rows), layout_of(model).fp8_block
+
+
+def fp8_tables(model: DeepseekV41ForCausalLM) -> list[str]:
+    """The tables kept as FP8 rows at stored precision (``Fp8RowTable``): the Engram tables,
+    stored so in the published checkpoint (E4M3 rows, one E8M0 scale per 32 values)."""
+    return table_names(model, LAYOUT.rows)
 
 
 def fp4_linears(model: DeepseekV41ForCausalLM) -> list[str]:
