@@ -2,6 +2,7 @@
 
 import math
 import random
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -325,3 +326,55 @@ def test_act_fp8_rounds_wkv_input():
     # Block amax ~1.016 -> scale 2^-8 (448 * 2^-8 = 1.75 covers it); 1.015625 / 2^-8 = 260
     # rounds to the e4m3 grid point 256 (step 32 in [256, 448]) -> 1.0.
     assert mod.wkv_input(e)[0, :2].tolist() == [1.0, 1.0]
+
+
+def test_a_published_checkpoint_hashes_over_its_tokenizers_compressed_vocabulary(tmp_path):
+    """A config whose engram_compressed_vocab_size is not its vocabulary (the published
+    models': 99092 of 129280) takes the map from the tokenizer.json beside the weights: the
+    model builds without it (on meta too) but refuses to hash, the loader refuses a
+    checkpoint without its tokenizer (naming the file) or with a foreign one (naming both
+    sizes), and with it every token id hashes through the tokenizer's map, the ids past the
+    tokenizer's vocabulary through compressed id 0."""
+    import shutil
+
+    from tokenizers import Tokenizer
+
+    from atom import LLM, SamplingParams
+    from atom.models.common.weights import WeightLoadError
+    from atom.models.deepseek_v41.weights import load_weights
+    from atom.models.registry import build_model, resolve_config
+    from tests.model.test_v41_published_checkpoint import write_checkpoint
+
+    byte_tokenizer = Path(__file__).parents[2] / "atom" / "byte_tokenizer" / "tokenizer.json"
+    lookup, size = build_compressed_token_map(Tokenizer.from_file(str(byte_tokenizer)))
+    assert (len(lookup), size) == (258, 229)  # 258 token ids, 229 after normalising
+    write_checkpoint(tmp_path, shape={"engram_compressed_vocab_size": size})
+    config, path = resolve_config(str(tmp_path))
+    kw = dict(dtype=torch.float32, kv_dtype="fp32", index_dtype="fp32", device="cpu", seed=None)
+    with pytest.raises(WeightLoadError, match=r"tokenizer\.json not found: .* 229 ids"):
+        build_model(config, path, weight_dtype="bf16", **kw)
+    shutil.copy(byte_tokenizer, tmp_path / "tokenizer.json")
+    net = build_model(config, path, weight_dtype="bf16", **kw)
+    hashing = net.engram_hash
+    assert not hashing.needs_token_map
+    assert hashing.lookup.tolist() == lookup + [0] * (config.vocab_size - 258)
+    grams = torch.tensor([[-1, 5, 65, 97], [3, 300, 65, 97]])
+    padded = torch.tensor(lookup + [0] * (config.vocab_size - 258))
+    window = grams[:, 4 - config.engram_max_ngram_size :]
+    cids = torch.where(window >= 0, padded[window.clamp(min=0)], BEFORE_START)
+    want = NgramHasher(config.engram_spec, (padded.tolist(), size))
+    assert torch.equal(hashing.rows(grams), want.rows(cids[:, -1], cids[:, :-1]))
+    # a foreign tokenizer: the map's size is not the config's
+    other = resolve_config(str(tmp_path), {"engram_compressed_vocab_size": 230})[0]
+    fresh = type(net)(other, dtype=torch.float32)
+    with pytest.raises(RuntimeError, match="compressed vocabulary of 230 ids"):
+        fresh.engram_rows(grams)
+    with pytest.raises(WeightLoadError, match="map of 229 ids over 258 tokens.*=230"):
+        load_weights(fresh, tmp_path)
+    # the engine serves it (the map reaches the runtime through the loader)
+    llm = LLM(str(tmp_path), num_blocks=30, device="cpu", dtype="float32")
+    try:
+        out = llm.generate(["hello engram"], SamplingParams(max_tokens=4, ignore_eos=True))
+        assert len(out[0].token_ids) == 4
+    finally:
+        llm.shutdown()

@@ -117,8 +117,6 @@ class Engram(nn.Module):
 
     def tp_narrow(self, world: int, reduce, gather: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """Look up this rank's columns; ``gather`` concatenates the ranks' in rank order."""
-        if self.head_dim % world:
-            raise ValueError(f"head_dim={self.head_dim} does not split over {world} ranks")
         if gather is None and reduce is not None:
             raise ValueError("a split Engram needs the ranks' gather")
         self.gather_rows = gather
@@ -176,8 +174,17 @@ class EngramHash(nn.Module):
     def __init__(self, spec: EngramSpec, vocab_size: int, device=None) -> None:
         super().__init__()
         self.spec, self.vocab_size = spec, vocab_size
-        self._token_map = identity_token_map(vocab_size)
+        # the identity serves a model whose compressed vocabulary is its vocabulary (the
+        # presets); a published model's comes from its tokenizer (``set_token_map``, which its
+        # loader calls: ``token_map.attach_token_map``), and until then ``rows`` refuses
+        same = spec.compressed_vocab_size == vocab_size
+        self._token_map = identity_token_map(vocab_size) if same else None
+        self.hasher = None
         self.build(device)
+
+    @property
+    def needs_token_map(self) -> bool:
+        return self._token_map is None
 
     def set_token_map(self, token_map: tuple[list[int], int]) -> None:
         """Use a compressed token map (lookup over the whole vocabulary, size); its size must
@@ -188,11 +195,14 @@ class EngramHash(nn.Module):
                 f"vocabulary has {self.vocab_size}"
             )
         self._token_map = token_map
-        self.build(self.lookup.device)
+        self.build(self.lookup.device if self.hasher is not None else self._device)
 
     def build(self, device=None) -> None:
         """(Re)build the tables on ``device`` (computed on the host; on ``meta`` they keep only
         their shapes, and a model built there calls ``build`` again once materialized)."""
+        self._device = device
+        if self._token_map is None:  # built once a map is set
+            return
         hasher = NgramHasher(self.spec, self._token_map, device="cpu")
         if device is not None:  # on meta: shapes only (tracing), rebuilt once materialized
             for name in ("lookup", "primes", "offsets", "multipliers"):
@@ -203,11 +213,19 @@ class EngramHash(nn.Module):
 
     def _apply(self, fn, recurse=True):
         out = super()._apply(fn, recurse)
-        for name in ("lookup", "primes", "offsets", "multipliers"):
-            setattr(self.hasher, name, getattr(self, name))
+        if self.hasher is not None:
+            for name in ("lookup", "primes", "offsets", "multipliers"):
+                setattr(self.hasher, name, getattr(self, name))
         return out
 
     def rows(self, grams: torch.Tensor) -> torch.Tensor:
+        if self.hasher is None:
+            raise RuntimeError(
+                f"this model's Engram hashes n-grams over a compressed vocabulary of "
+                f"{self.spec.compressed_vocab_size} ids (engram_compressed_vocab_size), not its "
+                f"{self.vocab_size} token ids: it needs its tokenizer's compressed token map, "
+                "which loading the checkpoint with its tokenizer.json sets"
+            )
         m1 = self.spec.max_ngram_size - 1
         window = grams[:, grams.shape[1] - 1 - m1 :]
         cids = torch.where(window >= 0, self.lookup[window.clamp(min=0)], BEFORE_START)

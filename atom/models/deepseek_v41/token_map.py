@@ -63,3 +63,39 @@ def identity_token_map(vocab_size: int) -> tuple[list[int], int]:
     spec's ``compressed_vocab_size`` must then equal ``vocab_size``.
     """
     return list(range(vocab_size)), vocab_size
+
+
+def attach_token_map(model: Any, path: Any) -> bool:
+    """Give ``model``'s Engram hashing (``model.engram_hash``) the compressed token map of the
+    tokenizer beside the checkpoint at ``path`` (its ``tokenizer.json``), where the model
+    needs one (a compressed vocabulary unlike its vocabulary: the published models). Token ids
+    the tokenizer does not have (the vocabulary padded past it) map to compressed id 0: no
+    text produces them. Returns whether a map was attached; raises ``WeightLoadError`` naming
+    the file when the model needs one and there is none, or its size is not the config's."""
+    from pathlib import Path
+
+    from atom.models.common.weights import WeightLoadError
+
+    hashing = getattr(model, "engram_hash", None)
+    if hashing is None or not hashing.needs_token_map:
+        return False
+    path = Path(path)
+    file = (path if path.is_dir() else path.parent) / "tokenizer.json"
+    want = hashing.spec.compressed_vocab_size
+    if not file.exists():
+        raise WeightLoadError(
+            f"{file} not found: this model's Engram hashes over a compressed vocabulary of "
+            f"{want} ids (engram_compressed_vocab_size) built from its tokenizer; put the "
+            "checkpoint's tokenizer.json beside its weights"
+        )
+    from tokenizers import Tokenizer
+
+    lookup, size = build_compressed_token_map(Tokenizer.from_file(str(file)))
+    if size != want or len(lookup) > hashing.vocab_size:
+        raise WeightLoadError(
+            f"{file} gives a compressed token map of {size} ids over {len(lookup)} tokens; the "
+            f"config says engram_compressed_vocab_size={want} over a vocabulary of "
+            f"{hashing.vocab_size}: this tokenizer is not the checkpoint's"
+        )
+    hashing.set_token_map((lookup + [0] * (hashing.vocab_size - len(lookup)), size))
+    return True

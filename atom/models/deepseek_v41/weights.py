@@ -33,6 +33,7 @@ from atom.models.deepseek_v41.published_weights import (
     is_published_layout,
     load_published_weights,
 )
+from atom.models.deepseek_v41.token_map import attach_token_map
 
 log = logging.getLogger("atom.weights")
 
@@ -158,7 +159,10 @@ def load_weights(
     a vision tower) goes to ``published_weights.load_published_weights``.
 
     Refuses (before copying anything) a missing tensor, an unexpected tensor, or a tensor whose
-    shape differs, naming the tensor and both shapes. Values are cast to the model's dtypes.
+    shape differs, naming the tensor and both shapes. A model whose Engram hashes over a
+    compressed vocabulary gets its map from the ``tokenizer.json`` beside the weights
+    (``token_map.attach_token_map``), refused first when that file is missing or foreign.
+    Values are cast to the model's dtypes.
 
     ``shards`` (tensor parallelism, ``atom.distributed``): checkpoint name -> (dim, index,
     parts) for tensors of which the model holds only part ``index`` of ``parts`` equal slices
@@ -166,6 +170,9 @@ def load_weights(
     ``parts``) and only that slice is read.
     """
     path = Path(path)
+    # a compressed Engram vocabulary (the published models): its map from the tokenizer
+    # beside the weights, refused before any tensor is copied when it is missing or foreign
+    attach_token_map(model, path)
     expected = checkpoint_tensors(model)
     shards = shards or {}
 
