@@ -162,7 +162,7 @@ class EngineConfig(BaseModel):
         if self.block_size is not None and self.offload == "lmcache_mp":
             self.lmcache.resolved_chunk(self.block_size)
         if self.offload == "lmcache_mp":
-            # engine_driven across ranks: loads with rank collapse only; saves one rank only
+            # engine_driven saves across ranks are refused (one rank only)
             self.lmcache.load_path(self.tensor_parallel_size, self._tier_collapse())
             self.lmcache.save_path(self.tensor_parallel_size)
         if self.block_size is not None and self.max_num_batched_tokens < self.block_size:
