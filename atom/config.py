@@ -193,7 +193,7 @@ class EngineConfig(BaseModel):
         if self.block_size is not None and self.offload == "lmcache_mp":
             self.lmcache.resolved_chunk(self.block_size)
         if self.offload == "lmcache_mp":
-            # engine_driven across ranks: loads with rank collapse only; saves one rank only
+            # engine_driven saves across ranks are refused (one rank only)
             self.lmcache.load_path(self.tensor_parallel_size, self._tier_collapse())
             self.lmcache.save_path(self.tensor_parallel_size)
         if self.block_size is not None and self.max_num_batched_tokens < self.block_size:
@@ -328,8 +328,8 @@ class EngineConfig(BaseModel):
                 self.lmcache.resolved_chunk(block)
             except ValueError as exc:
                 raise EngineConfigError(str(exc)) from None
-            # auto decided: loads engine_driven on one rank and across ranks with rank
-            # collapse, lmcache_driven across ranks without it; saves engine_driven on one rank
+            # auto decided: loads engine_driven (on one rank and across ranks, with rank
+            # collapse or without); saves engine_driven on one rank
             load_mode, _ = lmcache.load_path(self.tensor_parallel_size, self._tier_collapse())
             save_mode, _ = lmcache.save_path(self.tensor_parallel_size)
             lmcache = lmcache.model_copy(update=dict(load_mode=load_mode, save_mode=save_mode))

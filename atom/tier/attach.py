@@ -123,7 +123,7 @@ class LMCacheTier:
         self.mappings = self.locator = local = None
         if self.policy.engine_copies:
             self.mappings = Mappings(pool_tensor.device)
-            self.locator = Locator(
+            self.locator = self._locator_class()(
                 url=url,
                 zmq_context=self.ctx,
                 namespace=self.namespace,
@@ -178,7 +178,7 @@ class LMCacheTier:
                     offload=config.model_dump(include=set(fields)),
                     pool_shape=tuple(pool_tensor.shape),
                     pool_dtype=str(pool_tensor.dtype),
-                    engine_loads=self.policy.engine_copies,  # with rank collapse only
+                    engine_loads=self.policy.engine_copies,
                 ),
                 on_outcome=settled.post,
             )
@@ -259,6 +259,15 @@ class LMCacheTier:
             ),
         )
 
+    def _locator_class(self) -> type[Locator]:
+        """Who locates a hit: ``Locator`` (rank 0's objects: one rank, or ranks sharing one
+        copy), or across ranks without rank collapse ``RankLocator`` (every rank's objects)."""
+        if self.world_size == 1:
+            return Locator
+        from atom.tier.worker_side.rank_locator import RankLocator
+
+        return RankLocator
+
     def _l2_metrics(self, m) -> None:
         """LMCache's own L2 counters, read from its Prometheus endpoint when /metrics renders."""
         if self.server_metrics.url is None:
@@ -326,8 +335,6 @@ class LMCacheTier:
         """engine_driven when loads are copied by the engine (lmcache_driven: by the server;
         the resolved ``load_mode``, logged at attach with its reason)."""
         if self.locator is None:
-            if self.tp_size > 1 and not self.rank_collapse:
-                return "lmcache_driven (across ranks without rank collapse)"
             return "lmcache_driven"
         return self.locator.mode
 

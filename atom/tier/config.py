@@ -44,10 +44,10 @@ class OffloadConfig(BaseModel):
     # /dev/shm, the lookup's answer says where a hit's objects sit, and the engine copies them
     # into its pool itself (falls back to the server's retrieve where it cannot: a server
     # without the locate module, on another host, or an answer older than located_max_age_s);
-    # across ranks with rank collapse only (every rank copies the one shared copy).
-    # lmcache_driven: the server copies every load. auto: engine_driven with one rank and
-    # across ranks with rank collapse, lmcache_driven across ranks without it
-    # (EngineConfig.resolved, so --print-config, shows which). Saves follow save_mode.
+    # across ranks every rank copies its own part (with rank collapse the one shared copy,
+    # without it its own objects, located by rank 0's lookup for every rank).
+    # lmcache_driven: the server copies every load. auto: engine_driven (EngineConfig.resolved,
+    # so --print-config, shows the mode). Saves follow save_mode.
     load_mode: Literal["auto", "engine_driven", "lmcache_driven"] = "auto"
     # who copies a save out of the pool (``save_path``). engine_driven: the server module
     # reserves space in the server's shared-memory L1 (atom.reserve), the engine copies the
@@ -139,33 +139,27 @@ class OffloadConfig(BaseModel):
 
     def load_path(self, tp_size: int, collapse: bool = False) -> tuple[str, str]:
         """(load mode, why) for an engine of ``tp_size`` ranks, ``collapse``: whether its ranks
-        share one stored copy (``rank_collapse``). ``auto`` resolved: engine_driven on one rank
-        and across ranks with rank collapse (every rank copies the one copy rank 0's lookup
-        located), lmcache_driven across ranks without it (each rank reads its own objects,
-        which only rank 0's lookup locates); ``engine_driven`` without collapse across ranks
-        refused."""
-        mode = self.load_mode
-        if mode == "engine_driven" and tp_size > 1 and not collapse:
-            raise EngineConfigError(
-                f"lmcache.load_mode=engine_driven with tensor_parallel_size={tp_size} without "
-                "rank collapse: across ranks engine-driven loads copy the one copy every rank "
-                "shares (lmcache.tp_rank_collapse); use load_mode auto (lmcache_driven without "
-                "collapse) or lmcache_driven"
-            )
-        if mode == "auto":
-            mode = "engine_driven" if tp_size == 1 or collapse else "lmcache_driven"
-        if tp_size > 1 and not collapse:
-            why = (
-                f"tensor_parallel_size={tp_size} without rank collapse: each rank reads its own "
-                "objects, so every rank's part of a load is the server's retrieve"
-            )
-        elif mode == "lmcache_driven":
+        share one stored copy (``rank_collapse``). ``auto`` resolves to engine_driven: on one
+        rank the engine copies each located hit; across ranks every rank copies its own part
+        (with rank collapse the one copy rank 0's lookup located, without it the rank's own
+        objects, which rank 0's lookup locates for every rank in the same call)."""
+        mode = "engine_driven" if self.load_mode == "auto" else self.load_mode
+        if mode == "lmcache_driven":
             why = "lmcache.load_mode=lmcache_driven: the server copies every load"
-        elif tp_size > 1:
+            if tp_size > 1:
+                why += " (every rank's part is the server's retrieve)"
+        elif tp_size > 1 and collapse:
             why = (
                 f"tensor_parallel_size={tp_size} with rank collapse: every rank copies the one "
                 "located copy out of the server's shared-memory L1 into its own pool, through "
                 "the server where rank 0 cannot (/health tier.load_mode)"
+            )
+        elif tp_size > 1:
+            why = (
+                f"tensor_parallel_size={tp_size} without rank collapse: every rank copies its "
+                "own objects, located by rank 0's lookup for every rank, out of the server's "
+                "shared-memory L1 into its own pool, through the server where rank 0 cannot "
+                "(/health tier.load_mode)"
             )
         else:
             why = (

@@ -10,9 +10,9 @@ One object answers each question, and each question is asked at the one place th
                  a part of an op rank 0's connector made. So ``save: false`` stores nothing.
   may_load       ``lmcache.load``: no lookup is sent (so nothing is ever loaded).
   engine_copies  ``load_mode`` resolved to engine_driven (``OffloadConfig.load_path``: auto is
-                 engine_driven on one rank and across ranks with rank collapse, lmcache_driven
-                 across ranks without it) and loads on: loads are local copies (on every rank)
-                 located by the server module; otherwise the server copies every load.
+                 engine_driven, on one rank and across ranks, with rank collapse or without)
+                 and loads on: loads are local copies (on every rank) located by the server
+                 module; otherwise the server copies every load.
   engine_saves   ``save_mode`` resolved to engine_driven (``OffloadConfig.save_path``) and saves
                  on: a save is copied by the engine into space the server module reserved in
                  its shared-memory L1 (worker_side/local_save.py); otherwise the server copies
@@ -36,9 +36,8 @@ class TierPolicy:
     @classmethod
     def of(cls, config: OffloadConfig, tp_size: int = 1, collapse: bool = False) -> TierPolicy:
         """The policy of ``config`` for an engine of ``tp_size`` ranks, sharing one copy when
-        ``collapse`` (across ranks without collapse every rank's part is a retrieve, and an
-        explicit ``engine_driven`` is refused, by ``OffloadConfig.load_path``; engine-driven
-        saves run on one rank only, ``OffloadConfig.save_path``)."""
+        ``collapse`` (``OffloadConfig.load_path``; engine-driven saves run on one rank only,
+        ``OffloadConfig.save_path``)."""
         mode, _ = config.load_path(tp_size, collapse)
         save_mode, _ = config.save_path(tp_size)
         return cls(

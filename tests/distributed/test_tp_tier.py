@@ -3,15 +3,19 @@ LMCache servers: every rank registers its pool and moves its part of every trans
 
 - Two passes at TP=2, with rank collapse on and off: pass 2 (a fresh engine, an empty pool)
   resumes from the tier at the ceiling and equals pass 1 token for token; each rank loaded
-  every hit; with collapse rank 1 stored nothing, without it as much as rank 0. With collapse
-  loads are engine-driven on every rank (each rank copies the located copy out of the
-  server's shared-memory L1: no retrieve), without it every part is the server's retrieve.
-- A located copy rank 1 refuses (a stale answer: another segment) fails the op: the request
-  recomputes on every rank, outputs unchanged, and every read lock is still released.
+  every hit; with collapse rank 1 stored nothing, without it as much as rank 0. Loads are
+  engine-driven on every rank (each rank copies out of the server's shared-memory L1: no
+  retrieve): with collapse the one located copy, without it each rank its own objects (rank
+  0's lookup located every rank's in the same call). ``load_mode: lmcache_driven`` without
+  collapse still makes every part the server's retrieve.
+- A located copy rank 1 refuses (a stale answer: another segment; without collapse also no
+  location for rank 1 at all) fails the op: the request recomputes on every rank, outputs
+  unchanged, and every read lock is released once.
+- Without collapse a prompt rank 1 never stored is no hit, though rank 0 stored it.
 - The server's stored bytes with collapse are exactly 1/2 of those without.
-- Every read lock a collapsed lookup took (one per rank) is released once every rank copied
-  (one free of rank 0's, which releases every reader's lock): a non-forced clear afterwards
-  empties the server's L1.
+- Every read lock a lookup took (one per rank on a collapsed copy, one on each rank's objects
+  without collapse) is released once every rank copied (one free of rank 0's, which releases
+  every rank's and reader's lock): a non-forced clear afterwards empties the server's L1.
 - A rank killed mid-run stops the engine with an error within 30 s; afterwards no rank, no
   owned server and no shared-memory segment is left.
 """
@@ -50,9 +54,30 @@ def l1_bytes(server: LMCacheServer) -> float:
     raise AssertionError("lmcache_mp_l1_memory_usage_bytes not exported")
 
 
-def tp_llm(server: LMCacheServer, collapse: str, model: str = "v41-tiny") -> LLM:
-    tier = {"url": server.url, "tp_rank_collapse": collapse}
+def tp_llm(server: LMCacheServer, collapse: str, model: str = "v41-tiny", **tier) -> LLM:
+    tier = {"url": server.url, "tp_rank_collapse": collapse, **tier}
     return LLM(model, offload="lmcache_mp", lmcache=tier, **TP_KW)
+
+
+class SentCopies:
+    """Records what rank 0 sends the other ranks for each engine-driven load: (where, ranks)."""
+
+    def __init__(self):
+        from atom.tier.worker_side.tier_ranks import RankedTransfers
+
+        self.cls, self.submit = RankedTransfers, RankedTransfers.submit_copies
+        self.sent: list[tuple] = []
+
+    def __enter__(self) -> SentCopies:
+        def record(transfers, op, where, ranks=()):
+            self.sent.append((where, ranks))
+            self.submit(transfers, op, where, ranks)
+
+        self.cls.submit_copies = record
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.cls.submit_copies = self.submit
 
 
 class LoadPathLog(logging.Handler):
@@ -67,10 +92,10 @@ class LoadPathLog(logging.Handler):
             self.lines.append((record.levelno, record.getMessage()))
 
 
-def two_pass(collapse: str, model: str = "v41-tiny"):
+def two_pass(collapse: str, model: str = "v41-tiny", **tier):
     """Pass 1 and pass 2 at TP=2 on a fresh server (its L1 in shared memory, with atom's
-    module); returns outputs, health and stored bytes, and the first engine's ``tier loads:``
-    log lines."""
+    module); returns outputs, health and stored bytes, the first engine's ``tier loads:``
+    log lines and what rank 0 sent the other ranks for pass 2's engine-driven loads."""
     server = LMCacheServer(chunk_size=BLOCK, l1_size_gb=0.2, shared_l1=True)
     server.start(wait=True)
     log, tier_log = LoadPathLog(), logging.getLogger("atom.offload")
@@ -79,7 +104,7 @@ def two_pass(collapse: str, model: str = "v41-tiny"):
         tier_log.addHandler(log)
         tier_log.setLevel(logging.INFO)
         try:
-            first = tp_llm(server, collapse, model)
+            first = tp_llm(server, collapse, model, **tier)
         finally:
             tier_log.removeHandler(log)
             tier_log.setLevel(level)
@@ -87,13 +112,15 @@ def two_pass(collapse: str, model: str = "v41-tiny"):
         health1 = first.engine.tier.health()
         first.shutdown()  # every rank's saves drain before it returns
         stored = l1_bytes(server)
-        second = tp_llm(server, collapse, model)
+        second = tp_llm(server, collapse, model, **tier)
         # one read lock per loading rank when they share one copy
         assert second.engine.tier.lookups.readers == (2 if collapse == "true" else 1)
-        if collapse == "true":
+        if second.engine.tier.mappings is not None:  # engine-driven loads
             assert mapped(second).ident.name == server.l1_segment  # else hits go via server
-        out2 = second.generate(PROMPTS, GREEDY)
+        with SentCopies() as copies:
+            out2 = second.generate(PROMPTS, GREEDY)
         health2 = second.engine.tier.health()
+        calls = dict(second.engine.tier.lookups.calls)  # the lookup path's round-trips
         second.shutdown()
         ctx = zmq.Context()
         clear_server(server.url, ctx, 10.0)  # drops only objects no read lock holds
@@ -102,27 +129,34 @@ def two_pass(collapse: str, model: str = "v41-tiny"):
         assert double_frees(server) == 0, "a read lock was released twice"
     finally:
         server.stop()
-    return out1, out2, health1, health2, stored, left, log.lines
+    return out1, out2, health1, health2, stored, left, log.lines, (copies.sent, calls)
+
+
+LMCACHE_DRIVEN = "false, load_mode lmcache_driven"
 
 
 @pytest.fixture(scope="module")
 def runs():
-    return {c: two_pass(c) for c in ("true", "false")}
+    out = {c: two_pass(c) for c in ("true", "false")}
+    out[LMCACHE_DRIVEN] = two_pass("false", load_mode="lmcache_driven")
+    return out
 
 
-@pytest.mark.parametrize("collapse", ["true", "false"])
+@pytest.mark.parametrize("collapse", ["true", "false", LMCACHE_DRIVEN])
 def test_tp2_two_pass_resumes_from_the_tier_on_every_rank(runs, collapse):
-    out1, out2, health1, health2, stored, left, load_log = runs[collapse]
-    # with collapse every rank copies its loads, without it the server does: said once at
-    # start (INFO) and in /health
+    out1, out2, health1, health2, stored, left, load_log, (sent, calls) = runs[collapse]
+    # every rank copies its loads, unless lmcache_driven is asked for (the server retrieves
+    # them): said once at start (INFO) and in /health
     [(level, line)] = load_log
     assert level == logging.INFO
     if collapse == "true":
         assert line.startswith("tier loads: engine_driven (tensor_parallel_size=2 with "), line
-        assert health2["load_mode"] == "engine_driven"
+    elif collapse == "false":
+        assert line.startswith("tier loads: engine_driven (tensor_parallel_size=2 without "), line
     else:
-        assert line.startswith("tier loads: lmcache_driven (tensor_parallel_size=2 without "), line
-        assert health2["load_mode"] == "lmcache_driven (across ranks without rank collapse)"
+        assert line.startswith("tier loads: lmcache_driven (lmcache.load_mode=lmcache_"), line
+    engine_driven = collapse != LMCACHE_DRIVEN
+    assert health2["load_mode"] == ("engine_driven" if engine_driven else "lmcache_driven")
     tp = health2["tensor_parallel"]
     assert tp["size"] == 2 and tp["rank_collapse"] is (collapse == "true")
     for p, a, b in zip(PROMPTS, out1, out2):
@@ -136,8 +170,21 @@ def test_tp2_two_pass_resumes_from_the_tier_on_every_rank(runs, collapse):
     assert r1["bytes"]["load"] == r0["bytes"]["load"] > 0
     assert "load_ms_p50" in r1, "rank 1's load latency was not recorded"
     # how each rank's parts moved: copied out of the server's L1, or the server's retrieve
-    how = "copied" if collapse == "true" else "retrieved"
+    how = "copied" if engine_driven else "retrieved"
     assert r0["loads"] == r1["loads"] == {**{"copied": 0, "refused": 0, "retrieved": 0}, how: hits}
+    # one round-trip per lookup (atom.lookup_locate) located every rank's part of each hit;
+    # what rank 1 was sent to copy: the one copy (collapse), else its own objects (other
+    # spans of the server's L1 than rank 0's)
+    if engine_driven:
+        assert set(calls) == {"lookup_locate"} and calls["lookup_locate"] >= len(PROMPTS), calls
+    assert len(sent) == (hits if engine_driven else 0)
+    for where, ranks in sent:
+        if collapse == "true":
+            assert ranks == ()
+        else:
+            [own] = ranks
+            assert own.ident == where.ident and own.end == where.end
+            assert not {*own.pages, own.image} & {*where.pages, where.image}
     s0, s1 = health1["tensor_parallel"]["ranks"]
     assert s0["parts"]["save"] > 0
     if collapse == "true":
@@ -152,7 +199,7 @@ def test_v4_at_tp2_resumes_from_one_collapsed_copy():
     """DeepSeek-V4 splits what its layers declare, as V4.1 does, and what the tier stores comes
     from its replicated modules: one copy (rank 0's) serves both ranks, pass 2 resumes at the
     ceiling, and computes pass 1's tokens."""
-    out1, out2, _, health2, stored, _, _ = two_pass("true", "v4-tiny")
+    out1, out2, _, health2, stored, _, _, _ = two_pass("true", "v4-tiny")
     assert stored > 0
     for p, a, b in zip(PROMPTS, out1, out2):
         assert a.token_ids == b.token_ids
@@ -166,8 +213,9 @@ def test_collapse_stores_half_the_bytes_and_every_read_lock_is_released(runs):
     with_collapse, without = runs["true"][4], runs["false"][4]
     assert without > 0
     assert with_collapse * 2 == without, (with_collapse, without)
-    for collapse in ("true", "false"):
-        assert runs[collapse][5] == 0, f"collapse={collapse}: a read lock was left behind"
+    assert runs[LMCACHE_DRIVEN][4] == without  # who copies loads changes no stored byte
+    for collapse, run in runs.items():
+        assert run[5] == 0, f"collapse={collapse}: a read lock was left behind"
 
 
 def test_tp2_outputs_with_the_tier_equal_tp2_without(runs):
@@ -305,9 +353,9 @@ def test_a_located_copy_rank_1_refuses_fails_the_load_and_releases_every_lock(mo
 
     submit = RankedTransfers.submit_copies
 
-    def stale(self, op, where):
+    def stale(self, op, where, ranks=()):
         ident = dataclasses.replace(where.ident, ino=where.ident.ino + 1)
-        submit(self, op, dataclasses.replace(where, ident=ident))
+        submit(self, op, dataclasses.replace(where, ident=ident), ranks)
 
     server = LMCacheServer(chunk_size=BLOCK, l1_size_gb=0.2, shared_l1=True)
     server.start(wait=True)
@@ -344,3 +392,123 @@ def test_a_located_copy_rank_1_refuses_fails_the_load_and_releases_every_lock(mo
     r0, r1 = copied
     assert r0["loads"]["copied"] == r1["loads"]["copied"] > 0 and r1["failed"]["load"] == 0
     assert left == 0, "a refused copy left a read lock behind"
+
+
+def skip_rank_1_saves_of(llm: LLM, prompt: list[int]) -> None:
+    """Rank 1 never stores ``prompt``: its parts of that prompt's saves are not sent to it
+    and are counted done, so the server holds rank 0's objects of the prompt and not rank 1's."""
+    import dataclasses
+
+    transfers = llm.engine.tier.transfers
+    send, head = transfers.ranks.send, tuple(prompt[:BLOCK])
+
+    def send_but_rank_1s(name, *args):
+        part = args[0] if args else None
+        if name == "tier_op" and part.kind == "save" and part.token_ids[:BLOCK] == head:
+            transfers._part(1, part.op_id, "done", True, "", None)
+            return True
+        return send(name, *args)
+
+    transfers.ranks = dataclasses.replace(transfers.ranks, send=send_but_rank_1s)
+
+
+def test_without_collapse_a_hit_rank_1_lacks_is_none_and_a_part_it_cannot_copy_fails(
+    monkeypatch,
+):
+    """Without rank collapse each rank copies its own objects, which rank 0's lookup located
+    for every rank in one call:
+
+    - pass 1 stores every prompt, but rank 1 never stores the last one: pass 2 does not hit it
+      (a chunk one rank lacks is no hit) and hits every other prompt at the ceiling, each rank
+      copying its own part;
+    - pass 3 sends rank 1 no location of its own (it must not copy rank 0's objects instead),
+      pass 4 a stale one (another inode): rank 1 refuses every part, the ops fail, the
+      requests recompute on every rank with pass 1's tokens;
+    - no read lock is left behind (a non-forced clear empties L1) and none was released twice
+      (the server logs no release of an unlocked key)."""
+    from atom.tier.worker_side.tier_ranks import RankedTransfers
+
+    submit = RankedTransfers.submit_copies
+
+    def none_for_rank_1(self, op, where, ranks=()):
+        submit(self, op, where, ())
+
+    def stale_for_rank_1(self, op, where, ranks=()):
+        import dataclasses
+
+        ident = dataclasses.replace(ranks[0].ident, ino=ranks[0].ident.ino + 1)
+        submit(self, op, where, (dataclasses.replace(ranks[0], ident=ident),))
+
+    lacking = PROMPTS[-1]
+    server = LMCacheServer(chunk_size=BLOCK, l1_size_gb=0.2, shared_l1=True)
+    server.start(wait=True)
+    outs, ranks = [], []
+    try:
+        first = tp_llm(server, "false")
+        skip_rank_1_saves_of(first, lacking)
+        outs.append(first.generate(PROMPTS, GREEDY))
+        first.shutdown()
+        for patch in (None, none_for_rank_1, stale_for_rank_1):
+            monkeypatch.setattr(RankedTransfers, "submit_copies", patch or submit)
+            llm = tp_llm(server, "false")
+            mapped(llm)
+            outs.append(llm.generate(PROMPTS, GREEDY))
+            ranks.append(llm.engine.tier.health()["tensor_parallel"]["ranks"])
+            llm.shutdown()
+        ctx = zmq.Context()
+        clear_server(server.url, ctx, 10.0)  # drops only objects no read lock holds
+        ctx.term()
+        left = l1_bytes(server)
+        frees = double_frees(server)
+    finally:
+        server.stop()
+    assert frees == 0, "a read lock was released twice"
+    assert left == 0, "a read lock was left behind"
+    for out in outs[1:]:
+        assert [o.token_ids for o in out] == [o.token_ids for o in outs[0]]
+    copied, missing, stale = ranks
+    hits = [o.tier_hit_tokens for o in outs[1]]
+    assert hits == [ceiling(len(p)) for p in PROMPTS[:-1]] + [0], hits
+    r0, r1 = copied
+    assert r0["loads"]["copied"] == r1["loads"]["copied"] == len(PROMPTS) - 1
+    assert r0["failed"] == r1["failed"] == {"load": 0, "save": 0}
+    assert r1["bytes"]["load"] == r0["bytes"]["load"] > 0
+    for refused in (missing, stale):
+        r0, r1 = refused
+        assert r1["loads"]["refused"] == r1["failed"]["load"] == r0["loads"]["copied"] > 0
+        assert r1["loads"]["copied"] == 0 and r1["bytes"]["load"] == 0
+    assert all(o.tier_hit_tokens == 0 for out in outs[2:] for o in out)  # recomputed
+
+
+def test_without_collapse_a_server_without_the_one_call_locates_every_rank_in_one_locate():
+    """A server whose module lacks ``atom.lookup_locate`` (as before issue 39): LMCache's
+    lookup, then one ``atom.locate`` per hit that locates every rank's objects; pass 2 copies
+    on both ranks with pass 1's tokens and leaves no read lock behind."""
+    from tests.offload.test_one_rpc_lookup import OldModuleServer
+
+    server = OldModuleServer(chunk_size=BLOCK, l1_size_gb=0.2, shared_l1=True)
+    server.start(wait=True)
+    try:
+        first = tp_llm(server, "false")
+        out1 = first.generate(PROMPTS, GREEDY)
+        first.shutdown()
+        second = tp_llm(server, "false")
+        mapped(second)
+        out2 = second.generate(PROMPTS, GREEDY)
+        r0, r1 = second.engine.tier.health()["tensor_parallel"]["ranks"]
+        calls = dict(second.engine.tier.lookups.calls)
+        second.shutdown()
+        ctx = zmq.Context()
+        clear_server(server.url, ctx, 10.0)  # drops only objects no read lock holds
+        ctx.term()
+        left = l1_bytes(server)
+        frees = double_frees(server)
+    finally:
+        server.stop()
+    assert [o.token_ids for o in out2] == [o.token_ids for o in out1]
+    assert [o.tier_hit_tokens for o in out2] == [ceiling(len(p)) for p in PROMPTS]
+    n = len(PROMPTS)
+    assert calls["lookup"] == calls["locate"] == n and "lookup_locate" not in calls, calls
+    assert r0["loads"]["copied"] == r1["loads"]["copied"] == n, (r0, r1)
+    assert r1["bytes"]["load"] == r0["bytes"]["load"] > 0
+    assert left == 0 and frees == 0

@@ -1,10 +1,8 @@
 """Who copies a tier load (``lmcache.load_mode``) is decided in the config, not switched
-silently: ``auto`` (the default) resolves to engine_driven on one rank and across ranks with
-rank collapse, lmcache_driven across ranks without it, ``--print-config`` prints the resolved
-mode, the tier logs it once at INFO with the reason, and ``engine_driven`` with
-``tensor_parallel_size > 1`` without rank collapse is a config error that names the value and
-the fix. (tests/distributed/test_tp_tier.py checks the log line and /health of a
-real TP=2 tier; tests/serve/test_lifecycle.py the command line.)"""
+silently: ``auto`` (the default) resolves to engine_driven on one rank and across ranks, with
+rank collapse or without, ``--print-config`` prints the resolved mode, and the tier logs it
+once at INFO with the reason. (tests/distributed/test_tp_tier.py checks the log line and
+/health of a real TP=2 tier; tests/serve/test_lifecycle.py the command line.)"""
 
 from __future__ import annotations
 
@@ -26,24 +24,27 @@ def test_auto_resolves_by_the_number_of_ranks():
     mode, why = auto.load_path(1)
     assert mode == "engine_driven" and why.startswith("one rank")
     mode, why = auto.load_path(2)
-    assert mode == "lmcache_driven" and "tensor_parallel_size=2 without rank collapse" in why
+    assert mode == "engine_driven" and "tensor_parallel_size=2 without rank collapse" in why
+    assert "every rank copies its own objects" in why
     mode, why = auto.load_path(2, collapse=True)
     assert mode == "engine_driven" and "tensor_parallel_size=2 with rank collapse" in why
     assert OffloadConfig(load_mode="engine_driven").load_path(4, True)[0] == "engine_driven"
     mode, why = OffloadConfig(load_mode="lmcache_driven").load_path(1)
     assert mode == "lmcache_driven" and "lmcache.load_mode=lmcache_driven" in why
-    assert OffloadConfig(load_mode="lmcache_driven").load_path(4)[0] == "lmcache_driven"
+    mode, why = OffloadConfig(load_mode="lmcache_driven").load_path(4)
+    assert mode == "lmcache_driven" and "every rank's part is the server's retrieve" in why
+    assert OffloadConfig(load_mode="engine_driven").load_path(4)[0] == "engine_driven"
     assert "lmcache.load=false" in OffloadConfig(load=False).load_path(1)[1]
 
 
 def test_the_policy_copies_loads_only_where_the_resolved_mode_is_engine_driven():
     assert TierPolicy.of(OffloadConfig(), 1).engine_copies
-    assert not TierPolicy.of(OffloadConfig(), 2).engine_copies
+    assert TierPolicy.of(OffloadConfig(), 2).engine_copies
     assert TierPolicy.of(OffloadConfig(), 2, collapse=True).engine_copies
+    assert TierPolicy.of(OffloadConfig(load_mode="engine_driven"), 2).engine_copies
     assert not TierPolicy.of(OffloadConfig(load_mode="lmcache_driven"), 1).engine_copies
+    assert not TierPolicy.of(OffloadConfig(load_mode="lmcache_driven"), 2).engine_copies
     assert not TierPolicy.of(OffloadConfig(load=False), 1).engine_copies
-    with pytest.raises(EngineConfigError, match="without rank collapse"):
-        TierPolicy.of(OffloadConfig(load_mode="engine_driven"), 2)
 
 
 def test_the_resolved_config_says_which_mode_runs():
@@ -54,23 +55,21 @@ def test_the_resolved_config_says_which_mode_runs():
     assert two.resolved().lmcache.load_mode == "engine_driven"  # resolving again changes nothing
     apart = {"tp_rank_collapse": "false"}
     two = EngineConfig(**TIER_KW, tensor_parallel_size=2, lmcache=apart).resolved()
+    assert two.lmcache.load_mode == "engine_driven"  # every rank copies its own objects
+    assert two.resolved().lmcache.load_mode == "engine_driven"
+    asked = {**apart, "load_mode": "lmcache_driven"}
+    two = EngineConfig(**TIER_KW, tensor_parallel_size=2, lmcache=asked).resolved()
     assert two.lmcache.load_mode == "lmcache_driven"
-    assert two.resolved().lmcache.load_mode == "lmcache_driven"
     given = EngineConfig(**TIER_KW, lmcache={"load_mode": "lmcache_driven"}).resolved()
     assert given.lmcache.load_mode == "lmcache_driven"
     assert EngineConfig(**{**TIER_KW, "offload": "none"}).resolved().lmcache.load_mode == "auto"
 
 
-def test_engine_driven_across_ranks_without_collapse_is_refused_naming_the_value_and_the_fix():
+def test_engine_driven_across_ranks_without_collapse_is_accepted():
     apart = {"load_mode": "engine_driven", "tp_rank_collapse": "false"}
-    with pytest.raises(EngineConfigError) as err:
-        EngineConfig.build(**TIER_KW, tensor_parallel_size=2, lmcache=apart)
-    msg = str(err.value)
-    assert "lmcache.load_mode=engine_driven with tensor_parallel_size=2 without rank" in msg
-    assert "use load_mode auto" in msg and "lmcache_driven" in msg
-    # without a tier nothing loads: the tier's settings are not judged
-    EngineConfig.build(**{**TIER_KW, "offload": "none"}, tensor_parallel_size=2,
-                       lmcache={"load_mode": "engine_driven"})  # fmt: skip
+    two = EngineConfig.build(**TIER_KW, tensor_parallel_size=2, lmcache=apart).resolved()
+    assert two.lmcache.load_mode == "engine_driven"
+    assert two.lmcache.rank_collapse(2, True) is False
 
 
 def test_the_tier_logs_its_load_mode_once_at_start(lmcache_server, make_llm, caplog):

@@ -63,14 +63,14 @@ the copy completed: then the read locks of its span are freed and its latency is
 load (a server since gone or replaced, too old, objects not what the load expects) sends the
 load through the server instead.
 
-Across ranks (rank collapse: every rank copies the one copy rank 0's lookup located) rank 0
-copies its part the same way and every other rank is sent where the objects sit
-(``RankedTransfers.submit_copies``); the op is terminal when every rank reported its copy,
-so the forward that reads the blocks is sent after every rank copied. A rank that cannot copy
-fails the op (the request recomputes on every rank). The span's read locks (one per rank,
-taken by the lookup) are freed by one free once the op is terminal and rank 0's copy
-completed, on success and on failure alike (``_local_settle``): no rank's part reached the
-server, and LMCache's free releases as many locks per object as its key declares readers.
+Across ranks rank 0 copies its part the same way and every other rank is sent where its part
+sits (``RankedTransfers.submit_copies``: the one copy with rank collapse, else its own objects,
+``Located.ranks``); the op is terminal when every rank reported its copy, so the forward that
+reads the blocks is sent after every rank copied. A rank that cannot copy fails the op (the
+request recomputes on every rank). The span's read locks (the lookup's, on every rank's part)
+are freed by one free once the op is terminal and rank 0's copy completed, on success and on
+failure alike (``_local_settle``): no part reached the server, and LMCache's free releases
+every worker's locks, as many per object as its key declares readers.
 """
 
 from __future__ import annotations
@@ -510,7 +510,7 @@ class OffloadConnector(Connector):
         self.tier_metrics.local_loads.inc(outcome="copied")
         submit_copies = getattr(self.transfers, "submit_copies", None)
         if submit_copies is not None:  # across ranks: terminal once every rank copied
-            submit_copies(op, located.where())
+            submit_copies(op, located.where(), located.ranks)
             return True
         op.resolve(True)
         self._on_load(op)

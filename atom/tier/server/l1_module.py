@@ -13,11 +13,19 @@ read locks on exactly these objects (which keeps them in place) and frees them a
 An object that is missing (evicted, never stored, another server) makes the whole answer
 ``found=False``.
 
+Across ranks without rank collapse each rank keys its own objects (worker r of a world of N),
+and one lookup (worker None) locked every rank's: ``workers`` = N locates the same range for
+worker ids 1..N-1 too, in the same call, and ``ranks`` carries their spans (one object of any
+of them missing: ``found=False``). A module without the field answers worker ``worker_id``
+only (no ``ranks``).
+
 Wire format (msgpack maps, both ways), version ``LOCATE_VERSION``:
-  request  {v, model_name, world_size, worker_id, request_id, token_ids, start, end, groups}
+  request  {v, model_name, world_size, worker_id, request_id, token_ids, start, end, groups,
+            workers (optional, default 1)}
            groups: [[object_group_id, last_n]] -- last_n < 0: every chunk, else the last n
   answer   {v, found, error, shm_name, shm_size, shm_dev, shm_ino, boot_id, server_id,
-            lookup_locate, saves, objects: [[[offset, length], ...] per asked group]}
+            lookup_locate, saves, objects: [[[offset, length], ...] per asked group],
+            ranks (with workers > 1): [objects of worker w, for w in 1..workers-1]}
 The segment's device and inode and the host's boot id let the engine prove that the file it
 maps is this server's segment on this host (a name alone could be another server's). Every
 answer also carries ``lookup_locate``: the version of ``atom.lookup_locate`` this server serves
@@ -34,6 +42,7 @@ from __future__ import annotations
 
 import os
 import uuid
+from dataclasses import replace
 
 import msgspec
 from lmcache.v1.multiprocess.ext_server_module import server_module_handler
@@ -128,29 +137,41 @@ class L1Locator:
         if not groups or key.end <= key.start:
             answer["found"] = True  # nothing asked: the segment's identity only
             return answer
+        workers = max(1, int(req.get("workers", 1)))
+        every = []  # the objects of worker_id, then of each other worker id
+        for w in [key.worker_id, *(i for i in range(workers) if i != key.worker_id)]:
+            objects, error = self._objects(replace(key, worker_id=w), groups)
+            if error:
+                answer["error"] = error if w == key.worker_id else f"worker {w}: {error}"
+                return answer
+            every.append(objects)
+        answer["objects"] = every[0]
+        if workers > 1:
+            answer["ranks"] = every[1:]
+        answer["found"] = True
+        return answer
+
+    def _objects(self, key, groups) -> tuple[list, str]:
+        """(spans per group, "") of ``key``'s worker, or ([], why) when one is not in L1."""
         keys_per_group = self._ctx.resolve_obj_keys(key, [g for g, _ in groups])
         sm = self._ctx.storage_manager
         owners = self._ctx.get_read_owners(key.request_id)
+        out = []
         for (_, last_n), keys in zip(groups, keys_per_group, strict=True):
             wanted = keys if last_n < 0 else keys[len(keys) - last_n :]
             found, objs = sm.unsafe_read(wanted, l1_owners=owners)
             if found != wanted:
-                answer["error"] = f"{len(wanted) - len(found)} of {len(wanted)} objects not in L1"
-                answer["objects"] = []
-                return answer
+                return [], f"{len(wanted) - len(found)} of {len(wanted)} objects not in L1"
             spans = []
             for obj in objs:
                 offset = getattr(obj, "shm_offset", None)
                 # (not obj.tensor: an image object's metadata shape is one layer's, and
                 # viewing its K layers through it raises)
                 if offset is None or offset < 0:
-                    answer["error"] = "an object has no shared-memory offset"
-                    answer["objects"] = []
-                    return answer
+                    return [], "an object has no shared-memory offset"
                 spans.append([int(offset), int(obj.shm_byte_length)])
-            answer["objects"].append(spans)
-        answer["found"] = True
-        return answer
+            out.append(spans)
+        return out, ""
 
 
 def build_server_modules(build_context) -> list:

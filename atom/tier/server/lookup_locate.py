@@ -20,11 +20,14 @@ answer. With an L2 the prefetch runs on LMCache's prefetch thread: the answer is
 ``pending`` and the caller polls with ``op: "poll"`` (LMCache's QUERY_PREFETCH_STATUS, plus
 the locate once it is done), one call per poll, as the adapter polls. A hit is located with
 ``L1Locator`` (the answer of ``atom.locate`` for [0, hit floored to ``grid``): every page
-object and the image at its end), unless the request says ``locate: false``.
+object and the image at its end), unless the request says ``locate: false``; with ``workers``
+N (ranks without rank collapse, each keying its own objects) for every worker id of the world,
+as ``atom.locate`` does: LMCache's lookup (worker None) fanned out over every worker, so the
+hit counts only chunks every rank holds and every rank's objects are read-locked.
 
 Wire format (msgpack maps, both ways), version ``LOOKUP_LOCATE_VERSION``:
   request  {v, op: "lookup"|"poll", model_name, world_size, request_id, token_ids, end,
-            readers, grid, locate}
+            readers, grid, locate, workers (optional, default 1)}
   answer   {v, handled, error, pending, hit, located}
 ``handled`` false: nothing was looked up (another version, a server whose lookup handlers
 were not found); the caller then uses LMCache's own lookup calls. ``located``: an
@@ -135,6 +138,7 @@ class LookupLocator:
                     "start": 0,
                     "end": end,
                     "groups": [[0, -1], [1, 1]],  # every page object, the image at the end
+                    "workers": int(req.get("workers", 1)),  # without rank collapse: N
                 }
             )
         return answer

@@ -289,13 +289,16 @@ PAGES_GROUP, IMAGE_GROUP = 0, 1  # lmcache's object groups: full-attention pages
 
 @dataclass(frozen=True)
 class Located:
-    """A hit's objects in one server's L1: ``pages[i]`` is chunk i's (offset, length)."""
+    """A hit's objects in one server's L1: ``pages[i]`` is chunk i's (offset, length).
+    ``ranks``: across ranks without rank collapse, where rank r's own objects sit (r-1;
+    ``rank_locator.RankLocator``); empty otherwise."""
 
     mapping: L1Mapping
     pages: tuple[tuple[int, int], ...]
     image: tuple[int, int]
     end: int
     at: float  # monotonic time of the answer (the read locks lapse after the server's TTL)
+    ranks: tuple[Where, ...] = ()
 
     def where(self) -> Where:
         """What another process needs to copy the same objects (picklable: no mapping)."""

@@ -25,8 +25,10 @@ With rank collapse every rank's adapter names worker 0 of a world of 1, so every
 the one copy rank 0 stored (its lookup took one read lock per reader); without it, rank r is
 worker r of N and reads and writes its own objects.
 
-Engine-driven loads (``spec.engine_loads``: rank collapse, load_mode engine_driven): a load's
-part carries where rank 0's lookup located the objects (``Where``). The rank maps the server's
+Engine-driven loads (``spec.engine_loads``: load_mode engine_driven): a load's part carries
+where rank 0's lookup located the objects (``Where``): with rank collapse the one copy every
+rank reads (``where``), without it each rank's own objects (``ranks[r - 1]``, located by the
+same lookup for every worker id; a part without this rank's is refused). The rank maps the server's
 shared-memory L1 itself (its own ``Mappings``: read-only, identity-checked against the
 answer; the first part waits for the mapping), checks the objects and the image header
 (``LocalLoads.plan``), copies them into its own pool and reports the part done once the copy
@@ -69,7 +71,7 @@ class RankTierSpec:
     offload: dict  # OffloadConfig fields
     pool_shape: tuple[int, ...]
     pool_dtype: str  # e.g. "torch.uint8"
-    engine_loads: bool = False  # loads are copied from the server's L1 (with collapse only)
+    engine_loads: bool = False  # loads are copied from the server's L1 by every rank
 
     def worker_id(self, rank: int) -> int:
         return 0 if self.collapse else rank
@@ -89,6 +91,7 @@ class TierPart:
     page_blocks: tuple[int, ...]
     units: tuple[int, ...]
     where: Where | None = None  # an engine-driven load: where its objects sit (else a retrieve)
+    ranks: tuple[Where, ...] = ()  # without rank collapse: rank r's own objects at r - 1
 
 
 class _Units:
@@ -182,7 +185,8 @@ class RankTier:
         the next forward this rank runs comes after it); report it done or refused."""
         t0 = time.monotonic()
         try:
-            located = part.where.located(self._mapping(part.where), t0)
+            where = self._where(part)
+            located = where.located(self._mapping(where), t0)
             plan = self.local.plan(located, part.start, part.end, part.page_blocks, part.units)
         except Exception as exc:  # noqa: BLE001 - refused: the op fails, never wrong bytes
             why = f"rank {self.rank}: located copy refused: {exc}"
@@ -195,6 +199,14 @@ class RankTier:
         self.mappings.close_idle()
         latency = (done[0] if done else time.monotonic()) - t0
         self._send(("part", part.op_id, "done", True, "", latency, "copied"))
+
+    def _where(self, part: TierPart) -> Where:
+        """Where this rank's part sits: the one copy (rank collapse), else its own objects."""
+        if self.spec.collapse:
+            return part.where
+        if len(part.ranks) < self.rank:
+            raise LookupError(f"rank 0's lookup located no objects of rank {self.rank}")
+        return part.ranks[self.rank - 1]
 
     def _mapping(self, where: Where):
         """This rank's mapping of the segment ``where`` names (mapped now if new); raises

@@ -13,10 +13,12 @@ order with the forwards; see ``rank_tier``). The op is terminal when every part 
 Which ranks move bytes: a load, every rank (each pool must hold the bytes); a save, every rank
 without rank collapse (each stores its own object), rank 0 alone with it (one copy).
 
-An engine-driven load (``submit_copies``, rank collapse only): rank 0's connector copied its
-part itself from where its lookup located the objects; every other rank is sent that place
-(``Where``) and copies its own part from the server's shared-memory L1 (``rank_tier``), with
-no retrieve: the op is terminal when every other rank reported its copy.
+An engine-driven load (``submit_copies``): rank 0's connector copied its part itself from
+where its lookup located the objects; every other rank is sent where its part sits (``Where``:
+with rank collapse the one copy, without it that rank's own objects, which rank 0's lookup
+located for every rank in the same call: ``rank_locator.py``) and copies it from the server's
+shared-memory L1 (``rank_tier``), with no retrieve: the op is terminal when every other rank
+reported its copy.
 
 Per-rank numbers (parts, bytes, latencies) are kept for /health and the benchmarks.
 """
@@ -173,10 +175,13 @@ class RankedTransfers:
         )
         self.local.submit(local)
 
-    def submit_copies(self, op: TransferOp, where: Where) -> None:
+    def submit_copies(self, op: TransferOp, where: Where, ranks: tuple[Where, ...] = ()) -> None:
         """An engine-driven load: rank 0's part is the copy its connector made (or issued);
-        every other rank copies its own part from ``where``. No part reaches the server, so
-        the op's read locks stay the connector's to free once the op is terminal."""
+        every other rank copies its own part: from ``where`` (rank 0's objects: with rank
+        collapse, the one copy), without collapse from ``ranks[r - 1]`` (``Located.ranks``:
+        rank r's own objects; a rank with none refuses its part). No part reaches the server,
+        so the op's read locks (every rank's) stay the connector's to free once the op is
+        terminal."""
         self.stats[0].record("load", True, op.nbytes, None, "copied")
         with self._lock:
             self._fans[op.op_id] = _Fan(op, set(range(1, self.world)))
@@ -191,6 +196,7 @@ class RankedTransfers:
             tuple(op.page_blocks),
             tuple(op.units),
             where,
+            tuple(ranks),
         )
         try:
             self.ranks.send("tier_op", part)
