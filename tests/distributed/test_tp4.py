@@ -15,17 +15,14 @@ their tiny presets widened to 4 attention heads and 4 output groups through ``mo
 from __future__ import annotations
 
 import pytest
-import zmq
 
 from atom import LLM, SamplingParams
-from atom.tier.server.admin import clear_server
 from atom.tier.server.lmcache_server import LMCacheServer
 from tests.distributed.test_tp_drafts import KW as DRAFT_KW
 from tests.distributed.test_tp_graphs import patch_fake_graphs
-from tests.distributed.test_tp_tier import l1_bytes
+from tests.distributed.test_tp_tier import cleared, l1_bytes
 from tests.engine.test_speculative import ScriptedDrafter, prompts_of, truth_of
 from tests.gpu.test_decode_graphs_cuda import assert_same_greedy
-from tests.offload.test_engine_driven import double_frees
 from tests.offload.test_two_pass import ceiling
 
 WIDE = {"num_attention_heads": 4, "o_groups": 4}
@@ -104,11 +101,8 @@ def test_tp4_two_pass_resumes_from_the_tier_on_every_rank(collapse):
         out1, health1 = tier_pass(server, collapse)
         stored = l1_bytes(server)
         out2, health2 = tier_pass(server, collapse)
-        ctx = zmq.Context()
-        clear_server(server.url, ctx, 10.0)  # drops only objects no read lock holds
-        ctx.term()
-        left = l1_bytes(server)
-        assert double_frees(server) == 0, "a read lock was released twice"
+        left, frees = cleared(server)
+        assert frees == 0, "a read lock was released twice"
     finally:
         server.stop()
     for p, a, b in zip(TIER_PROMPTS, out1, out2):

@@ -54,6 +54,15 @@ def l1_bytes(server: LMCacheServer) -> float:
     raise AssertionError("lmcache_mp_l1_memory_usage_bytes not exported")
 
 
+def cleared(server: LMCacheServer) -> tuple[float, int]:
+    """(the bytes the server's L1 still holds after a non-forced clear, which drops only
+    objects no read lock holds; the read locks it saw released twice)."""
+    ctx = zmq.Context()
+    clear_server(server.url, ctx, 10.0)
+    ctx.term()
+    return l1_bytes(server), double_frees(server)
+
+
 def tp_llm(server: LMCacheServer, collapse: str, model: str = "v41-tiny", **tier) -> LLM:
     tier = {"url": server.url, "tp_rank_collapse": collapse, **tier}
     return LLM(model, offload="lmcache_mp", lmcache=tier, **TP_KW)
@@ -122,11 +131,8 @@ def two_pass(collapse: str, model: str = "v41-tiny", **tier):
         health2 = second.engine.tier.health()
         calls = dict(second.engine.tier.lookups.calls)  # the lookup path's round-trips
         second.shutdown()
-        ctx = zmq.Context()
-        clear_server(server.url, ctx, 10.0)  # drops only objects no read lock holds
-        ctx.term()
-        left = l1_bytes(server)
-        assert double_frees(server) == 0, "a read lock was released twice"
+        left, frees = cleared(server)
+        assert frees == 0, "a read lock was released twice"
     finally:
         server.stop()
     return out1, out2, health1, health2, stored, left, log.lines, (copies.sent, calls)
@@ -375,11 +381,7 @@ def test_a_located_copy_rank_1_refuses_fails_the_load_and_releases_every_lock(mo
         out3 = third.generate(PROMPTS, GREEDY)
         copied = third.engine.tier.health()["tensor_parallel"]["ranks"]
         third.shutdown()
-        ctx = zmq.Context()
-        clear_server(server.url, ctx, 10.0)  # drops only objects no read lock holds
-        ctx.term()
-        left = l1_bytes(server)
-        frees = double_frees(server)
+        left, frees = cleared(server)
     finally:
         server.stop()
     assert frees == 0, "a read lock was released twice"
@@ -455,11 +457,7 @@ def test_without_collapse_a_hit_rank_1_lacks_is_none_and_a_part_it_cannot_copy_f
             outs.append(llm.generate(PROMPTS, GREEDY))
             ranks.append(llm.engine.tier.health()["tensor_parallel"]["ranks"])
             llm.shutdown()
-        ctx = zmq.Context()
-        clear_server(server.url, ctx, 10.0)  # drops only objects no read lock holds
-        ctx.term()
-        left = l1_bytes(server)
-        frees = double_frees(server)
+        left, frees = cleared(server)
     finally:
         server.stop()
     assert frees == 0, "a read lock was released twice"
@@ -498,11 +496,7 @@ def test_without_collapse_a_server_without_the_one_call_locates_every_rank_in_on
         r0, r1 = second.engine.tier.health()["tensor_parallel"]["ranks"]
         calls = dict(second.engine.tier.lookups.calls)
         second.shutdown()
-        ctx = zmq.Context()
-        clear_server(server.url, ctx, 10.0)  # drops only objects no read lock holds
-        ctx.term()
-        left = l1_bytes(server)
-        frees = double_frees(server)
+        left, frees = cleared(server)
     finally:
         server.stop()
     assert [o.token_ids for o in out2] == [o.token_ids for o in out1]
