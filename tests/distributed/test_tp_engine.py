@@ -95,12 +95,14 @@ def test_v4_checkpoint_at_tp2_reads_each_ranks_slices_and_decodes_what_one_rank_
 @pytest.mark.parametrize("preset", ["v41-tiny-fp8", "v4-tiny-fp8"])
 def test_stored_precision_checkpoint_at_tp2_decodes_what_one_rank_does(preset, tmp_path):
     """``weight_dtype: fp8`` across ranks: a published-format checkpoint (FP8 in 32 x 32
-    blocks, FP4 experts; the tiny model widened so that each rank holds whole blocks) runs as
-    FP8 linears and FP4 experts on every rank, split with their scales (rank 0's shapes here;
+    blocks, FP4 experts, V4.1's FP8 Engram tables and its tokenizer's compressed vocabulary;
+    the tiny model widened so that each rank holds whole blocks) runs as FP8 linears, FP4
+    experts and FP8 row tables on every rank, split with their scales (rank 0's shapes here;
     tests/model/test_tp_stored_precision.py checks every rank's bytes, in-process), and TP=2
     decodes what one rank does at the same precision."""
     from atom.models.common.fp4_linear import Fp4Linear
     from atom.models.common.fp8_linear import Fp8Linear
+    from atom.models.common.fp8_rows import Fp8RowTable
     from tests.model.test_tp_stored_precision import _write
 
     _write(preset, tmp_path)
@@ -127,7 +129,19 @@ def test_stored_precision_checkpoint_at_tp2_decodes_what_one_rank_does(preset, t
         assert type(part) is kind
         for t in ("weight", "weight_scale"):
             assert getattr(part, t).shape[dim] * 2 == getattr(full, t).shape[dim]
-    assert_same_greedy(two, one, eps=1e-3, most=1)
+    if preset.startswith("v41"):  # the Engram tables: FP8 rows, half the columns a rank
+        part = model.get_submodule("model.layers.1.engram.embed")
+        full = whole.get_submodule("model.layers.1.engram.embed")
+        assert type(part) is type(full) is Fp8RowTable
+        assert part.weight.shape[1] * 2 == full.weight.shape[1]
+        # 16 of 32 columns: the rank holds the one scale group it shares with rank 1
+        assert part.weight_scale.shape == full.weight_scale.shape
+        assert not model.engram_hash.needs_token_map  # the tokenizer's map, on rank 0 too
+    # at stored precision a split sum's last-bit difference can flip an activation's E4M3
+    # rounding (a step of 1/16 of its value) in the next FP8 linear, so TP=2 parts from one
+    # rank at wider gaps than in bf16: up to 0.03 in top-1 logprob on this V4.1 checkpoint
+    # (bf16, the same checkpoint: 5e-7), and a parting at a top-2 gap of 0.049
+    assert_same_greedy(two, one, eps=0.1, most=1)
 
 
 def test_a_killed_rank_stops_the_engine_with_an_error():

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import multiprocessing
 import threading
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -214,6 +215,9 @@ def test_the_engine_refuses_a_cutting_split_before_any_rank_starts():
 # ---- a published-format checkpoint, read slice by slice ---------------------------------
 
 
+BYTE_TOKENIZER = Path(__file__).parents[2] / "atom" / "byte_tokenizer" / "tokenizer.json"
+
+
 def _write(preset: str, directory):
     """A published-format checkpoint of the widened tiny model: FP8 in 32 x 32 blocks with
     E8M0 scales, FP4 experts (V4: int8 bytes; V4.1: ``float4_e2m1fn_x2``), two files, the
@@ -226,9 +230,15 @@ def _write(preset: str, directory):
         cfg["quantization_config"] = dict(quant_method="fp8", weight_block_size=[32, 32])
         write_checkpoint(directory, seed=7, config=cfg, block=(32, 32), shape=WIDE)
     else:
+        import shutil
+
         from .test_v41_published_checkpoint import write_checkpoint
 
-        write_checkpoint(directory, seed=7, shape=WIDE)
+        # as published: the Engram hashes over its tokenizer's compressed vocabulary (the byte
+        # tokenizer's 258 ids normalise to 229), the tokenizer.json beside the weights
+        shape = dict(WIDE, engram_compressed_vocab_size=229)
+        write_checkpoint(directory, seed=7, shape=shape)
+        shutil.copy(BYTE_TOKENIZER, directory / "tokenizer.json")
 
 
 def _stored_tensors(directory) -> dict[str, torch.Tensor]:
