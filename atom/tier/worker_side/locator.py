@@ -391,7 +391,8 @@ class Locator:
         if probe.state != SUPPORTED:
             probe.ready()  # asks again when a retry is due
             return False
-        return not self.declined and self.lookup_locate == LOOKUP_LOCATE_VERSION
+        version = probe.answer.get("lookup_locate", 0)  # (not self.lookup_locate: no call)
+        return not self.declined and version == LOOKUP_LOCATE_VERSION
 
     def decline_combined(self, why: str) -> None:
         """The server did not handle ``atom.lookup_locate``: lookups use LMCache's own calls
