@@ -149,7 +149,7 @@ class LMCacheTier:
                 rpc_timeout_s=config.rpc_timeout_s,
                 transfer_timeout_s=config.transfer_timeout_s,
             )
-        self.transfers = TransferThread(
+        transfers = TransferThread(
             url=url,
             namespace=self.namespace,
             world_size=self.world_size,
@@ -161,13 +161,16 @@ class LMCacheTier:
             server_alive=(lambda: self.server.running) if self.server is not None else None,
             saves=self.saves,
         )
+        if self.locator is not None:  # (the saves' hook is the transfer thread's own)
+            transfers.health.on_server_change.append(self.locator.server_changed)
+        self.transfers = transfers
         if ranks is not None:
             from atom.tier.worker_side.rank_tier import RankTierSpec
             from atom.tier.worker_side.tier_ranks import RankedTransfers
 
             fields = ("transfer_timeout_s", "heartbeat_s", "rpc_timeout_s", "lookup_timeout_s")
             self.transfers = RankedTransfers(
-                local=self.transfers,  # rank 0's part; its outcomes go to the fan-in
+                local=transfers,  # rank 0's part; its outcomes go to the fan-in
                 ranks=ranks,
                 spec=RankTierSpec(
                     url=url,
@@ -233,7 +236,9 @@ class LMCacheTier:
             )
         self.supervisor: ServerSupervisor | None = None
         if self.server is not None:
-            self.supervisor = ServerSupervisor(self.server).start()
+            self.supervisor = ServerSupervisor(
+                self.server, on_restart=self._server_restarted
+            ).start()
             metrics.gauge(
                 "tier_server_restarts_total",
                 "Times the owned LMCache server was restarted after it died.",
@@ -267,6 +272,13 @@ class LMCacheTier:
         from atom.tier.worker_side.rank_locator import RankLocator
 
         return RankLocator
+
+    def _server_restarted(self) -> None:
+        """The supervisor restarted the owned server (on its thread), maybe before the tier
+        noticed the outage: the probes of its module ask the new process again."""
+        for path in (self.locator, self.saves):
+            if path is not None:
+                path.server_changed("the owned LMCache server was restarted")
 
     def _l2_metrics(self, m) -> None:
         """LMCache's own L2 counters, read from its Prometheus endpoint when /metrics renders."""

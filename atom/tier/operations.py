@@ -301,13 +301,19 @@ class WorkerHealth:
     """The worker side's health as the scheduler side reads it, on every update: whether the
     tier serves now, and an ``epoch`` that changes whenever it may have lost what it held (a
     re-registration, a recovery after an outage). The transfer thread that owns the adapter
-    writes it (``adapter``, ``registrations``, ``recoveries``); the step thread only reads it,
-    never the thread object. ``healthy`` asks the adapter live (lmcache's heartbeat sets it)."""
+    writes it (``adapter``; ``registered``, ``recovered``); the step thread only reads it,
+    never the thread object. ``healthy`` asks the adapter live (lmcache's heartbeat sets it).
+
+    Whenever the server may be another one (healthy again after an outage, registered afresh,
+    or registered at last after failed attempts) the ``on_server_change`` hooks are called with
+    the reason, on the transfer thread: the probes of the server's module forget their
+    verdicts (``worker_side/server_probe.py``)."""
 
     def __init__(self):
         self.adapter = None  # the registered LMCache adapter; None while there is none
         self.registrations = 0
         self.recoveries = 0  # healthy again after an outage (the server may have lost data)
+        self.on_server_change: list = []  # callables taking the reason (a str)
 
     @property
     def healthy(self) -> bool:
@@ -317,3 +323,20 @@ class WorkerHealth:
     @property
     def epoch(self) -> int:
         return self.registrations + self.recoveries
+
+    def registered(self, after_failures: bool = False) -> None:
+        """A registration succeeded (``after_failures``: attempts before it failed)."""
+        self.registrations += 1
+        if self.registrations > 1 or after_failures:
+            self._changed("registered with the server again")
+
+    def recovered(self, after_outage: bool = True) -> None:
+        """Healthy again (``after_outage``: the transfer thread saw it healthy, then not; else
+        this is its first sight of the tier healthy since it registered)."""
+        self.recoveries += 1
+        if after_outage:
+            self._changed("the server is back after an outage")
+
+    def _changed(self, why: str) -> None:
+        for hook in self.on_server_change:
+            hook(why)

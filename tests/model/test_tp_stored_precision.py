@@ -29,7 +29,7 @@ from safetensors import safe_open
 
 from atom import LLM
 from atom.distributed.split_models import build_tp_model
-from atom.models.common import checkpoint
+from atom.models.common import checkpoint_tensors
 from atom.models.common.formats import e8m0_to_float
 from atom.models.common.fp4_linear import Fp4Linear
 from atom.models.common.fp8_linear import Fp8Linear
@@ -247,7 +247,7 @@ def _stored_tensors(directory) -> dict[str, torch.Tensor]:
         with safe_open(str(f), framework="pt") as sf:
             for k in sf.keys():
                 if sf.get_slice(k).get_dtype() == "F4":
-                    out[k] = checkpoint._read_f4(f, k)
+                    out[k] = checkpoint_tensors.read_f4(f, k)
                 else:
                     out[k] = sf.get_tensor(k)
     return out
@@ -272,14 +272,14 @@ def test_a_published_checkpoint_at_tp2_reads_rank_slices_and_decodes_what_one_ra
     config, fam = one.config, family(one.config)
     stored = _stored_tensors(tmp_path)
     reads: list[tuple[str, tuple | None, tuple[int, ...], int]] = []
-    real = checkpoint._Reader.__call__
+    real = checkpoint_tensors.Reader.__call__
 
     def recorded(self, name, cut=None):
         t = real(self, name, cut)
         reads.append((name, cut, tuple(t.shape), t.numel() * t.element_size()))
         return t
 
-    monkeypatch.setattr(checkpoint._Reader, "__call__", recorded)
+    monkeypatch.setattr(checkpoint_tensors.Reader, "__call__", recorded)
     reduce = BarrierReduce(world)
     ranks, read_by = [], []
     for r in range(world):
@@ -302,7 +302,7 @@ def test_a_published_checkpoint_at_tp2_reads_rank_slices_and_decodes_what_one_ra
             whole = stored[name]
             assert shape == whole.chunk(world, dim)[0].shape, (name, shape, whole.shape)
             assert nbytes * world == whole.numel() * whole.element_size()
-            sname = checkpoint.scale_name(name)
+            sname = checkpoint_tensors.scale_name(name)
             if sname in stored and whole.dtype != torch.bfloat16:
                 scut, sshape, _ = by_name[sname]
                 assert scut is not None and sshape == stored[sname].chunk(world, dim)[0].shape
@@ -310,7 +310,7 @@ def test_a_published_checkpoint_at_tp2_reads_rank_slices_and_decodes_what_one_ra
         # whole stored tensors
         for param, module in _stored(rank).items():
             name = names[f"{param}.weight"]
-            sname = checkpoint.scale_name(name)
+            sname = checkpoint_tensors.scale_name(name)
             dim = plan.get(f"{param}.weight")
             w, s = stored[name].view(torch.uint8), stored[sname]
             if dim is not None:

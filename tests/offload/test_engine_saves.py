@@ -10,7 +10,11 @@ the first computed (and no store of the server's), a reserve the server refuses 
 without the methods (the server's store instead), an engine SIGKILLed between reserve and
 commit (nothing half-written is visible, the reservation blocks nobody and is released), and
 the server SIGKILLed mid-save (the engine keeps serving, and saves engine-driven again to the
-restarted server).
+restarted server). Whether the server serves the methods: a probe whose reply is held back
+(a server just restarted on a busy host, on cue) leaves it unknown, and a retry turns saves
+engine-driven without a restart; an owned server that says no (no L1 in shared memory),
+killed and restarted by the engine's supervisor as one that says yes, gets engine-driven saves
+and loads, byte-exact.
 
 What the server holds is observed through its own account: the module's counters
 (``SavesProbe``: an ``atom.reserve`` with no items answers them), LMCache's gauge of staging
@@ -37,10 +41,13 @@ import zmq
 import atom
 from atom.tier.server.l1_saves import RESERVE_METHOD, SAVES_VERSION
 from atom.tier.server.lmcache_server import L1_MODULE, LMCacheServer, remove_dead_leftovers
+from atom.tier.worker_side import local_save
+from atom.tier.worker_side.local_save import EngineSaves
 
 from .conftest import BLOCK, ENGINE_KW
 from .server_view import ServerView
-from .test_engine_driven import Watch
+from .test_engine_driven import Watch, mapped
+from .test_locate_probe import hold_probe_replies
 from .test_tier_faults import FAST, check, healthy, pump, same_tokens, settled, stores_then_hits
 from .test_two_pass import GREEDY, ceiling, prompts_of, tier
 
@@ -516,3 +523,95 @@ def test_the_server_killed_mid_save_leaves_the_engine_serving(own_server, make_l
     with SavesProbe(own_server.url) as probe:
         assert probe.status()["open"] == 0
     assert staging_bytes(own_server) == 0.0
+
+
+# ---- 6. the verdict: unknown is asked again, a server change clears it ----------------------
+
+
+def test_a_probe_unanswered_in_time_leaves_saves_unknown_then_engine_driven_without_a_restart(
+    lmcache_server, make_llm, monkeypatch
+):
+    prompts = prompts_of(LENGTHS, seed=571)
+    reference = make_llm().generate(prompts, GREEDY)
+    cue = hold_probe_replies(monkeypatch, EngineSaves)
+    monkeypatch.setattr(local_save, "PROBE_WAIT_S", 1.0)  # the probe's wait, which runs out
+    llm = make_llm(**saves_tier(lmcache_server, rpc_timeout_s=1.0))
+    saves = saves_of(llm)
+    mode = lambda: llm.engine.tier_health()["save_mode"]  # noqa: E731
+    pump(llm, lambda: mode().startswith("lmcache_driven (unknown: "), "an unknown verdict")
+    assert "answers a noop but not atom.reserve within 1 s" in mode(), mode()
+    # unknown: every save is the server's store, as before the probe answered
+    same_tokens(llm.generate(prompts[:2], GREEDY, on_step=check), reference[:2])
+    pump(llm, lambda: settled(llm), "the server's stores")
+    assert saves.calls["reserve"] == 0 and sum(saves.counts.values()) == 0
+    asked = saves.probe.probes
+
+    cue.set()  # the server answers from now on: the next retry finds the methods
+    saves_ready(llm, lmcache_server.l1_segment)
+    assert saves.probe.probes > asked
+    w1 = Watch(llm)
+    same_tokens(llm.generate(prompts[2:], GREEDY, on_step=check), reference[2:])
+    llm.shutdown()  # its saves drain before it returns
+    got = saves.counts
+    assert got["copied"] > 0 and got["via_server"] == got["failed"] == 0, got
+
+    second = make_llm(**tier(lmcache_server))  # loads what the engine copied, byte for byte
+    w2 = Watch(second)
+    out = second.generate(prompts[2:], GREEDY, on_step=check)
+    same_tokens(out, reference[2:])
+    assert [o.tier_hit_tokens for o in out] == [ceiling(n) for n in LENGTHS[2:]]
+    w2.saved_pages, w2.saved_images = w1.saved_pages, w1.saved_images
+    w2.check_loads_byte_exact()
+
+
+def test_a_restarted_owned_server_is_probed_again_and_saves_and_loads_go_engine_driven(
+    make_llm, monkeypatch
+):
+    """The owned server first starts without its L1 in shared memory: its module says so, a
+    definite no for both paths. SIGKILLed, the supervisor restarts it as it should be (same
+    port, L1 in /dev/shm): the verdicts are cleared, the probes ask again, and saves and loads
+    are the engine's copies, byte-exact, tokens as an engine without a tier."""
+    command = LMCacheServer.command
+
+    def first_without_shared_l1(self):
+        args = command(self)
+        if self.starts == 0:
+            at = args.index("--shm-name")
+            del args[at : at + 2]
+        return args
+
+    monkeypatch.setattr(LMCacheServer, "command", first_without_shared_l1)
+    prompts = prompts_of(LENGTHS, seed=581)
+    reference = make_llm().generate(prompts, GREEDY)
+    paths = dict(load_mode="engine_driven", save_mode="engine_driven")
+    llm = make_llm(offload="lmcache_mp", lmcache=dict(FAST, **paths))
+    tier_, saves = llm.engine.tier, saves_of(llm)
+    health = llm.engine.tier_health
+    no = "lmcache_driven (unsupported: the server's L1 is not in shared memory"
+
+    def modes(*want):
+        return lambda: tuple(health()[k] for k in ("load_mode", "save_mode")) == want
+
+    pump(llm, lambda: all(health()[k].startswith(no) for k in paths), "two definite no's")
+    server, first_pid = tier_.server, tier_.server.pid
+    server.signal(signal.SIGKILL)
+    pump(llm, lambda: tier_.supervisor.restarts == 1 and healthy(llm), "the restart")
+    assert server.pid != first_pid and server.l1_segment
+    pump(llm, modes("engine_driven", "engine_driven"), "both paths probed again")
+    mapped(llm, server.l1_segment)
+    saves_ready(llm, server.l1_segment)
+
+    w = Watch(llm)
+    out = llm.generate(prompts, GREEDY, on_step=check)  # misses; the engine copies the saves
+    same_tokens(out, reference)
+    pump(llm, lambda: settled(llm), "the saves")
+    assert saves.counts["copied"] > 0 and saves.counts["failed"] == 0, saves.counts
+    pump(llm, modes("engine_driven", "engine_driven"), "both paths")
+    llm.engine.reset_prefix_cache()
+    out = llm.generate(prompts, GREEDY, on_step=check)  # hits; the engine copies the loads
+    pump(llm, lambda: settled(llm), "the loads")
+    same_tokens(out, reference)
+    assert [o.tier_hit_tokens for o in out] == [ceiling(n) for n in LENGTHS]
+    local = llm.engine.scheduler.connector.tier_metrics.local_loads
+    assert local.get(outcome="copied") == len(prompts)
+    w.check_loads_byte_exact()

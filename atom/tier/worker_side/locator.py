@@ -7,19 +7,21 @@ follows is a local copy with no RPC on its path. One ``atom.locate`` call to the
 image object at ``hit``; the lookup's read locks keep those objects in place until the engine
 frees them, after its copy completed.
 
-Whether the server has the module is found out by a probe (``start_probe``) on a thread of
-its own, with its own zmq context and client, so no lookup ever waits for it: lmcache 0.5.6
-never replies to a call of a method no module serves, and the probe only learns that from its
-deadline. Until the probe has its answer (``mode`` says "probing") every hit loads through the
-server. A server without the module (or without its L1 in shared memory, or on another host)
-then has every load go through the server (lmcache_driven), with one warning that says how to
-enable engine-driven loads.
+Whether the server has the module is found out by a probe (``start_probe``; a
+``server_probe.ServerProbe``) on a thread of its own, so no lookup ever waits for it. Until it
+has a verdict (``mode`` says "probing") every hit loads through the server, and so it does
+while the verdict is "unknown" (the probe's call went unanswered: lmcache 0.5.6 never replies
+to a method no module serves, but a server just restarted may only be slow; asked again with
+backoff) or "unsupported" (a definite no: no such method, no L1 in shared memory, a segment
+this engine cannot map), with one warning that says how to enable engine-driven loads. A
+server change (``server_changed``: a restart, a re-registration) clears any verdict and
+probes again.
 
 The probe's answer also says whether the server serves ``atom.lookup_locate``
 (``atom/tier/server/lookup_locate.py``): LMCache's own lookup (its LOOKUP, then
 QUERY_PREFETCH_STATUS) and this locate in one call, where they take three. ``combined`` is True
 from then on, until a server declines the call or leaves one unanswered while it answers a
-noop (``decline_combined``, ``lookup_unanswered``). The read locks the call
+noop (``decline_combined``, ``lookup_unanswered``), or the server changes. The read locks the call
 takes are LMCache's (the same objects, for the same request id, recorded on the same session),
 so the lookup thread frees them and ends the session with LMCache's own calls, unchanged. The
 lookup thread sends it (``send_lookup``) on its scheduler adapter's own connection: the server
@@ -63,6 +65,14 @@ import torch
 
 from atom.tier.operations import LookupOp, OpState
 from atom.tier.server.host import boot_id
+from atom.tier.worker_side.server_probe import (
+    MODULE_HINT,
+    SUPPORTED,
+    UNSUPPORTED,
+    ServerProbe,
+    Unanswered,
+    Unsupported,
+)
 
 log = logging.getLogger("atom.offload")
 
@@ -352,42 +362,53 @@ class Locator:
         self.world_size, self.chunk = world_size, chunk
         self.mappings: Mappings = mappings
         self._client = None  # the lookup thread's (the probe has its own)
-        self.unsupported = ""  # why this server cannot serve engine-driven loads
-        self.lookup_locate = 0  # the atom.lookup_locate version the probe found (0: none)
-        self.declined = ""  # why the server declined atom.lookup_locate (then never sent again)
+        self.probe = ServerProbe(
+            url=url, method=LOCATE_METHOD, path="hits load", ask=self._ask, wait_s=0.0
+        )
+        self.declined = ""  # why the server declined atom.lookup_locate (not sent again to it)
         self.calls = 0
         self.locates = 0  # locate calls sent for hits (the probe's excluded)
-        self._known = threading.Event()  # a probe found out (module or not)
         self._closing = threading.Event()
-        self._probe_thread: threading.Thread | None = None
-        self._probe_timeout_s = 0.0
 
     @property
     def mode(self) -> str:
-        """'probing' until a probe found out, then 'engine_driven' or 'lmcache_driven (why)'."""
-        if self.unsupported:
-            return f"lmcache_driven ({self.unsupported})"
-        if not self._known.is_set():
-            return "probing (hits load through the server until the server's module answers)"
-        return "engine_driven"
+        """'probing', then 'engine_driven' or 'lmcache_driven (unknown|unsupported: why)'."""
+        return self.probe.mode()
+
+    @property
+    def unsupported(self) -> str:
+        """Why this server cannot serve engine-driven loads ("" unless that is definite)."""
+        return self.probe.why if self.probe.state == UNSUPPORTED else ""
+
+    @property
+    def lookup_locate(self) -> int:
+        """The ``atom.lookup_locate`` version the probe found (0: none, or no verdict)."""
+        return int(self.probe.answer.get("lookup_locate", 0))  # absent: an older module
 
     @property
     def combined(self) -> bool:
         """True when lookups may go as one ``atom.lookup_locate`` call: the probe found this
-        engine's version, engine-driven loads are on, and the server has not declined it."""
-        return (
-            self._known.is_set()
-            and not self.unsupported
-            and not self.declined
-            and self.lookup_locate == LOOKUP_LOCATE_VERSION
-        )
+        engine's version, engine-driven loads are on, and the server has not declined it.
+        (Supported, this reads attributes only: it runs on every lookup.)"""
+        probe = self.probe
+        if probe.state != SUPPORTED:
+            probe.ready()  # asks again when a retry is due
+            return False
+        version = probe.answer.get("lookup_locate", 0)  # (not self.lookup_locate: no call)
+        return not self.declined and version == LOOKUP_LOCATE_VERSION
 
     def decline_combined(self, why: str) -> None:
         """The server did not handle ``atom.lookup_locate``: lookups use LMCache's own calls
-        and ``atom.locate`` from now on (logged once)."""
+        and ``atom.locate`` until the server changes (logged once)."""
         if not self.declined:
             self.declined = why or "declined"
             log.info("lookups against %s use two calls: %s", self.url, self.declined)
+
+    def server_changed(self, why: str) -> None:
+        """The server may be another one (a restart, a re-registration): whatever was learnt
+        of the old one is forgotten, and the probe asks again (any thread)."""
+        self.declined = ""
+        self.probe.server_changed(why)
 
     def _send(self, payload: dict, client=None):
         """Send one locate call (on the lookup thread's client, or ``client``); its future."""
@@ -403,34 +424,35 @@ class Locator:
         req = ServerModuleCallRequest(LOCATE_METHOD, msgspec.msgpack.encode(payload))
         return client.server_module_call(req)
 
-    def _answer(self, fut, deadline: float, reset=None) -> dict:
-        """A sent call's decoded answer; raises when there is none (and turns engine-driven
-        loads off when the server cannot give one: no module, no shared-memory L1).
-        ``reset`` drops the client the call went on (default: the lookup thread's)."""
-        if not self._wait(fut, deadline):
-            (reset or self._reset_client)()  # a reply that comes later must not answer another
-            if self._server_answers():  # lmcache 0.5.6 never replies to an unserved method
-                self._unsupported(
-                    "the server answers but not atom.locate (start it with --server-module "
-                    '\'{"module_path": "atom.tier.server.l1_module"}\' and --shm-name)'
-                )
-            raise TimeoutError("locate not answered in time")
-        resp = fut.result()
+    @staticmethod
+    def _checked(resp) -> dict:
+        """A reply's decoded answer; raises ``Unsupported`` for the server's definite no (no
+        such method, no shared-memory L1), RuntimeError for another failure."""
         if not resp.success:
-            if "unknown server module method" in resp.error:  # other modules, not atom's
-                self._unsupported(
-                    "the server has no atom.locate module (start it with --server-module "
-                    '\'{"module_path": "atom.tier.server.l1_module"}\')'
-                )
+            if UNKNOWN_METHOD in resp.error:  # other modules, not atom's
+                raise Unsupported(f"the server has no {LOCATE_METHOD} module ({MODULE_HINT})")
             raise RuntimeError(f"locate failed on the server: {resp.error}")
         answer = msgspec.msgpack.decode(resp.payload)
         if not answer.get("shm_name"):
-            self._unsupported(answer.get("error") or "the server's L1 is not in shared memory")
-            raise RuntimeError(self.unsupported)
+            raise Unsupported(answer.get("error") or "the server's L1 is not in shared memory")
         return answer
 
+    def _answer(self, fut, deadline: float) -> dict:
+        """A locate call's decoded answer; raises when there is none (a definite no turns
+        engine-driven loads off; a call unanswered while the server answers asks again)."""
+        if not self._wait(fut, deadline):
+            self._reset_client()  # a reply that comes later must not answer another
+            if self._server_answers():  # lmcache 0.5.6 never replies to an unserved method
+                self.probe.doubt(f"the server answers but not {LOCATE_METHOD}")
+            raise TimeoutError("locate not answered in time")
+        try:
+            return self._checked(fut.result())
+        except Unsupported as exc:
+            self.probe.refuse(str(exc))
+            raise RuntimeError(str(exc)) from None
+
     def _wait(self, fut, deadline: float) -> bool:
-        """Wait for ``fut`` until ``deadline``, in slices, so ``close`` ends a probe's wait."""
+        """Wait for ``fut`` until ``deadline``, in slices, so ``close`` ends the wait."""
         while not fut.wait(min(max(deadline - time.monotonic(), 0.001), 0.1)):
             if time.monotonic() >= deadline or self._closing.is_set():
                 return False
@@ -440,11 +462,6 @@ class Locator:
         from atom.tier.server.lmcache_server import probe
 
         return probe(self.url, timeout_s)
-
-    def _unsupported(self, why: str) -> None:
-        if not self.unsupported:
-            self.unsupported = why
-            log.warning("engine-driven loads are off for %s: %s", self.url, why)
 
     def _reset_client(self) -> None:
         if self._client is not None:
@@ -468,62 +485,37 @@ class Locator:
         }
 
     def start_probe(self, timeout_s: float) -> None:
-        """Ask the server, on a thread of its own, whether it serves ``atom.locate`` (and
-        start mapping its segment before the first hit needs it); returns at once."""
-        self._probe_timeout_s = timeout_s
-        self._probe_thread = threading.Thread(
-            target=self._probe, args=(timeout_s,), name="atom-locate-probe", daemon=True
-        )
-        self._probe_thread.start()
+        """Ask the server, on a thread of its own, whether it serves ``atom.locate`` (waiting
+        ``timeout_s`` for its answer), and start mapping its segment before the first hit
+        needs it; returns at once."""
+        self.probe.wait_s = timeout_s
+        self.probe.start()
 
     def wait_probed(self, timeout_s: float) -> bool:
-        """Wait up to ``timeout_s`` for the probe to find out (module or not); True if it did.
-        For tools that need the answer before their first hit (the engine never waits)."""
-        deadline = time.monotonic() + timeout_s
-        while not (self._known.is_set() or self.unsupported):
-            if time.monotonic() >= deadline:
-                return False
-            self._known.wait(min(0.1, max(0.0, deadline - time.monotonic())))
-        return True
+        """Wait up to ``timeout_s`` for a definite verdict (module or not); True if there is
+        one. For tools that need the answer before their first hit (the engine never waits)."""
+        return self.probe.wait(timeout_s)
 
-    def _probe(self, timeout_s: float) -> None:
-        """The probe, on its own zmq context (closing the tier's never waits for it). A probe
-        that learns nothing (a server that answers nothing) is sent again by the next hit."""
-        import zmq
-        from lmcache.v1.multiprocess.transport.factory import RequestClientFactory
-
-        ctx = zmq.Context()
-        ctx.linger = 0
-        client = None
+    def _ask(self, client, wait) -> dict:
+        """The probe's call (``ServerProbe``'s ``ask``): an ``atom.locate`` of nothing, which
+        answers the segment's identity; its segment starts being mapped."""
+        fut = self._send(self._request("atom-locate-probe", [], 0, 0, []), client)
+        if not wait(fut):
+            raise Unanswered()
+        answer = self._checked(fut.result())
         try:
-            client = RequestClientFactory.create(self.url, context=ctx)
-            fut = self._send(self._request("atom-locate-probe", [], 0, 0, []), client)
-            answer = self._answer(fut, time.monotonic() + timeout_s, reset=lambda: None)
-            self.lookup_locate = int(answer.get("lookup_locate", 0))  # absent: an older module
-            self._known.set()
             self.mappings.for_answer(SegmentId.of_answer(answer))
         except SegmentError as exc:
-            self._unsupported(str(exc))
-        except Exception as exc:
-            log.debug("locate probe of %s: %s", self.url, exc)
-        finally:
-            if client is not None:
-                client.close()
-            ctx.destroy(linger=0)
-            if self.unsupported:
-                self._known.set()
+            raise Unsupported(str(exc)) from None
+        return answer
 
     def locate_many(self, hits: list[tuple[str, list[int], int]], timeout_s: float) -> list:
         """Where each (lmc_id, tokens, hit)'s objects sit: a ``Located`` or None (then that
         load goes through the server). The calls are sent together, then collected. Until a
-        probe found out, none is sent (a server without the module would hold each one to its
-        deadline, and the lookup's answer with it); a probe that learnt nothing is sent again."""
-        if self.unsupported:
-            return [None] * len(hits)
-        if not self._known.is_set():
-            thread = self._probe_thread
-            if thread is not None and not thread.is_alive() and not self._closing.is_set():
-                self.start_probe(self._probe_timeout_s)
+        probe found the module, none is sent (a server without it would hold each one to its
+        deadline, and the lookup's answer with it); a probe that learnt nothing is sent again
+        when its backoff allows."""
+        if not self.probe.ready():
             return [None] * len(hits)
         groups = [[PAGES_GROUP, -1], [IMAGE_GROUP, 1]]
         sent = []
@@ -555,13 +547,12 @@ class Locator:
         engine-driven loads off."""
         try:
             if not answer.get("shm_name"):
-                self._unsupported(answer.get("error") or "the server's L1 is not in shared memory")
-                raise RuntimeError(self.unsupported)
+                raise Unsupported(answer.get("error") or "the server's L1 is not in shared memory")
             if not answer.get("found"):
                 raise RuntimeError(answer.get("error") or "not found")
             mapping = self.mappings.for_answer(SegmentId.of_answer(answer))
-        except SegmentError as exc:
-            self._unsupported(str(exc))
+        except (SegmentError, Unsupported) as exc:
+            self.probe.refuse(str(exc))
             return None
         except Exception as exc:
             log.debug("locate [0, %d): %s", hit, exc)
@@ -633,7 +624,7 @@ class Locator:
     def lookup_unanswered(self) -> None:
         """A lookup call went unanswered: if the server answers otherwise, it does not serve
         the method (lmcache 0.5.6 never replies to a method no module serves: a server
-        replaced by one without the module), so lookups go LMCache's way from now on."""
+        replaced by one without the module), so lookups go LMCache's way until it changes."""
         if not self.declined and self._server_answers():
             self.decline_combined(f"the server answers but not {LOOKUP_LOCATE_METHOD}")
 
@@ -647,6 +638,5 @@ class Locator:
 
     def close(self) -> None:
         self._closing.set()
-        if self._probe_thread is not None:
-            self._probe_thread.join(2.0)  # its waits are sliced: it sees _closing at once
+        self.probe.close()  # its waits are sliced: it stops at once
         self._reset_client()

@@ -13,7 +13,8 @@ Server faults: the adapter's heartbeat notices an outage and re-registers after 
 server has been healthy again for a grace period without answering it, or until an owned
 server process is known dead: a resumed server answers within milliseconds, so silence after
 that means the process that held the op is gone. A run of refused saves while "healthy"
-(a restart the heartbeat missed) replaces the adapter with a fresh registration.
+(a restart the heartbeat missed) replaces the adapter with a fresh registration. Each of these
+(and a first registration after failed ones) calls ``WorkerHealth.on_server_change``'s hooks.
 
 Engine-driven saves (``saves``, ``local_save.EngineSaves``): the saves queued in a round are
 reserved in one call to the server module, and each op's future is an ``EngineSave`` that
@@ -34,8 +35,8 @@ import torch
 from atom.tier.config import OffloadConfig
 from atom.tier.operations import OpState, TransferOp, WorkerHealth
 from atom.tier.worker_side.backoff import ConnectBackoff
+from atom.tier.worker_side.engine_save import EngineSave, fail_future
 from atom.tier.worker_side.layout import SpecShape, build_spec, group_infos, kv_caches
-from atom.tier.worker_side.local_save import EngineSave, fail_future
 
 log = logging.getLogger("atom.offload")
 
@@ -66,17 +67,19 @@ class TransferThread:
         self.server_alive = server_alive
         self.poll_interval_s = poll_interval_s
         self.saves = saves  # local_save.EngineSaves: engine-driven saves (None: the server's)
-        if saves is not None:
-            saves.fallback = self._store_via_server
         self._cond = threading.Condition()
         self._queue: deque[TransferOp] = deque()
         self._inflight: list[TransferOp] = []
         self.health = WorkerHealth()  # what the connector reads: adapter, registrations, ...
+        if saves is not None:
+            saves.fallback = self._store_via_server
+            self.health.on_server_change.append(saves.server_changed)
         self._old_adapters: list = []
         self._backoff = ConnectBackoff(config.heartbeat_s)
         self._was_healthy = False
         self._recovered_at: float | None = None
         self._refusals = 0
+        self._unreachable = self._outage = False  # since the last registration: failed, down
         self._stop = False
         self._drain_until: float | None = None
         self._registered = threading.Event()
@@ -230,10 +233,11 @@ class TransferThread:
                     exc,
                 )
             self._was_healthy = False
+            self._unreachable = True
             self._registered.set()  # the first attempt is over, whatever its outcome
             return
-        self.health.registrations += 1
-        self._refusals = 0
+        self.health.registered(after_failures=self._unreachable)
+        self._refusals, self._unreachable = 0, False
         self._registered.set()
         log.info("registered the pool with LMCache at %s (namespace %s)", self.url, self.namespace)
 
@@ -317,9 +321,11 @@ class TransferThread:
         adapter = self.health.adapter
         healthy = adapter is not None and adapter.is_healthy
         now = time.monotonic()
+        self._outage |= self._was_healthy and not healthy
         if healthy and not self._was_healthy and self.registrations > 0:
             self._recovered_at = now
-            self.health.recoveries += 1
+            self.health.recovered(after_outage=self._outage)
+            self._outage = False
         self.note_health()
         self._was_healthy = healthy
         grace = 2 * self.cfg.heartbeat_s + 1.0
