@@ -1,8 +1,8 @@
 """Tensor parallelism for the model families: building one rank's split model.
 
 What is split is what the layers declare (``atom.models.common.tensor_parallel``: ``tp_splits``
-of each main layer's attention and MoE, ``tp_layers`` of the model): rank r of N holds the
-r-th of N equal contiguous slices of
+of each main layer's attention and MoE, ``tp_layers`` of the model): rank r of N holds the r-th
+of N equal contiguous slices of
 
   * the attention heads: the query projection's rows (head-major, so whole heads) and the
     sinks; each rank attends its heads against the full latent KV;
@@ -21,23 +21,29 @@ r-th of N equal contiguous slices of
     its bytes); every rank looks up the same row ids and one all-gather concatenates the
     ranks' columns into the unsplit rows, exactly. The rest of Engram (wkv, the gate) is whole.
 
-Replicated (whole and computed identically on every rank): the embedding and the LM head, all
-norms, the mHC hyper-connections, the query latent (which the indexer reads), the latent KV,
-the compressors, the indexers, Engram's projections and gate, the MoE routers, and the draft
-layers. So the paged state
-(PAGE rows, window and compressor rings, cursors) is written from replicated inputs and is
-byte-identical on every rank, and every discrete choice (index top-k, candidate blocks, expert
+  * the embedding and the LM head by vocabulary: each rank holds the rows of V / N token ids
+    (``atom.models.common.vocab_parallel``); a lookup's rows are summed over the ranks (one
+    rank's row plus zeros: exact) and the logits all-gathered (each one rank's dot product).
+    The draft layers, MTP blocks and DSpark stages share them.
+
+Replicated (whole and computed identically on every rank): all norms, the mHC hyper-connections,
+the query latent (which the indexer reads), the latent KV, the compressors, the indexers,
+Engram's projections and gate, the MoE routers, and the draft layers. So the paged state (PAGE
+rows, window and compressor rings, cursors) is written from replicated inputs and is byte-
+identical on every rank, and every discrete choice (index top-k, candidate blocks, expert
 routing) is made from replicated inputs, identically everywhere.
 
 Collectives of a forward: two all-reduces per main decoder layer (the attention output [N,
 hidden], summed in float32 and rounded to the compute dtype; the MoE output [N, hidden] in
-float32), and one all-gather per Engram layer (the looked-up rows [N, n_hash_cols, head_dim /
-N] of each rank), nothing else. After each, every rank holds the same tensor. Draft layers: none.
-Every rank must therefore run the same forwards (the same tokens and spans, in the same order,
-against its own pool and slots of the same geometry); the logits are the same on every rank.
+float32), one all-gather per Engram layer (the looked-up rows [N, n_hash_cols, head_dim / N] of
+each rank), one all-reduce of the embedded rows [N, hidden] and one all-gather of the logits
+([rows, V / N] of each rank; a draft forward's too), nothing else. After each, every rank holds
+the same tensor. Draft layers: none besides the shared embedding's and head's. Every rank must
+therefore run the same forwards (the same tokens and spans, in the same order, against its own
+pool and slots of the same geometry); the logits are the same on every rank.
 
-At world size 1 nothing is split and no reduce is set: the model is the unsplit one, bit for bit.
-"""
+At world size 1 nothing is split and no reduce is set: the model is the unsplit one, bit for
+bit."""
 
 from __future__ import annotations
 

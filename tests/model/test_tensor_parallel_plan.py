@@ -88,9 +88,12 @@ def test_the_plan_names_main_layer_parameters_the_model_has(preset):
     params = dict(net.named_parameters())
     assert plan and set(plan) <= set(params)
     layers = net.config.num_hidden_layers
+    vocab = {"model.embed_tokens.weight", "lm_head.weight", "embed.weight", "head.weight"}
+    assert len(vocab & set(plan)) == 2 and all(plan[n] == 0 for n in vocab & set(plan))
     for name, dim in plan.items():
         assert params[name].shape[dim] % WORLD == 0, name
-        assert int(name.split("layers.")[1].split(".")[0]) < layers  # no draft layer
+        if name not in vocab:
+            assert int(name.split("layers.")[1].split(".")[0]) < layers  # no draft layer
     # every routed expert and the shared one split along their intermediate dimension
     experts = [n for n in plan if ".experts." in n or ".shared_experts." in n]
     assert len(experts) == layers * 3 * (net.config.n_routed_experts + 1)
@@ -187,3 +190,48 @@ def test_a_world_size_that_does_not_divide_the_engram_columns_is_refused():
     config = v41_config("v41-tiny", **wide)
     with pytest.raises(TensorParallelError, match=r"it does not divide engram_head_dim=32$"):
         check_divides(config, 64)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("preset", FAMILIES)
+def test_the_embedding_and_head_split_by_vocabulary(preset, world):
+    """Each rank holds V/N rows of both; a lookup is the unsplit lookup bit for bit (one
+    rank's row plus zeros), and the gathered logits are the unsplit head's (each one rank's
+    dot product, up to that product's own rounding)."""
+    wide = dict(num_attention_heads=4, o_groups=4)
+    _, whole = _model(preset, **wide)
+    embed_name, head_name = (
+        ("model.embed_tokens", "lm_head") if preset.startswith("v41") else ("embed", "head")
+    )
+    embed, head = whole.get_submodule(embed_name), whole.get_submodule(head_name)
+    gen = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, embed.num_embeddings, (9,), generator=gen)
+    x = torch.randn(9, head.in_features, generator=gen)
+    want_rows, want_logits = embed(ids), head(x)
+    reduce = BarrierReduce(world)
+    ranks = [
+        shard_model(_model(preset, **wide)[1], r, world, reduce.for_rank(r), reduce.gather_for(r))
+        for r in range(world)
+    ]
+    rows_per_rank = embed.num_embeddings // world
+    for r, net in enumerate(ranks):
+        part = net.get_submodule(embed_name)
+        assert part.weight.shape[0] == rows_per_rank and part.vocab_start == r * rows_per_rank
+        assert net.get_submodule(head_name).weight.shape[0] == rows_per_rank
+    got: dict[int, tuple] = {}
+
+    def run(r):
+        net = ranks[r]
+        got[r] = (net.get_submodule(embed_name)(ids), net.get_submodule(head_name)(x))
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert set(got) == set(range(world)), "a rank's lookup failed"
+    for rows, logits in got.values():
+        assert torch.equal(rows, want_rows)
+        assert logits.shape == want_logits.shape
+        assert (logits - want_logits).abs().max().item() < 1e-5
+    assert all(torch.equal(got[0][1], got[r][1]) for r in range(world))

@@ -51,8 +51,8 @@ __all__ = [
 ]
 
 #: the config fields a world size must divide: the attention heads, the output projection's
-#: groups and every expert's intermediate dimension
-SPLIT_FIELDS = ("num_attention_heads", "o_groups", "moe_intermediate_size")
+#: groups, every expert's intermediate dimension and the vocabulary (embedding and head)
+SPLIT_FIELDS = ("num_attention_heads", "o_groups", "moe_intermediate_size", "vocab_size")
 
 
 class TensorParallelError(ConfigError):
@@ -83,9 +83,10 @@ def check_divides(config, world_size: int) -> None:
     if bad:
         raise TensorParallelError(
             f"tensor_parallel_size={world_size} must divide num_attention_heads, o_groups, "
-            f"moe_intermediate_size and (with Engram layers) engram_head_dim (the ranks split "
-            f"the attention heads, the output projection's groups, every expert's intermediate "
-            f"dimension and the Engram tables' columns); it does not divide {', '.join(bad)}"
+            f"moe_intermediate_size, vocab_size and (with Engram layers) engram_head_dim (the "
+            f"ranks split the attention heads, the output projection's groups, every expert's "
+            f"intermediate dimension, the embedding and head by vocabulary and the Engram "
+            f"tables' columns); it does not divide {', '.join(bad)}"
         )
 
 

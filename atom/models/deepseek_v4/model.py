@@ -17,7 +17,8 @@ from torch import nn
 
 from atom.model_api import Span
 from atom.models.common.geometry import COMPUTE_DTYPES, INDEX_DTYPES, KV_DTYPES, GeometryError
-from atom.models.common.layers import Linear, RMSNorm
+from atom.models.common.layers import RMSNorm
+from atom.models.common.vocab_parallel import VocabEmbedding, VocabHead
 from atom.models.deepseek_v4.block import V4Block
 from atom.models.deepseek_v4.config import V4Config
 from atom.models.deepseek_v4.forward_plan import V4ForwardPlan
@@ -52,21 +53,22 @@ class DeepseekV4ForCausalLM(nn.Module):
         self.kv_dtype, self.index_dtype = kv_dtype, index_dtype
         c = config
         with torch.device(device or "cpu"):
-            self.embed = nn.Embedding(c.vocab_size, c.hidden_size, dtype=dtype)
+            self.embed = VocabEmbedding(c.vocab_size, c.hidden_size, dtype=dtype)
             self.layers = nn.ModuleList(
                 V4Block(c, i, dtype, kv_dtype) for i in range(c.num_hidden_layers)
             )
             self.hc_head = V4HyperConnection(c, head=True)
             self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
-            self.head = Linear(c.hidden_size, c.vocab_size, bias=False, dtype=dtype)
+            self.head = VocabHead(c.hidden_size, c.vocab_size, bias=False, dtype=dtype)
             self.mtp = nn.ModuleList(
                 V4MTPBlock(c, i, dtype, kv_dtype) for i in range(c.num_nextn_predict_layers)
             )
 
     def tp_layers(self) -> dict[str, nn.Module]:
         """The layers tensor parallelism splits (``atom.models.common.tensor_parallel``): every
-        main block's attention and MoE; the MTP blocks stay whole."""
-        out: dict[str, nn.Module] = {}
+        main block's attention and MoE, the embedding and the head (by vocabulary; the MTP
+        blocks share them); the MTP blocks themselves stay whole."""
+        out: dict[str, nn.Module] = {"embed": self.embed, "head": self.head}
         for i, block in enumerate(self.layers):
             out[f"layers.{i}.attn"] = block.attn
             out[f"layers.{i}.ffn"] = block.ffn

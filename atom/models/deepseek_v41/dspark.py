@@ -32,7 +32,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from atom.kernels import invariant
 from atom.models.common.layers import Linear, RMSNorm, linear
 from atom.models.common.mhc import collapse, identity_pre
 from atom.models.deepseek_v41.attention import CSA2Attention
@@ -130,7 +129,7 @@ def draft_block(
         x, pre = st.block(x, pre, None, lambda u, s=st, r=ring: s.attend(u, r, block_pos))
     last = stages[-1]
     h = collapse(x, pre)
-    logits = invariant.linear(last.norm(h).float(), model.lm_head.weight.float())
+    logits = model.lm_head.float_logits(last.norm(h))
     out = [token]
     embeds = []
     for i in range(b):

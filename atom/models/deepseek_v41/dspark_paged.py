@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import torch
 
-from atom.kernels import invariant
 from atom.model_api import Span
 from atom.models.common.mhc import collapse, identity_pre
 from atom.models.deepseek_v41.paged import StateMismatchError, StateSlots
@@ -133,7 +132,7 @@ def draft_blocks(
         )
     last = model.dspark[-1]
     h = collapse(x, pre)
-    logits = invariant.linear(last.norm(h).float(), model.lm_head.weight.float()).view(n, b, -1)
+    logits = model.lm_head.float_logits(last.norm(h)).view(n, b, -1)
     out = [ids[:, 0]]
     embeds = []
     for i in range(b):

@@ -17,8 +17,9 @@ from torch import nn
 
 from atom.model_api import Span
 from atom.models.common.geometry import COMPUTE_DTYPES, INDEX_DTYPES, KV_DTYPES, GeometryError
-from atom.models.common.layers import Linear, RMSNorm
+from atom.models.common.layers import RMSNorm
 from atom.models.common.mhc import collapse, identity_pre
+from atom.models.common.vocab_parallel import VocabEmbedding, VocabHead
 from atom.models.deepseek_v41.block import DecoderLayer
 from atom.models.deepseek_v41.config import V41Config
 from atom.models.deepseek_v41.draft import DraftLayer, check_draft_spans, forward_draft_paged
@@ -32,7 +33,7 @@ from atom.models.deepseek_v41.paged_attention import paged_attention
 class V41Model(nn.Module):
     def __init__(self, config: V41Config, dtype: torch.dtype, kv_dtype: str):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype=dtype)
         self.layers = nn.ModuleList(
             DecoderLayer(config, i, dtype, kv_dtype) for i in range(config.num_hidden_layers)
         )
@@ -68,7 +69,7 @@ class DeepseekV41ForCausalLM(nn.Module):
             self.engram_hash = (
                 None if spec is None else EngramHash(spec, config.vocab_size, device or "cpu")
             )
-            self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
+            self.lm_head = VocabHead(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
             self.mtp = nn.ModuleList(
                 DraftLayer(config, config.num_hidden_layers + i, dtype, kv_dtype)
                 for i in range(config.num_nextn_predict_layers)
@@ -79,9 +80,11 @@ class DeepseekV41ForCausalLM(nn.Module):
 
     def tp_layers(self) -> dict[str, nn.Module]:
         """The layers tensor parallelism splits (``atom.models.common.tensor_parallel``): every
-        main decoder layer's attention and MoE, and every Engram table (by columns); the draft
-        layers and DSpark stages stay whole."""
-        out: dict[str, nn.Module] = {}
+        main decoder layer's attention and MoE, every Engram table (by columns), the embedding
+        and the LM head (by vocabulary; the draft layers and DSpark stages share them); the
+        draft layers and DSpark stages themselves stay whole."""
+        out: dict[str, nn.Module] = {"model.embed_tokens": self.model.embed_tokens}
+        out["lm_head"] = self.lm_head
         for i, layer in enumerate(self.model.layers):
             out[f"model.layers.{i}.self_attn"] = layer.self_attn
             out[f"model.layers.{i}.mlp"] = layer.mlp
