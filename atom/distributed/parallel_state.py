@@ -159,6 +159,10 @@ class ParallelState:
         if self.world_size == 1:
             return x
         x = x.contiguous()
+        if x.is_cuda:  # NCCL's own all-gather into one buffer (and inside graph captures)
+            out = x.new_empty((self.world_size, *x.shape))
+            dist.all_gather_into_tensor(out, x, group=self.group)
+            return torch.cat(out.unbind(0), dim=-1)
         parts = [torch.empty_like(x) for _ in range(self.world_size)]
         dist.all_gather(parts, x, group=self.group)
         return torch.cat(parts, dim=-1)
