@@ -40,7 +40,7 @@ class RankLocator(Locator):
         if located is None:
             return None
         if "ranks" not in answer:
-            self._unsupported(
+            self.probe.refuse(
                 "the server's atom module locates one rank's objects only (an older atom): "
                 "start it with this atom's --server-module, or use load_mode lmcache_driven"
             )
