@@ -65,6 +65,19 @@ class BarrierReduce:
         return gather
 
 
+def on_ranks(world: int, fn) -> dict[int, object]:
+    """``fn(rank)`` of every rank, each on a thread of its own (their collectives meet at the
+    ``BarrierReduce``); rank -> its result, and an error naming a rank whose call failed."""
+    got: dict[int, object] = {}
+    threads = [threading.Thread(target=lambda r=r: got.__setitem__(r, fn(r))) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert set(got) == set(range(world)), f"rank(s) {sorted(set(range(world)) - set(got))} failed"
+    return got
+
+
 def _logits(fam, net, prompt: torch.Tensor, steps: int) -> torch.Tensor:
     """A 37-token prefill, then ``steps`` greedy decode steps: every forward's logits."""
     rt = fam.get("runtime")(net, block_size=16, speculative_tokens=0)
@@ -115,16 +128,7 @@ def test_ranks_compute_one_ranks_logits(preset, world):
     ]
     heads = whole.config.num_attention_heads // world
     assert all(m.heads == heads for m in ranks[0].tp_layers().values() if hasattr(m, "heads"))
-    got: dict[int, torch.Tensor] = {}
-    threads = [
-        threading.Thread(target=lambda r=r: got.__setitem__(r, _logits(fam, ranks[r], prompt, 6)))
-        for r in range(world)
-    ]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert set(got) == set(range(world)), "a rank's forward failed"
+    got = on_ranks(world, lambda r: _logits(fam, ranks[r], prompt, 6))
     assert all(torch.equal(got[0], got[r]) for r in range(1, world))  # the same sums everywhere
     assert torch.equal(got[0].argmax(-1), want.argmax(-1))
     assert (got[0] - want).abs().max().item() < 1e-4
@@ -169,18 +173,7 @@ def test_engram_tables_split_by_columns_gather_the_unsplit_rows_exactly(world):
     for r, net in enumerate(ranks):
         part = net.model.layers[i].engram.embed.weight
         assert torch.equal(part, engram.embed.weight[:, r * cols : (r + 1) * cols])
-    got: dict[int, torch.Tensor] = {}
-    threads = [
-        threading.Thread(
-            target=lambda r=r: got.__setitem__(r, ranks[r].model.layers[i].engram(x, rows))
-        )
-        for r in range(world)
-    ]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert set(got) == set(range(world)), "a rank's lookup failed"
+    got = on_ranks(world, lambda r: ranks[r].model.layers[i].engram(x, rows))
     assert all(torch.equal(got[r], want) for r in range(world))
 
 
@@ -218,18 +211,10 @@ def test_the_embedding_and_head_split_by_vocabulary(preset, world):
         part = net.get_submodule(embed_name)
         assert part.weight.shape[0] == rows_per_rank and part.vocab_start == r * rows_per_rank
         assert net.get_submodule(head_name).weight.shape[0] == rows_per_rank
-    got: dict[int, tuple] = {}
-
-    def run(r):
-        net = ranks[r]
-        got[r] = (net.get_submodule(embed_name)(ids), net.get_submodule(head_name)(x))
-
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert set(got) == set(range(world)), "a rank's lookup failed"
+    got = on_ranks(
+        world,
+        lambda r: (ranks[r].get_submodule(embed_name)(ids), ranks[r].get_submodule(head_name)(x)),
+    )
     for rows, logits in got.values():
         assert torch.equal(rows, want_rows)
         assert logits.shape == want_logits.shape
