@@ -55,7 +55,9 @@ def test_a_column_split_gives_every_rank_its_columns_also_across_a_cut_group(wor
     parts = []
     for r in range(world):
         net = torch.nn.Module()
-        net.config = SimpleNamespace(num_attention_heads=4, o_groups=4, moe_intermediate_size=4)
+        net.config = SimpleNamespace(
+            num_attention_heads=4, o_groups=4, moe_intermediate_size=4, vocab_size=4
+        )
         net.embed = Fp8RowTable.from_dense(_dense(dim=dim))
         net.layer = _Layer(net.embed)
         net.tp_layers = lambda net=net: {"layer": net.layer}

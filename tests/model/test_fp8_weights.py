@@ -17,6 +17,7 @@ from atom.models.common.formats import dequant_fp4, e8m0_to_float, fp8_act_sim
 from atom.models.common.fp4_linear import Fp4Linear
 from atom.models.common.fp8_linear import Fp8Linear, dequantize_linears, quantize_linears
 from atom.models.common.layers import Linear
+from atom.models.common.vocab_parallel import VocabHead
 from atom.models.common.weights import WeightLoadError
 from atom.models.deepseek_v4.model import DeepseekV4ForCausalLM
 from atom.models.deepseek_v4.presets import preset_config as v4_preset
@@ -58,7 +59,7 @@ def test_the_published_fp8_linears_are_the_ones_converted():
     v41, n41 = build("v41-tiny-fp8", "fp8")
     assert any(n.endswith("engram.wkv") for n, m in v41.named_modules() if isinstance(m, Fp8Linear))
     assert all(type(m) is Linear for n, m in v41.named_modules() if n.endswith("o_a_proj"))
-    assert n41 > 0 and v41.lm_head.__class__ is Linear
+    assert n41 > 0 and v41.lm_head.__class__ is VocabHead  # the dense head (bf16 as published)
     # the routed experts are FP4 as published: not FP8 linears
     assert not any(".experts." in n for n, m in v41.named_modules() if isinstance(m, Fp8Linear))
 
