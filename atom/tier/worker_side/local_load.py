@@ -44,7 +44,7 @@ class LocalLoadError(RuntimeError):
     pass
 
 
-def _cuda_memcpy_async():
+def cuda_memcpy_async():
     """The runtime's cudaMemcpyAsync(dst, src, bytes, kind, stream), or None."""
     for name in ("libcudart.so.13", "libcudart.so.12", "libcudart.so"):
         try:
@@ -93,7 +93,7 @@ class LocalLoads:
         # 16 loads of 28 chunks reached the same bandwidth with 2 as with 1, so 1 by default)
         self._streams = [torch.cuda.Stream(dev) for _ in range(streams)] if self.cuda else []
         self._clock = torch.cuda.Stream(dev) if self.cuda else None  # never given work
-        self._memcpy = _cuda_memcpy_async() if self.cuda else None
+        self._memcpy = cuda_memcpy_async() if self.cuda else None
         self._pending: list[_Pending] = []
         self.copies = 0  # copy calls issued (runs), for the benchmark
         self.bytes = 0

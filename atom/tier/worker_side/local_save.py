@@ -54,6 +54,7 @@ from atom.tier.worker_side.engine_save import (
     EngineSave,
     SaveCall,
 )
+from atom.tier.worker_side.local_load import cuda_memcpy_async
 from atom.tier.worker_side.locator import (
     IMAGE_GROUP,
     PAGES_GROUP,
@@ -77,19 +78,6 @@ log = logging.getLogger("atom.offload")
 # busy machine may be slow (in CI one answered a noop but not the reserve within 3 s)
 PROBE_WAIT_S = 10.0
 CUDA_MEMCPY_DEVICE_TO_HOST = 2
-
-
-def _cuda_memcpy_async():
-    for name in ("libcudart.so.13", "libcudart.so.12", "libcudart.so"):
-        try:
-            fn = ctypes.CDLL(name).cudaMemcpyAsync
-        except (OSError, AttributeError):
-            continue
-        fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        fn.argtypes += [ctypes.c_void_p]
-        fn.restype = ctypes.c_int
-        return fn
-    return None
 
 
 class EngineSaves:
@@ -124,7 +112,7 @@ class EngineSaves:
         self.cuda = pool.device.type == "cuda"
         self.mappings = Mappings(pool.device, writable=True)
         self._stream = torch.cuda.Stream(pool.device) if self.cuda else None
-        self._memcpy = _cuda_memcpy_async() if self.cuda else None
+        self._memcpy = cuda_memcpy_async() if self.cuda else None
         self._owner = own_identity()
         self._client = None
         self._commits: list[EngineSave] = []
