@@ -100,6 +100,11 @@ class Histogram:
             if len(s[3]) < 100_000:
                 s[3].append(value)
 
+    def observe_by(self, label: str, values: dict) -> None:
+        """One observation per entry of ``values`` ({label value: value}), e.g. one per phase."""
+        for key, value in values.items():
+            self.observe(value, **{label: key})
+
     def samples(self, **labels: str) -> list[float]:
         s = self._series.get(tuple(sorted(labels.items())))
         return list(s[3]) if s else []

@@ -228,6 +228,42 @@ def cpu_seconds(proc: psutil.Process | None) -> float:
     return t.user + t.system
 
 
+PHASE_ORDER = {p: i for i, p in enumerate(("queued", "plan", "issue", "wait", "reserve", "copy"))}
+PHASE_ORDER |= {"to_commit": 6, "commit": 7}
+
+
+def phase_medians(metrics) -> dict:
+    """p50 ms of every phase of the engine-driven loads and saves, over both passes
+    (``atom_tier_load_phase_seconds``, ``atom_tier_save_phase_seconds``): where a load's or a
+    save's latency goes."""
+    out = {}
+    for key, name in (("load", "load_phase"), ("save", "save_phase")):
+        hist = metrics._metrics.get(f"atom_tier_{name}_seconds")
+        if hist is None:
+            continue
+        meds = {}
+        for labels in sorted(hist._series):
+            got = hist.samples(**dict(labels))
+            if got:
+                meds[dict(labels)["phase"]] = round(1000 * pct(got, 50), 3)
+        if meds:  # in the order the phases happen
+            out[f"{key}_phase_p50_ms"] = dict(
+                sorted(meds.items(), key=lambda kv: PHASE_ORDER[kv[0]])
+            )
+    return out
+
+
+def phase_text(arms: list[dict]) -> str:
+    lines = []
+    for arm in arms:
+        for key in ("load", "save"):
+            meds = arm.get(f"{key}_phase_p50_ms")
+            if meds:
+                parts = ", ".join(f"{p} {v:g}" for p, v in meds.items())
+                lines.append(f"{arm['arm']}: engine-driven {key} phases, p50 ms: {parts}.\n")
+    return "".join(lines)
+
+
 def instrument(connector) -> dict:
     """Accumulate step-thread time spent inside the connector's hooks."""
     spent = {"s": 0.0, **{name: 0.0 for name in CONNECTOR_HOOKS}}
@@ -400,6 +436,7 @@ def run_arm(
                     "load_p50_over_copy": round(pct(lat, 50) / copy_s, 1),
                 }
             )
+        res.update(phase_medians(eng.metrics))
         res["tier_metrics"] = {
             line.split(" ")[0]: float(line.split(" ")[1])
             for line in eng.metrics.render().splitlines()
@@ -883,6 +920,7 @@ def main() -> None:
             table += (
                 f"{arm['arm']}, pass 2 against pass 1: {parting_text(arm['parting_from_pass1'])}\n"
             )
+    table += phase_text(arms)
     table += exactness_text(exact, args.batch_invariant)
     table += (
         "\nSteps of the measured pass by kind (decode: every span one token; prefill: none; "

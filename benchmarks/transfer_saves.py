@@ -73,6 +73,14 @@ def poll(futs: list, saves: EngineSaves | None = None) -> list[float]:
     return [done[i] for i in range(len(futs))]
 
 
+SAVE_PHASES = ("queued", "reserve", "copy", "to_commit", "commit")
+
+
+def phase_ms(phases: list[dict], phase: str) -> float | str:
+    got = [p[phase] for p in phases if phase in p]
+    return round(1e3 * statistics.median(got), 3) if got else ""
+
+
 def copy_seconds(nbytes: int, device: str, repeats: int = 20) -> float:
     """Median plain copy of ``nbytes`` in a save's direction (device -> pinned host on GPU)."""
     gpu = device.startswith("cuda")
@@ -191,12 +199,13 @@ def main() -> None:
         sched.free_lookup_locks(op.token_ids, 0, hit, op.lmc_id)
         sched.end_session(op.lmc_id)
 
-    rows, raw, bursts = [], [], []
+    rows, raw, bursts, phase_rows = [], [], [], []
     try:
         for n in args.chunks:
             write_header(pbytes, spec, units, n * CHUNK)
             nbytes = (n + k) * spec.block_bytes
-            server_s, engine_s = [], []
+            server_s, engine_s, phases = [], [], []
+            saves.on_phases = phases.append  # each copied save's phases (EngineSave.phases)
             for _ in range(args.repeats):
                 op = new_op(n)
                 server_s += poll([store(op)])
@@ -220,7 +229,10 @@ def main() -> None:
                 "engine_over_copy": round(e50 / copy, 1),
             }
             rows.append(row)
-            raw.append({**row, "server_store_s": server_s, "engine_save_s": engine_s})
+            phase_rows.append([n] + [phase_ms(phases, p) for p in SAVE_PHASES])
+            raw.append(
+                {**row, "server_store_s": server_s, "engine_save_s": engine_s, "phases": phases}
+            )
             print(row, flush=True)
         if args.burst:
             n, b = max_chunks, args.burst
@@ -267,6 +279,13 @@ def main() -> None:
             "engine / copy",
         ],
         [list(r.values()) for r in rows],
+    )
+    table += (
+        "\n\nWhere an engine-driven save's time goes (p50 ms per phase, as the polling loop "
+        "saw each step: queued = submission to the reserve's send, reserve = the call's "
+        "round-trip, copy = issue to completion seen, to_commit = completion to the round's "
+        "commit call, commit = its round-trip):\n\n"
+        + md_table(["chunks", *SAVE_PHASES], phase_rows)
     )
     if bursts:
         table += "\n\n" + md_table(

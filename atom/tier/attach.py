@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from functools import partial
 
 from atom.engine.connector import Outcome
 from atom.tier.config import OffloadConfig, namespace, weights_identity
@@ -225,6 +226,7 @@ class LMCacheTier:
         )
         if self.saves is not None:
             saves = self.saves
+            saves.on_phases = partial(self.connector.tier_metrics.save_phases.observe_by, "phase")
             metrics.gauge(
                 "tier_local_saves_total",
                 "Engine-driven saves by outcome: copied (into the server's L1, committed), "

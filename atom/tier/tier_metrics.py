@@ -21,6 +21,18 @@ class TierMetrics:
             "Load latency (the decision to load to the copy's completion) and save latency.",
         )
         self.lookup_latency = m.histogram("tier_lookup_seconds", "Lookup latency.")
+        self.load_phases = m.histogram(
+            "tier_load_phase_seconds",
+            "An engine-driven load's latency by phase: plan (host, the decision to the copies' "
+            "issue), issue (host, issuing them), wait (device, the copy stream behind the "
+            "compute stream's earlier work), copy (device, the copies).",
+        )
+        self.save_phases = m.histogram(
+            "tier_save_phase_seconds",
+            "An engine-driven save's latency by phase: reserve (the reserve call, sent to "
+            "answer seen), copy (the copy's issue to its completion seen), commit (the commit "
+            "call, sent to answer seen), queued (submitted to the reserve's send).",
+        )
         m.gauge(
             "tier_transfers_in_flight",
             "Loads and saves not yet terminal.",
@@ -31,3 +43,4 @@ class TierMetrics:
             "Blocks held by transfers of unknown fate.",
             lambda: connector.quarantined_blocks,
         )
+

@@ -227,8 +227,8 @@ class Watch:
         if conn.local is not None:
             copy = conn.local.copy
 
-            def on_copy(located, plan, on_done):
-                copy(located, plan, on_done)
+            def on_copy(located, plan, on_done, **kw):
+                copy(located, plan, on_done, **kw)
                 # on CPU the copy is complete when it returns: each run's destination blocks
                 # hold the located source bytes (compared here, no view of the mapping kept)
                 src = located.mapping.data
@@ -361,6 +361,12 @@ def test_two_pass_in_both_load_modes_is_exact_and_releases_every_lock(
         assert sorted(blocks for _, blocks, _ in w.copies) == want
         assert [differ for _, _, differ in w.copies] == [0] * len(prompts)
         assert llm.engine.tier.mappings.mapped == 1
+        # every copied load reported where its latency went, each phase once
+        phases = conn.tier_metrics.load_phases
+        for phase in ("plan", "issue", "wait", "copy"):
+            assert phases.count(phase=phase) == len(prompts), phase
+        assert all(v > 0 for v in phases.samples(phase="copy"))
+        assert all(v >= 0 for p in ("plan", "issue", "wait") for v in phases.samples(phase=p))
     else:
         assert conn.local is None and conn.tier_metrics.local_loads.total() == 0
         assert [ld["local"] for ld in w.loads] == [False] * len(prompts)

@@ -274,6 +274,11 @@ def test_two_pass_with_engine_driven_saves_is_exact(lmcache_server, make_llm, vi
     assert done > 0 and got["copied"] == done, got  # every save copied by the engine
     assert got["via_server"] == got["failed"] == got["aborted"] == 0, got
     assert saves.bytes > 0 and saves.mappings.current is None  # unmapped at shutdown
+    # every copied save reported where its latency went: two round-trips and the copy
+    phases = first.engine.scheduler.connector.tier_metrics.save_phases
+    for phase in ("queued", "reserve", "copy", "to_commit", "commit"):
+        assert phases.count(phase=phase) == done, phase
+    assert all(v > 0 for p in ("reserve", "copy", "commit") for v in phases.samples(phase=p))
     with SavesProbe(lmcache_server.url) as probe:
         st = probe.status()
     assert st["committed"] - committed == done and st["open"] == 0, st

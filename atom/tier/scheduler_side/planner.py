@@ -80,6 +80,7 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Iterable
+from functools import partial
 from threading import Lock
 from typing import NamedTuple
 
@@ -175,6 +176,8 @@ class OffloadConnector(Connector):
         self._epoch = self.health.epoch
         self.local, self.mappings = local, mappings
         self.tier_metrics = TierMetrics(metrics, self)
+        if local is not None and hasattr(local, "on_phases"):  # (a test's stand-in may not)
+            local.on_phases = partial(self.tier_metrics.load_phases.observe_by, "phase")
 
     # ---- computed state (also read by the metrics thread) ----------------------------------
 
@@ -506,7 +509,12 @@ class OffloadConnector(Connector):
         op.mark_in_flight()
         with self._lock:
             st.ops.add(op)
-        self.local.copy(located, plan, lambda t, st=st, op=op: self._local_copied(st, op, t))
+        self.local.copy(
+            located,
+            plan,
+            lambda t, st=st, op=op: self._local_copied(st, op, t),
+            decided_at=op.created_at,
+        )
         self.tier_metrics.local_loads.inc(outcome="copied")
         submit_copies = getattr(self.transfers, "submit_copies", None)
         if submit_copies is not None:  # across ranks: terminal once every rank copied

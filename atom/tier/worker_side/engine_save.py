@@ -101,6 +101,10 @@ class EngineSave:
     event: Any = None  # CUDA: the copy's completion event
     mapping: Any = None
     plan: list = field(default_factory=list)
+    # monotonic times of this save's steps, as the transfer thread saw them (``phases``)
+    reserved_at: float | None = None
+    copy_issued_at: float | None = None
+    copied_at: float | None = None
 
     # ---- the future's interface (the transfer thread) --------------------------------------
 
@@ -139,6 +143,7 @@ class EngineSave:
         if self.state == "reserving":
             self._reserved()
         if self.state == "copying" and self.event is not None and self.event.query():
+            self.copied_at = time.monotonic()
             self.mapping.in_flight -= 1
             self.event = None
             self.saves.commit_later(self)
@@ -153,6 +158,7 @@ class EngineSave:
                 saves.unanswered(call, self.index)
                 self._to_server("reserve not answered in time")
             return
+        self.reserved_at = time.monotonic()
         answer = call.answer
         if answer is None or answer.get("error"):
             why = call.error or answer.get("error") or "refused"
@@ -193,6 +199,7 @@ class EngineSave:
             self._to_server(str(exc))
             return
         self.mapping, self.plan = mapping, plan
+        self.copy_issued_at = time.monotonic()
         self.event, error = saves.copy(self.op, plan, mapping)
         if error:
             self._release()  # once a CUDA copy that may have started is over
@@ -200,6 +207,7 @@ class EngineSave:
             return
         self.state = "copying"
         if self.event is None:  # CPU: the copy is complete
+            self.copied_at = time.monotonic()
             self.saves.commit_later(self)
             self.state = "committing"
 
@@ -241,8 +249,23 @@ class EngineSave:
         _, ok, error = results[self.commit_index]
         if ok:
             self._done(True, "", "copied")
+            self.saves.observe_phases(self.phases(time.monotonic()))
         else:
             self._done(False, f"commit refused: {error}", "failed")
+
+    def phases(self, committed_at: float) -> dict:
+        """A copied and committed save's latency by phase, in seconds, as the transfer thread
+        saw each step (its rounds' spacing included): queued (the op's submission to the
+        reserve's send), reserve (sent to answered), copy (issued to completed), to_commit
+        (completed to the round's commit call), commit (sent to answered)."""
+        submitted = self.op.submitted_at or self.reserve.sent_at
+        return {
+            "queued": max(0.0, self.reserve.sent_at - submitted),
+            "reserve": self.reserved_at - self.reserve.sent_at,
+            "copy": self.copied_at - self.copy_issued_at,
+            "to_commit": self.commit.sent_at - self.copied_at,
+            "commit": committed_at - self.commit.sent_at,
+        }
 
     # ---- ends ----------------------------------------------------------------------------
 

@@ -61,10 +61,22 @@ def cuda_memcpy_async():
 @dataclass
 class _Pending:
     issued: object  # timing event recorded on an idle stream at the issue
+    starts: list  # one timing event per copy stream used, after its wait for compute
     ends: list  # one timing event per copy stream used, after its last copy
     mapping: object
     on_done: Callable[[float], None]  # gets the time the copy completed
     issued_at: float  # monotonic time of the issue
+    phases: dict  # host phases so far (plan, issue), seconds
+
+
+PHASES = ("plan", "issue", "wait", "copy")
+"""An engine-driven load's latency by phase (``LocalLoads.on_phases``):
+  plan   host: from the decision to load (``decided_at``) to the first copy's issue (checks,
+         the header read, the runs);
+  issue  host: issuing the copies (the step thread's share of the load);
+  wait   device: from the issue until the copy stream is past the compute stream's earlier
+         work (0 on CPU);
+  copy   device: the copies themselves (on CPU: the synchronous copy)."""
 
 
 def runs(pieces: list[tuple[int, int, int]], bb: int) -> list[tuple[int, int, int]]:
@@ -95,6 +107,8 @@ class LocalLoads:
         self._clock = torch.cuda.Stream(dev) if self.cuda else None  # never given work
         self._memcpy = cuda_memcpy_async() if self.cuda else None
         self._pending: list[_Pending] = []
+        # gets each completed load's phases ({phase: seconds} over ``PHASES``), or None
+        self.on_phases: Callable[[dict], None] | None = None
         self.copies = 0  # copy calls issued (runs), for the benchmark
         self.bytes = 0
 
@@ -133,39 +147,62 @@ class LocalLoads:
 
     # ---- the copy ----------------------------------------------------------------------------
 
-    def copy(self, located: Located, plan: list, on_done: Callable[[float], None]) -> None:
+    def copy(
+        self,
+        located: Located,
+        plan: list,
+        on_done: Callable[[float], None],
+        decided_at: float | None = None,
+    ) -> None:
         """Issue the copies of ``plan`` from ``located``'s mapping; ``on_done(t)`` runs (from
         ``poll``, or now on CPU) once they completed, with ``t`` the completion time on the
         monotonic clock (on CUDA: the issue time plus the GPU's own elapsed time from the
-        issue to the last copy, so a late poll does not lengthen the measured load)."""
+        issue to the last copy, so a late poll does not lengthen the measured load).
+        ``decided_at``: when the load was decided (monotonic), for the ``plan`` phase."""
         src, dst, bb = located.mapping.data, self.blocks, self.bb
+        t0 = time.monotonic()
+        phases = {"plan": t0 - decided_at if decided_at is not None else 0.0}
         if not self.cuda:
             for s, d, n in plan:
                 dst[d : d + n].view(-1).copy_(src[s : s + n * bb])
             self._count(plan)
-            on_done(time.monotonic())
+            t1 = time.monotonic()
+            self._report(phases | {"issue": 0.0, "wait": 0.0, "copy": t1 - t0})
+            on_done(t1)
             return
         compute = torch.cuda.current_stream(dst.device)
         issued = torch.cuda.Event(enable_timing=True)
         issued.record(self._clock)  # an idle stream: it marks the issue on the GPU's clock
-        t0 = time.monotonic()
-        ends = []
+        starts, ends = [], []
         for i, stream in enumerate(self._streams):
             part = plan[i :: len(self._streams)]  # runs alternate between the copy streams
             if not part:
                 continue
             stream.wait_stream(compute)
             with torch.cuda.stream(stream):
+                start = torch.cuda.Event(enable_timing=True)
+                start.record(stream)  # fires once the stream is past compute's earlier work
                 if not self._raw_copies(stream, located.mapping, dst, part):
                     for s, d, n in part:
                         dst[d : d + n].view(-1).copy_(src[s : s + n * bb], non_blocking=True)
                 end = torch.cuda.Event(enable_timing=True)
                 end.record(stream)
             compute.wait_event(end)
+            starts.append(start)
             ends.append(end)
         self._count(plan)
         located.mapping.in_flight += 1
-        self._pending.append(_Pending(issued, ends, located.mapping, on_done, t0))
+        phases["issue"] = time.monotonic() - t0
+        self._pending.append(
+            _Pending(issued, starts, ends, located.mapping, on_done, t0, phases)
+        )
+
+    def _report(self, phases: dict) -> None:
+        if self.on_phases is not None:
+            try:
+                self.on_phases(phases)
+            except Exception:  # noqa: BLE001 - a metric never fails a load
+                log.debug("load phases not recorded", exc_info=True)
 
     def _raw_copies(self, stream, mapping, dst: torch.Tensor, plan: list) -> bool:
         """Issue ``plan`` as cudaMemcpyAsync calls on ``stream`` (registered source only).
@@ -197,6 +234,8 @@ class LocalLoads:
             if all(e.query() for e in p.ends):
                 p.mapping.in_flight -= 1
                 took = max(p.issued.elapsed_time(e) for e in p.ends) / 1000.0
+                wait = max(p.issued.elapsed_time(e) for e in p.starts) / 1000.0
+                self._report(p.phases | {"wait": wait, "copy": max(0.0, took - wait)})
                 p.on_done(p.issued_at + took)
             else:
                 still.append(p)

@@ -132,6 +132,8 @@ class EngineSaves:
             wait_s=max(rpc_timeout_s, PROBE_WAIT_S),
         )
         self.fallback = None  # set by the transfer thread: op -> the server's store future
+        # gets each copied save's phases ({phase: seconds}, ``EngineSave.phases``), or None
+        self.on_phases = None
 
     # ---- mode ----------------------------------------------------------------------------
 
@@ -160,6 +162,13 @@ class EngineSaves:
         """The server may be another one (a restart, a re-registration): the verdict is
         forgotten and the probe asks again (any thread)."""
         self.probe.server_changed(why)
+
+    def observe_phases(self, phases: dict) -> None:
+        if self.on_phases is not None:
+            try:
+                self.on_phases(phases)
+            except Exception:  # noqa: BLE001 - a metric never fails a save
+                log.debug("save phases not recorded", exc_info=True)
 
     def count(self, outcome: str) -> None:
         self.counts[outcome] = self.counts.get(outcome, 0) + 1
