@@ -396,22 +396,33 @@ def test_a_located_copy_rank_1_refuses_fails_the_load_and_releases_every_lock(mo
     assert left == 0, "a refused copy left a read lock behind"
 
 
-def skip_rank_1_saves_of(llm: LLM, prompt: list[int]) -> None:
-    """Rank 1 never stores ``prompt``: its parts of that prompt's saves are not sent to it
-    and are counted done, so the server holds rank 0's objects of the prompt and not rank 1's."""
+def skip_rank_1_saves(llm: LLM, lacking: list[int], holed: list[int]) -> list[tuple[int, int]]:
+    """Rank 1 never stores ``lacking``, nor the second save of ``holed``: its parts of those
+    saves are not sent to it and are counted done, so the server holds rank 0's objects of
+    both prompts and, of ``holed``, rank 1's chunks before and after that save's span (a hole
+    in one rank's objects). Returns the spans skipped of ``holed`` ([start, end))."""
     import dataclasses
 
     transfers = llm.engine.tier.transfers
-    send, head = transfers.ranks.send, tuple(prompt[:BLOCK])
+    send = transfers.ranks.send
+    lacking_head, holed_head = tuple(lacking[:BLOCK]), tuple(holed[:BLOCK])
+    holes: list[tuple[int, int]] = []
 
     def send_but_rank_1s(name, *args):
         part = args[0] if args else None
-        if name == "tier_op" and part.kind == "save" and part.token_ids[:BLOCK] == head:
-            transfers._part(1, part.op_id, "done", True, "", None)
-            return True
+        if name == "tier_op" and part.kind == "save":
+            head = part.token_ids[:BLOCK]
+            skip = head == lacking_head
+            if head == holed_head and part.start > 0 and not holes:
+                holes.append((part.start, part.end))
+                skip = True
+            if skip:
+                transfers._part(1, part.op_id, "done", True, "", None)
+                return True
         return send(name, *args)
 
     transfers.ranks = dataclasses.replace(transfers.ranks, send=send_but_rank_1s)
+    return holes
 
 
 def test_without_collapse_a_hit_rank_1_lacks_is_none_and_a_part_it_cannot_copy_fails(
@@ -420,8 +431,10 @@ def test_without_collapse_a_hit_rank_1_lacks_is_none_and_a_part_it_cannot_copy_f
     """Without rank collapse each rank copies its own objects, which rank 0's lookup located
     for every rank in one call:
 
-    - pass 1 stores every prompt, but rank 1 never stores the last one: pass 2 does not hit it
-      (a chunk one rank lacks is no hit) and hits every other prompt at the ceiling, each rank
+    - pass 1 stores every prompt, but rank 1 never stores the last one, and of the third one
+      not its second save (rank 1 holds chunks before and after that span): pass 2 does not
+      hit the last one (a chunk one rank lacks is no hit), hits the third one up to the hole
+      in rank 1's objects and no further, and every other prompt at the ceiling, each rank
       copying its own part;
     - pass 3 sends rank 1 no location of its own (it must not copy rank 0's objects instead),
       pass 4 a stale one (another inode): rank 1 refuses every part, the ops fail, the
@@ -441,13 +454,13 @@ def test_without_collapse_a_hit_rank_1_lacks_is_none_and_a_part_it_cannot_copy_f
         ident = dataclasses.replace(ranks[0].ident, ino=ranks[0].ident.ino + 1)
         submit(self, op, where, (dataclasses.replace(ranks[0], ident=ident),))
 
-    lacking = PROMPTS[-1]
+    lacking, holed = PROMPTS[-1], PROMPTS[2]
     server = LMCacheServer(chunk_size=BLOCK, l1_size_gb=0.2, shared_l1=True)
     server.start(wait=True)
     outs, ranks = [], []
     try:
         first = tp_llm(server, "false")
-        skip_rank_1_saves_of(first, lacking)
+        holes = skip_rank_1_saves(first, lacking, holed)
         outs.append(first.generate(PROMPTS, GREEDY))
         first.shutdown()
         for patch in (None, none_for_rank_1, stale_for_rank_1):
@@ -466,7 +479,11 @@ def test_without_collapse_a_hit_rank_1_lacks_is_none_and_a_part_it_cannot_copy_f
         assert [o.token_ids for o in out] == [o.token_ids for o in outs[0]]
     copied, missing, stale = ranks
     hits = [o.tier_hit_tokens for o in outs[1]]
-    assert hits == [ceiling(len(p)) for p in PROMPTS[:-1]] + [0], hits
+    # the hole starts past the first chunk and ends before the prompt's last full chunk
+    assert len(holes) == 1 and 0 < holes[0][0] < holes[0][1] < ceiling(len(holed)), holes
+    want = [ceiling(len(p)) for p in PROMPTS[:-1]] + [0]
+    want[2] = holes[0][0]  # capped where rank 1's objects stop, though rank 0 holds them all
+    assert hits == want, (hits, holes)
     r0, r1 = copied
     assert r0["loads"]["copied"] == r1["loads"]["copied"] == len(PROMPTS) - 1
     assert r0["failed"] == r1["failed"] == {"load": 0, "save": 0}
