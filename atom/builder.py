@@ -15,6 +15,7 @@ from atom.config import EngineConfig
 from atom.engine.engine import LLMEngine
 from atom.kernels import invariant
 from atom.model_api import RuntimeCapabilities
+from atom.models.common import glue_compile
 from atom.models.common.moe import configure_grouped_mm
 from atom.models.registry import load_runtime
 
@@ -29,6 +30,7 @@ def build_engine(config: EngineConfig, attach_tier=None) -> LLMEngine:
     kernels.configure(cfg.triton_kernels, cfg.triton_off, cfg.triton_on)
     configure_grouped_mm(cfg.moe_grouped_mm)
     invariant.configure(cfg.batch_invariant)
+    glue_compile.configure(cfg.compile_glue)
     if cfg.batch_invariant:
         log.info(
             "batch-invariant mode: fixed-configuration GEMMs (row-tiled on CPU), a sync-free "

@@ -74,6 +74,11 @@ class EngineConfig(BaseModel):
     # computes. Costs speed (row-tiled GEMMs, the per-expert MoE, no Triton kernels); one rank
     # only. Its tier objects are kept apart from the default mode's (other bits)
     batch_invariant: bool = False
+    # compiled glue (atom/models/common/glue_compile.py): inside captured decode and span
+    # graphs (CUDA) the small functions between a layer's GEMMs run through torch.compile, so
+    # a graph replays fused kernels; compiled once at start (a progress line in the log).
+    # Other roundings in bf16; not with batch_invariant. Off by default (experimental)
+    compile_glue: bool = False
     # speculative decoding with the model's own drafter (draft layers, or DSpark stages):
     # drafts verified per decode step
     # (0 = off; up to 5). The state gains rows for them, so it is part of the tier namespace
@@ -97,7 +102,9 @@ class EngineConfig(BaseModel):
             raise ValueError(f"must be >= 1, got {v}")
         return v
 
-    @field_validator("triton_kernels", "moe_grouped_mm", "batch_invariant", mode="before")
+    @field_validator(
+        "triton_kernels", "moe_grouped_mm", "batch_invariant", "compile_glue", mode="before"
+    )
     @classmethod
     def _switch(cls, v: Any) -> Any:
         # what pydantic reads as a bool passes on; anything else is told what to write
@@ -189,6 +196,12 @@ class EngineConfig(BaseModel):
                 f"tensor_parallel_size={self.tensor_parallel_size} with batch_invariant=true: "
                 "the ranks' partial sums are reduced in an order that depends on the batch; "
                 "use tensor_parallel_size=1 or batch_invariant=false"
+            )
+        if self.compile_glue and self.batch_invariant:
+            raise ValueError(
+                "compile_glue=true with batch_invariant=true: inductor picks reduction "
+                "strategies per shape, so a token's bits could depend on its batch; use one of "
+                "them"
             )
         if self.block_size is not None and self.offload == "lmcache_mp":
             self.lmcache.resolved_chunk(self.block_size)

@@ -16,7 +16,9 @@ Decode floor = bytes of every weight the step reads at its stored dtype / measur
 every layer's attention, norm, mHC and dense weights, the shared experts, the routed experts
 the batch activates (distinct experts per layer, counted from the routing of one eager step at
 the same position), the LM head, and the embedding / Engram table rows the batch looks up.
-Kernel time = the summed duration of the GPU kernels of one profiled step (graphs on).
+Kernel time = the summed duration of the GPU kernels of one profiled step (graphs on); kernels =
+their number. ``--compile-glue``: the decode graphs run compiled glue
+(``EngineConfig.compile_glue``).
 
 Prefill peak fraction = (2 x active parameters per token + attention FLOPs per token) x
 tokens/s / measured matmul FLOP/s. Active parameters: every matmul weight a token passes
@@ -181,7 +183,8 @@ def distinct_experts(rt, run_step) -> int:
     return sum(seen)
 
 
-def kernel_ms(run_step) -> float:
+def kernel_ms(run_step) -> tuple[float, int]:
+    """(summed device ms, number) of the GPU kernels of one step (graph replays included)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -189,7 +192,7 @@ def kernel_ms(run_step) -> float:
         run_step()
         torch.cuda.synchronize()
     evs = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
-    return sum(e.time_range.elapsed_us() for e in evs) / 1000
+    return sum(e.time_range.elapsed_us() for e in evs) / 1000, len(evs)
 
 
 def main() -> None:
@@ -207,12 +210,21 @@ def main() -> None:
     ap.add_argument("--bw-gib", type=float, default=4.0)
     ap.add_argument("--name", default="roofline_h200")
     ap.add_argument(
+        "--compile-glue",
+        action="store_true",
+        help="compiled glue inside the decode graphs (EngineConfig.compile_glue)",
+    )
+    ap.add_argument(
         "--batch-invariant",
         action="store_true",
         help="the batch-invariant mode (EngineConfig.batch_invariant; graphs where Triton imports, "
         "as the engine)",
     )
     args = ap.parse_args()
+    if args.compile_glue:  # the graphs' warm-up at bind compiles the glue (its log line)
+        from atom.models.common import glue_compile
+
+        glue_compile.configure(True)
     if args.batch_invariant:
         from atom.kernels import invariant
 
@@ -272,7 +284,7 @@ def main() -> None:
                 step()
             rounds.append(1000 * (time.perf_counter() - t0) / args.decode_steps)
         step_ms = statistics.median(rounds)
-        k_ms = kernel_ms(step)
+        k_ms, k_count = kernel_ms(step)
         weight_bytes = (
             counts["dense_bytes"]
             + experts * counts["per_expert_bytes"]
@@ -287,6 +299,7 @@ def main() -> None:
             "decode_step_ms": round(step_ms, 2),
             "decode_rounds_ms": [round(r, 2) for r in rounds],
             "kernel_ms": round(k_ms, 2),
+            "kernels_per_step": k_count,
             "weight_bytes": weight_bytes,
             "experts_read": experts,
             "floor_ms": round(floor_ms, 3),
@@ -304,6 +317,7 @@ def main() -> None:
                 batch,
                 row["decode_step_ms"],
                 row["kernel_ms"],
+                k_count,
                 f"{weight_bytes / 1e9:.2f}",
                 row["floor_ms"],
                 f"{row['step_over_floor']}x",
@@ -319,6 +333,7 @@ def main() -> None:
             "batch",
             "decode step ms",
             "kernel ms",
+            "kernels",
             "weights read GB",
             "floor ms",
             "step / floor",
@@ -340,6 +355,14 @@ def main() -> None:
         "it meets first). See the "
         "module doc of benchmarks/roofline.py for what each column counts."
     )
+    if args.compile_glue:
+        from atom.models.common import glue_compile
+
+        st = glue_compile.STATS
+        table += (
+            f"\nCompiled glue: {st.compiles} graphs compiled in {st.compile_s:.1f} s; regions "
+            f"run eagerly after a failure: {sorted(st.disabled) or 'none'}."
+        )
     cmd = command_line("roofline", args)
     data = {
         "model": args.model,

@@ -31,6 +31,7 @@ from atom import kernels
 from atom.distributed.broadcast_runtime import BroadcastRuntime, serve_ops
 from atom.distributed.parallel_state import ParallelState
 from atom.distributed.rendezvous import Rendezvous, join, refuse_reimport
+from atom.models.common import glue_compile
 from atom.models.common.moe import configure_grouped_mm
 
 log = logging.getLogger("atom.distributed")
@@ -104,6 +105,7 @@ def _rank_main(
     cfg = EngineConfig(**values)
     kernels.configure(cfg.triton_kernels, cfg.triton_off, cfg.triton_on)  # as rank 0's build
     configure_grouped_mm(cfg.moe_grouped_mm)
+    glue_compile.configure(cfg.compile_glue)
     torch.set_num_threads(threads)
     start_s = cfg.tensor_parallel_start_timeout_s
     state = ParallelState.init(

@@ -45,6 +45,7 @@ ENGINE_FLAGS: dict[str, type] = {
     "triton-on": str,  # name[,name]
     "moe-grouped-mm": str,  # true | false
     "batch-invariant": str,  # true | false
+    "compile-glue": str,  # true | false
 }
 OFFLOAD_FLAGS: dict[str, tuple[str, type]] = {
     "lmcache-url": ("url", str),

@@ -43,4 +43,3 @@ class TierMetrics:
             "Blocks held by transfers of unknown fate.",
             lambda: connector.quarantined_blocks,
         )
-

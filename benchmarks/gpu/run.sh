@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On the GPU machine: install carried wheels, run GPU tests and benchmarks, keep results.
 # Usage: bash benchmarks/gpu/run.sh STEP...
-#   steps: tests tier forward profile components roofline sweep profile_prefill transfer cuda_ops transfer_native transfer_modes serving
+#   steps: tests tier forward profile components roofline roofline_glue sweep profile_prefill transfer cuda_ops transfer_native transfer_modes serving
 #          speculative serving_spec tp tp_tests (tp, tp_tests: two GPUs)
 #          tier_only idle
 #          train forward_v4 roofline_v4 serving_v4 speculative_v4 fp8_gemm roofline_fp8
@@ -52,6 +52,10 @@ for s in "$@"; do
     roofline) step "${ROOFLINE_LIMIT:-240}" python3 -m benchmarks.roofline --model v41-bench \
       --device cuda --dtype bfloat16 --position 4096 --batch 1 8 16 32 --decode-steps 16 \
       --repeats 3 --name "${ROOFLINE_NAME:-roofline_h200}" ;;
+    # the same with compiled glue in the decode graphs (EngineConfig.compile_glue)
+    roofline_glue) step "${ROOFLINE_LIMIT:-240}" python3 -m benchmarks.roofline --model v41-bench \
+      --device cuda --dtype bfloat16 --position 4096 --batch 1 8 16 32 --decode-steps 16 \
+      --repeats 3 --name roofline_h200_glue --compile-glue ;;
     components) step "${COMPONENTS_LIMIT:-200}" python3 -m benchmarks.profile_components \
       --model v41-bench --device cuda --dtype bfloat16 --position 4096 --batch 16 \
       --prefill-tokens 4096 --late-prefill --name "profile_components_h200${COMPONENTS_TAG:-}" ;;

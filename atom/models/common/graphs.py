@@ -19,6 +19,7 @@ The contracts of the graphs themselves are the families' (``deepseek_v41.decode_
 from __future__ import annotations
 
 import logging
+import time
 import traceback
 import weakref
 from collections.abc import Callable
@@ -27,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from atom.model_api import Span
+from atom.models.common import glue_compile
 
 log = logging.getLogger(__name__)
 
@@ -97,14 +99,16 @@ class EagerBackend:
 
     def capture(self, fn: Callable[[], torch.Tensor]):
         """``fn`` returns a tensor or a tuple of tensors (the static outputs)."""
-        fn()  # the warm-up, as on CUDA
-        out, ref = fn(), weakref.ref(fn)
+        with glue_compile.capturing():
+            fn()  # the warm-up, as on CUDA
+            out, ref = fn(), weakref.ref(fn)
 
         def replay():
             fn = ref()
             if fn is None:
                 raise RuntimeError("replay of a freed function: a graph would read freed memory")
-            new = fn()
+            with glue_compile.capturing():  # what a graph would replay: the compiled glue
+                new = fn()
             for static, value in zip(*((out, new) if isinstance(out, tuple) else ([out], [new]))):
                 static.copy_(value)
 
@@ -126,14 +130,17 @@ class CudaGraphBackend:
     def capture(self, fn: Callable[[], torch.Tensor]):
         s, current = self.stream, torch.cuda.current_stream()
         s.wait_stream(current)
-        with torch.cuda.stream(s):
-            for _ in range(2):
-                fn()
-        current.wait_stream(s)
-        graph = torch.cuda.CUDAGraph()
-        # thread_local: other threads' CUDA calls (the tier's copies) stay legal meanwhile
-        with torch.cuda.graph(graph, pool=self.pool, stream=s, capture_error_mode="thread_local"):
-            out = fn()
+        with glue_compile.capturing():  # compiled glue (if on) compiles in the warm-ups
+            with torch.cuda.stream(s):
+                for _ in range(2):
+                    fn()
+            current.wait_stream(s)
+            graph = torch.cuda.CUDAGraph()
+            # thread_local: other threads' CUDA calls (the tier's copies) stay legal meanwhile
+            with torch.cuda.graph(
+                graph, pool=self.pool, stream=s, capture_error_mode="thread_local"
+            ):
+                out = fn()
         return graph.replay, out
 
 
@@ -236,6 +243,26 @@ class DecodeGraphSet(GraphSet):
     def __init__(self, model, kv, slots, *, max_batch: int, **kw):
         super().__init__(model, kv, slots, max_rows=max_batch, **kw)
         self.replays = 0
+        if glue_compile.enabled():
+            self.warm_up()
+
+    def warm_up(self) -> None:
+        """Capture the smallest and the largest batch bucket now, at width 1: with compiled
+        glue (``glue_compile``) the first capture compiles it, and the engine's start pays
+        that rather than its first decode step. Logs what it took."""
+        t0, before = time.perf_counter(), glue_compile.STATS.compiles
+        log.info("%s: compiling the decode glue in a first capture ...", type(self).__name__)
+        for bucket in sorted({self.buckets[0], self.buckets[-1]}):
+            if (bucket, 1) not in self.graphs:
+                self._capture(bucket, 1)
+        log.info(
+            "%s: warm-up captured %d graphs in %.1f s (%d glue graphs compiled; failed: %s)",
+            type(self).__name__,
+            len(self.graphs),
+            time.perf_counter() - t0,
+            glue_compile.STATS.compiles - before,
+            sorted(self.failed) or "none",
+        )
 
     def at_cursor(self, sp: Span) -> bool:
         """The slot is in range and its mirror's cursor is the span's start (else eager, which

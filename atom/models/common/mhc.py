@@ -23,6 +23,7 @@ from torch import nn
 from atom.kernels import invariant
 from atom.kernels.norm import hc_post, hc_pre, rms_norm
 from atom.kernels.sinkhorn import sinkhorn
+from atom.models.common.glue_compile import region
 
 __all__ = ["HcMixer", "collapse", "hc_post", "identity_pre"]
 
@@ -53,6 +54,7 @@ class HcMixer(nn.Module):
         self.base = nn.Parameter(torch.zeros(n_mix, dtype=torch.float32))
         self.scale = nn.Parameter(torch.ones(1 if head else 3, dtype=torch.float32))
 
+    @region
     def mixes(
         self, x: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:

@@ -25,6 +25,7 @@ from atom.kernels.fp4_gemm import fp4_grouped_linear, fp4_tiles, fp4_usable
 from atom.kernels.fp8_gemm import fp8_act_round
 from atom.kernels.moe_combine import moe_combine
 from atom.models.common.fp4_linear import Fp4Linear
+from atom.models.common.glue_compile import region
 from atom.models.common.layers import linear
 
 __all__ = ["Expert", "MoEGate", "MoE", "configure_grouped_mm", "grouped_mm_enabled"]
@@ -127,6 +128,7 @@ class MoE(nn.Module):
         self._stack = None
         self.reduce_output = reduce
 
+    @region
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(expert ids [N, top_k], weights [N, top_k] float32) of each token."""
         logits = invariant.linear(x.float(), self.gate.weight.float()) / self.gate_temp

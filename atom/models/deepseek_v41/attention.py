@@ -20,6 +20,7 @@ from torch import nn
 from atom.kernels import invariant, invariant_attention
 from atom.kernels.fp8_gemm import fp8_act_round
 from atom.models.common.formats import fp4_act_sim
+from atom.models.common.glue_compile import region
 from atom.models.common.layers import RMSNorm, linear, rms_norm
 from atom.models.common.prefill_tiles import tile_attention
 from atom.models.common.rope import InterleavedRope
@@ -153,12 +154,14 @@ class CSA2Attention(nn.Module):
 
     # ---- per-token projections ------------------------------------------------------------
 
+    @region
     def queries(self, u: torch.Tensor, cs) -> tuple[torch.Tensor, torch.Tensor]:
         """u [N, d] -> (q [N, H, hd] rotated at the token positions, q latent [N, q_lora])."""
         qlat = self.q_a_layernorm(self.q_a_proj(self.act(u)))
         q = self.q_b_proj(self.act(qlat)).view(-1, self.heads, self.head_dim)
         return self.rope.apply_(q, cs), qlat
 
+    @region
     def window_kv(self, u: torch.Tensor, cs) -> torch.Tensor:
         """Window KV [N, hd], normalized, rotated and rounded to the storage dtype."""
         kv = self.rope.apply_(self.kv_norm(self.kv_proj(self.act(u))), cs)
@@ -178,6 +181,7 @@ class CSA2Attention(nn.Module):
         k = self.indexer.k_norm(self.indexer.wk(latents.to(dtype))).float()
         return main, self.index_round(self.index_rope.apply_(k, cs))
 
+    @region
     def index_query(self, qlat: torch.Tensor, u: torch.Tensor, cs):
         """(qi [N, Hi, D] float32 rotated, head weights [N, Hi] float32)."""
         ix = self.indexer
@@ -242,17 +246,22 @@ class CSA2Attention(nn.Module):
         """Inverse RoPE at the query position (in place: ``o`` [N, H, hd] is the caller's
         attention output, read by nothing after), then the grouped output projection (under
         tensor parallelism: of this rank's groups, summed over the ranks)."""
-        o = self.rope.apply_(o, cs, inverse=True)
-        n = o.shape[0]
-        grouped = o.reshape(n, self.groups, -1)
-        w = self.o_a_proj.weight.view(self.groups, self.o_lora_rank, -1)
-        mid = invariant.grouped_linear(grouped, w).reshape(n, -1)
-        y = self.o_b_proj(self.act(mid))
+        y = self._output_projection(o, cs)
         if self.reduce_output is None:
             return y
         # the ranks' partial outputs are summed in float32 (as the MoE's are): a bf16 sum would
         # round twice where one rank's matmul rounds once
         return self.reduce_output(y.float()).to(y.dtype)
+
+    @region
+    def _output_projection(self, o: torch.Tensor, cs) -> torch.Tensor:
+        """``output`` on this rank: inverse RoPE, the grouped then the second projection."""
+        o = self.rope.apply_(o, cs, inverse=True)
+        n = o.shape[0]
+        grouped = o.reshape(n, self.groups, -1)
+        w = self.o_a_proj.weight.view(self.groups, self.o_lora_rank, -1)
+        mid = invariant.grouped_linear(grouped, w).reshape(n, -1)
+        return self.o_b_proj(self.act(mid))
 
 
 # ---- selection ------------------------------------------------------------------------------

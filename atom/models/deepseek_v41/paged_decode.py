@@ -28,6 +28,7 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 
 from atom.kernels.attention import sink_attention_decode, sink_attention_usable
+from atom.models.common.glue_compile import region
 from atom.models.common.storage import pack_index, unpack_index
 from atom.models.deepseek_v41.attention import (
     CSA2Attention,
@@ -118,6 +119,34 @@ def _complete_groups(
     geo, r, p = kv.geometry, attn.ratio, batch.pos
     o = geo.index_planes.index(geo.index_plane(attn.layer))
     rc = geo.compressor_rows
+    values, scores, group, complete, rows = _group_rows(
+        attn, u, batch, slots, o, rc, geo.index_dtype
+    )
+    if batch.dump_block is None:
+        kv.write_rows_where(attn.layer, batch.tables, group, complete, *rows)
+    else:
+        kv.write_rows_or_dump(attn.layer, batch.tables, group, complete, batch.dump_block, *rows)
+    if r > 1:
+        slots.comp_values[batch.slots, o, p % rc] = values
+        if scores is not None:
+            slots.comp_scores[batch.slots, o, p % rc] = scores
+
+
+@region
+def _group_rows(
+    attn: CSA2Attention,
+    u: torch.Tensor,
+    batch: DecodeBatch,
+    slots: StateSlots,
+    o: int,
+    rc: int,
+    index_dtype: str,
+):
+    """What ``_complete_groups`` writes, computed without writing (compiled glue: the state's
+    buffers are views of one tensor, which a compiled function must not mutate): (the
+    compressor's values and scores at p, the group, whether it completes, (main row, index
+    payload, index scale))."""
+    r, p = attn.ratio, batch.pos
     values, scores = attn.compressor.raw(u)  # [B, hd] float32
     v, sc = values[:, None], None if scores is None else scores[:, None]
     if r > 1:
@@ -129,18 +158,8 @@ def _complete_groups(
             sc = torch.cat([batch.earlier(scores, ring, r - 1), sc], 1)
     group = torch.div(p, r, rounding_mode="floor")
     main, keys = attn.compressed_rows(attn.compressor.pool(v, sc), attn.rope.cos_sin(group * r))
-    payload, scale = pack_index(keys, geo.index_dtype)
-    complete = (p + 1) % r == 0
-    if batch.dump_block is None:
-        kv.write_rows_where(attn.layer, batch.tables, group, complete, main, payload, scale)
-    else:
-        kv.write_rows_or_dump(
-            attn.layer, batch.tables, group, complete, batch.dump_block, main, payload, scale
-        )
-    if r > 1:
-        slots.comp_values[batch.slots, o, p % rc] = values
-        if scores is not None:
-            slots.comp_scores[batch.slots, o, p % rc] = scores
+    payload, scale = pack_index(keys, index_dtype)
+    return values, scores, group, (p + 1) % r == 0, (main, payload, scale)
 
 
 def decode_attention(

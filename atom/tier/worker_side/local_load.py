@@ -193,9 +193,7 @@ class LocalLoads:
         self._count(plan)
         located.mapping.in_flight += 1
         phases["issue"] = time.monotonic() - t0
-        self._pending.append(
-            _Pending(issued, starts, ends, located.mapping, on_done, t0, phases)
-        )
+        self._pending.append(_Pending(issued, starts, ends, located.mapping, on_done, t0, phases))
 
     def _report(self, phases: dict) -> None:
         if self.on_phases is not None:

@@ -1,0 +1,112 @@
+"""Compiled glue inside captured graphs (``EngineConfig.compile_glue``): the small functions
+between a layer's weight GEMMs (mHC mixes, query and KV projections with their norms and RoPE,
+the compressor's group write, the router) run through ``torch.compile`` (inductor) while a
+decode or span graph is warmed up and captured, so each graph replays a few fused kernels
+where the eager code launches dozens of element-wise, index and copy kernels.
+
+Contract:
+
+* ``region`` marks such a function (a method or a free function). Outside a capture, and
+  whenever the switch is off, it is the function itself: prefill, eager decode and every CPU
+  forward without graphs are untouched, bit for bit.
+* Inside ``capturing()`` (the graph backends wrap their warm-up runs and the capture in it)
+  with the switch on, a region runs its compiled version. It is compiled once per function
+  with dynamic shapes (``torch.compile(dynamic=True)``), not per layer: the layers' modules
+  are arguments, their parameters graph inputs (torch's ``inline_inbuilt_nn_modules``), so
+  every layer of a model shares one compiled version per region (a batch of 1 or a
+  different module configuration may add one). The first capture pays the compile: the
+  engine warms the graphs up at start when the switch is on (``GlueStats`` counts the
+  compiles and their seconds for the log and the benchmarks).
+* What a region computes is the function's math with inductor's fusions and roundings: in
+  float32 within rounding of the eager code, in bf16 other roundings (as any kernel change).
+  The batch-invariant mode refuses the switch (``EngineConfig``): inductor picks reduction
+  strategies per shape, so a token's bits could depend on its batch.
+* A region that fails to compile raises inside the capture; the graph set records that key
+  as failed and runs it eagerly (its existing fallback), and the region stays eager for the
+  rest of the process (``GlueStats.disabled``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+log = logging.getLogger("atom.models")
+
+STATE = {"on": False}
+_local = threading.local()  # capturing depth of this thread (the step thread captures)
+
+
+@dataclass
+class GlueStats:
+    """What the compiled regions cost and did in this process."""
+
+    compiles: int = 0  # graphs torch compiled for the regions (recompiles included)
+    compile_s: float = 0.0  # seconds of the region calls that compiled, compile included
+    calls: dict[str, int] = field(default_factory=dict)  # compiled calls by region
+    disabled: dict[str, str] = field(default_factory=dict)  # region -> why it runs eagerly
+
+
+STATS = GlueStats()
+
+
+def configure(enabled: bool = False) -> None:
+    """Turn compiled glue on or off for this process (``EngineConfig.compile_glue``)."""
+    STATE["on"] = bool(enabled)
+
+
+def enabled() -> bool:
+    return STATE["on"]
+
+
+@contextlib.contextmanager
+def capturing():
+    """Regions called by this thread inside the block run compiled (when ``enabled``)."""
+    _local.depth = getattr(_local, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _local.depth -= 1
+
+
+def _active() -> bool:
+    return STATE["on"] and getattr(_local, "depth", 0) > 0
+
+
+def region(fn: Callable) -> Callable:
+    """Mark ``fn`` as glue compiled inside graph captures (module doc)."""
+    name = f"{fn.__module__}.{fn.__qualname__}"
+    compiled: list = []  # [the compiled function], made on first use
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        if not _active() or name in STATS.disabled:
+            return fn(*args, **kwargs)
+        import torch
+        from torch._dynamo.utils import counters
+
+        if not compiled:
+            compiled.append(torch.compile(fn, dynamic=True, fullgraph=False))
+        graphs, t0 = counters["stats"]["unique_graphs"], time.perf_counter()
+        try:
+            out = compiled[0](*args, **kwargs)
+        except Exception as exc:
+            STATS.disabled[name] = f"{type(exc).__name__}: {exc}"[:300]
+            log.warning("compiled glue %s failed (%s); it runs eagerly from now on", name, exc)
+            raise
+        new = counters["stats"]["unique_graphs"] - graphs
+        if new:
+            took = time.perf_counter() - t0
+            STATS.compiles += new
+            STATS.compile_s += took
+            log.info("compiled glue %s (%d graph(s)) in %.1f s", name, new, took)
+        STATS.calls[name] = STATS.calls.get(name, 0) + 1
+        return out
+
+    call.glue_region = name
+    return call

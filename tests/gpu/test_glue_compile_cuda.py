@@ -1,0 +1,55 @@
+"""Compiled glue (``EngineConfig.compile_glue``) inside real CUDA graphs, both families: the
+decode graphs replay inductor's kernels and decode what the engine decodes without them
+(float32: the same tokens; bf16: the same up to near-ties, as any change of kernels), with
+no capture failed and no region fallen back to eager. The kernels a step saves are measured by
+``bash benchmarks/gpu/run.sh roofline roofline_glue`` (the ``kernels`` column)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from atom import LLM, SamplingParams
+from atom.models.common import glue_compile
+from tests.gpu.test_decode_graphs_cuda import assert_same_greedy
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+
+def _pair(model: str, prompts, params, **kw):
+    outs, graphs = [], None
+    try:
+        for on in (False, True):
+            llm = LLM(model, device="cuda", compile_glue=on, **kw)
+            outs.append(llm.generate(prompts, params))
+            graphs = llm.engine.runtime.graphs
+            assert graphs.replays > 0 and not graphs.failed, graphs.failed
+            llm.shutdown()
+    finally:
+        glue_compile.configure(False)
+    assert not glue_compile.STATS.disabled, glue_compile.STATS.disabled
+    assert glue_compile.STATS.compiles > 0
+    return outs
+
+
+@pytest.mark.parametrize("model", ["v41-tiny", "v4-tiny"])
+def test_fp32_compiled_glue_decodes_the_tokens_of_plain_graphs(model):
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (20, 70, 150, 300)]
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    kw = dict(num_blocks=64, max_num_seqs=4, max_num_batched_tokens=512, dtype="float32")
+    plain, glued = _pair(model, prompts, params, **kw)
+    assert [o.token_ids for o in glued] == [o.token_ids for o in plain]
+
+
+@pytest.mark.parametrize("model", ["v41-mini", "v4-mini"])
+def test_bf16_compiled_glue_decodes_the_tokens_of_plain_graphs_up_to_near_ties(model):
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in range(40, 700, 80)]
+    params = SamplingParams(max_tokens=12, ignore_eos=True, logprobs=5)
+    kw = dict(num_blocks=96, max_num_seqs=16, max_num_batched_tokens=1024, dtype="bfloat16")
+    plain, glued = _pair(model, prompts, params, **kw)
+    assert_same_greedy(glued, plain, eps=0.125, most=len(prompts) // 2)
