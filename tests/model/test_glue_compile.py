@@ -24,6 +24,7 @@ def glue_on():
     glue_compile.configure(True)
     yield glue_compile.STATS
     glue_compile.configure(False)
+    glue_compile.reset()
 
 
 def _runtime(graphs: bool, blocks: int = 24, slots: int = 4) -> V41Runtime:
@@ -127,6 +128,7 @@ def test_an_engine_with_compiled_glue_decodes_the_tokens_it_decodes_without(
     prompts = [[(7 * i + j) % 250 + 1 for j in range(n)] for i, n in enumerate((9, 30, 47))]
     params = SamplingParams(max_tokens=10, ignore_eos=True)
     outs = []
+    glue_compile.reset()
     try:
         for on in (False, True):
             llm = LLM(model, compile_glue=on, **kw)
@@ -139,3 +141,40 @@ def test_an_engine_with_compiled_glue_decodes_the_tokens_it_decodes_without(
         glue_compile.configure(False)
     assert outs[0] == outs[1]
     assert not glue_compile.STATS.disabled
+    attention = {"v41-tiny": "CSA2Attention", "v4-tiny": "V4Attention"}[model]
+    ran = {
+        name.rsplit(".", 2)[-2] + "." + name.rsplit(".", 1)[-1] for name in glue_compile.STATS.calls
+    }
+    assert {f"{attention}.queries", f"{attention}.window_kv", "HcMixer.mixes"} <= ran, ran
+
+
+def test_a_region_that_fails_to_compile_runs_eagerly_and_the_capture_is_made_again(
+    glue_on, monkeypatch
+):
+    """The router's compiled version raises (as a compile error would): the warm-up's capture
+    is made again without it, no graph fails, the router runs eagerly from then on, and the
+    graphs' steps equal the eager runtime's."""
+    glue_compile.reset()
+    real = glue_compile.compile_region
+
+    def failing_router(fn):
+        if fn.__qualname__ != "MoE.route":
+            return real(fn)
+
+        def raises(*a, **k):
+            raise NotImplementedError("a compile failure, on cue")
+
+        return raises
+
+    monkeypatch.setattr(glue_compile, "compile_region", failing_router)
+    eager, fake = _runtime(False), _runtime(True)
+    assert (1, 1) in fake.graphs.graphs and (4, 1) in fake.graphs.graphs
+    assert not fake.graphs.failed, fake.graphs.failed
+    assert list(glue_on.disabled) == ["atom.models.common.moe.MoE.route"]
+    assert "atom.models.common.moe.MoE.route" not in glue_on.calls
+    assert glue_on.calls["atom.models.common.mhc.HcMixer.mixes"] > 0  # the others compiled
+    table, prompt = torch.arange(6), torch.arange(1, 30)
+    for rt in (eager, fake):
+        rt.forward(prompt, [Span(0, 29, 0, table)])
+    want, got = (rt.forward(torch.tensor([3]), [Span(29, 30, 0, table)]) for rt in (eager, fake))
+    assert torch.allclose(want, got, atol=1e-4, rtol=1e-4)

@@ -21,9 +21,9 @@ Contract:
   float32 within rounding of the eager code, in bf16 other roundings (as any kernel change).
   The batch-invariant mode refuses the switch (``EngineConfig``): inductor picks reduction
   strategies per shape, so a token's bits could depend on its batch.
-* A region that fails to compile raises inside the capture; the graph set records that key
-  as failed and runs it eagerly (its existing fallback), and the region stays eager for the
-  rest of the process (``GlueStats.disabled``).
+* A region that fails to compile raises inside the capture and stays eager for the rest of
+  the process (``GlueStats.disabled``); the graph set captures that key once more (without
+  the region), and only if that fails too runs the key eagerly (its existing fallback).
 """
 
 from __future__ import annotations
@@ -53,6 +53,23 @@ class GlueStats:
 
 
 STATS = GlueStats()
+_COMPILED: dict[str, list] = {}  # region -> [its compiled function], made on first use
+
+
+def compile_region(fn: Callable) -> Callable:
+    """How a region is compiled (tests replace it to make one fail)."""
+    import torch
+
+    return torch.compile(fn, dynamic=True, fullgraph=False)
+
+
+def reset() -> None:
+    """Forget every compiled region and the stats (tests; the next capture compiles again)."""
+    for holder in _COMPILED.values():
+        holder.clear()
+    STATS.compiles, STATS.compile_s = 0, 0.0
+    STATS.calls.clear()
+    STATS.disabled.clear()
 
 
 def configure(enabled: bool = False) -> None:
@@ -81,17 +98,16 @@ def _active() -> bool:
 def region(fn: Callable) -> Callable:
     """Mark ``fn`` as glue compiled inside graph captures (module doc)."""
     name = f"{fn.__module__}.{fn.__qualname__}"
-    compiled: list = []  # [the compiled function], made on first use
+    compiled = _COMPILED.setdefault(name, [])
 
     @functools.wraps(fn)
     def call(*args, **kwargs):
         if not _active() or name in STATS.disabled:
             return fn(*args, **kwargs)
-        import torch
         from torch._dynamo.utils import counters
 
         if not compiled:
-            compiled.append(torch.compile(fn, dynamic=True, fullgraph=False))
+            compiled.append(compile_region(fn))
         graphs, t0 = counters["stats"]["unique_graphs"], time.perf_counter()
         try:
             out = compiled[0](*args, **kwargs)

@@ -214,14 +214,25 @@ class GraphSet:
 
     def _try_capture(self, key, forward: Callable):
         """(replay, static outputs) of ``forward``, or None after recording why in ``failed``
-        (a capture that failed midway also gets later captures a fresh memory pool)."""
-        try:
-            return self.backend.capture(forward)
-        except Exception as e:  # noqa: BLE001 - any failure: this key runs eagerly
-            self.failed[key] = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
-            log.warning("%s %s not captured: %s", type(self).__name__, key, e)
-            getattr(self.backend, "after_failure", lambda: None)()
-            return None
+        (a capture that failed midway also gets later captures a fresh memory pool). A capture
+        that failed because a compiled-glue region did (it runs eagerly from then on) is tried
+        once more: the warm-up forwards write only the spare slot and block."""
+        for attempt in (0, 1):
+            disabled = len(glue_compile.STATS.disabled)
+            try:
+                return self.backend.capture(forward)
+            except Exception as e:  # noqa: BLE001 - any failure: this key runs eagerly
+                getattr(self.backend, "after_failure", lambda: None)()
+                if attempt == 0 and len(glue_compile.STATS.disabled) > disabled:
+                    log.warning(
+                        "%s %s: captured again without the failed glue region",
+                        type(self).__name__,
+                        key,
+                    )
+                    continue
+                self.failed[key] = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
+                log.warning("%s %s not captured: %s", type(self).__name__, key, e)
+                return None
 
 
 @dataclass

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from atom.kernels import invariant, invariant_attention
+from atom.models.common.glue_compile import region
 from atom.models.common.layers import RMSNorm, linear, rms_norm
 from atom.models.common.storage import kv_roundtrip
 from atom.models.deepseek_v4.config import CSA_RATIO, FP4_SIM_BLOCK, FP8_SIM_BLOCK, V4Config
@@ -107,6 +108,7 @@ class V4Indexer(nn.Module):
         self.weights_proj = linear(config.hidden_size, self.heads, dtype)
         self.compressor = V4Compressor(config, CSA_RATIO, self.dim, True, dtype)
 
+    @region
     def query(self, qr: torch.Tensor, u: torch.Tensor, rope: InterleavedRope, cs):
         """(qi [N, Hi, D] float32, head weights [N, Hi] float32)."""
         qi = rope.apply(self.wq_b(qr).view(-1, self.heads, self.dim), cs).float()
@@ -172,12 +174,14 @@ class V4Attention(nn.Module):
         self.groups //= world
         self.reduce_output = reduce
 
+    @region
     def queries(self, u: torch.Tensor, cs) -> tuple[torch.Tensor, torch.Tensor]:
         """u [N, d] -> (q [N, H, hd] per-head RMS-normalized and rotated, q latent [N, q_lora])."""
         qr = self.q_norm(self.wq_a(u))
         q = rms_norm(self.wq_b(qr).view(-1, self.heads, self.head_dim), None, self.eps)
         return self.rope.apply(q, cs), qr
 
+    @region
     def window_kv(self, u: torch.Tensor, cs) -> torch.Tensor:
         """Window KV [N, hd]: normalized, rotated, FP8-simulated NoPE dims, storage-rounded."""
         kv = self.rope.apply(self.kv_norm(self.wkv(u)), cs)
@@ -186,11 +190,13 @@ class V4Attention(nn.Module):
             kv = torch.cat([nope, kv[:, -self.rope_dim :]], 1)
         return kv_roundtrip(kv, self.kv_dtype)
 
+    @region
     def main_rows(self, pooled: torch.Tensor, cs) -> torch.Tensor:
         """Finished compressed rows as stored in PAGE (storage-rounded), float32 -> dtype."""
         rows = self.compressor.rows(pooled, self.rope, cs).to(self.dtype)
         return kv_roundtrip(rows, self.kv_dtype)
 
+    @region
     def attend(
         self,
         q: torch.Tensor,
@@ -227,11 +233,16 @@ class V4Attention(nn.Module):
     def output(self, o: torch.Tensor, cs) -> torch.Tensor:
         """Inverse RoPE at the query position, then the grouped output projection (under
         tensor parallelism: of this rank's groups, summed over the ranks in float32)."""
+        y = self._output_projection(o, cs)
+        if self.reduce_output is None:
+            return y
+        return self.reduce_output(y.float()).to(y.dtype)
+
+    @region
+    def _output_projection(self, o: torch.Tensor, cs) -> torch.Tensor:
+        """``output`` on this rank: inverse RoPE, the grouped then the second projection."""
         o = self.rope.apply(o, cs, inverse=True)
         n = o.shape[0]
         w = self.wo_a.weight.view(self.groups, self.o_lora_rank, -1)
         mid = invariant.grouped_linear(o.reshape(n, self.groups, -1), w).reshape(n, -1)
-        y = self.wo_b(mid)
-        if self.reduce_output is None:
-            return y
-        return self.reduce_output(y.float()).to(y.dtype)
+        return self.wo_b(mid)
