@@ -36,6 +36,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import torch
+
 log = logging.getLogger("atom.models")
 
 STATE = {"on": False}
@@ -58,8 +60,6 @@ _COMPILED: dict[str, list] = {}  # region -> [its compiled function], made on fi
 
 def compile_region(fn: Callable) -> Callable:
     """How a region is compiled (tests replace it to make one fail)."""
-    import torch
-
     return torch.compile(fn, dynamic=True, fullgraph=False)
 
 
@@ -102,6 +102,8 @@ def region(fn: Callable) -> Callable:
 
     @functools.wraps(fn)
     def call(*args, **kwargs):
+        if torch.compiler.is_compiling():  # a region inside a region: traced as part of it
+            return fn(*args, **kwargs)
         if not _active() or name in STATS.disabled:
             return fn(*args, **kwargs)
         from torch._dynamo.utils import counters

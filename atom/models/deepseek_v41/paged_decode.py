@@ -162,6 +162,31 @@ def _group_rows(
     return values, scores, group, (p + 1) % r == 0, (main, payload, scale)
 
 
+@region
+def _window_keys(
+    attn: CSA2Attention,
+    win: torch.Tensor,
+    batch: DecodeBatch,
+    slots: StateSlots,
+    ring_rows: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the batch's own window KV rows [B, hd], the keys they attend in the window [B, window,
+    hd]: the ring's rows of the positions before, then their own)."""
+    ring = slots.window[batch.slots[:, None], attn.layer, ring_rows].to(win.dtype)
+    own = win[batch.idx]
+    return own, torch.cat([batch.earlier(own, ring, attn.window - 1), own[:, None]], 1)
+
+
+@region
+def _selection(attn: CSA2Attention, qlat, u, cs, batch: DecodeBatch, kv: PagedKV):
+    """An index-source layer's ((row ids, valid), candidate mask) for the batch's tokens over
+    the index rows its tables hold up to ``batch.max_end`` (``layer_selection``)."""
+    count = batch.max_end // attn.ratio
+    keys = unpack_index(*kv.read_index_rows(attn.kv_owner, batch.tables, count))
+    visible = visible_rows(batch.pos, attn.ratio)
+    return layer_selection(attn, qlat, u, cs, keys, visible, batch.candidates, fixed_k=True)
+
+
 def decode_attention(
     attn: CSA2Attention,
     u: torch.Tensor,
@@ -175,30 +200,17 @@ def decode_attention(
     out: torch.Tensor,
 ) -> None:
     """Fill ``out`` [N, H, hd] at the batch's tokens; write their window ring rows."""
-    p, i = batch.pos, batch.idx
+    i = batch.idx
     kernel = sink_attention_usable(q, "decode_attention")
     ring_rows, win_valid, own_row = batch.window_index(attn.window, kv.geometry.window_rows)
-    ring = slots.window[batch.slots[:, None], attn.layer, ring_rows].to(win.dtype)
-    own = win[i]
-    win_k = torch.cat([batch.earlier(own, ring, attn.window - 1), own[:, None]], 1)
+    own, win_k = _window_keys(attn, win, batch, slots, ring_rows)
     comp = valid = None
     if attn.ratio > 0:
         u_b = u[i]
         if attn.mode is LayerMode.FULL:
             _complete_groups(attn, u_b, batch, kv, slots)
         if attn.mode in (LayerMode.FULL, LayerMode.REINDEX):
-            count = batch.max_end // attn.ratio
-            keys = unpack_index(*kv.read_index_rows(attn.kv_owner, batch.tables, count))
-            sel, cand = layer_selection(
-                attn,
-                qlat[i],
-                u_b,
-                (cs[0][i], cs[1][i]),
-                keys,
-                visible_rows(p, attn.ratio),
-                batch.candidates,
-                fixed_k=True,
-            )
+            sel, cand = _selection(attn, qlat[i], u_b, (cs[0][i], cs[1][i]), batch, kv)
             batch.selections[attn.layer] = sel
             if cand is not None:
                 batch.candidates = cand
