@@ -72,6 +72,12 @@ def use_triton(t: torch.Tensor, name: str | None = None, row_local: bool = False
 
     if invariant_mode.enabled() and not row_local:
         return False
+    if row_local and torch.compiler.is_compiling():
+        # inside compiled glue (atom/models/common/glue_compile.py) the row-local kernels give
+        # way to their torch expression, which inductor fuses with its neighbours (traced as
+        # user kernels they failed to compile on the H200: RMSNorm's eps reached tl.sqrt_rn as
+        # float64, benchmarks/results/compile_probe_h200.md)
+        return False
     enabled = os.environ.get("ATOM_TRITON")
     if not (_CONFIGURED["enabled"] if enabled is None else enabled != "0"):
         return False

@@ -13,10 +13,8 @@ import torch
 from atom.config import EngineConfig
 from atom.model_api import Span
 from atom.models.common import glue_compile
-from atom.models.deepseek_v41.decode_graphs import EagerBackend
-from atom.models.deepseek_v41.model import DeepseekV41ForCausalLM
-from atom.models.deepseek_v41.presets import preset_config
 from atom.models.deepseek_v41.runtime import V41Runtime
+from tests.engine.test_decode_graphs import _runtime as decode_runtime
 
 
 @pytest.fixture
@@ -27,15 +25,8 @@ def glue_on():
     glue_compile.reset()
 
 
-def _runtime(graphs: bool, blocks: int = 24, slots: int = 4) -> V41Runtime:
-    model = DeepseekV41ForCausalLM(preset_config("v41-tiny")).init_weights(0)
-    rt = V41Runtime(model, block_size=16)
-    if graphs:
-        assert rt.enable_decode_graphs(4, backend=EagerBackend())
-    spec = rt.spec
-    pool = torch.zeros(spec.pool_shape(blocks + rt.reserved_blocks), dtype=spec.pool_dtype)
-    rt.bind(pool, torch.zeros(slots + rt.reserved_slots, spec.state_bytes, dtype=torch.uint8))
-    return rt
+def _runtime(graphs: bool) -> V41Runtime:
+    return decode_runtime(graphs, max_batch=4, blocks=24, slots=4)
 
 
 def test_the_switch_is_refused_with_the_batch_invariant_mode():
@@ -110,9 +101,10 @@ def test_fake_graphs_with_compiled_glue_equal_eager_and_compile_per_region_not_p
         "CSA2Attention._output_projection",
     }
     compiled = counters["stats"]["unique_graphs"] - graphs0
-    # per region: batch 1 (specialized), the dynamic batch, a layer mode or ratio of its own;
-    # one compile per layer would be layers x regions
-    assert 0 < compiled <= 4 * len(regions) < layers * len(regions) * 2, (compiled, layers)
+    # per region: batch 1 (specialized), the dynamic batch, the layer kinds (ratio, mode, with
+    # or without candidates): 28 for 8 regions here (torch 2.13 CPU); a region specialized on
+    # its layer (an index read from the module) adds one per layer (at 1198eef, 65)
+    assert 0 < compiled <= 5 * len(regions) < layers * len(regions), (compiled, layers)
 
 
 @pytest.mark.parametrize("model", ["v41-tiny", "v4-tiny"])

@@ -72,9 +72,19 @@ def reset() -> None:
     STATS.disabled.clear()
 
 
+# compiled versions a region may keep (torch's default, 8, is less than the layer kinds times
+# the shapes a model's regions meet: ratios, layer modes, with or without candidates)
+RECOMPILE_LIMIT = 64
+
+
 def configure(enabled: bool = False) -> None:
     """Turn compiled glue on or off for this process (``EngineConfig.compile_glue``)."""
     STATE["on"] = bool(enabled)
+    if enabled:
+        import torch._dynamo
+
+        config = torch._dynamo.config
+        config.recompile_limit = max(config.recompile_limit, RECOMPILE_LIMIT)
 
 
 def enabled() -> bool:

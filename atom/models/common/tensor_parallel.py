@@ -72,6 +72,13 @@ class SplitLayer(Protocol):
     ) -> None: ...
 
 
+def sum_partials(y: torch.Tensor, reduce: Callable[[torch.Tensor], torch.Tensor] | None):
+    """A layer's output ``y`` summed over the ranks' partial outputs (``reduce``: the
+    all-reduce, None at one rank), in float32 as the MoE's are (a bf16 sum would round twice
+    where one rank's matmul rounds once), back in ``y``'s dtype."""
+    return y if reduce is None else reduce(y.float()).to(y.dtype)
+
+
 def check_divides(config, world_size: int) -> None:
     """Refuse a world size that does not divide what the ranks split, naming each value."""
     if world_size < 1:

@@ -26,6 +26,7 @@ from atom.kernels import invariant, invariant_attention
 from atom.models.common.glue_compile import region
 from atom.models.common.layers import RMSNorm, linear, rms_norm
 from atom.models.common.storage import kv_roundtrip
+from atom.models.common.tensor_parallel import sum_partials
 from atom.models.deepseek_v4.config import CSA_RATIO, FP4_SIM_BLOCK, FP8_SIM_BLOCK, V4Config
 from atom.models.deepseek_v4.layers import InterleavedRope
 from atom.models.deepseek_v4.quant import fp4_sim, fp8_sim, hadamard
@@ -233,10 +234,7 @@ class V4Attention(nn.Module):
     def output(self, o: torch.Tensor, cs) -> torch.Tensor:
         """Inverse RoPE at the query position, then the grouped output projection (under
         tensor parallelism: of this rank's groups, summed over the ranks in float32)."""
-        y = self._output_projection(o, cs)
-        if self.reduce_output is None:
-            return y
-        return self.reduce_output(y.float()).to(y.dtype)
+        return sum_partials(self._output_projection(o, cs), self.reduce_output)
 
     @region
     def _output_projection(self, o: torch.Tensor, cs) -> torch.Tensor:

@@ -35,6 +35,7 @@ from atom.models.common.selection import (  # noqa: F401  (the rest: re-exported
     window_mask,
 )
 from atom.models.common.storage import kv_roundtrip
+from atom.models.common.tensor_parallel import sum_partials
 from atom.models.deepseek_v41.config import LayerMode, V41Config
 
 
@@ -246,12 +247,7 @@ class CSA2Attention(nn.Module):
         """Inverse RoPE at the query position (in place: ``o`` [N, H, hd] is the caller's
         attention output, read by nothing after), then the grouped output projection (under
         tensor parallelism: of this rank's groups, summed over the ranks)."""
-        y = self._output_projection(o, cs)
-        if self.reduce_output is None:
-            return y
-        # the ranks' partial outputs are summed in float32 (as the MoE's are): a bf16 sum would
-        # round twice where one rank's matmul rounds once
-        return self.reduce_output(y.float()).to(y.dtype)
+        return sum_partials(self._output_projection(o, cs), self.reduce_output)
 
     @region
     def _output_projection(self, o: torch.Tensor, cs) -> torch.Tensor:

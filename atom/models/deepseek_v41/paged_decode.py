@@ -119,9 +119,8 @@ def _complete_groups(
     geo, r, p = kv.geometry, attn.ratio, batch.pos
     o = geo.index_planes.index(geo.index_plane(attn.layer))
     rc = geo.compressor_rows
-    values, scores, group, complete, rows = _group_rows(
-        attn, u, batch, slots, o, rc, geo.index_dtype
-    )
+    planes = slots.comp_values[:, o], slots.comp_scores[:, o]  # the layer's rings, as views
+    values, scores, group, complete, rows = _group_rows(attn, u, batch, planes, rc, geo.index_dtype)
     if batch.dump_block is None:
         kv.write_rows_where(attn.layer, batch.tables, group, complete, *rows)
     else:
@@ -137,24 +136,23 @@ def _group_rows(
     attn: CSA2Attention,
     u: torch.Tensor,
     batch: DecodeBatch,
-    slots: StateSlots,
-    o: int,
+    planes: tuple[torch.Tensor, torch.Tensor],
     rc: int,
     index_dtype: str,
 ):
     """What ``_complete_groups`` writes, computed without writing (compiled glue: the state's
     buffers are views of one tensor, which a compiled function must not mutate): (the
     compressor's values and scores at p, the group, whether it completes, (main row, index
-    payload, index scale))."""
+    payload, index scale)). ``planes``: the layer's compressor rings [slots, rows, ...]."""
     r, p = attn.ratio, batch.pos
     values, scores = attn.compressor.raw(u)  # [B, hd] float32
     v, sc = values[:, None], None if scores is None else scores[:, None]
     if r > 1:
         earlier = p[:, None] - (r - 1) + torch.arange(r - 1, device=p.device)
-        ring_rows = (batch.slots[:, None], o, earlier.clamp(min=0) % rc)
-        v = torch.cat([batch.earlier(values, slots.comp_values[ring_rows], r - 1), v], 1)
+        ring_rows = (batch.slots[:, None], earlier.clamp(min=0) % rc)
+        v = torch.cat([batch.earlier(values, planes[0][ring_rows], r - 1), v], 1)
         if scores is not None:
-            ring = slots.comp_scores[ring_rows]
+            ring = planes[1][ring_rows]
             sc = torch.cat([batch.earlier(scores, ring, r - 1), sc], 1)
     group = torch.div(p, r, rounding_mode="floor")
     main, keys = attn.compressed_rows(attn.compressor.pool(v, sc), attn.rope.cos_sin(group * r))
@@ -164,25 +162,28 @@ def _group_rows(
 
 @region
 def _window_keys(
-    attn: CSA2Attention,
     win: torch.Tensor,
     batch: DecodeBatch,
-    slots: StateSlots,
+    ring_plane: torch.Tensor,
     ring_rows: torch.Tensor,
+    window: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(the batch's own window KV rows [B, hd], the keys they attend in the window [B, window,
-    hd]: the ring's rows of the positions before, then their own)."""
-    ring = slots.window[batch.slots[:, None], attn.layer, ring_rows].to(win.dtype)
+    hd]: the layer's ring rows (``ring_plane`` [slots, rows, hd]) of the positions before, then
+    their own). The layer comes in as its plane, not its index: an index read from the module
+    would make the compiler specialize on it, once per layer."""
+    ring = ring_plane[batch.slots[:, None], ring_rows].to(win.dtype)
     own = win[batch.idx]
-    return own, torch.cat([batch.earlier(own, ring, attn.window - 1), own[:, None]], 1)
+    return own, torch.cat([batch.earlier(own, ring, window - 1), own[:, None]], 1)
 
 
 @region
-def _selection(attn: CSA2Attention, qlat, u, cs, batch: DecodeBatch, kv: PagedKV):
+def _selection(attn: CSA2Attention, qlat, u, cs, batch: DecodeBatch, index_rows):
     """An index-source layer's ((row ids, valid), candidate mask) for the batch's tokens over
-    the index rows its tables hold up to ``batch.max_end`` (``layer_selection``)."""
-    count = batch.max_end // attn.ratio
-    keys = unpack_index(*kv.read_index_rows(attn.kv_owner, batch.tables, count))
+    ``index_rows`` (payload, scale: what ``PagedKV.read_index_rows`` read for the batch's
+    tables; read outside, where the layer's plane index is a plain value) with
+    ``layer_selection``."""
+    keys = unpack_index(*index_rows)
     visible = visible_rows(batch.pos, attn.ratio)
     return layer_selection(attn, qlat, u, cs, keys, visible, batch.candidates, fixed_k=True)
 
@@ -203,14 +204,17 @@ def decode_attention(
     i = batch.idx
     kernel = sink_attention_usable(q, "decode_attention")
     ring_rows, win_valid, own_row = batch.window_index(attn.window, kv.geometry.window_rows)
-    own, win_k = _window_keys(attn, win, batch, slots, ring_rows)
+    own, win_k = _window_keys(win, batch, slots.window[:, attn.layer], ring_rows, attn.window)
     comp = valid = None
     if attn.ratio > 0:
         u_b = u[i]
         if attn.mode is LayerMode.FULL:
             _complete_groups(attn, u_b, batch, kv, slots)
         if attn.mode in (LayerMode.FULL, LayerMode.REINDEX):
-            sel, cand = _selection(attn, qlat[i], u_b, (cs[0][i], cs[1][i]), batch, kv)
+            index_rows = kv.read_index_rows(
+                attn.kv_owner, batch.tables, batch.max_end // attn.ratio
+            )
+            sel, cand = _selection(attn, qlat[i], u_b, (cs[0][i], cs[1][i]), batch, index_rows)
             batch.selections[attn.layer] = sel
             if cand is not None:
                 batch.candidates = cand
