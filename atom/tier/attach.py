@@ -224,9 +224,12 @@ class LMCacheTier:
             lambda: {(("kind", k),): n for k, n in sorted(self.lookups.calls.items())},
             kind="counter",
         )
+        tier_metrics = self.connector.tier_metrics  # where loads and saves report their phases
+        if local is not None:
+            local.on_phases = partial(tier_metrics.load_phases.observe_by, "phase")
         if self.saves is not None:
             saves = self.saves
-            saves.on_phases = partial(self.connector.tier_metrics.save_phases.observe_by, "phase")
+            saves.on_phases = partial(tier_metrics.save_phases.observe_by, "phase")
             metrics.gauge(
                 "tier_local_saves_total",
                 "Engine-driven saves by outcome: copied (into the server's L1, committed), "

@@ -112,9 +112,8 @@ def region(fn: Callable) -> Callable:
 
     @functools.wraps(fn)
     def call(*args, **kwargs):
-        if torch.compiler.is_compiling():  # a region inside a region: traced as part of it
-            return fn(*args, **kwargs)
-        if not _active() or name in STATS.disabled:
+        # a region inside a region is traced as part of it (is_compiling)
+        if torch.compiler.is_compiling() or not _active() or name in STATS.disabled:
             return fn(*args, **kwargs)
         from torch._dynamo.utils import counters
 
@@ -136,5 +135,4 @@ def region(fn: Callable) -> Callable:
         STATS.calls[name] = STATS.calls.get(name, 0) + 1
         return out
 
-    call.glue_region = name
     return call

@@ -80,7 +80,6 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Iterable
-from functools import partial
 from threading import Lock
 from typing import NamedTuple
 
@@ -176,8 +175,6 @@ class OffloadConnector(Connector):
         self._epoch = self.health.epoch
         self.local, self.mappings = local, mappings
         self.tier_metrics = TierMetrics(metrics, self)
-        if local is not None and hasattr(local, "on_phases"):  # (a test's stand-in may not)
-            local.on_phases = partial(self.tier_metrics.load_phases.observe_by, "phase")
 
     # ---- computed state (also read by the metrics thread) ----------------------------------
 
