@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from atom.metrics import Registry
 from atom.model_api import RuntimeCapabilities
+from atom.thread_cpu import thread_cpu_seconds
 
 
 def graph_stats(runtime) -> dict:
@@ -71,6 +72,14 @@ class EngineMetrics:
         )
         m.gauge(
             "checkpoint_images_created_total", "Images taken.", lambda: store.created, "counter"
+        )
+        m.gauge(
+            "thread_cpu_seconds_total",
+            "CPU seconds this process's live threads have used, by thread name (the step "
+            "thread, the tier's transfer and lookup threads, the client library's polling loop, "
+            "torch's pool): what else competes for the cores and the interpreter lock.",
+            lambda: {(("thread", k),): v for k, v in sorted(thread_cpu_seconds().items())},
+            "counter",
         )
         m.gauge(
             "checkpoint_images_evicted_total",

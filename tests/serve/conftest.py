@@ -24,10 +24,13 @@ TINY_FLAGS = [
 
 class ServeProcess:
     started: list[ServeProcess] = []  # every server a test started (killed at the end if alive)
+    # where logs go: the session's pytest temporary directory (pytest keeps the last three
+    # sessions' and removes older ones), set by ``serve_logs``
+    log_root: Path | None = None
 
     def __init__(self, *flags: str):
         self.port = free_port()
-        self.log = Path(tempfile.mkdtemp(prefix="atom-serve-")) / "serve.log"
+        self.log = Path(tempfile.mkdtemp(prefix="atom-serve-", dir=self.log_root)) / "serve.log"
         cmd = [sys.executable, "-m", "atom.serve", *TINY_FLAGS, "--port", str(self.port), *flags]
         env = dict(os.environ, LMCACHE_TRACK_USAGE="false", PYTHONUNBUFFERED="1")
         with open(self.log, "wb") as out:
@@ -68,6 +71,13 @@ class ServeProcess:
                 self.proc.wait()
                 raise AssertionError(f"atom.serve ignored SIGTERM:\n{self.text()}") from None
         return self.proc.returncode
+
+
+@pytest.fixture(scope="session", autouse=True)
+def serve_logs(tmp_path_factory):
+    ServeProcess.log_root = tmp_path_factory.mktemp("serve-logs")
+    yield
+    ServeProcess.log_root = None
 
 
 @pytest.fixture(autouse=True)
