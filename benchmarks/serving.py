@@ -47,6 +47,7 @@ import psutil
 import torch
 
 from atom import LLM, SamplingParams
+from atom.thread_cpu import cpu_used, thread_cpu_seconds
 from benchmarks.common import md_table, write_results
 from benchmarks.recall_task import SPLIT_SEEDS, filler, split
 from benchmarks.step_log import STEPS_HEADER, StepLog, steps_table
@@ -370,9 +371,11 @@ def run_arm(
     steps0 = eng.steps
     log = StepLog(eng, busy=conn.busy if conn is not None else None)
     spec0 = spec_counts(eng)
+    threads0, rounds0 = thread_cpu_seconds(), transfer_rounds(eng)
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params)
     wall = time.perf_counter() - t0
+    threads = cpu_used(threads0, thread_cpu_seconds())
     if keep is not None:
         keep["pass1"] = [o.token_ids for o in first] if first is not None else None
         keep["pass1_outputs"] = first
@@ -389,7 +392,11 @@ def run_arm(
         "steps": steps,
         "step_kinds": log.summary(wall),
         "engine": {k: str(v) for k, v in engine.items()},
+        # CPU ms per step of the threads beside the step thread (tier, client library, torch)
+        "thread_cpu_ms_per_step": per_thread_ms(threads, steps),
     }
+    if rounds0 is not None:
+        res["transfer_rounds_per_step"] = round((transfer_rounds(eng) - rounds0) / max(steps, 1), 2)
     if held is not None:
         block = eng.scheduler.block_size
         res["tier_held_after_pass1"] = sum(held)
@@ -454,6 +461,29 @@ def run_arm(
     return res
 
 
+def transfer_rounds(eng) -> int | None:
+    """The tier's transfer-thread polling rounds so far (None without a tier)."""
+    metric = eng.metrics._metrics.get("atom_tier_transfer_rounds_total")
+    return int(metric.read()) if metric is not None else None
+
+
+def per_thread_ms(used: dict[str, float], steps: int, floor_ms: float = 0.005) -> dict:
+    """CPU ms per step by thread name (names over ``floor_ms``), the busiest first; numbered
+    pool threads (``ThreadPoolExecutor-0_3``) are summed under their pool's name."""
+    merged: dict[str, float] = {}
+    for name, seconds in used.items():
+        key = name.rsplit("_", 1)[0] if name.startswith("ThreadPoolExecutor") else name
+        merged[key] = merged.get(key, 0.0) + seconds
+    per = {k: 1000 * v / max(steps, 1) for k, v in merged.items()}
+    return {k: round(v, 3) for k, v in sorted(per.items(), key=lambda kv: -kv[1]) if v > floor_ms}
+
+
+def busiest_helpers(per_thread: dict, n: int = 3) -> str:
+    """The ``n`` busiest threads but the step thread, as "name ms; ..."."""
+    rest = [(k, v) for k, v in per_thread.items() if k != "MainThread"][:n]
+    return "; ".join(f"{k} {v:g}" for k, v in rest)
+
+
 def idle(args) -> None:
     """The tier attached but never needed: one wave of requests in a pool twice the preset's,
     HBM-only against HBM + tier, interleaved ``--repeats`` times (A B A B) to expose drift."""
@@ -483,7 +513,8 @@ def idle(args) -> None:
     rows = [
         [a["arm"], a["req_per_s"], a["wall_s"], a["ttft_p50_ms"], a.get("itl_p50_ms", "")]
         + [a["tier_hit_tokens"], a.get("loads", ""), a.get("connector_ms_per_step", "")]
-        + [a.get("server_cpu_s", "")]
+        + [a.get("server_cpu_s", ""), a.get("transfer_rounds_per_step", "")]
+        + [busiest_helpers(a.get("thread_cpu_ms_per_step", {}))]
         for a in arms
     ]
     table = md_table(
@@ -497,12 +528,16 @@ def idle(args) -> None:
             "loads",
             "connector ms/step",
             "server CPU s",
+            "transfer rounds/step",
+            "other threads, CPU ms/step",
         ],
         rows,
     )
     table += (
         "\n\nserver CPU s: CPU time the owned LMCache server used during the measured pass (it "
-        "shares the engine's cores)."
+        "shares the engine's cores). Other threads: this process's threads but the step thread "
+        "(MainThread), the three busiest, CPU ms per step (each holds the interpreter lock "
+        "while it runs Python)."
         f"\n\nIdle-tier overhead (mean wall of the tier arms over the HBM-only arms - 1): "
         f"{100 * summary['idle_tier_overhead']:+.2f}%; loads in the tier arms: "
         f"{summary['tier_loads']}.\n"

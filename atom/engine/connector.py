@@ -16,7 +16,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 from atom.engine.checkpoints import Checkpoint
-from atom.engine.sequence import Sequence
+from atom.engine.sequence import ScheduledSpan, Sequence
 
 
 @dataclass(frozen=True)
@@ -117,6 +117,12 @@ class Connector(ABC):
     @abstractmethod
     def settle_lookup(self, seq: Sequence) -> None:
         """The sequence will not load from its lookup: release whatever the lookup holds."""
+
+    def before_forward(self, spans: list[ScheduledSpan]) -> None:
+        """The step's spans, before its forward runs: a tier may prepare the stores their
+        commits will make (what ``after_step`` may store), so that work overlaps the forward.
+        Changes no engine state; by default nothing."""
+        return None
 
     @abstractmethod
     def after_step(self, seqs: list[Sequence]) -> list[Outcome]:

@@ -240,6 +240,7 @@ class LLMEngine:
             return StepResult(True, finished, False)
         # spans of requests asking for prompt logprobs need every token's logits
         full = [i for i, sp in enumerate(out.spans) if needs_prompt_logits(sp.seq, sp.start)]
+        self.scheduler.before_forward(out.spans)
         try:
             if full:
                 logits = self.runner.execute(out.spans, full)

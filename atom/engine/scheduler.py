@@ -518,6 +518,11 @@ class Scheduler:
         if self.connector is not None:
             self.connector.request_finished(seq)
 
+    def before_forward(self, spans: list[ScheduledSpan]) -> None:
+        """The step is planned and its forward is next: the tier may prepare its stores."""
+        if self.connector is not None:
+            self.connector.before_forward(spans)
+
     def after_step(self, seqs: list[Sequence]) -> None:
         """These sequences committed forwards: the tier stores what became storable."""
         if self.connector is not None:

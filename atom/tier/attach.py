@@ -224,12 +224,29 @@ class LMCacheTier:
             lambda: {(("kind", k),): n for k, n in sorted(self.lookups.calls.items())},
             kind="counter",
         )
+        metrics.gauge(
+            "tier_transfer_rounds_total",
+            "Polling rounds the transfer thread ran (one every poll interval while loads or "
+            "saves are in flight; none while idle).",
+            lambda: transfers.rounds,  # this rank's (rank 0's across ranks)
+            kind="counter",
+        )
         tier_metrics = self.connector.tier_metrics  # where loads and saves report their phases
         if local is not None:
             local.on_phases = partial(tier_metrics.load_phases.observe_by, "phase")
         if self.saves is not None:
             saves = self.saves
             saves.on_phases = partial(tier_metrics.save_phases.observe_by, "phase")
+            if ranks is None:  # across ranks the sources wait for every rank's part
+                saves.on_copied = settled.post
+            metrics.gauge(
+                "tier_save_reserves_ahead_total",
+                "Engine-driven saves' reservations sent before the step's forward: claimed by "
+                "the save the step made (answered_before: of those, answered before the save "
+                "was made), or unclaimed (the step made another, or none) and given back.",
+                lambda: {(("outcome", k),): n for k, n in sorted(saves.ahead.items())},
+                kind="counter",
+            )
             metrics.gauge(
                 "tier_local_saves_total",
                 "Engine-driven saves by outcome: copied (into the server's L1, committed), "

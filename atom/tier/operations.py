@@ -31,7 +31,9 @@ deadline. States (the transfer thread moves them; the step thread reads them and
 
 A LATE transfer's fate is unknown: the server may still read or write its blocks, so its
 leases stay held (the blocks are quarantined) until it resolves or the server that held it is
-known to be gone. Leases are decided on the step thread when the op is decided (``lease``) and
+known to be gone. An engine-driven save gives its leases back when its copy completed
+(``copied_at``; the server never reads the engine's blocks, and its commit follows), whatever
+its state. Leases are decided on the step thread when the op is decided (``lease``) and
 given back exactly once, on the step thread (``release``); the op only names them, as the
 ``Lease`` / ``Unlease`` values the engine applies to its pool and image store. Settled ops
 reach the step thread through ``SettledOps``.
@@ -124,7 +126,9 @@ class TransferOp(_Settles):
     # releases the lookup's read locks that retrieve holds itself, whether it succeeds or not
     reached_server: bool = False
     reported: bool = False  # the step thread has acted on its outcome
-    copied_at: float | None = None  # an engine-driven load: when rank 0's copy completed
+    # engine-driven: when the copy completed (a load: rank 0's; a save: before its commit, so
+    # its sources are released then)
+    copied_at: float | None = None
     locks_freed: bool = False  # an engine-driven load: its span's read locks were freed
     future: Any = None  # transfer thread only
     _leased: bool = False
@@ -176,6 +180,21 @@ class TransferOp(_Settles):
             f"{self.kind}#{self.op_id}({self.lmc_id} [{self.start},{self.end}) "
             f"{self.state.value})"
         )
+
+
+@dataclass(frozen=True)
+class SaveAhead:
+    """A save the step being run is expected to make, reserved before its forward (engine-
+    driven saves): claimed by the save op with the same request, start and end."""
+
+    lmc_id: str
+    token_ids: list[int]  # the sequence's live token list: [0, end) is known already
+    start: int
+    end: int
+
+    @property
+    def key(self) -> tuple[str, int, int]:
+        return (self.lmc_id, self.start, self.end)
 
 
 @dataclass(eq=False)

@@ -20,6 +20,12 @@ class TierMetrics:
             "tier_transfer_seconds",
             "Load latency (the decision to load to the copy's completion) and save latency.",
         )
+        self.save_hold = m.histogram(
+            "tier_save_hold_seconds",
+            "How long a save held its source blocks: its submission to their release, at the "
+            "copy's completion for an engine-driven save (its commit follows), at the store's "
+            "end otherwise.",
+        )
         self.lookup_latency = m.histogram("tier_lookup_seconds", "Lookup latency.")
         self.load_phases = m.histogram(
             "tier_load_phase_seconds",
@@ -30,8 +36,9 @@ class TierMetrics:
         self.save_phases = m.histogram(
             "tier_save_phase_seconds",
             "An engine-driven save's latency by phase: reserve (the reserve call, sent to "
-            "answer seen), copy (the copy's issue to its completion seen), commit (the commit "
-            "call, sent to answer seen), queued (submitted to the reserve's send).",
+            "answer seen; one sent ahead of the forward counts from the save's submission), "
+            "copy (the copy's issue to its completion seen), commit (the commit call, sent to "
+            "answer seen), queued (submitted to the reserve's send).",
         )
         m.gauge(
             "tier_transfers_in_flight",

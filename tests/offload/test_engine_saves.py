@@ -23,6 +23,7 @@ and load."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import os
@@ -186,6 +187,24 @@ def test_reserved_objects_are_invisible_until_committed_and_an_abort_discards_th
     assert (st["reserved"], st["committed"], st["aborted"], st["open"]) == (2, 1, 1, 0), st
 
 
+def test_an_item_lmcache_cannot_name_fails_alone_in_its_reserve_call(lmcache_server, make_llm):
+    """One item's range ends past the tokens it sends (LMCache cannot hash its last chunk):
+    that item is refused with the reason, the call's other item is reserved as usual."""
+    llm = make_llm(**tier(lmcache_server))  # registers the namespace's layout
+    ns = llm.engine.tier.namespace
+    good, bad = prompts_of([48, 48], seed=562)
+    payload = reserve_payload(ns, [("t-good", good, 48), ("t-bad", bad, 48)])
+    payload["items"][1]["token_ids"] = bad[:40]
+    with SavesProbe(lmcache_server.url) as probe:
+        before = probe.status()
+        ok, refused = probe.call(RESERVE_METHOD, payload)["items"]
+        assert ok["ok"] and ok["rid"] > 0 and [len(g) for g in ok["objects"]] == [3, 1], ok
+        assert not refused["ok"] and refused["rid"] == 0 and "cannot be named" in refused["error"]
+        probe.call("atom.abort", {"v": SAVES_VERSION, "rids": [ok["rid"]]})
+        st = probe.status()
+    assert st["refused"] - before["refused"] == 1 and st["open"] == before["open"], st
+
+
 def test_a_reservation_past_its_lease_is_released_and_cannot_be_committed(lmcache_server, make_llm):
     """A reservation whose owner never commits it is released at the end of its lease even
     while the owner lives (here: this test process, a lease of 1 s), and a late commit of it
@@ -274,6 +293,9 @@ def test_two_pass_with_engine_driven_saves_is_exact(lmcache_server, make_llm, vi
     assert done > 0 and got["copied"] == done, got  # every save copied by the engine
     assert got["via_server"] == got["failed"] == got["aborted"] == 0, got
     assert saves.bytes > 0 and saves.mappings.current is None  # unmapped at shutdown
+    # every save was reserved before the forward that made it, and claimed that reservation
+    assert saves.ahead["claimed"] == done and saves.ahead["unclaimed"] == 0, saves.ahead
+    assert saves.calls["reserve"] < done + 2  # batched per step (+ the probe's and a spare)
     # every copied save reported where its latency went: two round-trips and the copy
     phases = first.engine.scheduler.connector.tier_metrics.save_phases
     for phase in ("queued", "reserve", "copy", "to_commit", "commit"):
@@ -297,6 +319,71 @@ def test_two_pass_with_engine_driven_saves_is_exact(lmcache_server, make_llm, vi
     w2.saved_pages, w2.saved_images = w1.saved_pages, w1.saved_images
     w2.check_loads_byte_exact()
     assert [ld["local"] for ld in w2.loads] == [load_mode == "engine_driven"] * len(prompts)
+    assert staging_bytes(lmcache_server) == 0.0
+
+
+def test_a_saves_sources_are_released_when_its_copy_completed_before_its_commit(
+    lmcache_server, make_llm
+):
+    """The commits are held back (not sent) until every save has copied: by then every
+    save's blocks and image are released while the saves are still live, and each hold
+    ended before any save's end; sent, the commits store every save."""
+    prompts = prompts_of([129, 200], seed=521)
+    llm = make_llm(**saves_tier(lmcache_server))
+    saves_ready(llm)
+    saves, conn = saves_of(llm), llm.engine.scheduler.connector
+    held: list = []
+    commit_later = saves.commit_later
+    saves.commit_later = held.append
+    with SavesProbe(lmcache_server.url) as probe:
+        committed = probe.status()["committed"]
+    llm.generate(prompts, GREEDY, on_step=check)
+
+    def copied_and_released() -> bool:
+        return bool(held) and conn.live_ops == len(held) and not conn.leases()
+
+    pump(llm, copied_and_released, "every save copied and its sources released")
+    assert conn.busy() and not conn.quarantined
+    m = conn.tier_metrics
+    assert m.saves.total() == 0 and len(m.save_hold.samples()) == len(held)
+    saves.commit_later = commit_later
+    for save in held:
+        commit_later(save)
+    pump(llm, lambda: settled(llm), "the commits")
+    assert m.saves.get(outcome="done") == len(held) == saves.counts["copied"]
+    assert max(m.save_hold.samples()) < min(m.latency.samples(op="save"))
+    with SavesProbe(lmcache_server.url) as probe:
+        assert probe.status()["committed"] - committed == len(held)
+
+
+def test_a_reservation_made_ahead_that_no_save_claims_is_given_back(lmcache_server, make_llm):
+    """The planner's reservations ahead get an extra one per step that no save will claim
+    (a span that would end one chunk further): each is given back after the step's saves,
+    nothing stays staged on the server, and the real saves are unaffected."""
+    prompts = prompts_of([77, 129], seed=531)
+    reference = make_llm().generate(prompts, GREEDY)
+    llm = make_llm(**saves_tier(lmcache_server))
+    saves_ready(llm)
+    saves, transfers = saves_of(llm), llm.engine.tier.transfers
+    inner, extra = transfers.reserve_ahead, []
+
+    def reserve_ahead(aheads):
+        bogus = [dataclasses.replace(a, end=a.end + BLOCK) for a in aheads]
+        extra.extend(bogus)
+        return inner(list(aheads) + bogus)
+
+    transfers.reserve_ahead = reserve_ahead
+    with SavesProbe(lmcache_server.url) as probe:
+        before = probe.status()
+    same_tokens(llm.generate(prompts, GREEDY, on_step=check), reference)
+    pump(llm, lambda: settled(llm), "the saves")
+    llm.shutdown()
+    done = llm.engine.scheduler.connector.tier_metrics.saves.get(outcome="done")
+    assert extra and saves.ahead["unclaimed"] == len(extra), (saves.ahead, len(extra))
+    assert saves.ahead["claimed"] == done == saves.counts["copied"], (saves.counts, saves.ahead)
+    with SavesProbe(lmcache_server.url) as probe:
+        st = probe.status()
+    assert st["open"] == 0 and st["committed"] - before["committed"] == done, st
     assert staging_bytes(lmcache_server) == 0.0
 
 

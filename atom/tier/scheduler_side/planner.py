@@ -18,7 +18,9 @@ The connector answers; the engine scheduler decides. It writes no engine state (
             publishes the blocks, the image becomes READY). Failure or lateness ->
             ``LoadFailed``; the span is stored again.
   saves     every READY image boundary past what the tier holds, each store ending at that
-            image, sources leased until terminal; a finished request's stores still complete.
+            image, sources leased until their bytes are out (an engine-driven save's copy
+            completed: its commit follows without them) or the op is terminal; a finished
+            request's stores still complete.
   session   ended once, after the request finished and its last transfer is terminal.
 
 A lookup that did not answer is not an empty answer: the request neither loads nor stores.
@@ -85,11 +87,19 @@ from typing import NamedTuple
 
 from atom.engine.checkpoints import Checkpoint, CheckpointStore
 from atom.engine.connector import Answered, Connector, Loaded, LoadFailed, Outcome, TierAnswer
-from atom.engine.sequence import Sequence
+from atom.engine.sequence import ScheduledSpan, Sequence
 from atom.metrics import Registry
 from atom.model_api import StateSpec, image_header
 from atom.tier.config import OffloadConfig
-from atom.tier.operations import LookupOp, OpState, Phase, SettledOps, TierRequest, TransferOp
+from atom.tier.operations import (
+    LookupOp,
+    OpState,
+    Phase,
+    SaveAhead,
+    SettledOps,
+    TierRequest,
+    TransferOp,
+)
 from atom.tier.policy import TierPolicy
 from atom.tier.tier_metrics import TierMetrics
 from atom.tier.worker_side.events import EventPool
@@ -175,6 +185,7 @@ class OffloadConnector(Connector):
         self._epoch = self.health.epoch
         self.local, self.mappings = local, mappings
         self.tier_metrics = TierMetrics(metrics, self)
+        self._ahead_open = False  # reservations sent ahead for the current step
 
     # ---- computed state (also read by the metrics thread) ----------------------------------
 
@@ -303,12 +314,43 @@ class OffloadConnector(Connector):
             self._launch(st, op)  # the server copies it
         return self._drain()
 
+    def before_forward(self, spans: list[ScheduledSpan]) -> None:
+        """Reserve now the saves this step's commits will make, where the transfers can
+        (engine-driven saves): one per span that ends on a chunk boundary with its image,
+        from what the request stored so far (``_plan_saves`` makes the same op then, unless
+        another image or a stored one changes it). The reservation's round-trip overlaps the
+        forward; one the step does not claim is given back (``ahead_end``)."""
+        reserve = getattr(self.transfers, "reserve_ahead", None)  # not every transfers can
+        if self._ahead_open:  # a step that failed before after_step
+            self.transfers.ahead_end()
+            self._ahead_open = False
+        if reserve is None or not self.policy.may_store or not self.health.healthy:
+            return
+        chunk, ahead = self.chunk_size, []
+        for sp in spans:
+            st = self._requests.get(sp.seq.seq_id)
+            if (
+                st is None
+                or st.tier_has is None
+                or sp.image is None
+                or sp.drafts
+                or sp.end % chunk
+                or sp.end <= st.saved_upto
+            ):
+                continue
+            ahead.append(SaveAhead(st.lmc_id, st.seq.tokens, st.saved_upto, sp.end))
+        if ahead:
+            self._ahead_open = reserve(ahead)
+
     def after_step(self, seqs: list[Sequence]) -> list[Outcome]:
         self.lookups.flush()  # the frees this step's loads queued
         for seq in seqs:
             st = self._requests.get(seq.seq_id)
             if st is not None:
                 self._plan_saves(st)
+        if self._ahead_open:  # after this step's saves: what they did not claim is given back
+            self.transfers.ahead_end()
+            self._ahead_open = False
         return self._drain()
 
     def request_finished(self, seq: Sequence) -> None:
@@ -595,12 +637,15 @@ class OffloadConnector(Connector):
         st: TierRequest = op.owner
         if op.reported:
             return
-        if op.state is OpState.LATE:
-            if not op.was_late:
+        if not op.terminal:  # copied (an engine-driven save, its commit to come), or late
+            if op.copied_at is not None:
+                self._release_save(op, op.copied_at)
+            if op.state is OpState.LATE and not op.was_late:
                 op.was_late = True
                 self.tier_metrics.saves.inc(outcome="late")
             return
         op.reported = True
+        self._release_save(op, op.copied_at or op.finished_at)
         self._retire(st, op)
         if op.state is OpState.DONE:
             self._remember_stored(op.image)
@@ -614,6 +659,17 @@ class OffloadConnector(Connector):
                 self.tier_metrics.saves.inc(outcome="failed")
             st.saved_upto = min(st.saved_upto, op.start)  # store it again later
             log.debug("tier save %s failed: %s", op, op.error)
+
+    def _release_save(self, op: TransferOp, at: float | None) -> None:
+        """A save's sources are free once its bytes are out: when its copy completed (an
+        engine-driven save, before its commit) or when it is terminal; the hold observed
+        ends ``at`` (the copy's completion where there was one, though the step thread may
+        learn of it with the terminal outcome)."""
+        if not op.leased:
+            return
+        self._emitted.append(op.release())
+        if at is not None and op.submitted_at is not None:
+            self.tier_metrics.save_hold.observe(max(0.0, at - op.submitted_at))
 
     def _publish_stored(self, st: TierRequest, op: TransferOp) -> None:
         """Tell the KV-event publisher (``kv_events``, when events are on) that the tier holds

@@ -211,7 +211,12 @@ class L1Saves:
             self._count("refused")
             out["error"] = f"nothing to reserve for groups {groups} of [{key.start}, {key.end})"
             return out
-        keys_per_group = self._ctx.resolve_obj_keys(key, [g for g, _ in groups])
+        try:  # an item LMCache cannot resolve (past its session's tokens) fails alone
+            keys_per_group = self._ctx.resolve_obj_keys(key, [g for g, _ in groups])
+        except Exception as exc:
+            self._count("refused")
+            out["error"] = f"the objects of [{key.start}, {key.end}) cannot be named: {exc}"
+            return out
         rid = next(self._rids)
         tag = f"atom.save/{self._locator.server_id}/{rid}"
         staged: list = []

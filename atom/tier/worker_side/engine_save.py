@@ -143,11 +143,9 @@ class EngineSave:
         if self.state == "reserving":
             self._reserved()
         if self.state == "copying" and self.event is not None and self.event.query():
-            self.copied_at = time.monotonic()
             self.mapping.in_flight -= 1
             self.event = None
-            self.saves.commit_later(self)
-            self.state = "committing"
+            self._copied()
         if self.state == "committing" and self.commit is not None and self.commit.read():
             self._committed()
 
@@ -207,9 +205,15 @@ class EngineSave:
             return
         self.state = "copying"
         if self.event is None:  # CPU: the copy is complete
-            self.copied_at = time.monotonic()
-            self.saves.commit_later(self)
-            self.state = "committing"
+            self._copied()
+
+    def _copied(self) -> None:
+        """The bytes are in the reservation: the sources are released now (``saves.copied``
+        tells the step thread), the commit goes out with the round's others."""
+        self.copied_at = self.op.copied_at = time.monotonic()
+        self.saves.copied(self.op)
+        self.saves.commit_later(self)
+        self.state = "committing"
 
     def _plan(self, objects: list, mapping) -> list[tuple[int, int, int]]:
         """The copies of this save into the reserved spans ``objects`` (per group, nil for a
@@ -256,12 +260,14 @@ class EngineSave:
     def phases(self, committed_at: float) -> dict:
         """A copied and committed save's latency by phase, in seconds, as the transfer thread
         saw each step (its rounds' spacing included): queued (the op's submission to the
-        reserve's send), reserve (sent to answered), copy (issued to completed), to_commit
-        (completed to the round's commit call), commit (sent to answered)."""
+        reserve's send), reserve (sent to answered; for a reserve sent ahead of the forward,
+        the submission to answered: 0 when the answer was in), copy (issued to completed),
+        to_commit (completed to the round's commit call), commit (sent to answered)."""
         submitted = self.op.submitted_at or self.reserve.sent_at
         return {
             "queued": max(0.0, self.reserve.sent_at - submitted),
-            "reserve": self.reserved_at - self.reserve.sent_at,
+            # a reserve sent ahead (before the forward) counts from the save's submission
+            "reserve": max(0.0, self.reserved_at - max(self.reserve.sent_at, submitted)),
             "copy": self.copied_at - self.copy_issued_at,
             "to_commit": self.commit.sent_at - self.copied_at,
             "commit": committed_at - self.commit.sent_at,

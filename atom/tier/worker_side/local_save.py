@@ -66,6 +66,7 @@ from atom.tier.worker_side.locator import (
 )
 from atom.tier.worker_side.server_probe import (
     MODULE_HINT,
+    SUPPORTED,
     UNSUPPORTED,
     ServerProbe,
     Unanswered,
@@ -123,6 +124,8 @@ class EngineSaves:
         self._orphan_copies: list[tuple[Any, Any, int]] = []
         self.counts = {"copied": 0, "resident": 0, "via_server": 0, "aborted": 0, "failed": 0}
         self.calls = {"reserve": 0, "commit": 0, "abort": 0}
+        # reservations sent before the step's forward: claimed by its saves, or given back
+        self.ahead = {"claimed": 0, "answered_before": 0, "unclaimed": 0}
         self.bytes = 0
         self.probe = ServerProbe(
             url=url,
@@ -134,6 +137,9 @@ class EngineSaves:
         self.fallback = None  # set by the transfer thread: op -> the server's store future
         # gets each copied save's phases ({phase: seconds}, ``EngineSave.phases``), or None
         self.on_phases = None
+        # gets a save's op once its copy completed, before its commit (its sources may be
+        # released then), or None: the sources are held until the op is terminal
+        self.on_copied = None
 
     # ---- mode ----------------------------------------------------------------------------
 
@@ -148,6 +154,11 @@ class EngineSaves:
         """Saves may be reserved now (else they are the server's stores); a probe that learnt
         nothing (the server was down, or slow) is sent again when its backoff allows."""
         return self.probe.ready()
+
+    @property
+    def supported(self) -> bool:
+        """The server serves the methods, as last found (reads only: sends no probe)."""
+        return self.probe.state == SUPPORTED
 
     @property
     def unsupported(self) -> str:
@@ -169,6 +180,13 @@ class EngineSaves:
                 self.on_phases(phases)
             except Exception:  # noqa: BLE001 - a metric never fails a save
                 log.debug("save phases not recorded", exc_info=True)
+
+    def copied(self, op: TransferOp) -> None:
+        if self.on_copied is not None:
+            try:
+                self.on_copied(op)
+            except Exception:  # noqa: BLE001 - the sources are then released at the end
+                log.warning("a copied save could not be reported early", exc_info=True)
 
     def count(self, outcome: str) -> None:
         self.counts[outcome] = self.counts.get(outcome, 0) + 1
@@ -237,19 +255,37 @@ class EngineSaves:
 
     def reserve(self, ops: list[TransferOp]) -> list[EngineSave]:
         """One reserve call for ``ops``; their futures (raises if it cannot be sent)."""
+        call = self.send_reserve(ops)
+        return [EngineSave(self, op, call, i) for i, op in enumerate(ops)]
+
+    def send_reserve(self, items: list) -> SaveCall:
+        """One reserve call for ``items`` (save ops, or ``SaveAhead``s: the request, tokens,
+        start and end of each); raises if it cannot be sent."""
         try:
-            fut = self._send(RESERVE_METHOD, self._reserve_request(ops))
+            fut = self._send(RESERVE_METHOD, self._reserve_request(items))
         except Exception:
             self._reset_client()
             raise
         self.calls["reserve"] += 1
-        call = SaveCall(fut, time.monotonic())
-        return [EngineSave(self, op, call, i) for i, op in enumerate(ops)]
+        return SaveCall(fut, time.monotonic())
+
+    def claim(self, op: TransferOp, call: SaveCall, index: int) -> EngineSave:
+        """``op``'s future, on item ``index`` of a reserve sent ahead for it."""
+        self.ahead["claimed"] += 1
+        if call.read():  # its round-trip was over before the save existed: none on its path
+            self.ahead["answered_before"] += 1
+        return EngineSave(self, op, call, index)
 
     def write_by_s(self, answer: dict) -> float:
         """Seconds after the reserve was sent by which a copy must be issued: half the lease
         granted (the server counts it from later, when it handled the call)."""
         return float(answer.get("ttl_s") or 0.0) / 2
+
+    @property
+    def pending(self) -> bool:
+        """Work a round still owes that no op stands for: commits or aborts to send, answers
+        to given-up reserves to abort, copies of given-up saves to retire."""
+        return bool(self._commits or self._aborts or self._orphan_calls or self._orphan_copies)
 
     def commit_later(self, save: EngineSave) -> None:
         self._commits.append(save)

@@ -33,7 +33,7 @@ from collections.abc import Callable
 import torch
 
 from atom.tier.config import OffloadConfig
-from atom.tier.operations import OpState, TransferOp, WorkerHealth
+from atom.tier.operations import OpState, SaveAhead, TransferOp, WorkerHealth
 from atom.tier.worker_side.backoff import ConnectBackoff
 from atom.tier.worker_side.engine_save import EngineSave, fail_future
 from atom.tier.worker_side.layout import SpecShape, build_spec, group_infos, kv_caches
@@ -41,6 +41,7 @@ from atom.tier.worker_side.layout import SpecShape, build_spec, group_infos, kv_
 log = logging.getLogger("atom.offload")
 
 REFUSALS_BEFORE_REREGISTER = 3
+AHEAD_END = "ahead_end"  # queued after a step's saves: unclaimed reservations are given back
 
 
 class TransferThread:
@@ -68,7 +69,9 @@ class TransferThread:
         self.poll_interval_s = poll_interval_s
         self.saves = saves  # local_save.EngineSaves: engine-driven saves (None: the server's)
         self._cond = threading.Condition()
-        self._queue: deque[TransferOp] = deque()
+        # ops, and (engine-driven saves) lists of reservations to send ahead or AHEAD_END
+        self._queue: deque = deque()
+        self._ahead: dict[tuple, tuple] = {}  # SaveAhead.key -> (reserve call, its item)
         self._inflight: list[TransferOp] = []
         self.health = WorkerHealth()  # what the connector reads: adapter, registrations, ...
         if saves is not None:
@@ -84,6 +87,7 @@ class TransferThread:
         self._drain_until: float | None = None
         self._registered = threading.Event()
         self.round_errors = 0
+        self.rounds = 0  # polling rounds run (each holds the interpreter lock while it runs)
         self.last_error = ""
         self.since = time.time()  # wall time of the last up/down change (or of the start)
         self._seen_up = False
@@ -101,6 +105,24 @@ class TransferThread:
         """Queue ``op`` (its ``event`` marks when its source bytes are written)."""
         with self._cond:
             self._queue.append(op)
+            self._cond.notify()
+
+    def reserve_ahead(self, aheads: list[SaveAhead]) -> bool:
+        """Reserve ``aheads`` now, before the step's forward, if saves are engine-driven
+        (else False: nothing sent); a save op with the same key claims its reservation, and
+        ``ahead_end`` gives back what the step's saves did not claim."""
+        if self.saves is None or not self.saves.supported:
+            return False
+        with self._cond:
+            self._queue.append(list(aheads))
+            self._cond.notify()
+        return True
+
+    def ahead_end(self) -> None:
+        """The step's saves are queued: reservations sent ahead and not claimed by them are
+        given back (in queue order, so after those saves are taken)."""
+        with self._cond:
+            self._queue.append(AHEAD_END)
             self._cond.notify()
 
     @property
@@ -123,7 +145,8 @@ class TransferThread:
     @property
     def in_flight(self) -> int:
         with self._cond:
-            return len(self._inflight) + len(self._queue)
+            queued = sum(isinstance(item, TransferOp) for item in self._queue)
+            return len(self._inflight) + queued
 
     def stop(self, drain_s: float) -> None:
         """Let queued and in-flight transfers finish for up to ``drain_s``, then give up on
@@ -142,16 +165,19 @@ class TransferThread:
         try:
             while True:
                 with self._cond:
-                    while not self._queue and not self._inflight and not self._stop:
+                    while not self._queue and not self._busy() and not self._stop:
                         wait = None if self.health.adapter is not None else self._retry_in()
                         if not self._cond.wait(wait) and self.health.adapter is None:
                             break  # time to try connecting again
-                    if self._inflight and not self._queue and not self._stop:
-                        only_late = all(op.state is OpState.LATE for op in self._inflight)
+                    if self._busy() and not self._queue and not self._stop:
+                        only_late = self._inflight and all(
+                            op.state is OpState.LATE for op in self._inflight
+                        )
                         self._cond.wait(0.05 if only_late else self.poll_interval_s)
                     stopping = self._stop
                 if stopping and self._drained():
                     break
+                self.rounds += 1
                 try:
                     self._ensure_adapter()
                     self._submit_queued()
@@ -162,6 +188,10 @@ class TransferThread:
                     log.exception("transfer round failed")
         finally:
             self._close()
+
+    def _busy(self) -> bool:
+        """Something to poll: ops in flight, or the saves' own calls and copies."""
+        return bool(self._inflight) or (self.saves is not None and self.saves.pending)
 
     def note_health(self) -> bool:
         """The tier's health; logs and records (``since``, ``last_error``) when it went down or
@@ -257,13 +287,23 @@ class TransferThread:
                 if not self._queue:
                     break
                 op = self._queue.popleft()
+            if not isinstance(op, TransferOp):  # reservations ahead, or their end
+                self._ahead_item(op)
+                continue
             adapter = self.health.adapter
             if adapter is None or not adapter.is_healthy:
                 self._finish(op, False, "tier unavailable")
                 continue
-            if op.kind == "save" and self.saves is not None and self.saves.ready:
-                engine_saves.append(op)
-                continue
+            if op.kind == "save" and self.saves is not None:
+                claimed = self._ahead.pop((op.lmc_id, op.start, op.end), None)
+                if claimed is not None and self.saves.ready:
+                    self._started(op, self.saves.claim(op, *claimed))
+                    continue
+                if claimed is not None:
+                    self.saves.orphan_item(*claimed)
+                if self.saves.ready:
+                    engine_saves.append(op)
+                    continue
             try:
                 spec = build_spec(op, self.shape)
                 submit = (
@@ -300,12 +340,34 @@ class TransferThread:
                     self._finish(op, False, f"refused: {err!r}")
                     futures.append(None)
         for op, fut in zip(ops, futures):
-            if fut is None:
-                continue
-            op.reached_server = True
-            op.mark_submitted(fut)
-            with self._cond:
-                self._inflight.append(op)
+            if fut is not None:
+                self._started(op, fut)
+
+    def _started(self, op: TransferOp, fut) -> None:
+        op.reached_server = True
+        op.mark_submitted(fut)
+        with self._cond:
+            self._inflight.append(op)
+
+    def _ahead_item(self, item) -> None:
+        """Send reservations ahead (one call), or give back those still unclaimed."""
+        saves = self.saves
+        if item is AHEAD_END:
+            for call, index in self._ahead.values():
+                saves.orphan_item(call, index)
+                saves.ahead["unclaimed"] += 1
+            self._ahead.clear()
+            return
+        adapter = self.health.adapter
+        if adapter is None or not adapter.is_healthy or not saves.ready:
+            return  # the step's saves reserve as they come (or are the server's)
+        try:
+            call = saves.send_reserve(item)
+        except Exception as exc:
+            log.debug("reservations ahead not sent: %r", exc)
+            return
+        for index, ahead in enumerate(item):
+            self._ahead[ahead.key] = (call, index)
 
     def _store_via_server(self, op: TransferOp):
         """The server's store of ``op`` (its future); raises when it cannot be sent."""
@@ -381,7 +443,10 @@ class TransferThread:
             left, self._inflight = self._inflight, []
             queued, self._queue = list(self._queue), deque()
         for op in queued:
-            self._finish(op, False, "engine shutting down")
+            if isinstance(op, TransferOp):
+                self._finish(op, False, "engine shutting down")
+        if self._ahead:  # reservations nobody claims: given back by saves.close below
+            self._ahead_item(AHEAD_END)
         for op in left:
             fail_future(op.future)
             self._finish(op, False, "abandoned at shutdown")
