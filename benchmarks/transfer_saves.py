@@ -34,7 +34,7 @@ import torch
 
 from atom.models.deepseek_v41.pool_geometry import build_v41_pool_geometry
 from atom.models.deepseek_v41.presets import preset_config
-from atom.tier.operations import TransferOp
+from atom.tier.operations import SaveAhead, TransferOp
 from atom.tier.server.lmcache_server import LMCacheServer
 from atom.tier.worker_side.events import EventPool
 from atom.tier.worker_side.layout import (
@@ -205,6 +205,7 @@ def main() -> None:
             write_header(pbytes, spec, units, n * CHUNK)
             nbytes = (n + k) * spec.block_bytes
             server_s, engine_s, phases = [], [], []
+            hold_s, visible_s, ahead_phases = [], [], []
             saves.on_phases = phases.append  # each copied save's phases (EngineSave.phases)
             for _ in range(args.repeats):
                 op = new_op(n)
@@ -216,8 +217,23 @@ def main() -> None:
                 assert saves.counts["copied"] == before["copied"] + 1, saves.counts
                 events.recycle(op.event)
                 check(op, n)
+                # reserved ahead, as the engine reserves a step's saves before its forward:
+                # timed from the save's submission once the reserve was answered
+                op = new_op(n)
+                call = saves.send_reserve([SaveAhead(op.lmc_id, op.token_ids, op.start, op.end)])
+                while not call.read():
+                    time.sleep(0.0002)  # the forward's time, during which the answer comes
+                op.submitted_at = time.monotonic()
+                save = saves.claim(op, call, 0)
+                saves.on_phases = ahead_phases.append
+                visible_s += poll([save], saves)
+                saves.on_phases = phases.append
+                hold_s.append(save.copied_at - op.submitted_at)
+                events.recycle(op.event)
+                check(op, n)
             copy = copy_seconds(nbytes, args.device)
             s50, e50 = statistics.median(server_s), statistics.median(engine_s)
+            h50, v50 = statistics.median(hold_s), statistics.median(visible_s)
             row = {
                 "chunks": n,
                 "mib": round(nbytes / 2**20, 2),
@@ -227,12 +243,17 @@ def main() -> None:
                 "copy_ms": round(1e3 * copy, 3),
                 "server_over_copy": round(s50 / copy, 1),
                 "engine_over_copy": round(e50 / copy, 1),
+                "ahead_hold_p50_ms": round(1e3 * h50, 3),
+                "ahead_hold_over_copy": round(h50 / copy, 1),
+                "ahead_visible_p50_ms": round(1e3 * v50, 3),
             }
             rows.append(row)
             phase_rows.append([n] + [phase_ms(phases, p) for p in SAVE_PHASES])
             raw.append(
-                {**row, "server_store_s": server_s, "engine_save_s": engine_s, "phases": phases}
-            )
+                {**row, "server_store_s": server_s, "engine_save_s": engine_s, "phases": phases,
+                 "ahead_hold_s": hold_s, "ahead_visible_s": visible_s,
+                 "ahead_phases": ahead_phases}
+            )  # fmt: skip
             print(row, flush=True)
         if args.burst:
             n, b = max_chunks, args.burst
@@ -277,8 +298,18 @@ def main() -> None:
             "plain copy ms",
             "server / copy",
             "engine / copy",
+            "ahead: hold p50 ms",
+            "hold / copy",
+            "ahead: visible p50 ms",
         ],
         [list(r.values()) for r in rows],
+    )
+    table += (
+        "\n\nengine save: the reserve sent when the save is submitted, timed to the commit's "
+        "answer. ahead: the reserve sent before the save exists and answered (as the engine "
+        "sends a step's reserves before its forward); hold = the save's submission to its "
+        "copy's completion (when its blocks are released), visible = to the commit's answer "
+        "(lookups see it)."
     )
     table += (
         "\n\nWhere an engine-driven save's time goes (p50 ms per phase, as the polling loop "
