@@ -127,6 +127,7 @@ CONNECTOR_HOOKS = (
     "lookup",
     "settle_lookup",
     "start_load",
+    "before_forward",
     "after_step",
     "request_finished",
 )
