@@ -36,6 +36,9 @@ configuration's k = 0 outputs (greedy: in fp32 they must; the run exits 1 otherw
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
+import pstats
 import random
 import shlex
 import statistics
@@ -266,17 +269,22 @@ def phase_text(arms: list[dict]) -> str:
     return "".join(lines)
 
 
-def instrument(connector) -> dict:
-    """Accumulate step-thread time spent inside the connector's hooks."""
+def instrument(connector, profiler=None) -> dict:
+    """Accumulate step-thread time spent inside the connector's hooks (and, given a
+    ``cProfile.Profile``, profile them: what it adds is inside the times too)."""
     spent = {"s": 0.0, **{name: 0.0 for name in CONNECTOR_HOOKS}}
     for name in CONNECTOR_HOOKS:
         inner = getattr(connector, name)
 
         def timed(*a, _inner=inner, _name=name, **k):
             t0 = time.perf_counter()
+            if profiler is not None:
+                profiler.enable()
             try:
                 return _inner(*a, **k)
             finally:
+                if profiler is not None:
+                    profiler.disable()
                 dt = time.perf_counter() - t0
                 spent["s"] += dt
                 spent[_name] += dt
@@ -365,7 +373,8 @@ def run_arm(
         eng.wait_for_progress(0.05)
         conn.update()
     held = tier_holds(eng, prompts) if conn is not None and fill else None
-    spent = instrument(conn) if conn is not None else {"s": 0.0}
+    profiler = cProfile.Profile() if getattr(args, "profile_hooks", False) else None
+    spent = instrument(conn, profiler) if conn is not None else {"s": 0.0}
     answers = record_lookups(conn) if conn is not None else {}
     server = owned_server_process(eng)
     server_cpu0 = cpu_seconds(server)
@@ -445,6 +454,10 @@ def run_arm(
                 }
             )
         res.update(phase_medians(eng.metrics))
+        if profiler is not None:  # where the hooks' step-thread time goes, by function
+            out = io.StringIO()
+            pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(30)
+            res["hook_profile"] = out.getvalue()
         res["tier_metrics"] = {
             line.split(" ")[0]: float(line.split(" ")[1])
             for line in eng.metrics.render().splitlines()
@@ -815,6 +828,12 @@ def main() -> None:
         help="ranks of every arm's engine (the tier arm then loads on every rank)",
     )
     ap.add_argument(
+        "--profile-hooks",
+        action="store_true",
+        help="profile the connector's hooks on the step thread (cProfile; printed with "
+        "--arms tier, kept in the JSON): where their time per step goes, by function",
+    )
+    ap.add_argument(
         "--rank-collapse",
         choices=("auto", "true", "false"),
         default="auto",
@@ -861,6 +880,9 @@ def main() -> None:
     if args.arms == "tier":
         arm = run_arm("HBM + tier", prompts, args, **tier_engine)
         table = md_table(STEPS_HEADER, steps_table([arm]))
+        if "hook_profile" in arm:
+            table += "\n\nThe connector's hooks, profiled (cProfile, by own time):\n\n```\n"
+            table += arm["hook_profile"] + "```\n"
         cmd = f"python -m benchmarks.serving {shlex.join(sys.argv[1:])}"
         print(table)
         print(write_results(f"{args.name}_tier", {"args": vars(args), "arms": [arm]}, table, cmd))
