@@ -467,6 +467,9 @@ def run_arm(
                     "atom_tier_local_loads_total",
                     "atom_tier_saves_total",
                     "atom_tier_lookups_total",
+                    "atom_tier_local_saves_total",
+                    "atom_tier_save_reserves_ahead_total",
+                    "atom_tier_transfer_rounds_total",
                 )
             )
         }
