@@ -3,7 +3,7 @@
 # Usage: bash benchmarks/gpu/run.sh STEP...
 #   steps: tests tier forward profile components roofline roofline_glue sweep profile_prefill transfer cuda_ops transfer_native transfer_modes serving
 #          speculative serving_spec tp tp_tests (tp, tp_tests: two GPUs)
-#          tier_only idle
+#          tier_only tier_profile idle
 #          train forward_v4 roofline_v4 serving_v4 speculative_v4 fp8_gemm roofline_fp8
 #          invariant_cost invariant_sweep serving_invariant determinism precision_agreement
 #          fp4_sweep transfer_saves serving_saves
@@ -135,6 +135,10 @@ for s in "$@"; do
       step "${SERVING_SPEC_LIMIT:-585}" python3 -m benchmarks.serving --preset gpu \
         --arms speculative --speculative-tokens "${SERVING_SPEC_K:-1}" ;;
     tier_only) step 300 python3 -m benchmarks.serving --preset gpu --arms tier ;;
+    # the tier arm alone with engine-driven saves, its connector hooks profiled by function
+    # (the step thread's ms per hook are inflated by the profiler: compare tier_only)
+    tier_profile) step 300 python3 -m benchmarks.serving --preset gpu --arms tier \
+      --save-mode engine_driven --profile-hooks --name serving_h200_profile ;;
     idle) step 560 python3 -m benchmarks.serving --preset gpu --arms idle \
       --repeats "${IDLE_REPEATS:-2}" ;;
     train)  # a sweep of recipes in parallel (one GPU, launch-bound processes); keep every model
