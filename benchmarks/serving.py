@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
+import os
 import pstats
 import random
 import shlex
@@ -52,6 +53,7 @@ import torch
 from atom import LLM, SamplingParams
 from atom.thread_cpu import cpu_used, thread_cpu_seconds
 from benchmarks.common import md_table, write_results
+from benchmarks.gpu_pmon import PerProcessGpu
 from benchmarks.recall_task import SPLIT_SEEDS, filler, split
 from benchmarks.step_log import STEPS_HEADER, StepLog, steps_table
 from benchmarks.tier_probe import tier_holds
@@ -383,7 +385,8 @@ def run_arm(
     spec0 = spec_counts(eng)
     threads0, rounds0 = thread_cpu_seconds(), transfer_rounds(eng)
     t0 = time.perf_counter()
-    outs = llm.generate(prompts, params)
+    with PerProcessGpu() as gpu:  # which processes used the GPU during the pass (CUDA hosts)
+        outs = llm.generate(prompts, params)
     wall = time.perf_counter() - t0
     threads = cpu_used(threads0, thread_cpu_seconds())
     if keep is not None:
@@ -405,6 +408,9 @@ def run_arm(
         # CPU ms per step of the threads beside the step thread (tier, client library, torch)
         "thread_cpu_ms_per_step": per_thread_ms(threads, steps),
     }
+    if gpu.lines:  # the engine's and the owned server's SM % (nvidia-smi pmon, 1 s samples)
+        pids = {"engine": os.getpid()} | ({"server": server.pid} if server is not None else {})
+        res["gpu_sm_pct"] = gpu.summary(pids)
     if rounds0 is not None:
         res["transfer_rounds_per_step"] = round((transfer_rounds(eng) - rounds0) / max(steps, 1), 2)
     if held is not None:
@@ -495,6 +501,12 @@ def per_thread_ms(used: dict[str, float], steps: int, floor_ms: float = 0.005) -
     return {k: round(v, 3) for k, v in sorted(per.items(), key=lambda kv: -kv[1]) if v > floor_ms}
 
 
+def sm_pct(arm: dict) -> str:
+    """The engine's and the owned server's mean SM % over the pass ("" on CPU)."""
+    got = arm.get("gpu_sm_pct") or {}
+    return " / ".join(str(got[k]["sm_pct_mean"]) for k in ("engine", "server") if k in got)
+
+
 def busiest_helpers(per_thread: dict, n: int = 3) -> str:
     """The ``n`` busiest threads but the step thread, as "name ms; ..."."""
     rest = [(k, v) for k, v in per_thread.items() if k != "MainThread"][:n]
@@ -531,6 +543,7 @@ def idle(args) -> None:
         [a["arm"], a["req_per_s"], a["wall_s"], a["ttft_p50_ms"], a.get("itl_p50_ms", "")]
         + [a["tier_hit_tokens"], a.get("loads", ""), a.get("connector_ms_per_step", "")]
         + [a.get("server_cpu_s", ""), a.get("transfer_rounds_per_step", "")]
+        + [sm_pct(a)]
         + [busiest_helpers(a.get("thread_cpu_ms_per_step", {}))]
         for a in arms
     ]
@@ -546,6 +559,7 @@ def idle(args) -> None:
             "connector ms/step",
             "server CPU s",
             "transfer rounds/step",
+            "GPU SM % engine / server",
             "other threads, CPU ms/step",
         ],
         rows,
@@ -554,7 +568,8 @@ def idle(args) -> None:
         "\n\nserver CPU s: CPU time the owned LMCache server used during the measured pass (it "
         "shares the engine's cores). Other threads: this process's threads but the step thread "
         "(MainThread), the three busiest, CPU ms per step (each holds the interpreter lock "
-        "while it runs Python)."
+        "while it runs Python). GPU SM %: nvidia-smi pmon's 1 s samples of each process, "
+        "mean over the pass (the server's share is what its CUDA context took)."
         f"\n\nIdle-tier overhead (mean wall of the tier arms over the HBM-only arms - 1): "
         f"{100 * summary['idle_tier_overhead']:+.2f}%; loads in the tier arms: "
         f"{summary['tier_loads']}.\n"

@@ -63,3 +63,27 @@ def test_threads_python_does_not_know_are_read_by_their_kernel_names():
 
 def test_cpu_used_never_reads_negative():
     assert cpu_used({"a": 2.0, "gone": 1.0}, {"a": 1.5, "new": 0.25}) == {"a": 0.0, "new": 0.25}
+
+
+def test_per_process_gpu_reads_each_pids_sm_samples():
+    """nvidia-smi pmon's lines (gpu, pid, type, sm, mem, ...): a pid's SM % samples, '-' as 0;
+    without nvidia-smi (this host) a pass reads nothing."""
+    from benchmarks.gpu_pmon import PerProcessGpu
+
+    gpu = PerProcessGpu()
+    gpu.lines = [
+        "    0     4242     C    87    40     -     -     -     -    python3",
+        "    0     5151     C     -     -     -     -     -     -    python3",
+        "    0     4242     C    91    42     -     -     -     -    python3",
+        "    0     5151     C     3     1     -     -     -     -    python3",
+    ]
+    assert gpu.sm_pct(4242) == [87.0, 91.0] and gpu.sm_pct(5151) == [0.0, 3.0]
+    got = gpu.summary({"engine": 4242, "server": 5151, "gone": 1})
+    assert got["engine"] == {"samples": 2, "sm_pct_mean": 89.0, "sm_pct_max": 91.0}
+    assert got["server"]["sm_pct_mean"] == 1.5 and got["gone"]["samples"] == 0
+    import shutil
+
+    if shutil.which("nvidia-smi") is None:
+        with PerProcessGpu() as idle:
+            pass
+        assert idle.lines == []
