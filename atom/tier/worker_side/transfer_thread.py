@@ -16,10 +16,11 @@ that means the process that held the op is gone. A run of refused saves while "h
 (a restart the heartbeat missed) replaces the adapter with a fresh registration. Each of these
 (and a first registration after failed ones) calls ``WorkerHealth.on_server_change``'s hooks.
 
-Engine-driven saves (``saves``, ``local_save.EngineSaves``): the saves queued in a round are
-reserved in one call to the server module, and each op's future is an ``EngineSave`` that
-copies and commits it (or hands it to the server's store, ``_store_via_server``), polled in the
-same rounds under the same deadlines; the round's commits go out together at its end.
+Engine-driven saves (``saves``, ``local_save.EngineSaves``, taken in by ``save_intake``): a
+round's saves claim the reservations their step sent ahead of its forward, or are reserved in
+one call to the server module; each op's future is an ``EngineSave`` that copies and commits
+it (or hands it to the server's store, ``_store_via_server``), polled in the same rounds under
+the same deadlines; the round's commits go out together at its end.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from atom.tier.operations import OpState, SaveAhead, TransferOp, WorkerHealth
 from atom.tier.worker_side.backoff import ConnectBackoff
 from atom.tier.worker_side.engine_save import EngineSave, fail_future
 from atom.tier.worker_side.layout import SpecShape, build_spec, group_infos, kv_caches
+from atom.tier.worker_side.save_intake import SaveIntake
 
 log = logging.getLogger("atom.offload")
 
@@ -71,12 +73,13 @@ class TransferThread:
         self._cond = threading.Condition()
         # ops, and (engine-driven saves) lists of reservations to send ahead or AHEAD_END
         self._queue: deque = deque()
-        self._ahead: dict[tuple, tuple] = {}  # SaveAhead.key -> (reserve call, its item)
         self._inflight: list[TransferOp] = []
         self.health = WorkerHealth()  # what the connector reads: adapter, registrations, ...
+        self.intake = None  # save_intake.SaveIntake: engine-driven saves' way in
         if saves is not None:
             saves.fallback = self._store_via_server
             self.health.on_server_change.append(saves.server_changed)
+            self.intake = SaveIntake(saves, self._store_via_server)
         self._old_adapters: list = []
         self._backoff = ConnectBackoff(config.heartbeat_s)
         self._was_healthy = False
@@ -287,23 +290,25 @@ class TransferThread:
                 if not self._queue:
                     break
                 op = self._queue.popleft()
-            if not isinstance(op, TransferOp):  # reservations ahead, or their end
-                self._ahead_item(op)
-                continue
             adapter = self.health.adapter
-            if adapter is None or not adapter.is_healthy:
+            up = adapter is not None and adapter.is_healthy
+            if op is AHEAD_END:  # reservations ahead (engine-driven saves), or their end
+                self.intake.give_back()
+                continue
+            if not isinstance(op, TransferOp):
+                if up:
+                    self.intake.send(op)
+                continue
+            if not up:
                 self._finish(op, False, "tier unavailable")
                 continue
-            if op.kind == "save" and self.saves is not None:
-                claimed = self._ahead.pop((op.lmc_id, op.start, op.end), None)
-                if claimed is not None and self.saves.ready:
-                    self._started(op, self.saves.claim(op, *claimed))
-                    continue
-                if claimed is not None:
-                    self.saves.orphan_item(*claimed)
-                if self.saves.ready:
+            if op.kind == "save" and self.intake is not None and self.intake.engine_driven():
+                fut = self.intake.claim(op)
+                if fut is not None:
+                    self._started(op, fut)
+                else:
                     engine_saves.append(op)
-                    continue
+                continue
             try:
                 spec = build_spec(op, self.shape)
                 submit = (
@@ -322,25 +327,10 @@ class TransferThread:
             op.mark_submitted(fut)
             with self._cond:
                 self._inflight.append(op)
-        if engine_saves:
-            self._reserve(engine_saves)
-
-    def _reserve(self, ops: list[TransferOp]) -> None:
-        """Engine-driven saves: one reserve call for ``ops`` (if it cannot be sent, each is
-        the server's store)."""
-        try:
-            futures = self.saves.reserve(ops)
-        except Exception as exc:
-            log.debug("reserve not sent (%r): the server stores %d saves", exc, len(ops))
-            futures = []
-            for op in ops:
-                try:
-                    futures.append(self._store_via_server(op))
-                except Exception as err:
-                    self._finish(op, False, f"refused: {err!r}")
-                    futures.append(None)
-        for op, fut in zip(ops, futures):
-            if fut is not None:
+        for op, fut, error in self.intake.reserve(engine_saves) if engine_saves else ():
+            if fut is None:
+                self._finish(op, False, error)
+            else:
                 self._started(op, fut)
 
     def _started(self, op: TransferOp, fut) -> None:
@@ -348,26 +338,6 @@ class TransferThread:
         op.mark_submitted(fut)
         with self._cond:
             self._inflight.append(op)
-
-    def _ahead_item(self, item) -> None:
-        """Send reservations ahead (one call), or give back those still unclaimed."""
-        saves = self.saves
-        if item is AHEAD_END:
-            for call, index in self._ahead.values():
-                saves.orphan_item(call, index)
-                saves.ahead["unclaimed"] += 1
-            self._ahead.clear()
-            return
-        adapter = self.health.adapter
-        if adapter is None or not adapter.is_healthy or not saves.ready:
-            return  # the step's saves reserve as they come (or are the server's)
-        try:
-            call = saves.send_reserve(item)
-        except Exception as exc:
-            log.debug("reservations ahead not sent: %r", exc)
-            return
-        for index, ahead in enumerate(item):
-            self._ahead[ahead.key] = (call, index)
 
     def _store_via_server(self, op: TransferOp):
         """The server's store of ``op`` (its future); raises when it cannot be sent."""
@@ -445,8 +415,8 @@ class TransferThread:
         for op in queued:
             if isinstance(op, TransferOp):
                 self._finish(op, False, "engine shutting down")
-        if self._ahead:  # reservations nobody claims: given back by saves.close below
-            self._ahead_item(AHEAD_END)
+        if self.intake is not None:  # reservations nobody claims: aborted by saves.close
+            self.intake.give_back()
         for op in left:
             fail_future(op.future)
             self._finish(op, False, "abandoned at shutdown")
