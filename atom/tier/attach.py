@@ -20,6 +20,7 @@ from atom.tier.server.admin import clear_server
 from atom.tier.server.l2 import L2Status, ServerMetrics
 from atom.tier.server.lmcache_server import LMCacheServer, LMCacheServerError
 from atom.tier.server.supervisor import ServerSupervisor
+from atom.tier.tier_metrics import worker_gauges
 from atom.tier.worker_side.events import EventPool
 from atom.tier.worker_side.layout import SpecShape, share_pool, unlink_segment
 from atom.tier.worker_side.local_load import LocalLoads
@@ -216,46 +217,14 @@ class LMCacheTier:
             settled=settled,
         )
         self._l2_metrics(metrics)
-        metrics.gauge(
-            "tier_lookup_server_calls_total",
-            "Round-trips to the LMCache server on the lookup path, by kind: lookup, query and "
-            "locate (LMCache's lookup, its status polls, atom.locate), lookup_locate and "
-            "lookup_poll (atom.lookup_locate: one call per lookup).",
-            lambda: {(("kind", k),): n for k, n in sorted(self.lookups.calls.items())},
-            kind="counter",
-        )
-        metrics.gauge(
-            "tier_transfer_rounds_total",
-            "Polling rounds the transfer thread ran (one every poll interval while loads or "
-            "saves are in flight; none while idle).",
-            lambda: transfers.rounds,  # this rank's (rank 0's across ranks)
-            kind="counter",
-        )
+        worker_gauges(metrics, self.lookups, transfers, self.saves)
         tier_metrics = self.connector.tier_metrics  # where loads and saves report their phases
         if local is not None:
             local.on_phases = partial(tier_metrics.load_phases.observe_by, "phase")
         if self.saves is not None:
-            saves = self.saves
-            saves.on_phases = partial(tier_metrics.save_phases.observe_by, "phase")
+            self.saves.on_phases = partial(tier_metrics.save_phases.observe_by, "phase")
             if ranks is None:  # across ranks the sources wait for every rank's part
-                saves.on_copied = settled.post
-            metrics.gauge(
-                "tier_save_reserves_ahead_total",
-                "Engine-driven saves' reservations sent before the step's forward: claimed by "
-                "the save the step made (answered_before: of those, answered before the save "
-                "was made), or unclaimed (the step made another, or none) and given back.",
-                lambda: {(("outcome", k),): n for k, n in sorted(saves.ahead.items())},
-                kind="counter",
-            )
-            metrics.gauge(
-                "tier_local_saves_total",
-                "Engine-driven saves by outcome: copied (into the server's L1, committed), "
-                "resident (the server held every object already), via_server (the server "
-                "stored it: reserve refused, no module, segment not mapped yet), aborted (late "
-                "before its copy), failed.",
-                lambda: {(("outcome", k),): n for k, n in sorted(saves.counts.items())},
-                kind="counter",
-            )
+                self.saves.on_copied = settled.post
         self.supervisor: ServerSupervisor | None = None
         if self.server is not None:
             self.supervisor = ServerSupervisor(

@@ -50,3 +50,44 @@ class TierMetrics:
             "Blocks held by transfers of unknown fate.",
             lambda: connector.quarantined_blocks,
         )
+
+
+def worker_gauges(m: Registry, lookups, transfers, saves) -> None:
+    """The worker side's counters, read when /metrics renders: the lookup path's server calls,
+    the transfer thread's polling rounds (this rank's: rank 0's across ranks), and the engine-
+    driven saves' outcomes and reservations ahead (``saves``: None when saves are the
+    server's)."""
+    m.gauge(
+        "tier_lookup_server_calls_total",
+        "Round-trips to the LMCache server on the lookup path, by kind: lookup, query and "
+        "locate (LMCache's lookup, its status polls, atom.locate), lookup_locate and "
+        "lookup_poll (atom.lookup_locate: one call per lookup).",
+        lambda: {(("kind", k),): n for k, n in sorted(lookups.calls.items())},
+        kind="counter",
+    )
+    m.gauge(
+        "tier_transfer_rounds_total",
+        "Polling rounds the transfer thread ran (one every poll interval while loads or "
+        "saves are in flight; none while idle).",
+        lambda: transfers.rounds,
+        kind="counter",
+    )
+    if saves is None:
+        return
+    m.gauge(
+        "tier_save_reserves_ahead_total",
+        "Engine-driven saves' reservations sent before the step's forward: claimed by "
+        "the save the step made (answered_before: of those, answered before the save "
+        "was made), or unclaimed (the step made another, or none) and given back.",
+        lambda: {(("outcome", k),): n for k, n in sorted(saves.ahead.items())},
+        kind="counter",
+    )
+    m.gauge(
+        "tier_local_saves_total",
+        "Engine-driven saves by outcome: copied (into the server's L1, committed), "
+        "resident (the server held every object already), via_server (the server "
+        "stored it: reserve refused, no module, segment not mapped yet), aborted (late "
+        "before its copy), failed.",
+        lambda: {(("outcome", k),): n for k, n in sorted(saves.counts.items())},
+        kind="counter",
+    )
