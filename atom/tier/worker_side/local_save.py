@@ -35,7 +35,6 @@ changes (``server_changed``: a restart, a re-registration), which clears any ver
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import time
 from typing import Any
@@ -54,7 +53,6 @@ from atom.tier.worker_side.engine_save import (
     EngineSave,
     SaveCall,
 )
-from atom.tier.worker_side.local_load import cuda_memcpy_async
 from atom.tier.worker_side.locator import (
     IMAGE_GROUP,
     PAGES_GROUP,
@@ -62,8 +60,8 @@ from atom.tier.worker_side.locator import (
     Mappings,
     SegmentError,
     SegmentId,
-    clear_cuda_error,
 )
+from atom.tier.worker_side.save_copy import SaveCopy
 from atom.tier.worker_side.server_probe import (
     MODULE_HINT,
     SUPPORTED,
@@ -78,7 +76,6 @@ log = logging.getLogger("atom.offload")
 # How long the probe waits for atom.reserve's answer (at least): a server just restarted on a
 # busy machine may be slow (in CI one answered a noop but not the reserve within 3 s)
 PROBE_WAIT_S = 10.0
-CUDA_MEMCPY_DEVICE_TO_HOST = 2
 
 
 class EngineSaves:
@@ -110,10 +107,8 @@ class EngineSaves:
         self.rpc_timeout_s = rpc_timeout_s
         # the lease asked for: well past a save's deadline (copies are issued only before it)
         self.ttl_s = max(30.0, 4 * transfer_timeout_s)
-        self.cuda = pool.device.type == "cuda"
+        self._copier = SaveCopy(self.blocks, pool.device)
         self.mappings = Mappings(pool.device, writable=True)
-        self._stream = torch.cuda.Stream(pool.device) if self.cuda else None
-        self._memcpy = cuda_memcpy_async() if self.cuda else None
         self._owner = own_identity()
         self._client = None
         self._commits: list[EngineSave] = []
@@ -126,7 +121,6 @@ class EngineSaves:
         self.calls = {"reserve": 0, "commit": 0, "abort": 0}
         # reservations sent before the step's forward: claimed by its saves, or given back
         self.ahead = {"claimed": 0, "answered_before": 0, "unclaimed": 0}
-        self.bytes = 0
         self.probe = ServerProbe(
             url=url,
             method=RESERVE_METHOD,
@@ -359,53 +353,13 @@ class EngineSaves:
     # ---- the copy ----------------------------------------------------------------------------
 
     def copy(self, op: TransferOp, plan: list, mapping) -> tuple[Any, str]:
-        """Issue ``plan``: (None, "") when complete (CPU), else (the copy's CUDA event, "");
-        an error instead of "" when it failed (on CUDA the event still marks the end of what
-        was issued: the reservation is given back only after it)."""
-        dst, src, bb = mapping.data, self.blocks, self.bb
-        if not self.cuda:
-            # memmove, not Tensor.copy_: torch splits a copy over its intra-op threads, and on
-            # a host whose cores are busy (the step thread's forwards, the server) a 290 KB
-            # block took 4-12 ms that way on this 2-core machine instead of ~0.05 ms; ctypes
-            # releases the GIL for the call
-            d0, s0 = dst.data_ptr(), src.data_ptr()
-            try:
-                for d, s, n in plan:
-                    ctypes.memmove(d0 + d, s0 + s * bb, n * bb)
-            except Exception as exc:
-                return None, f"copy failed: {exc!r}"
-            self.bytes += sum(n for _, _, n in plan) * bb
-            return None, ""
-        stream, error = self._stream, ""
-        with torch.cuda.device(src.device), torch.cuda.stream(stream):
-            try:
-                if op.event is not None:
-                    stream.wait_event(op.event)  # the forward that wrote the blocks
-                if not self._raw_copies(stream, mapping, plan):
-                    for d, s, n in plan:
-                        dst[d : d + n * bb].copy_(src[s : s + n].view(-1), non_blocking=True)
-            except Exception as exc:
-                error = f"copy failed: {exc!r}"
-            event = torch.cuda.Event()
-            event.record(stream)
-        mapping.in_flight += 1
-        if not error:
-            self.bytes += sum(n for _, _, n in plan) * bb
-        return event, error
+        """Issue ``plan`` (``save_copy.SaveCopy.copy``)."""
+        return self._copier.copy(op, plan, mapping)
 
-    def _raw_copies(self, stream, mapping, plan: list) -> bool:
-        if self._memcpy is None or not mapping.pinned:
-            return False
-        bb, fn, handle = self.bb, self._memcpy, stream.cuda_stream
-        d0, s0 = mapping.data.data_ptr(), self.blocks.data_ptr()
-        for d, s, n in plan:
-            rc = fn(d0 + d, s0 + s * bb, n * bb, CUDA_MEMCPY_DEVICE_TO_HOST, handle)
-            if rc != 0:
-                clear_cuda_error()
-                log.warning("cudaMemcpyAsync refused (error %d): saves copy through torch", rc)
-                self._memcpy = None
-                return False
-        return True
+    @property
+    def bytes(self) -> int:
+        """Bytes copied into L1 so far."""
+        return self._copier.bytes
 
     # ---- end ---------------------------------------------------------------------------------
 
