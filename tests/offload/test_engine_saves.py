@@ -192,7 +192,7 @@ def test_an_item_lmcache_cannot_name_fails_alone_in_its_reserve_call(lmcache_ser
     that item is refused with the reason, the call's other item is reserved as usual."""
     llm = make_llm(**tier(lmcache_server))  # registers the namespace's layout
     ns = llm.engine.tier.namespace
-    good, bad = prompts_of([48, 48], seed=562)
+    good, bad = prompts_of([48, 48], seed=39_510)
     payload = reserve_payload(ns, [("t-good", good, 48), ("t-bad", bad, 48)])
     payload["items"][1]["token_ids"] = bad[:40]
     with SavesProbe(lmcache_server.url) as probe:
@@ -295,7 +295,7 @@ def test_two_pass_with_engine_driven_saves_is_exact(lmcache_server, make_llm, vi
     assert saves.bytes > 0 and saves.mappings.current is None  # unmapped at shutdown
     # every save was reserved before the forward that made it, and claimed that reservation
     assert saves.ahead["claimed"] == done and saves.ahead["unclaimed"] == 0, saves.ahead
-    assert saves.calls["reserve"] < done + 2  # batched per step (+ the probe's and a spare)
+    assert saves.calls["reserve"] <= done  # never a second reserve at submission (and batched)
     # every copied save reported where its latency went: two round-trips and the copy
     phases = first.engine.scheduler.connector.tier_metrics.save_phases
     for phase in ("queued", "reserve", "copy", "to_commit", "commit"):
@@ -328,7 +328,7 @@ def test_a_saves_sources_are_released_when_its_copy_completed_before_its_commit(
     """The commits are held back (not sent) until every save has copied: by then every
     save's blocks and image are released while the saves are still live, and each hold
     ended before any save's end; sent, the commits store every save."""
-    prompts = prompts_of([129, 200], seed=521)
+    prompts = prompts_of([129, 200], seed=39_520)
     llm = make_llm(**saves_tier(lmcache_server))
     saves_ready(llm)
     saves, conn = saves_of(llm), llm.engine.scheduler.connector
@@ -360,7 +360,7 @@ def test_a_reservation_made_ahead_that_no_save_claims_is_given_back(lmcache_serv
     """The planner's reservations ahead get an extra one per step that no save will claim
     (a span that would end one chunk further): each is given back after the step's saves,
     nothing stays staged on the server, and the real saves are unaffected."""
-    prompts = prompts_of([77, 129], seed=531)
+    prompts = prompts_of([77, 129], seed=39_530)
     reference = make_llm().generate(prompts, GREEDY)
     llm = make_llm(**saves_tier(lmcache_server))
     saves_ready(llm)
