@@ -54,23 +54,11 @@ def test_outside_a_capture_a_region_is_the_function_itself(glue_on):
     assert glue_on.calls == calls
 
 
-@pytest.fixture
-def traced_only(monkeypatch):
-    """Regions compiled by dynamo with the aot_eager backend: what is traced, guarded and
-    recompiled is what inductor would get, without its code generation (about 50 s of CI's
-    2 cores for this test's 28 graphs; the engine test below and the GPU tests run inductor)."""
-    monkeypatch.setattr(
-        glue_compile,
-        "compile_region",
-        lambda fn: torch.compile(fn, dynamic=True, fullgraph=False, backend="aot_eager"),
-    )
-
-
 def test_fake_graphs_with_compiled_glue_equal_eager_and_compile_per_region_not_per_layer(
-    glue_on, traced_only
+    glue_on,
 ):
     """Decode steps at batch 2 and 3 (buckets 2 and 4) and widths 1 to 3 through fake graphs
-    with the glue traced: logits and state equal the eager runtime's within float32
+    with the glue compiled: logits and state equal the eager runtime's within float32
     rounding, the greedy tokens equal; every region ran compiled, and the compiles are a
     handful per region, not one per layer and shape."""
     from torch._dynamo.utils import counters
