@@ -57,13 +57,14 @@ def worker_gauges(m: Registry, lookups, transfers, saves) -> None:
     the transfer thread's polling rounds (this rank's: rank 0's across ranks), and the engine-
     driven saves' outcomes and reservations ahead (``saves``: None when saves are the
     server's)."""
-    m.gauge(
+    _counts(
+        m,
         "tier_lookup_server_calls_total",
         "Round-trips to the LMCache server on the lookup path, by kind: lookup, query and "
         "locate (LMCache's lookup, its status polls, atom.locate), lookup_locate and "
         "lookup_poll (atom.lookup_locate: one call per lookup).",
-        lambda: {(("kind", k),): n for k, n in sorted(lookups.calls.items())},
-        kind="counter",
+        "kind",
+        lambda: lookups.calls,
     )
     m.gauge(
         "tier_transfer_rounds_total",
@@ -74,20 +75,29 @@ def worker_gauges(m: Registry, lookups, transfers, saves) -> None:
     )
     if saves is None:
         return
-    m.gauge(
+    _counts(
+        m,
         "tier_save_reserves_ahead_total",
         "Engine-driven saves' reservations sent before the step's forward: claimed by "
         "the save the step made (answered_before: of those, answered before the save "
         "was made), or unclaimed (the step made another, or none) and given back.",
-        lambda: {(("outcome", k),): n for k, n in sorted(saves.ahead.items())},
-        kind="counter",
+        "outcome",
+        lambda: saves.ahead,
     )
-    m.gauge(
+    _counts(
+        m,
         "tier_local_saves_total",
         "Engine-driven saves by outcome: copied (into the server's L1, committed), "
         "resident (the server held every object already), via_server (the server "
         "stored it: reserve refused, no module, segment not mapped yet), aborted (late "
         "before its copy), failed.",
-        lambda: {(("outcome", k),): n for k, n in sorted(saves.counts.items())},
-        kind="counter",
+        "outcome",
+        lambda: saves.counts,
+    )
+
+
+def _counts(m: Registry, name: str, help_: str, label: str, read) -> None:
+    """A counter kept elsewhere as a dict {label value: count}, one series per key."""
+    m.gauge(
+        name, help_, lambda: {((label, k),): n for k, n in sorted(read().items())}, kind="counter"
     )
