@@ -16,7 +16,6 @@ given back, and a save with no reservation ahead is reserved as it comes.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from typing import Any
 
 from atom.tier.operations import SaveAhead, TransferOp
@@ -27,9 +26,8 @@ log = logging.getLogger("atom.offload")
 class SaveIntake:
     """The transfer thread's (every method runs on it)."""
 
-    def __init__(self, saves, store_via_server: Callable[[TransferOp], Any]):
-        self.saves = saves  # local_save.EngineSaves
-        self._store = store_via_server  # op -> the server's store future (raises if refused)
+    def __init__(self, saves):
+        self.saves = saves  # local_save.EngineSaves (its ``fallback``: the server's store)
         self._ahead: dict[tuple, tuple] = {}  # SaveAhead.key -> (reserve call, its item)
 
     def send(self, aheads: list[SaveAhead]) -> None:
@@ -71,7 +69,7 @@ class SaveIntake:
         out = []
         for op in ops:
             try:
-                out.append((op, self._store(op), ""))
+                out.append((op, self.saves.fallback(op), ""))
             except Exception as err:
                 out.append((op, None, f"refused: {err!r}"))
         return out

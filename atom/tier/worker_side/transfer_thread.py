@@ -79,7 +79,7 @@ class TransferThread:
         if saves is not None:
             saves.fallback = self._store_via_server
             self.health.on_server_change.append(saves.server_changed)
-            self.intake = SaveIntake(saves, self._store_via_server)
+            self.intake = SaveIntake(saves)
         self._old_adapters: list = []
         self._backoff = ConnectBackoff(config.heartbeat_s)
         self._was_healthy = False
