@@ -234,13 +234,13 @@ class LLMEngine:
         if not out.spans:
             return StepResult(False, [], self.scheduler.has_work() or self.tier_busy())
         t0 = time.perf_counter()
+        self.scheduler.before_forward(out.spans)  # the tier's reservations overlap the forward
         if self.drafter is not None:
             finished = speculative_step(self, out)
             self.engine_metrics.step.observe(time.perf_counter() - t0)
             return StepResult(True, finished, False)
         # spans of requests asking for prompt logprobs need every token's logits
         full = [i for i, sp in enumerate(out.spans) if needs_prompt_logits(sp.seq, sp.start)]
-        self.scheduler.before_forward(out.spans)
         try:
             if full:
                 logits = self.runner.execute(out.spans, full)

@@ -188,7 +188,7 @@ class SaveAhead:
     driven saves): claimed by the save op with the same request, start and end."""
 
     lmc_id: str
-    token_ids: list[int]  # the sequence's live token list: [0, end) is known already
+    token_ids: list[int]  # tokens [0, end): the live list, or a copy with a span's drafts
     start: int
     end: int
 

@@ -164,3 +164,38 @@ def test_dspark_windows_resume_from_the_tier(lmcache_server, make_llm):
     resumed = {(tuple(p), len(p) - 1) for p in prompts}
     assert resumed <= seen2.keys() and len(seen1.keys() & seen2.keys()) > 3 * BLOCK
     assert all(seen1[key] == seen2[key] for key in seen1.keys() & seen2.keys())
+
+
+@pytest.mark.parametrize("rejected", [False, True], ids=["accepted", "rejected"])
+def test_verify_spans_reserve_their_saves_before_the_forward(lmcache_server, make_llm, rejected):
+    """Engine-driven saves with drafts: a verify span that ends on a chunk boundary reserves
+    its save ahead, keyed by the tokens with its drafts. All drafts accepted: the save claims
+    it. The last draft before each boundary wrong: that reservation is given back, the span
+    that reaches the boundary next reserves again, and every save still claims one."""
+    from .test_engine_saves import saves_of, saves_ready, saves_tier
+
+    prompt = prompts_of([BLOCK + 7], seed=39_611 + rejected)
+    plain = make_llm(MODEL).generate(prompt, GREEDY)[0]
+    truth = {tuple(prompt[0]): prompt[0] + plain.token_ids}
+    wrong = (lambda p: p % BLOCK == BLOCK - 1) if rejected else (lambda p: False)
+    llm = scripted(
+        make_llm(MODEL, speculative_tokens=5, **saves_tier(lmcache_server)), truth, wrong
+    )
+    saves_ready(llm)
+    saves = saves_of(llm)
+    at_boundary = []  # verify spans that end on a chunk boundary with their image
+    inner = llm.engine.runner.execute
+
+    def execute(spans, *a, **kw):
+        at_boundary.extend(
+            sp for sp in spans if sp.drafts and sp.image is not None and sp.end % BLOCK == 0
+        )
+        return inner(spans, *a, **kw)
+
+    llm.engine.runner.execute = execute
+    assert llm.generate(prompt, GREEDY)[0].token_ids == plain.token_ids
+    llm.shutdown()  # its saves drain before it returns
+    done = llm.engine.scheduler.connector.tier_metrics.saves.get(outcome="done")
+    assert len(at_boundary) >= 2, at_boundary  # the decode boundaries at 32 and 48 at least
+    assert saves.ahead["claimed"] == done == saves.counts["copied"], (saves.ahead, done)
+    assert saves.ahead["unclaimed"] == (len(at_boundary) if rejected else 0), saves.ahead

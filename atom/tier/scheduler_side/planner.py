@@ -323,7 +323,11 @@ class OffloadConnector(Connector):
         (engine-driven saves): one per span that ends on a chunk boundary with its image,
         from what the request stored so far (``_plan_saves`` makes the same op then, unless
         another image or a stored one changes it). The reservation's round-trip overlaps the
-        forward; one the step does not claim is given back (``ahead_end``)."""
+        forward; one the step does not claim is given back (``ahead_end``).
+
+        A verify span is reserved as if its drafts are accepted (its image is kept only
+        then): the keys are those of the tokens with the drafts, a copy (the live list lacks
+        them until the commit). A rejection costs the reservation given back."""
         reserve = getattr(self.transfers, "reserve_ahead", None)  # not every transfers can
         if self._ahead_open:  # a step that failed before after_step
             self.transfers.ahead_end()
@@ -337,12 +341,12 @@ class OffloadConnector(Connector):
                 st is None
                 or st.tier_has is None
                 or sp.image is None
-                or sp.drafts
                 or sp.end % chunk
                 or sp.end <= st.saved_upto
             ):
                 continue
-            ahead.append(SaveAhead(st.lmc_id, st.seq.tokens, st.saved_upto, sp.end))
+            tokens = st.seq.tokens + list(sp.drafts) if sp.drafts else st.seq.tokens
+            ahead.append(SaveAhead(st.lmc_id, tokens, st.saved_upto, sp.end))
         if ahead:
             self._ahead_open = reserve(ahead)
 
