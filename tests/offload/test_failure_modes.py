@@ -850,7 +850,7 @@ def test_fm14_transfer_thread_blocks_when_idle_and_polls_only_while_in_flight(mo
     adapter = FakeWorkerAdapter()
     tt = make_transfer_thread(on_outcome, poll_interval_s=0.001)
     tt._cond = cond = RecordingCondition()
-    tt._connect = lambda: adapter
+    tt.link.connect = lambda: adapter
     rounds = []
     poll_round = tt._poll_round
     tt._poll_round = lambda: (rounds.append(len(tt._inflight)), poll_round())[1]
@@ -916,7 +916,7 @@ def test_fm15_a_failed_round_is_reported_over_an_older_error(monkeypatch):
     adapter = FakeWorkerAdapter()
     tt = make_transfer_thread(on_outcome, server_alive=server_alive, poll_interval_s=0.001)
     tt._cond = cond = RecordingCondition()
-    tt._connect = lambda: adapter
+    tt.link.connect = lambda: adapter
     tt.last_error = "RuntimeError('an older error')"
     try:
         tt.start(wait_registered_s=WAIT_S)

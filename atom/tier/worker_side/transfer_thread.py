@@ -8,7 +8,8 @@ for a terminal result first and only then against its deadline, so a finished tr
 never failed because its round ran late. A round runs on a timer (``poll_interval_s``) only
 while transfers are in flight; otherwise the thread blocks until there is work.
 
-Server faults: the adapter's heartbeat notices an outage and re-registers after it. A LATE op
+Server faults (the adapter's life, registration and health: ``adapter_link.AdapterLink``):
+the adapter's heartbeat notices an outage and re-registers after it. A LATE op
 (deadline passed, fate unknown) stays quarantined until its future resolves, or until the
 server has been healthy again for a grace period without answering it, or until an owned
 server process is known dead: a resumed server answers within milliseconds, so silence after
@@ -34,15 +35,14 @@ from collections.abc import Callable
 import torch
 
 from atom.tier.config import OffloadConfig
-from atom.tier.operations import OpState, SaveAhead, TransferOp, WorkerHealth
-from atom.tier.worker_side.backoff import ConnectBackoff
+from atom.tier.operations import OpState, SaveAhead, TransferOp
+from atom.tier.worker_side.adapter_link import AdapterLink
 from atom.tier.worker_side.engine_save import EngineSave, fail_future
-from atom.tier.worker_side.layout import SpecShape, build_spec, group_infos, kv_caches
+from atom.tier.worker_side.layout import SpecShape, build_spec
 from atom.tier.worker_side.save_intake import SaveIntake
 
 log = logging.getLogger("atom.offload")
 
-REFUSALS_BEFORE_REREGISTER = 3
 AHEAD_END = "ahead_end"  # queued after a step's saves: unclaimed reservations are given back
 
 
@@ -63,10 +63,19 @@ class TransferThread:
         poll_interval_s: float = 0.0005,
         saves=None,
     ):
-        self.url, self.namespace, self.world_size = url, namespace, world_size
-        self.worker_id = worker_id  # this rank's worker in the keys (0 with rank collapse)
-        self.pool, self.shape, self.cfg = pool, shape, config
-        self.ctx, self.on_outcome = zmq_context, on_outcome
+        self.url, self.pool, self.shape, self.cfg = url, pool, shape, config
+        self.on_outcome = on_outcome
+        # worker_id: this rank's worker in the keys (0 with rank collapse)
+        self.link = AdapterLink(
+            url=url,
+            namespace=namespace,
+            world_size=world_size,
+            worker_id=worker_id,
+            pool=pool,
+            shape=shape,
+            config=config,
+            zmq_context=zmq_context,
+        )
         self.server_alive = server_alive
         self.poll_interval_s = poll_interval_s
         self.saves = saves  # local_save.EngineSaves: engine-driven saves (None: the server's)
@@ -74,35 +83,23 @@ class TransferThread:
         # ops, and (engine-driven saves) lists of reservations to send ahead or AHEAD_END
         self._queue: deque = deque()
         self._inflight: list[TransferOp] = []
-        self.health = WorkerHealth()  # what the connector reads: adapter, registrations, ...
+        self.health = self.link.health  # what the connector reads: adapter, registrations, ...
         self.intake = None  # save_intake.SaveIntake: engine-driven saves' way in
         if saves is not None:
             saves.fallback = self._store_via_server
             self.health.on_server_change.append(saves.server_changed)
             self.intake = SaveIntake(saves)
-        self._old_adapters: list = []
-        self._backoff = ConnectBackoff(config.heartbeat_s)
-        self._was_healthy = False
-        self._recovered_at: float | None = None
-        self._refusals = 0
-        self._unreachable = self._outage = False  # since the last registration: failed, down
         self._stop = False
         self._drain_until: float | None = None
-        self._registered = threading.Event()
         self.round_errors = 0
         self.rounds = 0  # polling rounds run (each holds the interpreter lock while it runs)
-        self.last_error = ""
-        self.since = time.time()  # wall time of the last up/down change (or of the start)
-        self._seen_up = False
-        self._reported_up = False
-        self._health_lock = threading.Lock()
         self.thread = threading.Thread(target=self._run, name="atom-lmcache-transfer", daemon=True)
 
     # ---- step thread ------------------------------------------------------------------------
 
     def start(self, wait_registered_s: float = 0.0) -> bool:
         self.thread.start()
-        return self._registered.wait(wait_registered_s) if wait_registered_s > 0 else False
+        return self.link.registered.wait(wait_registered_s) if wait_registered_s > 0 else False
 
     def submit(self, op: TransferOp) -> None:
         """Queue ``op`` (its ``event`` marks when its source bytes are written)."""
@@ -131,6 +128,24 @@ class TransferThread:
     @property
     def healthy(self) -> bool:
         return self.health.healthy
+
+    @property
+    def last_error(self) -> str:
+        """The last failure: a registration's, an outage's or a round's (what /health shows)."""
+        return self.link.last_error
+
+    @last_error.setter
+    def last_error(self, error: str) -> None:
+        self.link.last_error = error
+
+    @property
+    def since(self) -> float:
+        """Wall time of the tier's last up/down change (or of the start)."""
+        return self.link.since
+
+    def note_health(self) -> bool:
+        """The tier's health, its changes logged (any thread: ``AdapterLink.note_health``)."""
+        return self.link.note_health()
 
     @property
     def epoch(self) -> int:
@@ -169,7 +184,7 @@ class TransferThread:
             while True:
                 with self._cond:
                     while not self._queue and not self._busy() and not self._stop:
-                        wait = None if self.health.adapter is not None else self._retry_in()
+                        wait = None if self.health.adapter is not None else self.link.retry_in()
                         if not self._cond.wait(wait) and self.health.adapter is None:
                             break  # time to try connecting again
                     if self._busy() and not self._queue and not self._stop:
@@ -182,7 +197,7 @@ class TransferThread:
                     break
                 self.rounds += 1
                 try:
-                    self._ensure_adapter()
+                    self.link.ensure(self._stop)
                     self._submit_queued()
                     self._poll_round()
                 except Exception as exc:  # reported, never masked by an older error
@@ -196,92 +211,10 @@ class TransferThread:
         """Something to poll: ops in flight, or the saves' own calls and copies."""
         return bool(self._inflight) or (self.saves is not None and self.saves.pending)
 
-    def note_health(self) -> bool:
-        """The tier's health; logs and records (``since``, ``last_error``) when it went down or
-        came back. Any thread may call it: this thread's rounds do, and so do /health and the
-        server's watcher, which see an outage of an idle tier (this thread blocks when idle)."""
-        healthy = self.healthy
-        with self._health_lock:
-            if healthy != self._reported_up:
-                if healthy and not self._seen_up and not self.last_error:
-                    self.since = time.time()  # the first registration: up since now
-                else:
-                    self._tier_changed(healthy)
-                self._seen_up = self._seen_up or healthy
-                self._reported_up = healthy
-        return healthy
-
-    def _tier_changed(self, up: bool, error: str = "") -> None:
-        self.since = time.time()
-        if up:
-            log.info("LMCache tier at %s is back (registration %d)", self.url, self.registrations)
-        else:
-            if error or self.health.adapter is not None or not self.last_error:
-                self.last_error = error or "heartbeat failed: the server stopped answering"
-            log.warning("LMCache tier at %s is down: %s", self.url, self.last_error)
-
-    def _retry_in(self) -> float:
-        return self._backoff.wait_s()
-
     def _drained(self) -> bool:
         with self._cond:
             empty = not self._queue and not self._inflight
         return empty or time.monotonic() >= (self._drain_until or 0)
-
-    def _connect(self):
-        from lmcache.integration.atom import AtomMPParallelConfig, AtomMPWorkerAdapter
-
-        adapter = AtomMPWorkerAdapter(
-            self.url,
-            self.ctx,
-            self.namespace,
-            self.shape.block_size,
-            AtomMPParallelConfig(world_size=self.world_size, worker_id=self.worker_id, tp_size=1),
-            mq_timeout=self.cfg.rpc_timeout_s,
-            heartbeat_interval=self.cfg.heartbeat_s,
-            transfer_mode="lmcache_driven",
-        )
-        adapter.register_kv_caches(
-            kv_caches(self.pool, self.shape.units_per_image),
-            engine_group_infos=group_infos(
-                self.shape.block_size, self.shape.chunk_size, self.shape.units_per_image
-            ),
-        )
-        return adapter
-
-    def _ensure_adapter(self) -> None:
-        if self.health.adapter is not None or self._stop or not self._backoff.ready():
-            return
-        try:
-            self.health.adapter = self._connect()
-        except Exception as exc:
-            self._backoff.failed()
-            if self._reported_up or not self.last_error:
-                self.since = time.time()
-            self.last_error = f"registration failed: {exc!r}"
-            if self._was_healthy or self.registrations == 0:
-                log.warning(
-                    "LMCache tier at %s unavailable (%s); serving without it, retrying",
-                    self.url,
-                    exc,
-                )
-            self._was_healthy = False
-            self._unreachable = True
-            self._registered.set()  # the first attempt is over, whatever its outcome
-            return
-        self.health.registered(after_failures=self._unreachable)
-        self._refusals, self._unreachable = 0, False
-        self._registered.set()
-        log.info("registered the pool with LMCache at %s (namespace %s)", self.url, self.namespace)
-
-    def _replace_adapter(self) -> None:
-        """A silent de-registration (refused saves while 'healthy'): register afresh."""
-        log.warning("LMCache refused %d saves in a row; re-registering", self._refusals)
-        self._old_adapters.append(self.health.adapter)
-        self.health.adapter = None
-        self._recovered_at = time.monotonic()
-        self._backoff.reset()
-        self._ensure_adapter()
 
     def _submit_queued(self) -> None:
         engine_saves: list[TransferOp] = []
@@ -350,16 +283,9 @@ class TransferThread:
         return fut
 
     def _poll_round(self) -> None:
-        adapter = self.health.adapter
-        healthy = adapter is not None and adapter.is_healthy
         now = time.monotonic()
-        self._outage |= self._was_healthy and not healthy
-        if healthy and not self._was_healthy and self.registrations > 0:
-            self._recovered_at = now
-            self.health.recovered(after_outage=self._outage)
-            self._outage = False
-        self.note_health()
-        self._was_healthy = healthy
+        healthy = self.link.observe(now)
+        recovered_at = self.link.recovered_at
         grace = 2 * self.cfg.heartbeat_s + 1.0
         server_dead = self.server_alive is not None and not self.server_alive()
         done = []
@@ -380,7 +306,7 @@ class TransferThread:
                 # a refused store of the server's (an engine-driven save's refusals are the
                 # module's, not a sign of a lost registration)
                 if op.kind == "save" and not op.was_late and not engine:
-                    self._refusals = 0 if ok else self._refusals + 1
+                    self.link.note_store(ok)
                 done.append(op)
             elif op.state is OpState.IN_FLIGHT and now > op.deadline:
                 if op.mark_late():
@@ -388,9 +314,9 @@ class TransferThread:
             elif op.state is OpState.LATE and (
                 server_dead
                 or (
-                    self._recovered_at is not None
-                    and now > self._recovered_at + grace
-                    and op.submitted_at < self._recovered_at
+                    recovered_at is not None
+                    and now > recovered_at + grace
+                    and op.submitted_at < recovered_at
                 )
             ):
                 fail_future(fut)
@@ -400,8 +326,7 @@ class TransferThread:
             self._inflight = [op for op in self._inflight if op not in done]
         if self.saves is not None:
             self.saves.flush()  # this round's commits and aborts, one call each
-        if healthy and self._refusals >= REFUSALS_BEFORE_REREGISTER:
-            self._replace_adapter()
+        self.link.maybe_reregister(healthy)
 
     def _finish(self, op: TransferOp, ok: bool, error: str) -> None:
         if op.resolve(ok, error):
@@ -425,11 +350,4 @@ class TransferThread:
                 self.saves.close()  # aborts what is reserved, unmaps
             except Exception:
                 log.warning("closing engine-driven saves failed", exc_info=True)
-        for adapter in [*self._old_adapters, self.health.adapter]:
-            if adapter is None:
-                continue
-            try:
-                adapter.shutdown()
-            except Exception:
-                log.warning("LMCache worker adapter shutdown failed", exc_info=True)
-        self.health.adapter = None
+        self.link.close()
