@@ -24,9 +24,11 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import signal
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 import zmq
@@ -233,8 +235,47 @@ def test_tp2_outputs_with_the_tier_equal_tp2_without(runs):
     assert [o.token_ids for o in out] == [o.token_ids for o in runs["true"][0]]
 
 
+def _ours(pid: int) -> bool:
+    """``pid`` is this process, a descendant of it, or no live process (one this test
+    killed); False for a live process of another tree (a test run beside this one)."""
+    me = os.getpid()
+    while pid > 1:
+        if pid == me:
+            return True
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            return not Path(f"/proc/{pid}").exists()
+        pid = int(stat.rsplit(")", 1)[1].split()[1])  # the parent's pid
+    return False
+
+
 def shm_entries() -> set[str]:
-    return set(os.listdir("/dev/shm"))
+    """/dev/shm's entries, less those of a live process outside this one's tree: LMCache
+    names a segment after the process that made it (its first number), so a run beside this
+    one cannot fail the leak checks; an entry that names no pid always counts."""
+    out = set()
+    for name in os.listdir("/dev/shm"):
+        m = re.search(r"_(\d+)", name)
+        if m is None or _ours(int(m.group(1))):
+            out.add(name)
+    return out
+
+
+def test_the_leak_check_counts_this_trees_segments_only():
+    names = {
+        f"atom_leak_check_{os.getpid()}_0": True,  # this process's
+        "atom_leak_check_1_0": False,  # a live process of another tree (init)
+        "atom_leak_check_nopid": True,  # names no pid
+    }
+    try:
+        for name in names:
+            Path("/dev/shm", name).touch()
+        seen = shm_entries()
+        assert {n: n in seen for n in names} == names
+    finally:
+        for name in names:
+            Path("/dev/shm", name).unlink(missing_ok=True)
 
 
 def test_a_killed_rank_with_the_tier_leaves_nothing_behind():
