@@ -59,15 +59,6 @@ class AdapterLink:
         self._seen_up = self._reported_up = False
         self._health_lock = threading.Lock()
 
-    @property
-    def adapter(self):
-        return self.health.adapter
-
-    @property
-    def up(self) -> bool:
-        adapter = self.health.adapter
-        return adapter is not None and bool(adapter.is_healthy)
-
     def retry_in(self) -> float:
         """Seconds until the next registration attempt (the idle thread's wait)."""
         return self._backoff.wait_s()
@@ -142,7 +133,7 @@ class AdapterLink:
     def observe(self, now: float) -> bool:
         """A round's view: whether the tier serves now; a recovery after an outage (or a first
         sight of it healthy since registering) is recorded and sets ``recovered_at``."""
-        healthy = self.up
+        healthy = self.health.healthy
         self._outage |= self._was_healthy and not healthy
         if healthy and not self._was_healthy and self.health.registrations > 0:
             self.recovered_at = now

@@ -63,7 +63,7 @@ class TransferThread:
         poll_interval_s: float = 0.0005,
         saves=None,
     ):
-        self.url, self.pool, self.shape, self.cfg = url, pool, shape, config
+        self.shape, self.cfg = shape, config
         self.on_outcome = on_outcome
         # worker_id: this rank's worker in the keys (0 with rank collapse)
         self.link = AdapterLink(
