@@ -80,9 +80,10 @@ class EngineDriven:
         assert located is not None, "locate failed"
         return located, t1 - t0, time.perf_counter() - t1
 
-    def copier(self, streams: int) -> LocalLoads:
-        """A LocalLoads with ``streams`` copy streams (the engine's has 1)."""
-        return LocalLoads(self.local.spec, self.pool, 256, streams=streams)
+    def copier(self, streams: int, batch: bool = True) -> LocalLoads:
+        """A LocalLoads with ``streams`` copy streams (the engine's has 1); ``batch=False``:
+        one runtime call per copy instead of one batched call per load."""
+        return LocalLoads(self.local.spec, self.pool, 256, streams=streams, batch=batch)
 
     def issue(self, located, n: int, dst: list[int], units: list[int], done: list, local=None):
         local = local or self.local

@@ -110,3 +110,34 @@ def test_image_roundtrip_on_cuda_is_byte_exact():
     rt.store_image(0, units)
     assert rt.restore_image(units, 2) == 512
     assert torch.equal(slots[2], slots[0])
+
+
+def test_batched_raw_copies_move_scattered_regions_both_ways_in_one_call_each():
+    """The tier's copies (cuda_copy.RawCopier): scattered regions of a pinned host buffer into
+    device blocks and back, one cudaMemcpyBatchAsync call each way (CUDA 12.8+), byte-exact."""
+    from atom.tier.worker_side.cuda_copy import DEVICE_TO_HOST, HOST_TO_DEVICE, RawCopier
+
+    raw = RawCopier.of_runtime("test")
+    assert raw.available, "the CUDA runtime torch loaded was not reached"
+    cuda = tuple(int(x) for x in torch.version.cuda.split(".")[:2])
+    if cuda >= (12, 8):
+        assert raw.batch is not None, f"CUDA {torch.version.cuda} has cudaMemcpyBatchAsync"
+    bb, gen = 4096, torch.Generator().manual_seed(5)
+    host = torch.randint(0, 256, (64 * bb,), dtype=torch.uint8, generator=gen).pin_memory()
+    dev = torch.zeros(32, bb, dtype=torch.uint8, device="cuda")
+    runs = [(3, 0, 2), (10, 5, 1), (40, 2, 3), (63, 31, 1)]  # (src block, dst block, blocks)
+    stream = torch.cuda.Stream()
+    copies = [(dev.data_ptr() + d * bb, host.data_ptr() + s * bb, n * bb) for s, d, n in runs]
+    assert raw.issue(stream.cuda_stream, copies, HOST_TO_DEVICE)
+    stream.synchronize()
+    view = host.view(64, bb)
+    for s, d, n in runs:
+        assert torch.equal(dev[d : d + n].cpu(), view[s : s + n])
+    back = torch.zeros_like(host).pin_memory()
+    copies = [(back.data_ptr() + s * bb, dev.data_ptr() + d * bb, n * bb) for s, d, n in runs]
+    assert raw.issue(stream.cuda_stream, copies, DEVICE_TO_HOST)
+    stream.synchronize()
+    for s, _, n in runs:
+        assert torch.equal(back.view(64, bb)[s : s + n], view[s : s + n])
+    batched = raw.batch is not None
+    assert (raw.launches, raw.batched) == ((2, 2) if batched else (8, 0))

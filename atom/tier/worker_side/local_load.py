@@ -6,10 +6,11 @@
     the source bytes, carries this layout's tag and the load's own boundary;
   * the copies run in as few pieces as contiguity allows (a run of consecutive source bytes
     into consecutive pool blocks is one copy).
-On CUDA the copies are ``cudaMemcpyAsync`` calls made straight into the CUDA runtime that torch
-loaded (about 20 us less per copy than ``Tensor.copy_``, which a burst of loads of many chunks
-pays hundreds of times; ``Tensor.copy_`` when that runtime cannot be reached), on a copy
-stream of their own. The copy stream first waits for the compute stream (an earlier
+On CUDA the copies are issued straight into the CUDA runtime that torch loaded (cuda_copy.py:
+one ``cudaMemcpyBatchAsync`` call per load where the runtime has it, else one
+``cudaMemcpyAsync`` per run, about 20 us less each than ``Tensor.copy_``, which a burst of loads
+of many chunks pays hundreds of times; ``Tensor.copy_`` when that runtime cannot be reached),
+on a copy stream of their own. The copy stream first waits for the compute stream (an earlier
 forward may still read a block being overwritten), and the compute stream waits on the copy's
 event, so the next forward (and the image restore) is ordered after the load with no host
 wait: the load is complete for the scheduler as soon as it is issued. On CPU the copies are
@@ -23,7 +24,6 @@ bytes out from under it.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import struct
 import time
@@ -33,29 +33,14 @@ from dataclasses import dataclass
 import torch
 
 from atom.model_api import StateSpec, pool_bytes
-from atom.tier.worker_side.locator import Located, clear_cuda_error
+from atom.tier.worker_side.cuda_copy import HOST_TO_DEVICE, RawCopier
+from atom.tier.worker_side.locator import Located
 
 log = logging.getLogger("atom.offload")
-
-CUDA_MEMCPY_HOST_TO_DEVICE = 1
 
 
 class LocalLoadError(RuntimeError):
     pass
-
-
-def cuda_memcpy_async():
-    """The runtime's cudaMemcpyAsync(dst, src, bytes, kind, stream), or None."""
-    for name in ("libcudart.so.13", "libcudart.so.12", "libcudart.so"):
-        try:
-            fn = ctypes.CDLL(name).cudaMemcpyAsync
-        except (OSError, AttributeError):
-            continue
-        fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        fn.argtypes += [ctypes.c_void_p]
-        fn.restype = ctypes.c_int
-        return fn
-    return None
 
 
 @dataclass
@@ -94,7 +79,14 @@ def runs(pieces: list[tuple[int, int, int]], bb: int) -> list[tuple[int, int, in
 
 
 class LocalLoads:
-    def __init__(self, spec: StateSpec, pool_tensor: torch.Tensor, chunk: int, streams: int = 1):
+    def __init__(
+        self,
+        spec: StateSpec,
+        pool_tensor: torch.Tensor,
+        chunk: int,
+        streams: int = 1,
+        batch: bool = True,
+    ):
         self.spec, self.chunk = spec, chunk
         self.bb = spec.block_bytes
         self.bpc = chunk // spec.block_size
@@ -105,11 +97,11 @@ class LocalLoads:
         # 16 loads of 28 chunks reached the same bandwidth with 2 as with 1, so 1 by default)
         self._streams = [torch.cuda.Stream(dev) for _ in range(streams)] if self.cuda else []
         self._clock = torch.cuda.Stream(dev) if self.cuda else None  # never given work
-        self._memcpy = cuda_memcpy_async() if self.cuda else None
+        self._raw = RawCopier.of_runtime("loads", batch) if self.cuda else RawCopier()
         self._pending: list[_Pending] = []
         # gets each completed load's phases ({phase: seconds} over ``PHASES``), or None
         self.on_phases: Callable[[dict], None] | None = None
-        self.copies = 0  # copy calls issued (runs), for the benchmark
+        self.copies = 0  # copies issued (runs), for the benchmark
         self.bytes = 0
 
     # ---- checks (host reads of the source; no device work) --------------------------------
@@ -203,21 +195,19 @@ class LocalLoads:
                 log.debug("load phases not recorded", exc_info=True)
 
     def _raw_copies(self, stream, mapping, dst: torch.Tensor, plan: list) -> bool:
-        """Issue ``plan`` as cudaMemcpyAsync calls on ``stream`` (registered source only).
-        False when the runtime is out of reach or refuses a copy: then the caller copies the
-        whole plan through torch (the bytes are the same, a copy made twice is harmless)."""
-        if self._memcpy is None or not mapping.pinned:
+        """Issue ``plan`` straight into the CUDA runtime on ``stream`` (registered source
+        only; one batched call where the runtime has it). False when the runtime is out of
+        reach or refuses a copy: then the caller copies the whole plan through torch."""
+        if not self._raw.available or not mapping.pinned:
             return False
-        bb, fn, handle = self.bb, self._memcpy, stream.cuda_stream
-        s0, d0 = mapping.data.data_ptr(), dst.data_ptr()
-        for s, d, n in plan:
-            rc = fn(d0 + d * bb, s0 + s, n * bb, CUDA_MEMCPY_HOST_TO_DEVICE, handle)
-            if rc != 0:
-                clear_cuda_error()  # or torch's next launch check reports it
-                log.warning("cudaMemcpyAsync refused (error %d): loads copy through torch", rc)
-                self._memcpy = None
-                return False
-        return True
+        bb, s0, d0 = self.bb, mapping.data.data_ptr(), dst.data_ptr()
+        copies = [(d0 + d * bb, s0 + s, n * bb) for s, d, n in plan]
+        return self._raw.issue(stream.cuda_stream, copies, HOST_TO_DEVICE)
+
+    @property
+    def launches(self) -> int:
+        """Runtime calls that issued copies (one per load where batching works)."""
+        return self._raw.launches
 
     def _count(self, plan) -> None:
         self.copies += len(plan)

@@ -65,6 +65,7 @@ import torch
 
 from atom.tier.operations import LookupOp, OpState
 from atom.tier.server.host import boot_id
+from atom.tier.worker_side.cuda_copy import clear_cuda_error
 from atom.tier.worker_side.server_probe import (
     MODULE_HINT,
     SUPPORTED,
@@ -175,19 +176,6 @@ class L1Mapping:
 
     def __repr__(self) -> str:
         return f"L1Mapping({self.ident.name}, {self.ident.size} B, server {self.ident.server_id})"
-
-
-def clear_cuda_error() -> None:
-    """Reset the runtime's last error after a failed registration, so the next kernel launch
-    check does not report it (torch.cuda.cudart() has no cudaGetLastError)."""
-    import ctypes
-
-    for name in ("libcudart.so.13", "libcudart.so.12", "libcudart.so"):
-        try:
-            ctypes.CDLL(name).cudaGetLastError()
-            return
-        except (OSError, AttributeError):
-            continue
 
 
 class Mappings:

@@ -1,8 +1,9 @@
 """The copy of an engine-driven save into the server's L1: the pool's blocks into the spans a
 reservation gave (runs of (destination offset, source block, blocks)).
 
-On CPU the copies are ``memmove`` calls, complete on return. On CUDA they are device-to-host
-``cudaMemcpyAsync`` calls into the registered (pinned) mapping, on a copy stream of the
+On CPU the copies are ``memmove`` calls, complete on return. On CUDA they are device-to-host copies
+issued straight into the runtime (cuda_copy.py: one batched call per save where the runtime
+has it) into the registered (pinned) mapping, on a copy stream of the
 saves' own that first waits for the save's event (recorded after the forward that wrote the
 blocks); an event recorded after them marks their end (torch's ``copy_`` where the mapping is
 not registered or the runtime refuses a call).
@@ -11,18 +12,12 @@ not registered or the runtime refuses a call).
 from __future__ import annotations
 
 import ctypes
-import logging
 from typing import Any
 
 import torch
 
 from atom.tier.operations import TransferOp
-from atom.tier.worker_side.local_load import cuda_memcpy_async
-from atom.tier.worker_side.locator import clear_cuda_error
-
-log = logging.getLogger("atom.offload")
-
-CUDA_MEMCPY_DEVICE_TO_HOST = 2
+from atom.tier.worker_side.cuda_copy import DEVICE_TO_HOST, RawCopier
 
 
 class SaveCopy:
@@ -33,7 +28,7 @@ class SaveCopy:
         self.blocks, self.bb = blocks, blocks.shape[1]
         self.cuda = torch.device(device).type == "cuda"
         self._stream = torch.cuda.Stream(device) if self.cuda else None
-        self._memcpy = cuda_memcpy_async() if self.cuda else None
+        self._raw = RawCopier.of_runtime("saves") if self.cuda else RawCopier()
         self.bytes = 0  # copied so far
 
     def copy(self, op: TransferOp, plan: list, mapping) -> tuple[Any, str]:
@@ -72,15 +67,13 @@ class SaveCopy:
         return event, error
 
     def _raw_copies(self, stream, mapping, plan: list) -> bool:
-        if self._memcpy is None or not mapping.pinned:
+        if not self._raw.available or not mapping.pinned:
             return False
-        bb, fn, handle = self.bb, self._memcpy, stream.cuda_stream
-        d0, s0 = mapping.data.data_ptr(), self.blocks.data_ptr()
-        for d, s, n in plan:
-            rc = fn(d0 + d, s0 + s * bb, n * bb, CUDA_MEMCPY_DEVICE_TO_HOST, handle)
-            if rc != 0:
-                clear_cuda_error()
-                log.warning("cudaMemcpyAsync refused (error %d): saves copy through torch", rc)
-                self._memcpy = None
-                return False
-        return True
+        bb, d0, s0 = self.bb, mapping.data.data_ptr(), self.blocks.data_ptr()
+        copies = [(d0 + d, s0 + s * bb, n * bb) for d, s, n in plan]
+        return self._raw.issue(stream.cuda_stream, copies, DEVICE_TO_HOST)
+
+    @property
+    def launches(self) -> int:
+        """Runtime calls that issued copies (one per save where batching works)."""
+        return self._raw.launches
