@@ -344,7 +344,8 @@ def main() -> None:
         "handler = the retrieve's own time as the server logs it. ED = engine_driven: locate = "
         "the RPC on the lookup path that says where the objects sit; load = the decision to "
         "load to the copy's completion event (the copy from the server's shared-memory L1 "
-        f"into the pool; 'copies' = copy calls after merging contiguous runs). Mapping the "
+        "into the pool; 'copies' = copies after merging contiguous runs, one runtime call per "
+        f"load where the CUDA runtime batches). Mapping the "
         f"L1 ({server.l1_size_gb:g} GiB) took {local.map_s:.2f} s at start.\n"
     )
     if events_ms is not None:
