@@ -52,6 +52,7 @@ class _Pending:
     on_done: Callable[[float], None]  # gets the time the copy completed
     issued_at: float  # monotonic time of the issue
     phases: dict  # host phases so far (plan, issue), seconds
+    events: list  # every event of the load, back to the pool once it completed
 
 
 PHASES = ("plan", "issue", "wait", "copy")
@@ -99,6 +100,7 @@ class LocalLoads:
         self._clock = torch.cuda.Stream(dev) if self.cuda else None  # never given work
         self._raw = RawCopier.of_runtime("loads", batch) if self.cuda else RawCopier()
         self._pending: list[_Pending] = []
+        self._free: list = []  # completed loads' events, reused
         # gets each completed load's phases ({phase: seconds} over ``PHASES``), or None
         self.on_phases: Callable[[dict], None] | None = None
         self.copies = 0  # copies issued (runs), for the benchmark
@@ -163,29 +165,40 @@ class LocalLoads:
             on_done(t1)
             return
         compute = torch.cuda.current_stream(dst.device)
-        issued = torch.cuda.Event(enable_timing=True)
+        issued = self._event()
         issued.record(self._clock)  # an idle stream: it marks the issue on the GPU's clock
-        starts, ends = [], []
+        starts, ends, marks = [], [], []
         for i, stream in enumerate(self._streams):
             part = plan[i :: len(self._streams)]  # runs alternate between the copy streams
             if not part:
                 continue
-            stream.wait_stream(compute)
-            with torch.cuda.stream(stream):
-                start = torch.cuda.Event(enable_timing=True)
-                start.record(stream)  # fires once the stream is past compute's earlier work
-                if not self._raw_copies(stream, located.mapping, dst, part):
+            after = self._event()
+            after.record(compute)
+            stream.wait_event(after)  # an earlier forward may still read these blocks
+            start = self._event()
+            start.record(stream)  # fires once the stream is past compute's earlier work
+            if not self._raw_copies(stream, located.mapping, dst, part):
+                with torch.cuda.stream(stream):
                     for s, d, n in part:
                         dst[d : d + n].view(-1).copy_(src[s : s + n * bb], non_blocking=True)
-                end = torch.cuda.Event(enable_timing=True)
-                end.record(stream)
+            end = self._event()
+            end.record(stream)
             compute.wait_event(end)
             starts.append(start)
             ends.append(end)
+            marks.append(after)
         self._count(plan)
         located.mapping.in_flight += 1
         phases["issue"] = time.monotonic() - t0
-        self._pending.append(_Pending(issued, starts, ends, located.mapping, on_done, t0, phases))
+        events = [issued, *starts, *ends, *marks]
+        self._pending.append(
+            _Pending(issued, starts, ends, located.mapping, on_done, t0, phases, events)
+        )
+
+    def _event(self) -> torch.cuda.Event:
+        """A timing event from the pool of those whose loads completed (creating one costs
+        the step thread a few microseconds; a load takes four)."""
+        return self._free.pop() if self._free else torch.cuda.Event(enable_timing=True)
 
     def _report(self, phases: dict) -> None:
         if self.on_phases is not None:
@@ -224,6 +237,7 @@ class LocalLoads:
                 took = max(p.issued.elapsed_time(e) for e in p.ends) / 1000.0
                 wait = max(p.issued.elapsed_time(e) for e in p.starts) / 1000.0
                 self._report(p.phases | {"wait": wait, "copy": max(0.0, took - wait)})
+                self._free += p.events
                 p.on_done(p.issued_at + took)
             else:
                 still.append(p)
