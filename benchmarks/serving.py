@@ -338,10 +338,13 @@ def run_arm(
     args,
     fill: bool = True,
     keep: dict | None = None,
+    passes: int = 1,
     **engine,
 ) -> dict:
-    """Pass 1 (unless ``fill`` is False: nothing to fill) then the measured pass 2; ``keep``
-    receives both passes' output tokens ("pass1", "pass2") and the blocks an image takes."""
+    """Pass 1 (unless ``fill`` is False: nothing to fill) then the measured pass 2 (``passes``
+    times over, back to back in the same engine: the wall is their sum, each in
+    ``pass_walls_s``); ``keep`` receives both passes' output tokens ("pass1", "pass2": the last
+    measured pass) and the blocks an image takes."""
     llm = LLM(
         args.model,
         device=args.device,
@@ -384,10 +387,14 @@ def run_arm(
     log = StepLog(eng, busy=conn.busy if conn is not None else None)
     spec0 = spec_counts(eng)
     threads0, rounds0 = thread_cpu_seconds(), transfer_rounds(eng)
-    t0 = time.perf_counter()
+    walls, every = [], []
     with PerProcessGpu() as gpu:  # which processes used the GPU during the pass (CUDA hosts)
-        outs = llm.generate(prompts, params)
-    wall = time.perf_counter() - t0
+        for _ in range(passes):
+            t0 = time.perf_counter()
+            outs = llm.generate(prompts, params)
+            walls.append(time.perf_counter() - t0)
+            every += outs
+    wall = sum(walls)
     threads = cpu_used(threads0, thread_cpu_seconds())
     if keep is not None:
         keep["pass1"] = [o.token_ids for o in first] if first is not None else None
@@ -396,10 +403,11 @@ def run_arm(
         keep["units_per_image"] = eng.spec.units_per_image
     server_cpu = cpu_seconds(server) - server_cpu0 if server is not None else None
     steps = eng.steps - steps0
-    itls = [x for o in outs for x in o.itl_s]
+    itls = [x for o in every for x in o.itl_s]
     res = {
         "arm": name,
-        **summarize(outs, wall, itls),
+        **summarize(every, wall, itls),
+        "pass_walls_s": [round(w, 4) for w in walls],
         "pass1_wall_s": round(pass1, 3),
         "pass1": pass1_summary,
         "steps": steps,
@@ -515,7 +523,9 @@ def busiest_helpers(per_thread: dict, n: int = 3) -> str:
 
 def idle(args) -> None:
     """The tier attached but never needed: one wave of requests in a pool twice the preset's,
-    HBM-only against HBM + tier, interleaved ``--repeats`` times (A B A B) to expose drift."""
+    HBM-only against HBM + tier, interleaved ``--repeats`` times (A B A B) to expose drift;
+    each arm's measured pass runs ``--passes`` times in its engine (a longer arm without
+    another engine start). The overhead of each A B pair is reported, and their spread."""
     prompts = shared_prefix_prompts(args.concurrency, args.prefixes, args.prefix_len, args.tail_len)
     args.pool_blocks *= 2
     tier = dict(
@@ -528,15 +538,19 @@ def idle(args) -> None:
         },
     )
     arms = []
+    passes = args.passes
     for rep in range(args.repeats):
-        arms.append(run_arm(f"HBM only #{rep + 1}", prompts, args))
-        arms.append(run_arm(f"HBM + idle tier #{rep + 1}", prompts, args, **tier))
+        arms.append(run_arm(f"HBM only #{rep + 1}", prompts, args, passes=passes))
+        arms.append(run_arm(f"HBM + idle tier #{rep + 1}", prompts, args, passes=passes, **tier))
     hbm = statistics.mean(a["wall_s"] for a in arms[0::2])
     tiered = statistics.mean(a["wall_s"] for a in arms[1::2])
+    pairs = [b["wall_s"] / a["wall_s"] - 1 for a, b in zip(arms[0::2], arms[1::2])]
     summary = {
         "hbm_only_wall_s": hbm,
         "idle_tier_wall_s": tiered,
         "idle_tier_overhead": tiered / hbm - 1,
+        "pair_overheads": [round(x, 5) for x in pairs],
+        "pair_spread": max(pairs) - min(pairs),
         "tier_loads": sum(a.get("loads", 0) for a in arms[1::2]),
     }
     rows = [
@@ -571,12 +585,16 @@ def idle(args) -> None:
         "while it runs Python). GPU SM %: nvidia-smi pmon's 1 s samples of each process, "
         "mean over the pass (the server's share is what its CUDA context took)."
         f"\n\nIdle-tier overhead (mean wall of the tier arms over the HBM-only arms - 1): "
-        f"{100 * summary['idle_tier_overhead']:+.2f}%; loads in the tier arms: "
-        f"{summary['tier_loads']}.\n"
+        f"{100 * summary['idle_tier_overhead']:+.2f}%; by A B pair: "
+        + ", ".join(f"{100 * x:+.2f}%" for x in pairs)
+        + f" (spread {100 * summary['pair_spread']:.2f} points); loads in the tier arms: "
+        f"{summary['tier_loads']}. Each arm: {passes} measured pass(es) of "
+        f"{len(prompts)} requests in one engine.\n"
     )
     print(table)
     cmd = (
         f"python -m benchmarks.serving --preset {args.preset} --arms idle --repeats {args.repeats}"
+        + (f" --passes {passes}" if passes > 1 else "")
     )
     print(
         write_results(
@@ -823,6 +841,12 @@ def main() -> None:
         default=None,
         help="idle: A/B pairs to interleave (default 2); speculative: rounds of the six arms "
         "(default: 2 on cpu, 1 on gpu)",
+    )
+    ap.add_argument(
+        "--passes",
+        type=int,
+        default=1,
+        help="idle: measured passes per arm, back to back in its engine (a longer arm)",
     )
     ap.add_argument(
         "--load-mode",

@@ -139,8 +139,8 @@ for s in "$@"; do
     # (the step thread's ms per hook are inflated by the profiler: compare tier_only)
     tier_profile) step 300 python3 -m benchmarks.serving --preset gpu --arms tier \
       --save-mode engine_driven --profile-hooks --name serving_h200_profile ;;
-    idle) step 560 python3 -m benchmarks.serving --preset gpu --arms idle \
-      --repeats "${IDLE_REPEATS:-2}" ;;
+    idle) step "${IDLE_LIMIT:-560}" python3 -m benchmarks.serving --preset gpu --arms idle \
+      --repeats "${IDLE_REPEATS:-2}" --passes "${IDLE_PASSES:-1}" ;;
     train)  # a sweep of recipes in parallel (one GPU, launch-bound processes); keep every model
       m=${TRAIN_MINUTES:-6}; t=$(( ${TRAIN_MINUTES:-6} * 60 + 150 ))
       base="--minutes $m --batch 32 --far 80"
