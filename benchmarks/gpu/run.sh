@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On the GPU machine: install carried wheels, run GPU tests and benchmarks, keep results.
 # Usage: bash benchmarks/gpu/run.sh STEP...
-#   steps: tests tier forward profile components roofline roofline_glue sweep profile_prefill transfer cuda_ops transfer_native transfer_modes serving
+#   steps: tests (= tests_main tests_glue) tier forward profile components roofline roofline_glue sweep profile_prefill transfer cuda_ops transfer_native transfer_modes serving
 #          speculative serving_spec tp tp_tests (tp, tp_tests: two GPUs)
 #          tier_only tier_profile idle
 #          train forward_v4 roofline_v4 serving_v4 speculative_v4 fp8_gemm roofline_fp8
@@ -27,12 +27,30 @@ mkdir -p "$RESULTS"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$RESULTS/gpu.txt"
 step() { local limit=$1; shift; echo "=== $* (limit ${limit}s)"; local t0=$SECONDS
   timeout "$limit" "$@"; echo "=== rc=$? in $((SECONDS - t0)) s"; }
+# a pytest step: every test's outcome in $RESULTS/NAME.log (it comes back as a file, and names
+# what failed even when the limit cuts the run before pytest's summary); here its failures,
+# its counts and its tail. Captured logs from WARNING up: torch's compile logs at DEBUG
+# drowned the failures.
+tests_step() { local name=$1 limit=$2; shift 2; echo "=== $name: pytest $* (limit ${limit}s)"
+  local t0=$SECONDS rc log="$RESULTS/$name.log"
+  timeout "$limit" python3 -m pytest -v -rfE --tb=short --durations=12 --log-level=WARNING \
+    -p no:cacheprovider "$@" > "$log" 2>&1; rc=$?
+  grep -E "^tests/.* (FAILED|ERROR) " "$log" | head -20
+  echo "--- $(grep -cE "^tests/.* PASSED " "$log") passed, $(grep -cE "^tests/.* (FAILED|ERROR) " "$log") failed"
+  tail -n 40 "$log"; echo "=== rc=$rc in $((SECONDS - t0)) s (log: $name.log)"; }
 for s in "$@"; do
   case "$s" in
-    tests) step "${TESTS_LIMIT:-420}" python3 -m pytest -q --durations=12 -p no:cacheprovider tests/gpu tests/kernels \
-      -k "not tier" ;;
+    # the gate's tests without the tier, in two parts that each fit one device call: tests_main
+    # (about 300 s on one H200 at b260e84) and tests_glue (compiled glue: torch.compile in
+    # every test); "tests" runs both
+    tests) tests_step tests_main "${TESTS_LIMIT:-420}" tests/gpu tests/kernels \
+        -k "not tier and not glue"
+      tests_step tests_glue "${GLUE_LIMIT:-480}" tests/gpu/test_glue_compile_cuda.py ;;
+    tests_main) tests_step tests_main "${TESTS_LIMIT:-420}" tests/gpu tests/kernels \
+      -k "not tier and not glue" ;;
+    tests_glue) tests_step tests_glue "${GLUE_LIMIT:-480}" tests/gpu/test_glue_compile_cuda.py ;;
     tier)  # with two GPUs this includes the tier across ranks (about 110 s); one GPU skips it
-      step "${TIER_LIMIT:-300}" python3 -m pytest -q -p no:cacheprovider tests/gpu -k tier ;;
+      tests_step tier "${TIER_LIMIT:-300}" tests/gpu -k tier ;;
     forward) step 200 python3 -m benchmarks.model_forward --model v41-bench --device cuda \
       --dtype bfloat16 --prompt-len 2048 --decode-steps 16 --batch 1 8 16 \
       --name model_forward_h200 ;;

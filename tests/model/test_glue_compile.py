@@ -66,7 +66,9 @@ def test_fake_graphs_with_compiled_glue_equal_eager_and_compile_per_region_not_p
     graphs0 = counters["stats"]["unique_graphs"]
     eager, fake = _runtime(False), _runtime(True)
     layers = len(fake.model.model.layers)
-    assert (1, 1) in fake.graphs.graphs and (4, 1) in fake.graphs.graphs  # the warm-up
+    # the warm-up: the smallest and largest bucket a graph replays (fp32 batch 1 takes the
+    # MoE's syncing loop: it runs eagerly and is not captured)
+    assert sorted(fake.graphs.graphs) == [(2, 1), (4, 1)], sorted(fake.graphs.graphs)
     g = torch.Generator().manual_seed(0)
     lens = [5, 17, 30]
     tables = [torch.arange(6 * i, 6 * i + 6) for i in range(3)]
@@ -128,6 +130,10 @@ def test_an_engine_with_compiled_glue_decodes_the_tokens_it_decodes_without(
             outs.append([o.token_ids for o in llm.generate(prompts, params)])
             graphs = fake_engine_graphs[-1].graphs
             assert graphs.replays > 0 and not graphs.failed, graphs.failed
+            # no graph of a bucket that takes the MoE's syncing loop (never replayed; on
+            # CUDA its capture fails: the warm-up captured one at 81437f4)
+            loops = [k for k in graphs.graphs if graphs._path(k[0]) == "loop"]
+            assert loops == [], loops
             llm.shutdown()
     finally:
         glue_compile.configure(False)
@@ -160,13 +166,16 @@ def test_a_region_that_fails_to_compile_runs_eagerly_and_the_capture_is_made_aga
 
     monkeypatch.setattr(glue_compile, "compile_region", failing_router)
     eager, fake = _runtime(False), _runtime(True)
-    assert (1, 1) in fake.graphs.graphs and (4, 1) in fake.graphs.graphs
+    assert sorted(fake.graphs.graphs) == [(2, 1), (4, 1)]  # the warm-up, captured again
     assert not fake.graphs.failed, fake.graphs.failed
     assert list(glue_on.disabled) == ["atom.models.common.moe.MoE.route"]
     assert "atom.models.common.moe.MoE.route" not in glue_on.calls
     assert glue_on.calls["atom.models.common.mhc.HcMixer.mixes"] > 0  # the others compiled
-    table, prompt = torch.arange(6), torch.arange(1, 30)
+    tables, prompt = [torch.arange(6), torch.arange(6, 12)], torch.arange(1, 30)
     for rt in (eager, fake):
-        rt.forward(prompt, [Span(0, 29, 0, table)])
-    want, got = (rt.forward(torch.tensor([3]), [Span(29, 30, 0, table)]) for rt in (eager, fake))
+        rt.forward(torch.cat([prompt, prompt]), [Span(0, 29, i, tables[i]) for i in (0, 1)])
+    ids, spans = torch.tensor([3, 4]), [Span(29, 30, i, tables[i]) for i in (0, 1)]
+    replays = fake.graphs.replays
+    want, got = (rt.forward(ids, spans) for rt in (eager, fake))
+    assert fake.graphs.replays == replays + 1  # the step ran in the graph, router eager
     assert torch.allclose(want, got, atol=1e-4, rtol=1e-4)

@@ -258,12 +258,17 @@ class DecodeGraphSet(GraphSet):
             self.warm_up()
 
     def warm_up(self) -> None:
-        """Capture the smallest and the largest batch bucket now, at width 1: with compiled
-        glue (``glue_compile``) the first capture compiles it, and the engine's start pays
-        that rather than its first decode step. Logs what it took."""
+        """Capture the smallest and the largest batch bucket a graph replays now, at width 1:
+        with compiled glue (``glue_compile``) the first capture compiles it, and the engine's
+        start pays that rather than its first decode step. A bucket whose MoE path is the
+        syncing loop is never replayed (``bucket``) and cannot be captured on CUDA (its host
+        sync), so it is not warmed up. Logs what it took."""
         t0, before = time.perf_counter(), glue_compile.STATS.compiles
+        replayed = [b for b in self.buckets if self._path(b) != "loop"]
+        if not replayed:
+            return
         log.info("%s: compiling the decode glue in a first capture ...", type(self).__name__)
-        for bucket in sorted({self.buckets[0], self.buckets[-1]}):
+        for bucket in sorted({replayed[0], replayed[-1]}):
             if (bucket, 1) not in self.graphs:
                 self._capture(bucket, 1)
         log.info(
