@@ -40,9 +40,9 @@ tests_step() { local name=$1 limit=$2; shift 2; echo "=== $name: pytest $* (limi
   tail -n 40 "$log"; echo "=== rc=$rc in $((SECONDS - t0)) s (log: $name.log)"; }
 for s in "$@"; do
   case "$s" in
-    # the gate's tests without the tier, in two parts that each fit one device call: tests_main
-    # (about 300 s on one H200 at b260e84) and tests_glue (compiled glue: torch.compile in
-    # every test); "tests" runs both
+    # the gate's tests without the tier, in two parts that each finish within 600 s on the GPU
+    # machine: tests_main (about 300 s on one H200 at b260e84) and tests_glue (compiled glue:
+    # torch.compile in every test); "tests" runs both
     tests) tests_step tests_main "${TESTS_LIMIT:-420}" tests/gpu tests/kernels \
         -k "not tier and not glue"
       tests_step tests_glue "${GLUE_LIMIT:-480}" tests/gpu/test_glue_compile_cuda.py ;;

@@ -18,6 +18,7 @@ issued one by one; a refused single copy returns False and the caller copies thr
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 
 log = logging.getLogger("atom.offload")
@@ -49,7 +50,9 @@ class _MemcpyAttributes(ctypes.Structure):
     ]
 
 
+@functools.cache
 def _runtime():
+    """The CUDA runtime torch loaded (opened once), or None."""
     for name in _RUNTIMES:
         try:
             lib = ctypes.CDLL(name)

@@ -52,7 +52,7 @@ class _Pending:
     on_done: Callable[[float], None]  # gets the time the copy completed
     issued_at: float  # monotonic time of the issue
     phases: dict  # host phases so far (plan, issue), seconds
-    events: list  # every event of the load, back to the pool once it completed
+    marks: list  # per copy stream, the event on compute it waited for
 
 
 PHASES = ("plan", "issue", "wait", "copy")
@@ -190,9 +190,8 @@ class LocalLoads:
         self._count(plan)
         located.mapping.in_flight += 1
         phases["issue"] = time.monotonic() - t0
-        events = [issued, *starts, *ends, *marks]
         self._pending.append(
-            _Pending(issued, starts, ends, located.mapping, on_done, t0, phases, events)
+            _Pending(issued, starts, ends, located.mapping, on_done, t0, phases, marks)
         )
 
     def _event(self) -> torch.cuda.Event:
@@ -237,7 +236,7 @@ class LocalLoads:
                 took = max(p.issued.elapsed_time(e) for e in p.ends) / 1000.0
                 wait = max(p.issued.elapsed_time(e) for e in p.starts) / 1000.0
                 self._report(p.phases | {"wait": wait, "copy": max(0.0, took - wait)})
-                self._free += p.events
+                self._free += [p.issued, *p.starts, *p.ends, *p.marks]  # all fired
                 p.on_done(p.issued_at + took)
             else:
                 still.append(p)
