@@ -36,3 +36,14 @@ def _default_arithmetic():
     invariant.configure(False)
     yield
     invariant.configure(False)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def serve_logs(tmp_path_factory):
+    """Servers a test starts (``tests.serve.conftest.ServeProcess``) log under this session's
+    pytest temporary directory, which pytest prunes, not under /tmp, where nothing would."""
+    from tests.serve.conftest import ServeProcess
+
+    ServeProcess.log_root = tmp_path_factory.mktemp("serve-logs")
+    yield
+    ServeProcess.log_root = None

@@ -25,7 +25,8 @@ TINY_FLAGS = [
 class ServeProcess:
     started: list[ServeProcess] = []  # every server a test started (killed at the end if alive)
     # where logs go: the session's pytest temporary directory (pytest keeps the last three
-    # sessions' and removes older ones), set by ``serve_logs``
+    # sessions' and removes older ones), set by ``serve_logs`` in tests/conftest.py (every
+    # directory's tests that start a server, not only tests/serve)
     log_root: Path | None = None
 
     def __init__(self, *flags: str):
@@ -71,13 +72,6 @@ class ServeProcess:
                 self.proc.wait()
                 raise AssertionError(f"atom.serve ignored SIGTERM:\n{self.text()}") from None
         return self.proc.returncode
-
-
-@pytest.fixture(scope="session", autouse=True)
-def serve_logs(tmp_path_factory):
-    ServeProcess.log_root = tmp_path_factory.mktemp("serve-logs")
-    yield
-    ServeProcess.log_root = None
 
 
 @pytest.fixture(autouse=True)
