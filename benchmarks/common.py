@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import re
 import statistics
 import subprocess
 from datetime import datetime, timezone
@@ -43,10 +44,22 @@ def environment() -> dict:
     return env
 
 
+def card_name(name: str, device: str) -> str:
+    """``name`` with its card tag made true: the GPU names say ``h200`` (the card the project
+    measures on), and a run on another NVIDIA card (``device`` as torch names it, e.g.
+    "NVIDIA H100 80GB HBM3") says that card's tag instead, so an H100's numbers never land
+    in an H200's file."""
+    m = re.search(r"\b([A-Z]\d{2,4})\b", device) if "h200" in name else None
+    return name.replace("h200", m.group(1).lower()) if m else name
+
+
 def write_results(name: str, data: dict, table: str, command: str) -> Path:
-    """Write ``<name>.json`` and ``<name>.md`` under benchmarks/results/."""
+    """Write ``<name>.json`` and ``<name>.md`` under benchmarks/results/ (``name``'s card tag
+    as ``card_name`` makes it true)."""
     RESULTS.mkdir(parents=True, exist_ok=True)
-    data = {"command": command, "environment": environment(), **data}
+    env = environment()
+    name = card_name(name, env["device"])
+    data = {"command": command, "environment": env, **data}
     (RESULTS / f"{name}.json").write_text(json.dumps(data, indent=2) + "\n")
     env = data["environment"]
     md = (

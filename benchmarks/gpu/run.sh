@@ -71,7 +71,7 @@ for s in "$@"; do
       --device cuda --dtype bfloat16 --position 4096 --batch 1 8 16 32 --decode-steps 16 \
       --repeats 3 --name "${ROOFLINE_NAME:-roofline_h200}" ;;
     # the same with compiled glue in the decode graphs (EngineConfig.compile_glue)
-    roofline_glue) step "${ROOFLINE_LIMIT:-240}" python3 -m benchmarks.roofline --model v41-bench \
+    roofline_glue) step "${GLUE_ROOFLINE_LIMIT:-540}" python3 -m benchmarks.roofline --model v41-bench \
       --device cuda --dtype bfloat16 --position 4096 --batch 1 8 16 32 --decode-steps 16 \
       --repeats 3 --name roofline_h200_glue --compile-glue ;;
     components) step "${COMPONENTS_LIMIT:-200}" python3 -m benchmarks.profile_components \
@@ -173,5 +173,7 @@ for s in "$@"; do
       wait ;;
   esac
 done
-find benchmarks/results -name "*h200*" -newer "$RESULTS/gpu.txt" -exec cp {} "$RESULTS"/ \;  # this run's results
+# this run's results, whatever card they name (benchmarks/common.py card_name: an H100's
+# files say h100)
+find benchmarks/results -type f -newer "$RESULTS/gpu.txt" -exec cp {} "$RESULTS"/ \;
 ls "$RESULTS"
