@@ -61,7 +61,6 @@ def write_results(name: str, data: dict, table: str, command: str) -> Path:
     name = card_name(name, env["device"])
     data = {"command": command, "environment": env, **data}
     (RESULTS / f"{name}.json").write_text(json.dumps(data, indent=2) + "\n")
-    env = data["environment"]
     md = (
         f"# {name}\n\nCommand: `{command}`\n\n"
         f"Environment: {env['device']}, torch {env['torch']}, {env['cpu_threads']} CPU threads, "

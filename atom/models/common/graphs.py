@@ -264,7 +264,7 @@ class DecodeGraphSet(GraphSet):
         syncing loop is never replayed (``bucket``) and cannot be captured on CUDA (its host
         sync), so it is not warmed up. Logs what it took."""
         t0, before = time.perf_counter(), glue_compile.STATS.compiles
-        replayed = [b for b in self.buckets if self._path(b) != "loop"]
+        replayed = [b for b in self.buckets if self.bucket(b) == b]
         if not replayed:
             return
         log.info("%s: compiling the decode glue in a first capture ...", type(self).__name__)
