@@ -61,6 +61,7 @@ def build_engine(config: EngineConfig, attach_tier=None) -> LLMEngine:
         speculative_tokens=cfg.speculative_tokens,
         weight_dtype=cfg.weight_dtype,
         model_overrides=cfg.model_overrides,
+        draft_adapter=cfg.draft_adapter,
     )
     graphs = decode_graphs_wanted(cfg)
     enable_graphs = RuntimeCapabilities.of(runtime).enable_decode_graphs
@@ -105,6 +106,7 @@ def _lmcache_tier(cfg: EngineConfig):
             ranks=rank_channels() if rank_channels is not None else None,
             weight_dtype=cfg.weight_dtype,
             batch_invariant=cfg.batch_invariant,
+            draft_adapter=cfg.draft_adapter,
         )
 
     return attach

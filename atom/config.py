@@ -83,6 +83,10 @@ class EngineConfig(BaseModel):
     # drafts verified per decode step
     # (0 = off; up to 5). The state gains rows for them, so it is part of the tier namespace
     speculative_tokens: int = 0
+    # a trained draft layer kept as a small file (tools/train_draft_adapter.py): the draft
+    # layer is made a copy of the target's last layer plus the file's low-rank deltas and small
+    # tensors, so a preset's random target gets a trained drafter (None: the model's own)
+    draft_adapter: str | None = None
     # tensor parallelism: ranks (one process each; this one is rank 0) the model is split over
     tensor_parallel_size: int = 1
     # seconds every rank has to join the group at start (and to connect for the first
@@ -203,6 +207,19 @@ class EngineConfig(BaseModel):
                 "strategies per shape, so a token's bits could depend on its batch; use one of "
                 "them"
             )
+        if self.draft_adapter is not None:
+            from pathlib import Path
+
+            if not Path(self.draft_adapter).is_file():
+                raise ValueError(
+                    f"draft_adapter={self.draft_adapter!r}: no such file (an adapter that "
+                    "tools/train_draft_adapter.py wrote)"
+                )
+            if self.tensor_parallel_size > 1:
+                raise ValueError(
+                    f"draft_adapter with tensor_parallel_size={self.tensor_parallel_size}: "
+                    "adapters apply to a one-rank model; use tensor_parallel_size=1"
+                )
         if self.block_size is not None and self.offload == "lmcache_mp":
             self.lmcache.resolved_chunk(self.block_size)
         if self.offload == "lmcache_mp":
@@ -292,6 +309,12 @@ class EngineConfig(BaseModel):
                 f"speculative_tokens={drafts}: model {self.model!r} has no drafter (no draft "
                 "layers, num_nextn_predict_layers=0, and no DSpark stages); use a model with "
                 "one (e.g. v41-tiny-draft, v41-tiny-dspark) or speculative_tokens=0"
+            )
+        if self.draft_adapter and not getattr(model_cfg, "num_nextn_predict_layers", 0):
+            raise EngineConfigError(
+                f"draft_adapter={self.draft_adapter!r}: model {self.model!r} has no draft "
+                "layer to adapt (num_nextn_predict_layers=0); use a model with one (e.g. "
+                "v41-bench-draft)"
             )
         if block_drafts and drafts > block_drafts:
             raise EngineConfigError(

@@ -50,6 +50,12 @@ def parse(argv=None) -> argparse.Namespace:
         help="also run k=0 without CUDA graphs (verify spans run eagerly; this isolates the "
         "drafts' gain from the graphs' gain)",
     )
+    ap.add_argument(
+        "--draft-adapter",
+        default=None,
+        help="a trained draft layer's adapter file (tools/train_draft_adapter.py) for the model's "
+        "draft layer",
+    )
     ap.add_argument("--name", default=None, help="results name (default speculative_<device>)")
     return ap.parse_args(argv)
 
@@ -77,6 +83,7 @@ def build(args, arm: str) -> LLM:
         max_num_batched_tokens=max(2048, args.prompt_len),
         speculative_tokens=k,
         cuda_graphs=not eager,
+        draft_adapter=args.draft_adapter if k else None,
     )
 
 
@@ -157,6 +164,7 @@ def main(argv=None) -> int:
     )
     data.update(
         model=args.model,
+        draft_adapter=args.draft_adapter,
         prompts=len(prompts),
         prompt_len=args.prompt_len,
         output_len=args.output_len,

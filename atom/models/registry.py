@@ -37,6 +37,9 @@ class ModelFamily:
     fp8_linears: str  # (model) -> (module names that run as FP8 GEMMs, FP8 weight block)
     fp4_linears: str  # (model) -> module names kept as FP4 at stored precision (the experts)
     fp8_tables: str = ""  # (model) -> tables kept as FP8 rows at stored precision ("": none)
+    # (model, path) -> metadata: make the draft layer a trained draft adapter's ("": the family
+    # has none; EngineConfig.draft_adapter)
+    draft_adapter: str = ""
 
     def get(self, what: str) -> Any:
         module, _, attr = getattr(self, what).partition(":")
@@ -58,6 +61,7 @@ FAMILIES: dict[str, ModelFamily] = {
         fp8_linears=f"{_V41}.published_weights:fp8_linears",
         fp4_linears=f"{_V41}.published_weights:fp4_linears",
         fp8_tables=f"{_V41}.published_weights:fp8_tables",
+        draft_adapter=f"{_V41}.draft_adapter:apply_adapter",
     ),
     "deepseek_v4": ModelFamily(
         model_type="deepseek_v4",
@@ -176,11 +180,13 @@ def load_runtime(
     speculative_tokens: int = 0,
     weight_dtype: str = "bf16",
     model_overrides: dict | None = None,
+    draft_adapter: str | None = None,
 ):
     """The model's runtime: weights from the preset's seed or the checkpoint, the linears its
     checkpoint stores as FP8 kept so when ``weight_dtype`` is "fp8", dequantized when "bf16"
     ("auto": as the config says they are stored on CUDA, dequantized on CPU, as
-    ``EngineConfig.resolved`` decides it)."""
+    ``EngineConfig.resolved`` decides it); the draft layer a draft adapter's where
+    ``draft_adapter`` names one (``apply_draft_adapter``)."""
     from atom.models.common.fp8_linear import stored_fp8
 
     config, path = resolve_config(model, model_overrides)
@@ -189,7 +195,7 @@ def load_runtime(
         weight_dtype = "fp8" if stored_fp8(config) and on_gpu else "bf16"
     net = build_model(
         config, path, dtype=dtype, kv_dtype=kv_dtype, index_dtype=index_dtype, device=device,
-        seed=seed, weight_dtype=weight_dtype,
+        seed=seed, weight_dtype=weight_dtype, draft_adapter=draft_adapter,
     )  # fmt: skip
     runtime = family(config).get("runtime")
     return runtime(net, block_size=block_size, speculative_tokens=speculative_tokens)
@@ -206,6 +212,7 @@ def build_model(
     seed: int | None,
     weight_dtype: str,
     split: Callable[[Any], dict] | None = None,
+    draft_adapter: str | None = None,
 ):
     """The model of ``config`` in eval mode at ``weight_dtype`` ("bf16" or "fp8", resolved):
     from ``seed`` (``path`` None) or the checkpoint at ``path``.
@@ -215,13 +222,20 @@ def build_model(
     ``shards``. From a seed the whole model is built, initialized and put at its precision as
     at one rank, then split. From a checkpoint the model is built on ``meta``, its stored
     precision kept (``Fp8Linear`` / ``Fp4Linear`` where the checkpoint stores them, empty),
-    split, and only the rank's slices, scales included, are read into it."""
+    split, and only the rank's slices, scales included, are read into it.
+
+    ``draft_adapter`` (one rank only): the draft layer made the adapter file's once the weights
+    are set, before they are put at their precision (``apply_draft_adapter``)."""
     from atom.models.common.fp8_linear import stored_fp8
 
     fam = family(config)
     kw = dict(dtype=dtype, kv_dtype=kv_dtype, index_dtype=index_dtype)
+    if draft_adapter and split is not None:
+        raise ValueError("draft_adapter with tensor parallelism: adapt a one-rank model")
     if path is None:
         net = fam.get("model")(config, device=device, **kw).init_weights(seed)
+        if draft_adapter:
+            apply_draft_adapter(net, fam, draft_adapter)
         set_weight_precision(net, fam, weight_dtype, random=True)
         if split is not None:
             split(net)
@@ -236,6 +250,8 @@ def build_model(
         fam.get("loader")(net, path)
     else:
         fam.get("loader")(net, path, shards=split(net))
+    if draft_adapter:
+        apply_draft_adapter(net, fam, draft_adapter)
     if online:
         count = set_weight_precision(net, fam, "fp8", random=False)
         log.info(
@@ -245,6 +261,26 @@ def build_model(
             count,
         )
     return net.eval()
+
+
+def apply_draft_adapter(net, fam: ModelFamily, path: str) -> dict:
+    """Make the model's draft layer the adapter file's (its family's ``draft_adapter``); logs
+    what it applied. Raises ``ValueError`` (``AdapterError``) for a family without adapters or
+    a file that does not fit."""
+    if not fam.draft_adapter:
+        raise ValueError(
+            f"draft_adapter={path!r}: model family {fam.model_type} has no draft adapters "
+            "(deepseek_v41 has)"
+        )
+    meta = fam.get("draft_adapter")(net, path)
+    log.info(
+        "draft layer %s from adapter %s (rank %s, recipe %s)",
+        meta.get("layer"),
+        path,
+        meta.get("rank"),
+        meta.get("recipe"),
+    )
+    return meta
 
 
 def keep_stored_precision(net, fam: ModelFamily) -> tuple[int, int]:

@@ -39,6 +39,7 @@ ENGINE_FLAGS: dict[str, type] = {
     "seed": int,
     "offload": str,
     "speculative-tokens": int,
+    "draft-adapter": str,  # a trained draft layer's adapter file
     "tensor-parallel-size": int,
     "triton-kernels": str,  # true | false
     "triton-off": str,  # name[,name]

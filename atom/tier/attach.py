@@ -50,6 +50,7 @@ class LMCacheTier:
         ranks=None,
         weight_dtype: str = "bf16",
         batch_invariant: bool = False,
+        draft_adapter: str | None = None,
     ):
         """``ranks``: a tensor-parallel engine's ``RankChannels`` (None with one rank): every
         rank then registers its own pool and moves its own part of each transfer.
@@ -110,7 +111,7 @@ class LMCacheTier:
             model=model,
             revision=config.model_revision,
             spec=spec,
-            weights=weights_identity(model, seed, weight_dtype, batch_invariant),
+            weights=weights_identity(model, seed, weight_dtype, batch_invariant, draft_adapter),
             chunk_size=self.chunk,
             world_size=self.world_size,
             tp_size=self.tp_size,

@@ -231,7 +231,11 @@ def model_identity(model: str) -> str:
 
 
 def weights_identity(
-    model: str, seed: int, weight_dtype: str = "bf16", batch_invariant: bool = False
+    model: str,
+    seed: int,
+    weight_dtype: str = "bf16",
+    batch_invariant: bool = False,
+    draft_adapter: str | None = None,
 ) -> str:
     """What distinguishes one set of weights from another under the same model name: the seed
     of a preset's random weights, or the safetensors headers of a directory (tensor names,
@@ -239,16 +243,25 @@ def weights_identity(
     ";weights=fp8" when the FP8-stored linears compute in FP8 (``weight_dtype``), whose KV
     differs from the dequantized model's, and ";arith=batch_invariant" in the batch-invariant
     mode (``EngineConfig.batch_invariant``), whose bits differ from the default mode's: a
-    resumed request of that mode must load only what that mode computed."""
+    resumed request of that mode must load only what that mode computed; ";draft=" and a hash
+    of the file's bytes with a draft adapter (``EngineConfig.draft_adapter``: the images' draft
+    rings are that draft's)."""
     p = Path(model)
+    tail = _precision(weight_dtype, batch_invariant) + _draft(draft_adapter)
     if not p.is_dir():
-        return f"seed={seed}" + _precision(weight_dtype, batch_invariant)
+        return f"seed={seed}" + tail
     h = xxhash.xxh3_128()
     for f in sorted(p.glob("*.safetensors")):
         with open(f, "rb") as fh:
             n = int.from_bytes(fh.read(8), "little")
             h.update(fh.read(min(n, 1 << 26)))
-    return "safetensors=" + h.hexdigest() + _precision(weight_dtype, batch_invariant)
+    return "safetensors=" + h.hexdigest() + tail
+
+
+def _draft(draft_adapter: str | None) -> str:
+    if not draft_adapter:
+        return ""
+    return ";draft=" + xxhash.xxh3_64(Path(draft_adapter).read_bytes()).hexdigest()
 
 
 def _precision(weight_dtype: str, batch_invariant: bool) -> str:
