@@ -35,6 +35,7 @@ is ``benchmarks.speculative --draft-adapter OUT/adapter.safetensors``'s to measu
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import sys
@@ -108,13 +109,21 @@ def continuations(args, prompts: list[list[int]]) -> list[list[int]]:
         outs = llm.generate(prompts, SamplingParams(max_tokens=args.gen_len, ignore_eos=True))
     finally:
         llm.shutdown()
+    del llm
+    gc.collect()  # the engine's weights, pool and graphs go before the trainer's model comes
     return [list(o.token_ids) for o in outs]
 
 
 def build_target(args):
     """The model (target and draft layer) at the engine's dtype, from the same seed or
-    checkpoint as the engine builds it; frozen."""
+    checkpoint as the engine builds it; frozen. The forwards run the torch expressions (no
+    Triton kernels, the per-expert MoE loop): gradients flow through every one of them."""
+    from atom import kernels
+    from atom.models.common.moe import configure_grouped_mm
     from atom.models.registry import build_model, resolve_config
+
+    kernels.configure(False, [], [])
+    configure_grouped_mm(False)
 
     config, path = resolve_config(args.model)
     if not getattr(config, "num_nextn_predict_layers", 0):
@@ -268,13 +277,24 @@ def main(argv=None) -> int:
         loss = (ce.view(logits.shape[:2]) * weights).sum() / (weights.sum() * len(pick))
         opt.zero_grad(set_to_none=True)
         loss.backward()
+        if step == 0:  # a path that drops the graph would leave a tensor untrained silently
+            dead = [i for i, p in enumerate(params) if p.grad is None]
+            if dead:
+                raise SystemExit(f"no gradient reaches {len(dead)} trainable tensors: {dead}")
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         losses.append(float(loss.detach()))
         step += 1
         if step % args.log_every == 0:
             rate = step * args.batch * (ids.shape[1] - 1) / (time.time() - t_loop)
-            log.info("step %d loss %.4f (%.0f draft positions/s)", total + 1, losses[-1], rate)
+            mem = torch.cuda.max_memory_allocated() / 2**30 if ids.is_cuda else 0.0
+            log.info(
+                "step %d loss %.4f (%.0f draft positions/s, peak %.1f GiB)",
+                total + 1,
+                losses[-1],
+                rate,
+                mem,
+            )
     loop_s = time.time() - t_loop
     after = agreement(model, held, args.prompt_len, args.batch)
     log.info("held-out agreement after %d steps: %s", step, after)
