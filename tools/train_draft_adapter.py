@@ -194,15 +194,15 @@ def agreement(model, data, prompt_len: int, batch: int) -> dict:
 
 def load_trainable(model, tensors: dict[str, torch.Tensor]) -> None:
     """An earlier run's adapter into the parametrized layer (not merged: training goes on)."""
-    block = model.mtp[0]
-    named = dict(block.named_parameters())
+    named = da.trainable(model, 0)
+    if set(tensors) != set(named):
+        raise SystemExit(
+            f"--resume: the adapter's tensors differ from this layer's: missing "
+            f"{sorted(set(named) - set(tensors))}, unexpected {sorted(set(tensors) - set(named))}"
+        )
     with torch.no_grad():
         for key, value in tensors.items():
-            if key.startswith("whole."):
-                p = named[key[len("whole.") :]]
-            else:
-                path, _, part = key[len("lowrank.") :].rpartition(".")
-                p = getattr(da._module(block, path).parametrizations.weight[0], part)
+            p = named[key]
             if p.shape != value.shape:
                 raise SystemExit(
                     f"--resume: {key} is {list(value.shape)}, expected {list(p.shape)}"
@@ -252,7 +252,8 @@ def main(argv=None) -> int:
         stream_rms = float(train[1].float().pow(2).mean(-1).sqrt().median())
         da.init_from_last_layer(model, 0, embed_rms=embed_rms, stream_rms=stream_rms)
         da.add_low_rank(model, 0, args.rank, seed=0)
-    params = da.trainable(model, 0)
+    named = da.trainable(model, 0)
+    params = list(named.values())
     for p in params:
         p.requires_grad_(True)
     n_params = sum(p.numel() for p in params)
@@ -278,7 +279,7 @@ def main(argv=None) -> int:
         opt.zero_grad(set_to_none=True)
         loss.backward()
         if step == 0:  # a path that drops the graph would leave a tensor untrained silently
-            dead = [i for i, p in enumerate(params) if p.grad is None]
+            dead = [name for name, p in named.items() if p.grad is None]
             if dead:
                 raise SystemExit(f"no gradient reaches {len(dead)} trainable tensors: {dead}")
         torch.nn.utils.clip_grad_norm_(params, 1.0)

@@ -24,7 +24,7 @@ def trained(model, rank: int = 4) -> dict[str, torch.Tensor]:
     da.add_low_rank(model, 0, rank=rank, seed=1)
     gen = torch.Generator().manual_seed(2)
     with torch.no_grad():
-        for p in da.trainable(model, 0):
+        for p in da.trainable(model, 0).values():
             p.add_(0.05 * torch.randn(p.shape, generator=gen))
     block = model.mtp[0]
     out = {

@@ -58,7 +58,7 @@ WHOLE = (
     "self_attn.attn_sink",
     "self_attn.q_a_layernorm.",
     "self_attn.kv_norm.",
-    "mlp.gate.",
+    "mlp.gate.weight",  # not its e_score_correction_bias: it only picks experts (no gradient)
 )
 
 
@@ -177,15 +177,15 @@ def add_low_rank(model, layer: int, rank: int, seed: int) -> list[torch.nn.Param
     return params
 
 
-def trainable(model, layer: int) -> list[torch.nn.Parameter]:
-    """What training changes in draft layer ``layer``: the small tensors stored whole and the
-    low-rank factors (after ``add_low_rank``)."""
+def trainable(model, layer: int) -> dict[str, torch.nn.Parameter]:
+    """What training changes in draft layer ``layer``, by the adapter's tensor names: the small
+    tensors stored whole and the low-rank factors (after ``add_low_rank``)."""
     block = model.mtp[layer]
     named = dict(block.named_parameters())
-    params = [named[n] for n in _whole_names(block)]
+    params = {f"whole.{n}": named[n] for n in _whole_names(block)}
     for path in ADAPTED:
         low = _module(block, path).parametrizations.weight[0]
-        params += [low.a, low.b]
+        params[f"lowrank.{path}.a"], params[f"lowrank.{path}.b"] = low.a, low.b
     return params
 
 
