@@ -56,6 +56,14 @@ def parse(argv=None) -> argparse.Namespace:
         help="a trained draft layer's adapter file (tools/train_draft_adapter.py) for the model's "
         "draft layer",
     )
+    ap.add_argument(
+        "--oracle-acceptance",
+        type=float,
+        default=None,
+        help="replace the drafter's proposals by the true greedy token with this probability "
+        "(benchmarks/oracle_drafts.py; the draft layers still run): what drafts of a given "
+        "acceptance do on a model whose own drafter is untrained. Needs k=0 among --ks",
+    )
     ap.add_argument("--name", default=None, help="results name (default speculative_<device>)")
     return ap.parse_args(argv)
 
@@ -95,6 +103,21 @@ def main(argv=None) -> int:
     engines = {arm: build(args, arm) for arm in arms}
     for llm in engines.values():  # warm-up (allocations, kernels, graphs)
         llm.generate(prompts[:2], SamplingParams(max_tokens=4, ignore_eos=True))
+    if args.oracle_acceptance is not None:
+        from benchmarks.oracle_drafts import OracleDrafter
+
+        if "0" not in engines:
+            raise SystemExit("--oracle-acceptance needs k=0 among --ks (its outputs are the truth)")
+        truth = {
+            tuple(p): list(p) + list(o.token_ids)
+            for p, o in zip(prompts, engines["0"].generate(prompts, params))
+        }
+        vocab = engines["0"].engine.runtime.vocab_size
+        for arm, llm in engines.items():
+            if int(arm.rstrip("e")):
+                llm.engine.drafter = OracleDrafter(
+                    llm.engine.drafter, truth, args.oracle_acceptance, vocab=vocab
+                )
     times = {arm: [] for arm in arms}
     outputs, stats, steps = {}, {}, {}
     for r in range(args.repeats):
@@ -165,6 +188,7 @@ def main(argv=None) -> int:
     data.update(
         model=args.model,
         draft_adapter=args.draft_adapter,
+        oracle_acceptance=args.oracle_acceptance,
         prompts=len(prompts),
         prompt_len=args.prompt_len,
         output_len=args.output_len,

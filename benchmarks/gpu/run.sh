@@ -2,7 +2,7 @@
 # On the GPU machine: install carried wheels, run GPU tests and benchmarks, keep results.
 # Usage: bash benchmarks/gpu/run.sh STEP...
 #   steps: tests (= tests_main tests_glue) tier forward profile components roofline roofline_glue sweep profile_prefill transfer cuda_ops transfer_native transfer_modes serving
-#          speculative serving_spec train_draft speculative_bench tp tp_tests (tp, tp_tests: two GPUs)
+#          speculative serving_spec train_draft speculative_oracle tp tp_tests (tp, tp_tests: two GPUs)
 #          tier_only tier_profile idle
 #          train forward_v4 roofline_v4 serving_v4 speculative_v4 fp8_gemm roofline_fp8
 #          invariant_cost invariant_sweep serving_invariant determinism precision_agreement
@@ -108,13 +108,14 @@ for s in "$@"; do
       step "${TRAIN_DRAFT_LIMIT:-560}" python3 -m tools.train_draft_adapter --model v41-bench-draft \
         --device cuda --minutes "${TRAIN_DRAFT_MINUTES:-4}" --run "${TRAIN_DRAFT_RUN:-0}" \
         --prompts "${TRAIN_DRAFT_PROMPTS:-96}" $resume --out "$RESULTS/draft" ;;
-    speculative_bench)  # v41-bench-draft with the committed adapter: k = 0..3 at SPEC_BATCH
-      a=models/v41-bench-draft-adapter/adapter.safetensors
+    speculative_oracle)  # v41-bench-draft, its draft layer run but its proposals replaced by
+      # the true greedy token with probability ORACLE_ACCEPTANCE (benchmarks/oracle_drafts.py):
+      # what drafts of that acceptance do on a weight-bound model, at each SPEC_BATCH
       for c in ${SPEC_BATCH:-1 16}; do
-        step "${SPEC_BENCH_LIMIT:-280}" python3 -m benchmarks.speculative --model v41-bench-draft \
-          --draft-adapter $a --device cuda --ks 0 1 2 3 --prompts $((2 * c > 8 ? 2 * c : 8)) \
-          --prompt-len 256 --output-len 96 --concurrency $c --repeats 3 \
-          --name "speculative_bench_h200_b$c"
+        step "${SPEC_ORACLE_LIMIT:-280}" python3 -m benchmarks.speculative --model v41-bench-draft \
+          --oracle-acceptance "${ORACLE_ACCEPTANCE:-0.85}" --device cuda --ks 0 1 2 3 \
+          --prompts $((2 * c > 8 ? 2 * c : 8)) --prompt-len 256 --output-len 96 \
+          --concurrency $c --repeats 3 --name "speculative_oracle_h200_b$c"
       done ;;
     speculative_v4)  # v4-bench's random MTP block (acceptance ~0): what a verify step costs
       step "${SPEC_V4_LIMIT:-300}" python3 -m benchmarks.speculative --model v4-bench \
