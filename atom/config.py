@@ -85,7 +85,7 @@ class EngineConfig(BaseModel):
     speculative_tokens: int = 0
     # a trained draft layer kept as a small file (tools/train_draft_adapter.py): the draft
     # layer is made a copy of the target's last layer plus the file's low-rank deltas and small
-    # tensors, so a preset's random target gets a trained drafter (None: the model's own)
+    # tensors, without shipping the layer (None: the model's own draft layer)
     draft_adapter: str | None = None
     # tensor parallelism: ranks (one process each; this one is rank 0) the model is split over
     tensor_parallel_size: int = 1
