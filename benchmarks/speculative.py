@@ -11,9 +11,13 @@ times after a warm-up, arms interleaved (k0, k1, ..., k0, k1, ...) so that drift
 alike. Reported: decode tokens/s (output tokens / wall time of the generate call, prompts
 included: they are short next to the output), its ratio to k = 0 per repeat (median and
 spread), drafts verified, acceptance rate, mean tokens per verify span (accepted + 1), engine
-steps, and whether every output equals the first arm's (greedy must, in fp32; in bf16 up to
-near-ties). ``--eager-baseline`` adds k = 0 without decode CUDA graphs ("0e"): verify spans run
-eagerly, so on a GPU it separates what the drafts gain from what the graphs gain.
+steps, wall ms per engine step and its ratio to the first arm's (what a step with drafts costs
+against a plain one: prefill steps included, a few per run), and whether every output equals
+the first arm's (greedy must, in fp32; in bf16 up to near-ties). ``--oracle-acceptance A``
+replaces the drafter's proposals by the true greedy token with probability A, the draft layers
+still running (``benchmarks/oracle_drafts.py``). ``--eager-baseline`` adds k = 0 without
+decode CUDA graphs ("0e"): verify spans run eagerly, so on a GPU it separates what the drafts
+gain from what the graphs gain.
 """
 
 from __future__ import annotations
@@ -151,9 +155,11 @@ def main(argv=None) -> int:
         ratio = [times[base][i] / times[k][i] for i in range(args.repeats)]
         same = sum(a == b for a, b in zip(outputs[k], outputs[base]))
         s = stats.get(k, {})
+        ms_step = 1000 * statistics.median(times[k]) / max(1, steps[k])
         arm = {
             "seconds": times[k],
             "tokens_per_s_median": total / statistics.median(times[k]),
+            "ms_per_step": ms_step,
             "speedup_vs_first_arm": ratio,
             "steps": steps[k],
             "outputs_equal_to_first_arm": f"{same}/{len(prompts)}",
@@ -166,6 +172,8 @@ def main(argv=None) -> int:
                 f"{arm['tokens_per_s_median']:.1f}",
                 f"{statistics.median(ratio):.2f} ({min(ratio):.2f}-{max(ratio):.2f})",
                 steps[k],
+                f"{ms_step:.2f}",
+                f"{ms_step / (1000 * statistics.median(times[base]) / max(1, steps[base])):.2f}",
                 s.get("draft_tokens", 0),
                 f"{s.get('acceptance_rate', 0.0):.3f}",
                 f"{s.get('tokens_per_verify', 1.0):.2f}",
@@ -178,6 +186,8 @@ def main(argv=None) -> int:
             "output tok/s (median)",
             f"speed-up vs k={base} (median, min-max)",
             "steps",
+            "ms / step",
+            f"step cost vs k={base}",
             "drafts verified",
             "acceptance",
             "tokens / verify",
