@@ -81,6 +81,11 @@ def parse(argv=None) -> argparse.Namespace:
     ap.add_argument("--prompt-weight", type=float, default=0.1)
     ap.add_argument("--concurrency", type=int, default=32, help="engine sequences generating")
     ap.add_argument("--log-every", type=int, default=10)
+    ap.add_argument(
+        "--name",
+        default=None,
+        help="also write benchmarks/results/NAME.md/.json (every run so far, this one last)",
+    )
     return ap.parse_args(argv)
 
 
@@ -337,7 +342,39 @@ def main(argv=None) -> int:
     da.save_adapter(model, 0, out / "adapter.safetensors", recipe, dtype=dtype)
     (out / "train_state.json").write_text(json.dumps(state, indent=2))
     print(json.dumps(record, indent=2))
+    if args.name:
+        print(write_record(args, state, argv))
     return 0
+
+
+def write_record(args, state: dict, argv) -> Path:
+    """The runs so far as a results file (``benchmarks.common.write_results``)."""
+    from benchmarks.common import md_table, write_results
+
+    rows = [
+        [
+            r["run"],
+            r["steps"],
+            f"{r['loss_first']:.2f} -> {r['loss_last_10']:.2f}",
+            " / ".join(str(r["agreement_before"][k]) for k in ("continuation", "prompt")),
+            " / ".join(str(r["agreement_after"][k]) for k in ("continuation", "prompt")),
+            " / ".join(str(r["seconds"][k]) for k in ("generate", "target", "train")),
+        ]
+        for r in state["runs"]
+    ]
+    table = md_table(
+        [
+            "run",
+            "steps",
+            "loss first -> last 10",
+            "held-out agreement before (continuation / prompt)",
+            "after",
+            "seconds (generate / target / train)",
+        ],
+        rows,
+    )
+    command = "python -m tools.train_draft_adapter " + " ".join(argv or sys.argv[1:])
+    return write_results(args.name, state, table, command)
 
 
 if __name__ == "__main__":

@@ -107,7 +107,8 @@ for s in "$@"; do
       [ -f $prev/adapter.safetensors ] && resume="--resume $prev"
       step "${TRAIN_DRAFT_LIMIT:-560}" python3 -m tools.train_draft_adapter --model v41-bench-draft \
         --device cuda --minutes "${TRAIN_DRAFT_MINUTES:-4}" --run "${TRAIN_DRAFT_RUN:-0}" \
-        --prompts "${TRAIN_DRAFT_PROMPTS:-96}" $resume --out "$RESULTS/draft" ;;
+        --prompts "${TRAIN_DRAFT_PROMPTS:-96}" $resume --out "$RESULTS/draft" \
+        --name train_draft_adapter_h200 ;;
     speculative_oracle)  # v41-bench-draft, its draft layer run but its proposals replaced by
       # the true greedy token with probability ORACLE_ACCEPTANCE (benchmarks/oracle_drafts.py):
       # what drafts of that acceptance do on a weight-bound model, at each SPEC_BATCH

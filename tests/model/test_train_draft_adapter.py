@@ -17,7 +17,7 @@ ARGS = [
 ]  # fmt: skip
 
 
-def test_runs_train_write_and_resume(tmp_path):
+def test_runs_train_write_and_resume(tmp_path, monkeypatch):
     first, second = tmp_path / "a", tmp_path / "b"
     assert tda.main(ARGS + ["--out", str(first), "--max-steps", "30"]) == 0
     state = json.loads((first / "train_state.json").read_text())
@@ -28,8 +28,13 @@ def test_runs_train_write_and_resume(tmp_path):
     assert json.loads(meta["recipe"])["steps"] == 30
     assert all(t.dtype == torch.float32 for t in tensors.values())  # the model's dtype on CPU
 
+    import benchmarks.common
+
+    monkeypatch.setattr(benchmarks.common, "RESULTS", tmp_path / "results")
     assert tda.main(ARGS + ["--out", str(second), "--resume", str(first), "--run", "1",
-                            "--max-steps", "5"]) == 0  # fmt: skip
+                            "--max-steps", "5", "--name", "train_cpu"]) == 0  # fmt: skip
+    md = (tmp_path / "results" / "train_cpu.md").read_text()
+    assert "| 0 | 30 |" in md and "| 1 | 5 |" in md  # every run so far
     state = json.loads((second / "train_state.json").read_text())
     assert state["steps"] == 35 and [r["run"] for r in state["runs"]] == [0, 1]
     assert state["runs"][1]["agreement_before"] == run["agreement_after"]
