@@ -7,16 +7,8 @@ import pytest
 from atom import LLM, SamplingParams
 from benchmarks.oracle_drafts import OracleDrafter
 
-KW = dict(
-    block_size=16,
-    num_blocks=64,
-    max_num_seqs=4,
-    max_num_batched_tokens=64,
-    dtype="float32",
-    kv_dtype="fp32",
-    index_dtype="fp32",
-    device="cpu",
-)
+from .test_speculative import KW
+
 PROMPTS = [[(11 * i + 3 * j) % 256 for j in range(24 + 5 * i)] for i in range(4)]
 GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)
 

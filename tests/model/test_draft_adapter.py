@@ -108,24 +108,13 @@ def test_files_that_are_not_adapters_are_refused(tmp_path):
         da.apply_adapter(build(), tmp_path / "short.safetensors")
 
 
-ENGINE = dict(
-    block_size=16,
-    num_blocks=64,
-    max_num_seqs=4,
-    max_num_batched_tokens=64,
-    dtype="float32",
-    kv_dtype="fp32",
-    index_dtype="fp32",
-    device="cpu",
-)
-
-
 def test_engine_drafts_with_the_adapter_and_outputs_stay_exact(tmp_path):
     """The engine's draft layer is the adapter's (its drafts differ from the random layer's),
     outputs equal plain decoding, and the tier keys the adapter's objects apart."""
     from atom import LLM, SamplingParams
     from atom.config import EngineConfigError
     from atom.tier.config import weights_identity
+    from tests.engine.test_speculative import KW as ENGINE
 
     model = build()
     trained(model)
