@@ -31,7 +31,7 @@ def trained(model, rank: int = 4) -> dict[str, torch.Tensor]:
         n: p.detach().clone() for n, p in block.named_parameters() if "parametrizations" not in n
     }
     for path in da.ADAPTED:
-        out[f"{path}.weight"] = da._module(block, path).weight.detach().clone()
+        out[f"{path}.weight"] = da.submodule(block, path).weight.detach().clone()
     return out
 
 

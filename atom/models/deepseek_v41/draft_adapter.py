@@ -12,7 +12,8 @@ adapter** stores the rest of the recipe instead:
 checkpoint), so the draft is reproducible from the target and the adapter file. The file is a
 safetensors file whose metadata names its format (``FORMAT``), the layer it adapts, the target
 it was trained on (``target_signature``: the config fields the draft's shapes and inputs depend
-on) and the recipe it came from; ``apply_adapter`` refuses a file for another model, a missing
+on; ``target_fingerprint``: a checksum of the weights the init copies) and the recipe it came
+from; ``apply_adapter`` refuses a file for another model, a missing
 or misshapen tensor, or a draft linear that is not a plain weight (FP8 at load: adapt before
 quantizing).
 
@@ -142,7 +143,7 @@ def init_from_last_layer(
     w.copy_(torch.cat([eye, eye], dim=1))
 
 
-def _module(block, path: str) -> torch.nn.Module:
+def submodule(block, path: str) -> torch.nn.Module:
     mod = block
     for part in path.split("."):
         mod = getattr(mod, part)
@@ -167,7 +168,7 @@ def add_low_rank(model, layer: int, rank: int, seed: int) -> list[torch.nn.Param
     gen = torch.Generator().manual_seed(seed)
     params = []
     for path in ADAPTED:
-        mod = _module(block, path)
+        mod = submodule(block, path)
         w = mod.weight
         if type(w) is not torch.nn.Parameter or not w.is_floating_point():
             raise AdapterError(f"mtp.{layer}.{path} is not a plain weight ({type(w).__name__})")
@@ -184,7 +185,7 @@ def trainable(model, layer: int) -> dict[str, torch.nn.Parameter]:
     named = dict(block.named_parameters())
     params = {f"whole.{n}": named[n] for n in _whole_names(block)}
     for path in ADAPTED:
-        low = _module(block, path).parametrizations.weight[0]
+        low = submodule(block, path).parametrizations.weight[0]
         params[f"lowrank.{path}.a"], params[f"lowrank.{path}.b"] = low.a, low.b
     return params
 
@@ -202,7 +203,7 @@ def adapter_tensors(
 
     out = {f"whole.{n}": cast(named[n]) for n in _whole_names(block)}
     for path in ADAPTED:
-        low = _module(block, path).parametrizations.weight[0]
+        low = submodule(block, path).parametrizations.weight[0]
         out[f"lowrank.{path}.a"] = low.a.detach().to("cpu", dtype)
         out[f"lowrank.{path}.b"] = low.b.detach().to("cpu", dtype)
     return {k: v.contiguous() for k, v in out.items()}
@@ -293,7 +294,7 @@ def apply_adapter(model, path: str | Path) -> dict:
         if a is None or b is None:
             missing.append(f"lowrank.{p}")
             continue
-        w = _module(block, p).weight
+        w = submodule(block, p).weight
         if type(w) is not torch.nn.Parameter:
             raise AdapterError(
                 f"mtp.{layer}.{p} is stored as {type(w).__name__}, not a plain weight: apply the "
@@ -311,11 +312,9 @@ def apply_adapter(model, path: str | Path) -> dict:
             f"{path} does not fit draft layer {layer}: missing {missing}, unexpected {extra}, "
             f"misshapen {bad}"
         )
-    stream_rms = float(whole["hnorm.weight"].float().mean())
-    embed_rms = float(whole["enorm.weight"].float().mean())
-    init_from_last_layer(model, layer, embed_rms=embed_rms, stream_rms=stream_rms)
+    init_from_last_layer(model, layer)  # enorm / hnorm: the file's whole tensors below
     for p, (a, b) in lows.items():
-        w = _module(block, p).weight
+        w = submodule(block, p).weight
         merged = w.float() + b.to(w.device).float() @ a.to(w.device).float()
         w.copy_(merged.to(w.dtype))
     for n, v in whole.items():
