@@ -310,12 +310,21 @@ class EngineConfig(BaseModel):
                 "layers, num_nextn_predict_layers=0, and no DSpark stages); use a model with "
                 "one (e.g. v41-tiny-draft, v41-tiny-dspark) or speculative_tokens=0"
             )
-        if self.draft_adapter and not getattr(model_cfg, "num_nextn_predict_layers", 0):
-            raise EngineConfigError(
-                f"draft_adapter={self.draft_adapter!r}: model {self.model!r} has no draft "
-                "layer to adapt (num_nextn_predict_layers=0); use a model with one (e.g. "
-                "v41-bench-draft)"
-            )
+        if self.draft_adapter:
+            from atom.models.registry import family
+
+            if not family(model_cfg).draft_adapter:
+                raise EngineConfigError(
+                    f"draft_adapter={self.draft_adapter!r}: model {self.model!r} is a "
+                    f"{model_cfg.model_type} model, whose family has no draft adapters "
+                    "(deepseek_v41 has)"
+                )
+            if not getattr(model_cfg, "num_nextn_predict_layers", 0):
+                raise EngineConfigError(
+                    f"draft_adapter={self.draft_adapter!r}: model {self.model!r} has no draft "
+                    "layer to adapt (num_nextn_predict_layers=0); use a model with one (e.g. "
+                    "v41-bench-draft)"
+                )
         if block_drafts and drafts > block_drafts:
             raise EngineConfigError(
                 f"speculative_tokens={drafts}: model {self.model!r} drafts with DSpark, whose "

@@ -135,5 +135,7 @@ def test_engine_drafts_with_the_adapter_and_outputs_stay_exact(tmp_path):
     )
     with pytest.raises(EngineConfigError, match="has no draft layer to adapt"):
         LLM("v41-tiny", draft_adapter=path, **ENGINE)
+    with pytest.raises(EngineConfigError, match="deepseek_v4 model, whose family has no draft"):
+        LLM("v4-tiny", draft_adapter=path, **ENGINE)
     with pytest.raises(EngineConfigError, match="no such file"):
         LLM("v41-tiny-draft", draft_adapter=str(tmp_path / "none"), **ENGINE)
