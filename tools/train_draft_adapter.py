@@ -247,16 +247,14 @@ def main(argv=None) -> int:
     t_target = time.time() - t0 - t_gen
     log.info("target streams for %d sequences in %.1f s", len(seqs), t_target)
 
+    # the scales enorm / hnorm start at (a resumed run's come from its adapter)
+    embed_rms = float(model.model.embed_tokens.weight.float().pow(2).mean().sqrt())
+    stream_rms = float(train[1].float().pow(2).mean(-1).sqrt().median())
+    da.init_from_last_layer(model, 0, embed_rms=embed_rms, stream_rms=stream_rms)
+    da.add_low_rank(model, 0, args.rank, seed=0)
     if args.resume:
-        tensors, meta = da.read_adapter(Path(args.resume) / "adapter.safetensors")
-        da.init_from_last_layer(model, 0)
-        da.add_low_rank(model, 0, args.rank, seed=0)
+        tensors, _ = da.read_adapter(Path(args.resume) / "adapter.safetensors")
         load_trainable(model, tensors)
-    else:
-        embed_rms = float(model.model.embed_tokens.weight.float().pow(2).mean().sqrt())
-        stream_rms = float(train[1].float().pow(2).mean(-1).sqrt().median())
-        da.init_from_last_layer(model, 0, embed_rms=embed_rms, stream_rms=stream_rms)
-        da.add_low_rank(model, 0, args.rank, seed=0)
     named = da.trainable(model, 0)
     params = list(named.values())
     for p in params:

@@ -151,22 +151,15 @@ def submodule(block, path: str) -> torch.nn.Module:
 
 
 def _whole_names(block) -> list[str]:
-    """The block's parameters stored whole, by their names as a plain module reports them."""
-    names = []
-    for name, _ in block.named_parameters():
-        if "parametrizations." in name:
-            continue
-        if name.startswith(WHOLE):
-            names.append(name)
-    return names
+    """The block's parameters stored whole (``WHOLE``), by name."""
+    return [name for name, _ in block.named_parameters() if name.startswith(WHOLE)]
 
 
-def add_low_rank(model, layer: int, rank: int, seed: int) -> list[torch.nn.Parameter]:
+def add_low_rank(model, layer: int, rank: int, seed: int) -> None:
     """Parametrize the draft layer's ``ADAPTED`` linears with ``LowRank`` (rank ``rank``, A
-    drawn from ``seed``); returns the new parameters (A and B of each, on the weights' device)."""
+    drawn from ``seed``, on the weights' device); ``trainable`` names the new factors."""
     block = model.mtp[layer]
     gen = torch.Generator().manual_seed(seed)
-    params = []
     for path in ADAPTED:
         mod = submodule(block, path)
         w = mod.weight
@@ -174,8 +167,6 @@ def add_low_rank(model, layer: int, rank: int, seed: int) -> list[torch.nn.Param
             raise AdapterError(f"mtp.{layer}.{path} is not a plain weight ({type(w).__name__})")
         low = LowRank(w.shape[0], w.shape[1], rank, gen).to(w.device)
         parametrize.register_parametrization(mod, "weight", low)
-        params += [low.a, low.b]
-    return params
 
 
 def trainable(model, layer: int) -> dict[str, torch.nn.Parameter]:
