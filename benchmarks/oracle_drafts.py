@@ -26,6 +26,8 @@ class OracleDrafter:
         self.seed, self.vocab = seed, vocab
         self.runtime, self.k = drafter.runtime, drafter.k
         self._index = {prompt: i for i, prompt in enumerate(truth)}
+        if hasattr(drafter, "propose_device"):  # draft layers: greedy steps walk on the device
+            self.propose_device = drafter.propose_device
 
     def right(self, prompt: tuple, position: int) -> bool:
         """Whether the draft at ``position`` of ``prompt``'s sequence is the true token."""
@@ -33,7 +35,13 @@ class OracleDrafter:
         return random.Random(key).random() < self.acceptance
 
     def propose(self, items):
-        out = self.inner.propose(items)
+        return self._replace(items, self.inner.propose(items))
+
+    def finish_device(self, items, chains, last):
+        return self._replace(items, self.inner.finish_device(items, chains, last))
+
+    def _replace(self, items, out: dict) -> dict:
+        """``out`` (proposals by seq_id) with each proposal replaced as the class doc says."""
         for it in items:
             prompt = tuple(it.seq.prompt)
             if not it.want or prompt not in self.truth:

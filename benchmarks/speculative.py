@@ -17,7 +17,8 @@ the first arm's (greedy must, in fp32; in bf16 up to near-ties). ``--oracle-acce
 replaces the drafter's proposals by the true greedy token with probability A, the draft layers
 still running (``benchmarks/oracle_drafts.py``). ``--eager-baseline`` adds k = 0 without
 decode CUDA graphs ("0e"): verify spans run eagerly, so on a GPU it separates what the drafts
-gain from what the graphs gain.
+gain from what the graphs gain. ``--host-walk`` adds each k > 0 walking its drafts on the host
+("kh": ``Engine.device_walk`` off), so the device walk's saving is measured side by side.
 """
 
 from __future__ import annotations
@@ -68,6 +69,13 @@ def parse(argv=None) -> argparse.Namespace:
         "(benchmarks/oracle_drafts.py; the draft layers still run): what drafts of a given "
         "acceptance do on a model whose own drafter is untrained. Needs k=0 among --ks",
     )
+    ap.add_argument(
+        "--host-walk",
+        action="store_true",
+        help="also run each k > 0 with the accept walk and draft layers' proposals read back "
+        'per depth on the host ("kh"), the path before the device walk: what the device '
+        "walk saves",
+    )
     ap.add_argument("--name", default=None, help="results name (default speculative_<device>)")
     return ap.parse_args(argv)
 
@@ -82,10 +90,10 @@ def prompts_for(args) -> list[list[int]]:
 
 
 def build(args, arm: str) -> LLM:
-    k, eager = int(arm.rstrip("e")), arm.endswith("e")
+    k, eager = int(arm.rstrip("eh")), arm.endswith("e")
     dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
     blocks = -(-(args.prompt_len + args.output_len + 8) // 256) * args.concurrency + 64
-    return LLM(
+    llm = LLM(
         args.model,
         device=args.device,
         dtype=dtype,
@@ -97,6 +105,8 @@ def build(args, arm: str) -> LLM:
         cuda_graphs=not eager,
         draft_adapter=args.draft_adapter if k else None,
     )
+    llm.engine.device_walk = not arm.endswith("h")
+    return llm
 
 
 def main(argv=None) -> int:
@@ -104,6 +114,8 @@ def main(argv=None) -> int:
     prompts = prompts_for(args)
     params = SamplingParams(max_tokens=args.output_len, ignore_eos=True)
     arms = [str(k) for k in args.ks] + (["0e"] if args.eager_baseline else [])
+    if args.host_walk:
+        arms += [f"{k}h" for k in args.ks if k]
     engines = {arm: build(args, arm) for arm in arms}
     for llm in engines.values():  # warm-up (allocations, kernels, graphs)
         llm.generate(prompts[:2], SamplingParams(max_tokens=4, ignore_eos=True))
@@ -118,7 +130,7 @@ def main(argv=None) -> int:
         }
         vocab = engines["0"].engine.runtime.vocab_size
         for arm, llm in engines.items():
-            if int(arm.rstrip("e")):
+            if int(arm.rstrip("eh")):
                 llm.engine.drafter = OracleDrafter(
                     llm.engine.drafter, truth, args.oracle_acceptance, vocab=vocab
                 )
@@ -182,7 +194,7 @@ def main(argv=None) -> int:
         )
     table = md_table(
         [
-            "k (e: k=0 without graphs)",
+            "k (e: k=0 without graphs; h: walk on the host)",
             "output tok/s (median)",
             f"speed-up vs k={base} (median, min-max)",
             "steps",

@@ -33,10 +33,12 @@ draft row.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 import torch
 
+from atom.engine.greedy_walk import GreedyWalk
 from atom.engine.sampler import Sampler
 from atom.engine.sequence import Sequence
 from atom.model_api import Span
@@ -84,6 +86,7 @@ class Drafter:
         self.runtime, self.k, self.num_layers = runtime, speculative_tokens, num_layers
         self.sampler = sampler
         self._no_blocks = torch.empty(0, dtype=torch.int64)
+        self._logit_rows: bool | None = None  # the runtime's draft_forward takes logit_rows
 
     def propose(self, items: list[DraftItem]) -> dict[int, list[int]]:
         """Run the draft layers over every item; returns each proposing item's proposals
@@ -103,6 +106,47 @@ class Drafter:
             logits, out = self._call(ids, torch.cat(residual), spans, d - 1)
             residual = list(out.split([it.end - it.start for it in items]))
             self._extend(items, logits, chains, qs, d)
+        self._past_layers(items, chains, qs, [r[-1:] for r in residual])
+        for sid, rows in qs.items():
+            chains[sid] = Proposal(chains[sid], torch.stack(rows) if rows else None)
+        return chains
+
+    def propose_device(
+        self, walk: GreedyWalk, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Depths 1 .. min(k, m) for every verify span of ``walk`` (greedy requests), on the
+        device, reading nothing back: depth d runs layer d - 1 over the span's rows
+        [s, s + n) (``residual``: the verify forward's rows, in the walk's order) with
+        ``walk.depth_tokens`` as input, and proposes the argmax of its logits at the committed
+        end's row. Rows past the committed end ran on rejected drafts: the layer's cursor ends
+        at s + n, at most k past the next start, which re-runs them. Returns (int64 [B, D]
+        proposals, depth D's output streams at each committed end row [B, ...], the input of
+        ``finish_device``'s depths past m)."""
+        rows, cols, chains = walk.committed_rows, [], None
+        for d in range(1, min(self.k, self.num_layers) + 1):
+            ids = walk.depth_tokens(d, chains)
+            logits, residual = self._call_rows(ids, residual, walk.spans, d - 1, rows)
+            cols.append(logits.argmax(-1))
+            chains = torch.stack(cols, 1)
+        return chains, residual[rows]
+
+    def finish_device(
+        self, items: list[DraftItem], chains: list[list[int]], last: torch.Tensor
+    ) -> dict[int, list[int]]:
+        """The proposals of ``propose_device``'s spans once the host has read them
+        (``chains``: each item's depths 1 .. D, ``last``: its streams at the committed end):
+        each proposing item's first ``want``, continued past the draft layers by the last one
+        (one position each, as ``propose``). ``items``' residual is unused (None)."""
+        out = {it.seq.seq_id: chain[: it.want] for it, chain in zip(items, chains) if it.want}
+        picked = [it for it in items if it.want]
+        rows = [last[i : i + 1] for i, it in enumerate(items) if it.want]
+        self._past_layers(picked, out, {}, rows)
+        return out
+
+    def _past_layers(self, items, chains, qs, residual: list[torch.Tensor]) -> None:
+        """Depths m + 1 .. k (``m`` draft layers): the last layer again, at one position each
+        (``e``, ``e + 1``, ...), for the items that want them; ``residual[i]``: item i's
+        streams [1, ...] at its last committed index after depth m."""
         last = [i for i, it in enumerate(items) if it.want > self.num_layers]
         for d in range(self.num_layers + 1, self.k + 1):
             last = [i for i in last if items[i].want >= d]
@@ -112,14 +156,23 @@ class Drafter:
             ids = [chains[it.seq.seq_id][-1] for it in picked]
             at = [it.end + d - self.num_layers - 1 for it in picked]
             spans = [Span(p, p + 1, it.seq.slot, self._no_blocks) for p, it in zip(at, picked)]
-            res = torch.cat([residual[i][-1:] for i in last])
+            res = torch.cat([residual[i] for i in last])
             logits, out = self._call(ids, res, spans, self.num_layers - 1)
             for n, i in enumerate(last):
                 residual[i] = out[n : n + 1]
             self._extend(picked, logits, chains, qs, d)
-        for sid, rows in qs.items():
-            chains[sid] = Proposal(chains[sid], torch.stack(rows) if rows else None)
-        return chains
+
+    def _call_rows(self, ids, residual, spans: list[Span], layer: int, rows: torch.Tensor):
+        """``draft_forward`` on device ids, with the logits of ``rows`` (one flat row per
+        span) instead of each span's last; a runtime without ``logit_rows`` computes every
+        row's logits and this picks them."""
+        forward = self.runtime.draft_forward
+        if self._logit_rows is None:
+            self._logit_rows = "logit_rows" in inspect.signature(forward).parameters
+        if self._logit_rows:
+            return forward(ids, residual, spans, layer=layer, logit_rows=rows)
+        logits, out = forward(ids, residual, spans, layer=layer, all_logits=True)
+        return logits[rows], out
 
     def _call(self, ids: list[int], residual: torch.Tensor, spans: list[Span], layer: int):
         token_ids = torch.tensor(ids, dtype=torch.int64)

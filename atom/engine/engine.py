@@ -102,6 +102,10 @@ class LLMEngine:
         )
         self.sampler = Sampler(cfg.seed)
         self.drafter = self.spec_stats = None
+        # a speculative step of greedy decode spans walks its drafts and runs the draft layers
+        # on the device, reading back once (``greedy_walk``); False walks on the host (the
+        # path every other step takes), for comparisons
+        self.device_walk = True
         if cfg.speculative_tokens:
             self.drafter = make_drafter(cfg, runtime, self.sampler)
             self.spec_stats = SpecStats(self.metrics)

@@ -93,10 +93,14 @@ class SpecStats:
     """Speculative decoding's counters: drafts verified, drafts accepted, verify spans."""
 
     def __init__(self, m: Registry):
-        self.proposed = self.accepted = self.verifies = 0
+        self.proposed = self.accepted = self.verifies = self.device_walks = 0
         self._proposed = m.counter("spec_draft_tokens_total", "Draft tokens verified.")
         self._accepted = m.counter("spec_accepted_tokens_total", "Draft tokens accepted.")
         self._verifies = m.counter("spec_verify_spans_total", "Decode spans that verified drafts.")
+        self._device_walks = m.counter(
+            "spec_device_walk_steps_total",
+            "Speculative steps whose accept walk and draft layers ran on the device.",
+        )
 
     def observe(self, proposed: int, accepted: int) -> None:
         self.proposed += proposed
@@ -106,12 +110,17 @@ class SpecStats:
         self._accepted.inc(accepted)
         self._verifies.inc()
 
+    def walked_on_device(self) -> None:
+        self.device_walks += 1
+        self._device_walks.inc()
+
     def as_dict(self) -> dict:
         """Totals, the acceptance rate and the mean tokens a verify span emits."""
         return {
             "draft_tokens": self.proposed,
             "accepted_tokens": self.accepted,
             "verify_spans": self.verifies,
+            "device_walk_steps": self.device_walks,
             "acceptance_rate": self.accepted / self.proposed if self.proposed else 0.0,
             "tokens_per_verify": (
                 (self.accepted + self.verifies) / self.verifies if self.verifies else 0.0

@@ -46,6 +46,7 @@ class ModelRunner:
         self.slot_owner: list[int | None] = [None] * num_slots
         self.device = device
         self._bound = False
+        self._residual = None  # the last forward's residual rows (with ``residual``)
 
     def bind(self) -> None:
         """Derive the model's views from the pool (call after any tier registration)."""
@@ -72,10 +73,14 @@ class ModelRunner:
         the call (and may for other spans too). ``residual`` (a ``DraftRuntime``):
         ``self.span_residual[i]`` holds span i's residual rows [end - start, ...] after the
         call. ``images=False`` leaves the spans' image stores to the caller
-        (``store_images``), who decides which are valid."""
+        (``store_images``), who decides which are valid. When one forward ran every span with
+        every token's logits, ``self.step_logits`` holds them all [N, V] (rows in span order)
+        and, with ``residual``, ``self.step_residual`` their residual rows; else both are
+        None."""
         assert self._bound, "bind() the runner before running it"
         self.span_logits: dict[int, torch.Tensor] = {}
         self.span_residual: dict[int, torch.Tensor] = {}
+        self.step_logits = self.step_residual = self._residual = None
         for sp in spans:
             seq, slot = sp.seq, sp.seq.slot
             if sp.restore is not None:
@@ -108,6 +113,8 @@ class ModelRunner:
                 part = self._forward([spans[i] for i in rest], rest, False, residual)
                 rows.update(zip(rest, part))
             every, lo = self._forward([spans[i] for i in full], full, True, residual), 0
+            if not rest:
+                self.step_logits, self.step_residual = every, self._residual
             for i in full:
                 n = spans[i].end - spans[i].start
                 self.span_logits[i] = every[lo : lo + n]
@@ -148,7 +155,7 @@ class ModelRunner:
         ]
         if residual:
             logits, res = self.runtime.forward_with_residual(ids, model_spans, all_logits)
-            lo = 0
+            self._residual, lo = res, 0
             for i, sp in zip(index, spans):
                 self.span_residual[i] = res[lo : lo + sp.end - sp.start]
                 lo += sp.end - sp.start

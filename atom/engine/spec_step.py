@@ -32,6 +32,7 @@ import time
 
 import torch
 
+from atom.engine import greedy_walk
 from atom.engine.drafter import DraftItem, proposal_q
 from atom.engine.sampler import (
     needs_prompt_logits,
@@ -44,8 +45,17 @@ from atom.engine.sampler import (
 def speculative_step(engine, out) -> list:
     """Run ``out`` (a SchedulerOutput with spans) as one speculative step; returns the
     sequences that finished."""
-    spans, runner, sampler = out.spans, engine.runner, engine.sampler
-    full = [i for i, sp in enumerate(spans) if sp.drafts or needs_prompt_logits(sp.seq, sp.start)]
+    spans, runner = out.spans, engine.runner
+    on_device = (
+        engine.device_walk
+        and hasattr(engine.drafter, "propose_device")
+        and greedy_walk.eligible(spans)
+    )
+    full = [
+        i
+        for i, sp in enumerate(spans)
+        if on_device or sp.drafts or needs_prompt_logits(sp.seq, sp.start)
+    ]
     try:
         logits = runner.execute(spans, full, residual=True, images=False)
     except Exception:
@@ -53,6 +63,31 @@ def speculative_step(engine, out) -> list:
             engine.scheduler.abandon(sp)
         raise
     engine.steps += 1
+    if on_device and runner.step_logits is not None:
+        new, stops, ends, proposals = _device_walk(engine, spans)
+    else:
+        new, stops, ends, proposals = _host_walk(engine, spans, logits, full)
+    for sp in spans:
+        sp.seq.draft = proposals.get(sp.seq.seq_id, [])
+    runner.store_images([sp for sp, end in zip(spans, ends) if end == sp.end])
+    for sp, end in zip(spans, ends):
+        engine.scheduler.commit(sp, end)
+    engine.scheduler.after_step([sp.seq for sp in spans])
+    now, finished = time.perf_counter(), []
+    for i, count in new.items():
+        seq = spans[i].seq
+        for _ in range(count):
+            engine.token_emitted(seq, now)
+        if i in stops:
+            engine._finish(seq, stops[i])
+            finished.append(seq)
+    return finished
+
+
+def _host_walk(engine, spans, logits, full):
+    """Steps 2-4 on the host: (tokens appended per span index, stop reasons, committed ends,
+    proposals by seq_id)."""
+    runner, sampler = engine.runner, engine.sampler
     for i in full:
         sp = spans[i]
         if not sp.drafts:
@@ -100,34 +135,59 @@ def speculative_step(engine, out) -> list:
     ends = [sp.start + new[i] if sp.drafts else sp.end for i, sp in enumerate(spans)]
     items = []
     for i, sp in enumerate(spans):
-        seq = sp.seq
         proposing = i in new and i not in stops
-        want = min(engine.config.speculative_tokens, seq.max_tokens - len(seq.output) - 1)
         items.append(
             DraftItem(
-                seq,
+                sp.seq,
                 sp.start,
                 ends[i],
                 runner.span_residual[i][: ends[i] - sp.start],
-                max(0, want) if proposing else 0,
+                _want(engine, sp.seq) if proposing else 0,
             )
         )
-    proposals = engine.drafter.propose(items)
-    for sp in spans:
-        sp.seq.draft = proposals.get(sp.seq.seq_id, [])
-    runner.store_images([sp for sp, end in zip(spans, ends) if end == sp.end])
-    for sp, end in zip(spans, ends):
-        engine.scheduler.commit(sp, end)
-    engine.scheduler.after_step([sp.seq for sp in spans])
-    now, finished = time.perf_counter(), []
-    for i, count in new.items():
-        seq = spans[i].seq
-        for _ in range(count):
-            engine.token_emitted(seq, now)
-        if i in stops:
-            engine._finish(seq, stops[i])
-            finished.append(seq)
-    return finished
+    return new, stops, ends, engine.drafter.propose(items)
+
+
+def _device_walk(engine, spans):
+    """Steps 2-4 with the walk and the draft layers' depths on the device (``greedy_walk``;
+    every span a plain greedy decode span) and one host copy of the walk and the proposals;
+    returns what ``_host_walk`` does."""
+    runner, drafter = engine.runner, engine.drafter
+    engine.spec_stats.walked_on_device()
+    walk = greedy_walk.GreedyWalk.run(runner.step_logits, spans)
+    chains, last = drafter.propose_device(walk, runner.step_residual)
+    b = len(spans)
+    host = torch.cat([walk.accepted, walk.best, chains.reshape(-1)]).tolist()
+    accepted, best, flat = host[:b], host[b : b + walk.best.numel()], host[b + walk.best.numel() :]
+    depth = chains.shape[1]
+    new: dict[int, int] = {}
+    stops: dict[int, str] = {}
+    at = 0
+    for i, sp in enumerate(spans):
+        seq, new[i], ok_count = sp.seq, 0, 0
+        for j in range(accepted[i] + 1):
+            seq.tokens.append(best[at + j])
+            new[i] += 1
+            ok_count += j < accepted[i]
+            reason = engine._stop_reason(seq)
+            if reason:
+                stops[i] = reason
+                break
+        if sp.drafts:
+            engine.spec_stats.observe(len(sp.drafts), ok_count)
+        at += sp.end - sp.start
+    ends = [sp.start + new[i] for i, sp in enumerate(spans)]
+    items = [
+        DraftItem(sp.seq, sp.start, ends[i], None, 0 if i in stops else _want(engine, sp.seq))
+        for i, sp in enumerate(spans)
+    ]
+    chains_host = [flat[i * depth : (i + 1) * depth] for i in range(b)]
+    return new, stops, ends, drafter.finish_device(items, chains_host, last)
+
+
+def _want(engine, seq) -> int:
+    """Proposals a continuing sequence gets: k, fewer near its length limit."""
+    return max(0, min(engine.config.speculative_tokens, seq.max_tokens - len(seq.output) - 1))
 
 
 def _rows(runner, spans: list[int], fetch) -> dict:

@@ -111,11 +111,12 @@ for s in "$@"; do
         --name train_draft_adapter_h200 ;;
     speculative_oracle)  # v41-bench-draft, its draft layer run but its proposals replaced by
       # the true greedy token with probability ORACLE_ACCEPTANCE (benchmarks/oracle_drafts.py):
-      # what drafts of that acceptance do on a weight-bound model, at each SPEC_BATCH
+      # what drafts of that acceptance do on a weight-bound model, at each SPEC_BATCH, each k
+      # also walking on the host ("kh"): what the device walk saves
       for c in ${SPEC_BATCH:-1 16}; do
         step "${SPEC_ORACLE_LIMIT:-280}" python3 -m benchmarks.speculative --model v41-bench-draft \
-          --oracle-acceptance "${ORACLE_ACCEPTANCE:-0.85}" --device cuda --ks 0 1 2 3 \
-          --prompts $((2 * c > 8 ? 2 * c : 8)) --prompt-len 256 --output-len 96 \
+          --oracle-acceptance "${ORACLE_ACCEPTANCE:-0.85}" --device cuda --ks ${SPEC_KS:-0 1 2 3} \
+          --host-walk --prompts $((2 * c > 8 ? 2 * c : 8)) --prompt-len 256 --output-len 96 \
           --concurrency $c --repeats 3 --name "speculative_oracle_h200_b$c"
       done ;;
     speculative_v4)  # v4-bench's random MTP block (acceptance ~0): what a verify step costs

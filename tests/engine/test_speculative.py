@@ -49,9 +49,16 @@ class ScriptedDrafter:
     def __init__(self, drafter, truth: dict, wrong):
         self.inner, self.truth, self.wrong = drafter, truth, wrong
         self.runtime, self.k = drafter.runtime, drafter.k
+        if hasattr(drafter, "propose_device"):  # draft layers: greedy steps walk on the device
+            self.propose_device = drafter.propose_device
 
     def propose(self, items):
-        out = self.inner.propose(items)
+        return self._replace(items, self.inner.propose(items))
+
+    def finish_device(self, items, chains, last):
+        return self._replace(items, self.inner.finish_device(items, chains, last))
+
+    def _replace(self, items, out):
         for it in items:
             if it.want and tuple(it.seq.prompt) in self.truth:  # else: the layers' own
                 full, n = self.truth[tuple(it.seq.prompt)], len(it.seq.tokens)

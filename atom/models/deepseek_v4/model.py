@@ -257,13 +257,15 @@ class DeepseekV4ForCausalLM(nn.Module):
         *,
         layer: int = 0,
         all_logits: bool = False,
+        logit_rows: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One MTP draft layer over spans (contract: ``atom.model_api.DraftRuntime``).
 
         token_ids int64 [N] (for each position p of the spans, the token at p + 1), residual
         [N, hc, d] (the streams at p: ``forward_paged(..., return_residual=True)``'s, or a
         previous draft call's when chaining). Returns (float32 logits [len(spans), V] of each
-        span's last position, or [N, V] with ``all_logits``, predicting the token at p + 2;
+        span's last position (of the rows ``logit_rows`` [len(spans)] names instead, when
+        given), or [N, V] with ``all_logits``, predicting the token at p + 2;
         the draft's output streams [N, hc, d]). Writes only the layer's window ring and its
         cursor in each slot."""
         c = self.config
@@ -288,7 +290,10 @@ class DeepseekV4ForCausalLM(nn.Module):
         slots.draft_cursor[plan.span_slots, layer] = plan.span_ends
         for sp in spans:
             slots.advance_draft(sp.slot, layer, sp.end)
-        return block.logits(x if all_logits else x[plan.last], self.head), x
+        if all_logits:
+            return block.logits(x, self.head), x
+        rows = plan.last if logit_rows is None else logit_rows.to(x.device)
+        return block.logits(x[rows], self.head), x
 
     def embed_streams(self, token_ids: torch.Tensor) -> torch.Tensor:
         e = self.embed(token_ids)

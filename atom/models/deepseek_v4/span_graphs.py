@@ -123,7 +123,17 @@ class V4SpanGraphs(GraphSet):
         key = ("draft", layer, bucket)
         return None if bucket is None or key in self.failed else key
 
-    def draft(self, token_ids: torch.Tensor, residual: torch.Tensor, spans: list[Span], layer: int):
+    def draft(
+        self,
+        token_ids: torch.Tensor,
+        residual: torch.Tensor,
+        spans: list[Span],
+        layer: int,
+        logit_rows: torch.Tensor | None = None,
+    ):
+        """One draft layer's forward (the eager one's contract); ``logit_rows``: the rows whose
+        logits come back instead of each span's last (a device tensor written into the graph's
+        input). None: the caller runs the eager forward."""
         key = self.draft_key(spans, layer)
         if key is None:
             return None
@@ -140,6 +150,9 @@ class V4SpanGraphs(GraphSet):
         if graph is None:
             return None
         self._upload(graph, key, token_ids, spans)
+        if logit_rows is not None:
+            last = self._views(graph.inp, key[2], 0)["last"]
+            last[: len(spans)].copy_(logit_rows, non_blocking=True)
         graph.residual[:n].copy_(residual)
         graph.replay()
         self.replays["draft"] += 1

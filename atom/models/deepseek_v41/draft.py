@@ -204,13 +204,15 @@ def forward_draft_paged(
     *,
     layer: int = 0,
     all_logits: bool = False,
+    logit_rows: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One draft layer over spans (contract: ``atom.model_api.DraftRuntime``).
 
     token_ids int64 [N] (for each position p of the spans, the token at p + 1), residual
     [N, hc, d] (the streams at p). Returns (float32 logits [len(spans), V] of each span's last
-    position, or [N, V] with ``all_logits``, predicting the token at p + 2; the layer's output
-    streams [N, hc, d]). Writes only the layer's window ring and its cursor in each slot."""
+    position (of the rows ``logit_rows`` int64 [len(spans)] names instead, when given), or
+    [N, V] with ``all_logits``, predicting the token at p + 2; the layer's output streams
+    [N, hc, d]). Writes only the layer's window ring and its cursor in each slot."""
     _check_inputs(model, token_ids, residual, sum(sp.num_tokens for sp in spans))
     check_draft_spans(model, spans, slots, layer)
     ids = token_ids.to(model.device)
@@ -223,13 +225,15 @@ def forward_draft_paged(
     for sp in spans:
         slots.draft_cursor[sp.slot, layer] = sp.end
         slots.advance_draft(sp.slot, layer, sp.end)
-    if not all_logits:
+    if all_logits:
+        return block.logits(x, model.lm_head), x
+    if logit_rows is None:
         last, lo = [], 0
         for sp in spans:
             lo += sp.num_tokens
             last.append(lo - 1)
-        return block.logits(x[torch.tensor(last, device=x.device)], model.lm_head), x
-    return block.logits(x, model.lm_head), x
+        logit_rows = torch.tensor(last)
+    return block.logits(x[logit_rows.to(x.device)], model.lm_head), x
 
 
 @torch.no_grad()

@@ -268,10 +268,18 @@ class DeepseekV41ForCausalLM(nn.Module):
         *,
         layer: int = 0,
         all_logits: bool = False,
+        logit_rows: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One draft layer over spans (``draft.forward_draft_paged``)."""
         return forward_draft_paged(
-            self, token_ids, residual, spans, slots, layer=layer, all_logits=all_logits
+            self,
+            token_ids,
+            residual,
+            spans,
+            slots,
+            layer=layer,
+            all_logits=all_logits,
+            logit_rows=logit_rows,
         )
 
     def engram_rows(self, grams: torch.Tensor) -> torch.Tensor | None:

@@ -160,13 +160,20 @@ class V41Runtime:
         *,
         layer: int = 0,
         all_logits: bool = False,
+        logit_rows: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if self.cuda_graphs and self.span_graphs is not None and not all_logits:
-            got = self.span_graphs.draft(token_ids, residual, spans, layer)
+            got = self.span_graphs.draft(token_ids, residual, spans, layer, logit_rows)
             if got is not None:
                 return got
         return self.model.forward_draft_paged(
-            token_ids, residual, spans, self.slots, layer=layer, all_logits=all_logits
+            token_ids,
+            residual,
+            spans,
+            self.slots,
+            layer=layer,
+            all_logits=all_logits,
+            logit_rows=logit_rows,
         )
 
     # ---- atom.model_api.BlockDraftRuntime: DSpark -----------------------------------------

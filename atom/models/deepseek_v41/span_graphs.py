@@ -25,10 +25,11 @@ Contract of ``SpanGraphs.verify(token_ids, spans)``:
   copy; gram sources, windows, selections, PAGE and ring writes, cursors, the new history and
   the LM head run inside the graph. After the replay the host updates the slots' mirror.
 
-``SpanGraphs.draft(token_ids, residual, spans, layer)`` is the same for one draft layer
-(``draft.forward_draft_paged``; spans of 1 .. k + 1 tokens, any start its cursor accepts): the
-residual is copied into the graph's static buffer; it returns the logits of each span's last row
-and the layer's output streams, and writes the layer's ring and cursor.
+``SpanGraphs.draft(token_ids, residual, spans, layer, logit_rows)`` is the same for one draft
+layer (``draft.forward_draft_paged``; spans of 1 .. k + 1 tokens, any start its cursor accepts):
+the residual is copied into the graph's static buffer; it returns the logits of each span's last
+row (or of the rows ``logit_rows`` names, a device tensor written into the graph's input) and
+the layer's output streams, and writes the layer's ring and cursor.
 
 Capture is lazy, with ``decode_graphs``' backends; ``SpanGraphs`` has a backend of its own (its
 own memory pool and side stream, apart from the decode graphs').
@@ -174,7 +175,14 @@ class SpanGraphs(GraphSet):
         n = token_ids.numel()
         return graph.out[0][:n].clone(), graph.out[1][:n].clone()
 
-    def draft(self, token_ids: torch.Tensor, residual: torch.Tensor, spans: list[Span], layer: int):
+    def draft(
+        self,
+        token_ids: torch.Tensor,
+        residual: torch.Tensor,
+        spans: list[Span],
+        layer: int,
+        logit_rows: torch.Tensor | None = None,
+    ):
         key = self.draft_key(spans, layer)
         if key is None:
             return None
@@ -186,6 +194,9 @@ class SpanGraphs(GraphSet):
         if graph is None:
             return None
         self._upload(graph, key, token_ids, spans, None)
+        if logit_rows is not None:  # the rows whose logits come back (on the device)
+            last = self._views(graph.inp, key[2], 0)["span_last"]
+            last[: len(spans)].copy_(logit_rows, non_blocking=True)
         n = token_ids.numel()
         graph.residual[:n].copy_(residual)
         graph.replay()
