@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On the GPU machine: install carried wheels, run GPU tests and benchmarks, keep results.
 # Usage: bash benchmarks/gpu/run.sh STEP...
-#   steps: tests (= tests_main tests_glue) tier forward profile components roofline roofline_glue sweep profile_prefill transfer cuda_ops transfer_native transfer_modes serving
+#   steps: tests (= tests_main tests_glue) tests_spec tier forward profile components roofline roofline_glue sweep profile_prefill transfer cuda_ops transfer_native transfer_modes serving
 #          speculative serving_spec train_draft speculative_oracle tp tp_tests (tp, tp_tests: two GPUs)
 #          tier_only tier_profile idle
 #          train forward_v4 roofline_v4 serving_v4 speculative_v4 fp8_gemm roofline_fp8
@@ -50,6 +50,9 @@ for s in "$@"; do
     tests_main) tests_step tests_main "${TESTS_LIMIT:-540}" tests/gpu tests/kernels \
       -k "not tier and not glue" ;;
     tests_glue) tests_step tests_glue "${GLUE_LIMIT:-480}" tests/gpu/test_glue_compile_cuda.py ;;
+    tests_spec)  # the speculative GPU tests alone (part of tests_main)
+      tests_step tests_spec "${SPEC_TESTS_LIMIT:-300}" tests/gpu/test_greedy_walk_cuda.py \
+        tests/gpu/test_speculative_cuda.py tests/gpu/test_v4_graphs_cuda.py ;;
     tier)  # with two GPUs this includes the tier across ranks (about 110 s); one GPU skips it
       tests_step tier "${TIER_LIMIT:-300}" tests/gpu -k tier ;;
     forward) step 200 python3 -m benchmarks.model_forward --model v41-bench --device cuda \
