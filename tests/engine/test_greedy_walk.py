@@ -130,3 +130,24 @@ def test_device_walk_equals_host_walk(model, k, scripted):
     assert d_spec == h_spec
     if scripted:
         assert 0 < d_spec["acceptance_rate"] < 1
+
+
+@pytest.mark.parametrize("model", FAMILIES)
+def test_device_walk_through_fake_draft_graphs_equals_host_walk(fake_engine_graphs, model):
+    """The draft graphs take the committed end's rows as a device tensor (``logit_rows``):
+    through fake graphs (``EagerBackend``) the device walk proposes what the host walk does."""
+    from .test_speculative import KW
+
+    prompts = prompts_of([40, 33, 47, 20], seed=6)
+    _, plain = run(prompts, GREEDY, model=model)
+    truth = truth_of(prompts, plain)
+    got = {}
+    for on in (True, False):
+        kw = {**KW, "model": model, "speculative_tokens": 2}
+        llm, outs, seen = _proposals(kw, on, prompts, truth=truth, wrong=lambda p: p % 4 == 0)
+        graphs = fake_engine_graphs[-1].span_graphs
+        assert graphs.replays["draft"] > 10 and not graphs.failed, graphs.replays
+        assert (llm.engine.stats()["speculative"]["device_walk_steps"] > 0) == on
+        got[on] = ([o.token_ids for o in outs], seen)
+    assert got[True] == got[False]
+    assert got[True][0] == [o.token_ids for o in plain]
