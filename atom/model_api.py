@@ -133,6 +133,17 @@ class RuntimeCapabilities:
         return cls(**{f.name: getattr(runtime, f.name, f.default) for f in fields(cls)})
 
 
+def shifted_spans(spans: list[Span], shift: torch.Tensor | None) -> list[Span]:
+    """``spans`` moved by ``shift`` (int64 [len(spans)], one-row spans only; a host read), as
+    ``DraftRuntime.draft_forward``'s ``shift`` asks of an eager draft forward."""
+    if shift is None:
+        return spans
+    if any(sp.num_tokens != 1 for sp in spans):
+        raise ValueError("a shifted draft forward takes one-row spans only")
+    moved = shift.tolist()
+    return [Span(sp.start + d, sp.end + d, sp.slot, sp.block_table) for sp, d in zip(spans, moved)]
+
+
 @runtime_checkable
 class DraftRuntime(Protocol):
     """A ModelRuntime whose model has its own draft layers (e.g. DeepSeek-V4's MTP block):
@@ -152,6 +163,14 @@ class DraftRuntime(Protocol):
       ``draft_forward`` returned for p - 1. It returns float32 logits for the token at p + 2 of
       each span's last position (every position with ``all_logits``) and its own residual rows
       ``[N, ...]`` (the next chained step's input).
+    * Device-side chaining (optional keywords; ``Drafter.propose_device``): ``logit_rows``
+      (int64 [len(spans)] on the device, flat row indices) returns those rows' logits instead
+      of each span's last; ``shift`` (int64 [len(spans)] on the device, one-row spans only)
+      runs span i at ``start + shift[i]``. Neither needs a host read where the forward runs
+      in a graph; an eager forward reads ``shift`` (``shifted_spans``). After a shifted
+      forward the host mirror of those cursors may hold the unshifted ends: the caller, once
+      it knows the shifts, settles them with ``settle_draft_cursors([(slot, layer,
+      position)])`` (a host-only update) before the next draft forward of those slots.
     * Each draft layer keeps its own state per slot (a window of earlier draft positions and
       a cursor), written by ``draft_forward`` only; it never touches PAGE blocks or the target
       layers' state. A span at 0 always runs; a span at s > 0 needs the draft state at a

@@ -37,8 +37,8 @@ class OracleDrafter:
     def propose(self, items):
         return self._replace(items, self.inner.propose(items))
 
-    def finish_device(self, items, chains, last):
-        return self._replace(items, self.inner.finish_device(items, chains, last))
+    def finish_device(self, items, drafts, chains, accepted):
+        return self._replace(items, self.inner.finish_device(items, drafts, chains, accepted))
 
     def _replace(self, items, out: dict) -> dict:
         """``out`` (proposals by seq_id) with each proposal replaced as the class doc says."""

@@ -65,6 +65,16 @@ def proposal_q(draft: list[int]) -> torch.Tensor | None:
 
 
 @dataclass
+class DeviceDrafts:
+    """``Drafter.propose_device``'s proposals, on the device until the step reads them."""
+
+    chains: torch.Tensor  # int64 [B, D]: depths 1 .. D proposed at each span's committed end
+    last: torch.Tensor  # depth D's output streams at each committed end [B, ...]
+    spans: list[Span]  # the walk's verify spans
+    ahead: int  # depths past the draft layers run on the device (0: none)
+
+
+@dataclass
 class DraftItem:
     """One sequence's committed span of this step and what the draft layers need of it."""
 
@@ -86,7 +96,7 @@ class Drafter:
         self.runtime, self.k, self.num_layers = runtime, speculative_tokens, num_layers
         self.sampler = sampler
         self._no_blocks = torch.empty(0, dtype=torch.int64)
-        self._logit_rows: bool | None = None  # the runtime's draft_forward takes logit_rows
+        self._keywords: dict[str, bool] = {}  # draft_forward's optional keywords (_takes)
 
     def propose(self, items: list[DraftItem]) -> dict[int, list[int]]:
         """Run the draft layers over every item; returns each proposing item's proposals
@@ -111,37 +121,73 @@ class Drafter:
             chains[sid] = Proposal(chains[sid], torch.stack(rows) if rows else None)
         return chains
 
-    def propose_device(
-        self, walk: GreedyWalk, residual: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Depths 1 .. min(k, m) for every verify span of ``walk`` (greedy requests), on the
-        device, reading nothing back: depth d runs layer d - 1 over the span's rows
-        [s, s + n) (``residual``: the verify forward's rows, in the walk's order) with
+    def propose_device(self, walk: GreedyWalk, residual: torch.Tensor) -> DeviceDrafts:
+        """Every depth for every verify span of ``walk`` (greedy requests), on the device,
+        reading nothing back. Depth d <= m runs layer d - 1 over the span's rows [s, s + n)
+        (``residual``: the verify forward's rows, in the walk's order) with
         ``walk.depth_tokens`` as input, and proposes the argmax of its logits at the committed
         end's row. Rows past the committed end ran on rejected drafts: the layer's cursor ends
-        at s + n, at most k past the next start, which re-runs them. Returns (int64 [B, D]
-        proposals, depth D's output streams at each committed end row [B, ...], the input of
-        ``finish_device``'s depths past m)."""
+        at s + n, at most k past the next start, which re-runs them. Depths past m run the last
+        layer at one position each, e, e + 1, ... (the committed end e = s + accepted + 1:
+        spans at s + 1, s + 2, ... shifted by ``walk.accepted`` on the device), where the
+        runtime takes ``shift``; else ``finish_device`` runs them once the host knows e."""
         rows, cols, chains = walk.committed_rows, [], None
         for d in range(1, min(self.k, self.num_layers) + 1):
             ids = walk.depth_tokens(d, chains)
             logits, residual = self._call_rows(ids, residual, walk.spans, d - 1, rows)
             cols.append(logits.argmax(-1))
             chains = torch.stack(cols, 1)
-        return chains, residual[rows]
+        last, ahead = residual[rows], 0
+        if self.k > self.num_layers and self._takes("shift"):
+            for ahead in range(1, self.k - self.num_layers + 1):
+                spans = [
+                    Span(sp.start + ahead, sp.start + ahead + 1, sp.slot, self._no_blocks)
+                    for sp in walk.spans
+                ]
+                logits, last = self.runtime.draft_forward(
+                    chains[:, -1].contiguous(),
+                    last,
+                    spans,
+                    layer=self.num_layers - 1,
+                    shift=walk.accepted,
+                )
+                cols.append(logits.argmax(-1))
+                chains = torch.stack(cols, 1)
+        return DeviceDrafts(chains, last, walk.spans, ahead)
 
     def finish_device(
-        self, items: list[DraftItem], chains: list[list[int]], last: torch.Tensor
+        self,
+        items: list[DraftItem],
+        drafts: DeviceDrafts,
+        chains: list[list[int]],
+        accepted: list[int],
     ) -> dict[int, list[int]]:
         """The proposals of ``propose_device``'s spans once the host has read them
-        (``chains``: each item's depths 1 .. D, ``last``: its streams at the committed end):
-        each proposing item's first ``want``, continued past the draft layers by the last one
-        (one position each, as ``propose``). ``items``' residual is unused (None)."""
+        (``chains``: each item's row of ``drafts.chains``, ``accepted``: the walk's): the
+        shifted draft cursors settled in the runtime's mirror, then each proposing item's
+        first ``want``, continued past the draft layers by the last one (one position each, as
+        ``propose``) where the device did not. ``items``' residual is unused (None)."""
+        if drafts.ahead:
+            layer = self.num_layers - 1
+            self.runtime.settle_draft_cursors(
+                [
+                    (sp.slot, layer, sp.start + a + 1 + drafts.ahead)
+                    for sp, a in zip(drafts.spans, accepted)
+                ]
+            )
         out = {it.seq.seq_id: chain[: it.want] for it, chain in zip(items, chains) if it.want}
-        picked = [it for it in items if it.want]
-        rows = [last[i : i + 1] for i, it in enumerate(items) if it.want]
-        self._past_layers(picked, out, {}, rows)
+        if not drafts.ahead:
+            picked = [it for it in items if it.want]
+            rows = [drafts.last[i : i + 1] for i, it in enumerate(items) if it.want]
+            self._past_layers(picked, out, {}, rows)
         return out
+
+    def _takes(self, keyword: str) -> bool:
+        """The runtime's ``draft_forward`` takes ``keyword`` (device-side chaining)."""
+        if keyword not in self._keywords:
+            params = inspect.signature(self.runtime.draft_forward).parameters
+            self._keywords[keyword] = keyword in params
+        return self._keywords[keyword]
 
     def _past_layers(self, items, chains, qs, residual: list[torch.Tensor]) -> None:
         """Depths m + 1 .. k (``m`` draft layers): the last layer again, at one position each
@@ -167,9 +213,7 @@ class Drafter:
         span) instead of each span's last; a runtime without ``logit_rows`` computes every
         row's logits and this picks them."""
         forward = self.runtime.draft_forward
-        if self._logit_rows is None:
-            self._logit_rows = "logit_rows" in inspect.signature(forward).parameters
-        if self._logit_rows:
+        if self._takes("logit_rows"):
             return forward(ids, residual, spans, layer=layer, logit_rows=rows)
         logits, out = forward(ids, residual, spans, layer=layer, all_logits=True)
         return logits[rows], out

@@ -155,11 +155,11 @@ def _device_walk(engine, spans):
     runner, drafter = engine.runner, engine.drafter
     engine.spec_stats.walked_on_device()
     walk = greedy_walk.GreedyWalk.run(runner.step_logits, spans)
-    chains, last = drafter.propose_device(walk, runner.step_residual)
+    drafts = drafter.propose_device(walk, runner.step_residual)
     b = len(spans)
-    host = torch.cat([walk.accepted, walk.best, chains.reshape(-1)]).tolist()
+    host = torch.cat([walk.accepted, walk.best, drafts.chains.reshape(-1)]).tolist()
     accepted, best, flat = host[:b], host[b : b + walk.best.numel()], host[b + walk.best.numel() :]
-    depth = chains.shape[1]
+    depth = drafts.chains.shape[1]
     new: dict[int, int] = {}
     stops: dict[int, str] = {}
     at = 0
@@ -182,7 +182,7 @@ def _device_walk(engine, spans):
         for i, sp in enumerate(spans)
     ]
     chains_host = [flat[i * depth : (i + 1) * depth] for i in range(b)]
-    return new, stops, ends, drafter.finish_device(items, chains_host, last)
+    return new, stops, ends, drafter.finish_device(items, drafts, chains_host, accepted)
 
 
 def _want(engine, seq) -> int:

@@ -2,7 +2,7 @@
 depth's input tokens against a plain Python walk, and an engine whose speculative steps walk on
 the device against one that walks on the host: the same tokens, proposals, acceptance and
 steps, for both families' draft layers, with drafts accepted and rejected at every length and
-depths past the model's draft layers."""
+depths past the model's draft layers (eagerly, and through fake draft graphs)."""
 
 from __future__ import annotations
 
@@ -133,9 +133,12 @@ def test_device_walk_equals_host_walk(model, k, scripted):
 
 
 @pytest.mark.parametrize("model", FAMILIES)
-def test_device_walk_through_fake_draft_graphs_equals_host_walk(fake_engine_graphs, model):
-    """The draft graphs take the committed end's rows as a device tensor (``logit_rows``):
-    through fake graphs (``EagerBackend``) the device walk proposes what the host walk does."""
+@pytest.mark.parametrize("k", [2, 3])
+def test_device_walk_through_fake_draft_graphs_equals_host_walk(fake_engine_graphs, model, k):
+    """The draft graphs take the committed end's rows as a device tensor (``logit_rows``) and
+    the depths past the draft layers' positions as device shifts (``shift``; v4-tiny's one MTP
+    layer at k = 2 and 3, v41-tiny-draft's two layers at k = 3): through fake graphs
+    (``EagerBackend``) the device walk proposes what the host walk does."""
     from .test_speculative import KW
 
     prompts = prompts_of([40, 33, 47, 20], seed=6)
@@ -143,7 +146,7 @@ def test_device_walk_through_fake_draft_graphs_equals_host_walk(fake_engine_grap
     truth = truth_of(prompts, plain)
     got = {}
     for on in (True, False):
-        kw = {**KW, "model": model, "speculative_tokens": 2}
+        kw = {**KW, "model": model, "speculative_tokens": k}
         llm, outs, seen = _proposals(kw, on, prompts, truth=truth, wrong=lambda p: p % 4 == 0)
         graphs = fake_engine_graphs[-1].span_graphs
         assert graphs.replays["draft"] > 10 and not graphs.failed, graphs.replays

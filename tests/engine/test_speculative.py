@@ -55,8 +55,8 @@ class ScriptedDrafter:
     def propose(self, items):
         return self._replace(items, self.inner.propose(items))
 
-    def finish_device(self, items, chains, last):
-        return self._replace(items, self.inner.finish_device(items, chains, last))
+    def finish_device(self, items, drafts, chains, accepted):
+        return self._replace(items, self.inner.finish_device(items, drafts, chains, accepted))
 
     def _replace(self, items, out):
         for it in items:

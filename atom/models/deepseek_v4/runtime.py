@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from atom.model_api import Span, image_header, restore_image, store_image
+from atom.model_api import Span, image_header, restore_image, shifted_spans, store_image
 from atom.models.deepseek_v4.decode_graphs import V4DecodeGraphs
 from atom.models.deepseek_v4.geometry import build_v4_pool_geometry
 from atom.models.deepseek_v4.model import DeepseekV4ForCausalLM
@@ -162,20 +162,27 @@ class V4Runtime:
         layer: int = 0,
         all_logits: bool = False,
         logit_rows: torch.Tensor | None = None,
+        shift: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if self.cuda_graphs and self.span_graphs is not None and not all_logits:
-            got = self.span_graphs.draft(token_ids, residual, spans, layer, logit_rows)
+            got = self.span_graphs.draft(token_ids, residual, spans, layer, logit_rows, shift)
             if got is not None:
                 return got
         return self.model.forward_draft_paged(
             token_ids,
             residual,
-            spans,
+            shifted_spans(spans, shift),
             self.slots,
             layer=layer,
             all_logits=all_logits,
             logit_rows=logit_rows,
         )
+
+    def settle_draft_cursors(self, cursors: list[tuple[int, int, int]]) -> None:
+        """(slot, layer, position) of each draft cursor a shifted ``draft_forward`` left: into
+        the host mirror (no device access)."""
+        for slot, layer, position in cursors:
+            self.slots.advance_draft(slot, layer, position)
 
     def store_image(self, slot: int, units: torch.Tensor) -> None:
         store_image(self.spec, self.pool, self.slot_bytes, slot, units)

@@ -130,10 +130,13 @@ class V4SpanGraphs(GraphSet):
         spans: list[Span],
         layer: int,
         logit_rows: torch.Tensor | None = None,
+        shift: torch.Tensor | None = None,
     ):
         """One draft layer's forward (the eager one's contract); ``logit_rows``: the rows whose
         logits come back instead of each span's last (a device tensor written into the graph's
-        input). None: the caller runs the eager forward."""
+        input); ``shift``: one-row spans each moved by a device offset (its position, start
+        and end), the host mirror keeping the unshifted ends until the caller settles them.
+        None: the caller runs the eager forward."""
         key = self.draft_key(spans, layer)
         if key is None:
             return None
@@ -150,9 +153,12 @@ class V4SpanGraphs(GraphSet):
         if graph is None:
             return None
         self._upload(graph, key, token_ids, spans)
+        v = self._views(graph.inp, key[2], 0)
         if logit_rows is not None:
-            last = self._views(graph.inp, key[2], 0)["last"]
-            last[: len(spans)].copy_(logit_rows, non_blocking=True)
+            v["last"][: len(spans)].copy_(logit_rows, non_blocking=True)
+        if shift is not None:
+            for field in ("pos", "start", "end"):
+                v[field][: len(spans)] += shift
         graph.residual[:n].copy_(residual)
         graph.replay()
         self.replays["draft"] += 1

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from atom.model_api import Span, restore_image, store_image
+from atom.model_api import Span, restore_image, shifted_spans, store_image
 from atom.models.deepseek_v41.decode_graphs import DecodeGraphs
 from atom.models.deepseek_v41.dspark_paged import draft_blocks, fill_target_windows
 from atom.models.deepseek_v41.model import DeepseekV41ForCausalLM
@@ -161,20 +161,27 @@ class V41Runtime:
         layer: int = 0,
         all_logits: bool = False,
         logit_rows: torch.Tensor | None = None,
+        shift: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if self.cuda_graphs and self.span_graphs is not None and not all_logits:
-            got = self.span_graphs.draft(token_ids, residual, spans, layer, logit_rows)
+            got = self.span_graphs.draft(token_ids, residual, spans, layer, logit_rows, shift)
             if got is not None:
                 return got
         return self.model.forward_draft_paged(
             token_ids,
             residual,
-            spans,
+            shifted_spans(spans, shift),
             self.slots,
             layer=layer,
             all_logits=all_logits,
             logit_rows=logit_rows,
         )
+
+    def settle_draft_cursors(self, cursors: list[tuple[int, int, int]]) -> None:
+        """(slot, layer, position) of each draft cursor a shifted ``draft_forward`` left: into
+        the host mirror (no device access)."""
+        for slot, layer, position in cursors:
+            self.slots.advance_draft(slot, layer, position)
 
     # ---- atom.model_api.BlockDraftRuntime: DSpark -----------------------------------------
 

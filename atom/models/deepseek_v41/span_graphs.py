@@ -29,7 +29,10 @@ Contract of ``SpanGraphs.verify(token_ids, spans)``:
 layer (``draft.forward_draft_paged``; spans of 1 .. k + 1 tokens, any start its cursor accepts):
 the residual is copied into the graph's static buffer; it returns the logits of each span's last
 row (or of the rows ``logit_rows`` names, a device tensor written into the graph's input) and
-the layer's output streams, and writes the layer's ring and cursor.
+the layer's output streams, and writes the layer's ring and cursor. ``shift`` (one-row spans)
+moves each span by a device offset, added to its packed position, start and end; the host
+mirror of those cursors keeps the unshifted ends (``slots.verify``: the shifted ones) until the
+caller settles them (``draft_forward``).
 
 Capture is lazy, with ``decode_graphs``' backends; ``SpanGraphs`` has a backend of its own (its
 own memory pool and side stream, apart from the decode graphs').
@@ -182,6 +185,7 @@ class SpanGraphs(GraphSet):
         spans: list[Span],
         layer: int,
         logit_rows: torch.Tensor | None = None,
+        shift: torch.Tensor | None = None,
     ):
         key = self.draft_key(spans, layer)
         if key is None:
@@ -194,15 +198,21 @@ class SpanGraphs(GraphSet):
         if graph is None:
             return None
         self._upload(graph, key, token_ids, spans, None)
+        v = self._views(graph.inp, key[2], 0)
         if logit_rows is not None:  # the rows whose logits come back (on the device)
-            last = self._views(graph.inp, key[2], 0)["span_last"]
-            last[: len(spans)].copy_(logit_rows, non_blocking=True)
+            v["span_last"][: len(spans)].copy_(logit_rows, non_blocking=True)
+        if shift is not None:  # one-row spans, each at start + shift (on the device)
+            for field in ("pos", "start", "span_end"):
+                v[field][: len(spans)] += shift
         n = token_ids.numel()
         graph.residual[:n].copy_(residual)
         graph.replay()
         self.replays["draft"] += 1
-        for sp in spans:
-            self.slots.advance_draft(sp.slot, layer, sp.end)
+        ends = [sp.end for sp in spans]
+        if shift is not None and self.slots.verify:  # (the debug mode reads the device anyway)
+            ends = [e + d for e, d in zip(ends, shift.tolist())]
+        for sp, end in zip(spans, ends):
+            self.slots.advance_draft(sp.slot, layer, end)
         return graph.out[0][: len(spans)].clone(), graph.out[1][:n].clone()
 
     def _upload(self, graph: _Graph, key, token_ids, spans, fronts) -> None:
