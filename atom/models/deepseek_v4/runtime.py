@@ -13,7 +13,8 @@ import math
 
 import torch
 
-from atom.model_api import Span, image_header, restore_image, shifted_spans, store_image
+from atom.model_api import Span, image_header, restore_image, store_image
+from atom.models.common.draft_layers import DraftLayers
 from atom.models.deepseek_v4.decode_graphs import V4DecodeGraphs
 from atom.models.deepseek_v4.geometry import build_v4_pool_geometry
 from atom.models.deepseek_v4.model import DeepseekV4ForCausalLM
@@ -21,7 +22,7 @@ from atom.models.deepseek_v4.paged import StateMismatchError, V4PagedKV, V4State
 from atom.models.deepseek_v4.span_graphs import V4SpanGraphs
 
 
-class V4Runtime:
+class V4Runtime(DraftLayers):
     # spans may carry block tables on the host (the batched decode builds its indices there)
     host_block_tables = True
     # with speculative_tokens k, a forward may start up to k positions behind the cursor (the
@@ -130,59 +131,7 @@ class V4Runtime:
             now["failed"] += before["failed"]
         return out
 
-    # ---- atom.model_api.DraftRuntime: the MTP blocks -----------------------------------------
-
-    @property
-    def num_draft_layers(self) -> int:
-        return self.model.num_draft_layers
-
-    def forward_with_residual(
-        self, token_ids: torch.Tensor, spans: list[Span], all_logits: bool = False
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``forward`` that also returns every token's residual (a verify forward replays a
-        span graph where it can)."""
-        if self.cuda_graphs and self.span_graphs is not None:
-            got = self.span_graphs.verify(token_ids, spans)
-            if got is not None:
-                logits, residual = got
-                if not all_logits:
-                    ends = torch.tensor([sp.num_tokens for sp in spans]).cumsum(0) - 1
-                    logits = logits[ends.to(logits.device)]
-                return logits, residual
-        return self.model.forward_paged(
-            token_ids, spans, self.kv, self.slots, all_logits, return_residual=True
-        )
-
-    def draft_forward(
-        self,
-        token_ids: torch.Tensor,
-        residual: torch.Tensor,
-        spans: list[Span],
-        *,
-        layer: int = 0,
-        all_logits: bool = False,
-        logit_rows: torch.Tensor | None = None,
-        shift: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.cuda_graphs and self.span_graphs is not None and not all_logits:
-            got = self.span_graphs.draft(token_ids, residual, spans, layer, logit_rows, shift)
-            if got is not None:
-                return got
-        return self.model.forward_draft_paged(
-            token_ids,
-            residual,
-            shifted_spans(spans, shift),
-            self.slots,
-            layer=layer,
-            all_logits=all_logits,
-            logit_rows=logit_rows,
-        )
-
-    def settle_draft_cursors(self, cursors: list[tuple[int, int, int]]) -> None:
-        """(slot, layer, position) of each draft cursor a shifted ``draft_forward`` left: into
-        the host mirror (no device access)."""
-        for slot, layer, position in cursors:
-            self.slots.advance_draft(slot, layer, position)
+    # (atom.model_api.DraftRuntime, the MTP blocks: ``DraftLayers``)
 
     def store_image(self, slot: int, units: torch.Tensor) -> None:
         store_image(self.spec, self.pool, self.slot_bytes, slot, units)
