@@ -24,6 +24,11 @@ Order, and why:
    them at the boundary too; otherwise the PENDING image is dropped;
 6. commit (blocks published up to the committed end only: draft rows are never a hit), then
    timings, metrics and finished requests.
+
+Steps 2-4 run on the device when every span is a decode span of a plain greedy request
+without logprobs (``greedy_walk``, ``Drafter.propose_device``): the host reads the walk and
+every proposal in one copy, then applies stops and length limits (``_device_walk``); the same
+tokens and proposals as the host walk (``_host_walk``), which every other step takes.
 """
 
 from __future__ import annotations
@@ -153,9 +158,9 @@ def _device_walk(engine, spans):
     every span a plain greedy decode span) and one host copy of the walk and the proposals;
     returns what ``_host_walk`` does."""
     runner, drafter = engine.runner, engine.drafter
-    engine.spec_stats.walked_on_device()
     walk = greedy_walk.GreedyWalk.run(runner.step_logits, spans)
     drafts = drafter.propose_device(walk, runner.step_residual)
+    engine.spec_stats.walked_on_device()
     b = len(spans)
     host = torch.cat([walk.accepted, walk.best, drafts.chains.reshape(-1)]).tolist()
     accepted, best, flat = host[:b], host[b : b + walk.best.numel()], host[b + walk.best.numel() :]
