@@ -20,7 +20,7 @@ broadcast so each rank sees them in order with the forwards.
 Drafts: with ``speculative_tokens`` every rank's runtime is built with the same draft state
 (its slots' geometry includes it, and checkpoint images carry it), and the draft layers (or
 DSpark stages) are whole on every rank: they split nothing and reduce nothing. Rank 0 sends
-``("draft_forward", ids, spans, layer, all_logits, residual shape, dtype)`` and
+``("draft_forward", ids, spans, layer, all_logits, residual shape, dtype, logit rows)`` and
 ``("fill_draft_windows", spans, residual shape, dtype)`` followed by the residual rows
 themselves, broadcast on the forward's group (on the device), and ``("draft_blocks", tokens,
 positions, slots)``; every rank makes the call on its own runtime, so the draft state too holds
@@ -51,7 +51,13 @@ from typing import Protocol
 import torch
 
 from atom.distributed.parallel_state import RankChannels, RankFailure
-from atom.model_api import RuntimeCapabilities, Span, block_draft_size, draft_layers
+from atom.model_api import (
+    RuntimeCapabilities,
+    Span,
+    block_draft_size,
+    draft_layers,
+    shifted_spans,
+)
 
 __all__ = ["BroadcastRuntime", "RankFailure", "RankOps", "run_forward", "serve_ops"]
 
@@ -224,16 +230,27 @@ class BroadcastRuntime:
         *,
         layer: int = 0,
         all_logits: bool = False,
+        logit_rows: torch.Tensor | None = None,
+        shift: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every rank's draft layer (module doc). Ops travel as host values, so ``shift`` is
+        read here and every rank runs the moved spans (its mirror exact: nothing to settle);
+        ``logit_rows`` travels as a list."""
         ids, residual = token_ids.cpu(), residual.contiguous()
-        spans = host_spans(spans)
+        spans = host_spans(shifted_spans(spans, shift))
+        rows = None if logit_rows is None else logit_rows.tolist()
         shape, dtype = tuple(residual.shape), str(residual.dtype)
-        self._send("draft_forward", ids, spans, layer, all_logits, shape, dtype)
+        self._send("draft_forward", ids, spans, layer, all_logits, shape, dtype, rows)
         with self._ranks():
             self.state.broadcast(residual)
             return self.inner.draft_forward(
-                ids, residual, spans, layer=layer, all_logits=all_logits
+                ids, residual, spans, layer=layer, all_logits=all_logits, logit_rows=logit_rows
             )
+
+    def settle_draft_cursors(self, cursors: list[tuple[int, int, int]]) -> None:
+        """Nothing to settle on any rank: ``draft_forward`` ran the moved spans (rank 0's
+        mirror is updated all the same, as the contract says)."""
+        self.inner.settle_draft_cursors(cursors)
 
     def fill_draft_windows(self, residual: torch.Tensor, spans: list[Span]) -> None:
         residual = residual.contiguous()
@@ -329,9 +346,13 @@ def serve_ops(runtime, state, rank_ops: RankOps | None = None) -> None:
                 backend = EagerBackend() if eager else None
                 runtime.enable_decode_graphs(max_batch, max_len, backend=backend)
             elif name == "draft_forward":
-                ids, spans, layer, all_logits, shape, dtype = args
+                ids, spans, layer, all_logits, shape, dtype, rows = args
                 residual = _received(state, shape, dtype, device)
-                runtime.draft_forward(ids, residual, spans, layer=layer, all_logits=all_logits)
+                if rows is not None:
+                    rows = torch.tensor(rows, dtype=torch.int64, device=device)
+                runtime.draft_forward(
+                    ids, residual, spans, layer=layer, all_logits=all_logits, logit_rows=rows
+                )
             elif name == "fill_draft_windows":
                 spans, shape, dtype = args
                 runtime.fill_draft_windows(_received(state, shape, dtype, device), spans)
