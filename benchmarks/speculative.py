@@ -70,6 +70,13 @@ def parse(argv=None) -> argparse.Namespace:
         "acceptance do on a model whose own drafter is untrained. Needs k=0 among --ks",
     )
     ap.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="every arm in batch-invariant mode: a verify row computes what a decode row does, "
+        "so in bf16 on a random-weight model (near-ties everywhere) drafts do not part the "
+        "outputs from k=0's, which --oracle-acceptance needs (its truth is k=0's output)",
+    )
+    ap.add_argument(
         "--host-walk",
         action="store_true",
         help="also run each k > 0 with the accept walk and draft layers' proposals read back "
@@ -104,6 +111,7 @@ def build(args, arm: str) -> LLM:
         speculative_tokens=k,
         cuda_graphs=not eager,
         draft_adapter=args.draft_adapter if k else None,
+        batch_invariant=args.batch_invariant,
     )
     llm.engine.device_walk = not arm.endswith("h")
     return llm
@@ -211,6 +219,7 @@ def main(argv=None) -> int:
         model=args.model,
         draft_adapter=args.draft_adapter,
         oracle_acceptance=args.oracle_acceptance,
+        batch_invariant=args.batch_invariant,
         prompts=len(prompts),
         prompt_len=args.prompt_len,
         output_len=args.output_len,

@@ -115,11 +115,15 @@ for s in "$@"; do
     speculative_oracle)  # v41-bench-draft, its draft layer run but its proposals replaced by
       # the true greedy token with probability ORACLE_ACCEPTANCE (benchmarks/oracle_drafts.py):
       # what drafts of that acceptance do on a weight-bound model, at each SPEC_BATCH, each k
-      # also walking on the host ("kh"): what the device walk saves
+      # also walking on the host ("kh"): what the device walk saves. Batch-invariant by default
+      # (ORACLE_INVARIANT= turns it off): at 5fec4e7's run without it (H200, batch 16) the bf16
+      # outputs with drafts parted from k=0's in 32 of 32 requests, which leaves the oracle's
+      # truth behind (acceptance 0.053 instead of about 0.85)
       for c in ${SPEC_BATCH:-1 16}; do
         step "${SPEC_ORACLE_LIMIT:-280}" python3 -m benchmarks.speculative --model v41-bench-draft \
           --oracle-acceptance "${ORACLE_ACCEPTANCE:-0.85}" --device cuda --ks ${SPEC_KS:-0 1 2 3} \
-          --host-walk --prompts $((2 * c > 8 ? 2 * c : 8)) --prompt-len 256 --output-len 96 \
+          --host-walk ${ORACLE_INVARIANT---batch-invariant} --prompts $((2 * c > 8 ? 2 * c : 8)) \
+          --prompt-len 256 --output-len 96 \
           --concurrency $c --repeats 3 --name "speculative_oracle_h200_b$c"
       done ;;
     speculative_v4)  # v4-bench's random MTP block (acceptance ~0): what a verify step costs
