@@ -163,7 +163,8 @@ class DraftRuntime(Protocol):
       ``draft_forward`` returned for p - 1. It returns float32 logits for the token at p + 2 of
       each span's last position (every position with ``all_logits``) and its own residual rows
       ``[N, ...]`` (the next chained step's input).
-    * Device-side chaining (optional keywords; ``Drafter.propose_device``): ``logit_rows``
+    * Device-side chaining (``Drafter.propose_device``; a runtime without these keywords gets
+      ``all_logits`` and host reads instead): ``logit_rows``
       (int64 [len(spans)] on the device, flat row indices) returns those rows' logits instead
       of each span's last; ``shift`` (int64 [len(spans)] on the device, one-row spans only)
       runs span i at ``start + shift[i]``. Neither needs a host read where the forward runs
@@ -196,7 +197,11 @@ class DraftRuntime(Protocol):
         *,
         layer: int = 0,
         all_logits: bool = False,
+        logit_rows: torch.Tensor | None = None,
+        shift: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def settle_draft_cursors(self, cursors: list[tuple[int, int, int]]) -> None: ...
 
 
 @runtime_checkable
