@@ -46,7 +46,6 @@ class ModelRunner:
         self.slot_owner: list[int | None] = [None] * num_slots
         self.device = device
         self._bound = False
-        self._residual = None  # the last forward's residual rows (with ``residual``)
 
     def bind(self) -> None:
         """Derive the model's views from the pool (call after any tier registration)."""
@@ -80,7 +79,7 @@ class ModelRunner:
         assert self._bound, "bind() the runner before running it"
         self.span_logits: dict[int, torch.Tensor] = {}
         self.span_residual: dict[int, torch.Tensor] = {}
-        self.step_logits = self.step_residual = self._residual = None
+        self.step_logits = self.step_residual = None
         for sp in spans:
             seq, slot = sp.seq, sp.seq.slot
             if sp.restore is not None:
@@ -114,13 +113,15 @@ class ModelRunner:
                 rows.update(zip(rest, part))
             every, lo = self._forward([spans[i] for i in full], full, True, residual), 0
             if not rest:
-                self.step_logits, self.step_residual = every, self._residual
+                self.step_logits = every
             for i in full:
                 n = spans[i].end - spans[i].start
                 self.span_logits[i] = every[lo : lo + n]
                 rows[i] = every[lo + n - 1]
                 lo += n
             logits = torch.stack([rows[i] for i in range(len(spans))])
+        if self.step_logits is None:  # (the residual of one of two forwards, or of last rows)
+            self.step_residual = None
         if images:
             self.store_images(spans)
         return logits
@@ -155,7 +156,7 @@ class ModelRunner:
         ]
         if residual:
             logits, res = self.runtime.forward_with_residual(ids, model_spans, all_logits)
-            self._residual, lo = res, 0
+            self.step_residual, lo = res, 0
             for i, sp in zip(index, spans):
                 self.span_residual[i] = res[lo : lo + sp.end - sp.start]
                 lo += sp.end - sp.start

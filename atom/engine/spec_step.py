@@ -68,7 +68,7 @@ def speculative_step(engine, out) -> list:
             engine.scheduler.abandon(sp)
         raise
     engine.steps += 1
-    if on_device and runner.step_logits is not None:
+    if on_device:  # (every span ran in the one all-logits forward: runner.step_logits)
         new, stops, ends, proposals = _device_walk(engine, spans)
     else:
         new, stops, ends, proposals = _host_walk(engine, spans, logits, full)
