@@ -34,6 +34,7 @@ import torch
 from atom import LLM, SamplingParams
 from benchmarks.common import md_table, write_results
 from benchmarks.recall_task import split
+from benchmarks.shared_weights import share
 
 RECALL = Path(__file__).resolve().parent.parent / "models" / "v41-recall"
 
@@ -124,7 +125,12 @@ def main(argv=None) -> int:
     arms = [str(k) for k in args.ks] + (["0e"] if args.eager_baseline else [])
     if args.host_walk:
         arms += [f"{k}h" for k in args.ks if k]
-    engines = {arm: build(args, arm) for arm in arms}
+    engines: dict[str, LLM] = {}
+    for arm in arms:  # one copy of the weights for all arms (each built from the same seed)
+        engines[arm] = build(args, arm)
+        if len(engines) > 1:
+            first = next(iter(engines.values()))
+            share(first.engine.runtime.model, engines[arm].engine.runtime.model)
     for llm in engines.values():  # warm-up (allocations, kernels, graphs)
         llm.generate(prompts[:2], SamplingParams(max_tokens=4, ignore_eos=True))
     if args.oracle_acceptance is not None:
