@@ -74,15 +74,16 @@ def decode_graphs_wanted(cfg: EngineConfig) -> bool:
     """Whether the engine replays CUDA graphs for decode forwards (``cuda_graphs``; with
     drafts, for the verify and draft forwards too: ``span_graphs``). In the batch-invariant
     mode only where its sync-free MoE runs (the fixed-configuration Triton kernel: Triton must
-    import; elsewhere its per-expert loop reads expert counts on the host) and without drafts
-    (their graphs are not shown invariant). A capture that meets a host sync anyway (quantized
-    experts run the loop) fails, is logged, and that bucket runs eagerly."""
+    import; elsewhere its per-expert loop reads expert counts on the host); with drafts too
+    (replays equal eager runs bit for bit: tests/gpu/test_batch_invariant_cuda.py). A capture
+    that meets a host sync anyway (quantized experts run the loop) fails, is logged, and that
+    bucket runs eagerly."""
     if not cfg.cuda_graphs:
         return False
     if cfg.batch_invariant:
         from atom.kernels import triton_importable
 
-        return triton_importable() and not cfg.speculative_tokens
+        return triton_importable()
     return True
 
 

@@ -176,12 +176,12 @@ def test_drafts_keep_graphs_on():
     assert decode_graphs_wanted(cfg("cuda", 0)) is True
     assert decode_graphs_wanted(cfg("cuda:0", 2)) is True
     assert decode_graphs_wanted(cfg("cuda:0", 2, graphs=False)) is False
-    # the batch-invariant mode: graphs where its MoE needs no host sync (Triton imports), and
-    # never with drafts
+    # the batch-invariant mode: graphs where its MoE needs no host sync (Triton imports), with
+    # drafts too (their replays' bits: tests/gpu/test_batch_invariant_cuda.py)
     import atom.kernels
 
     for importable in (True, False):
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(atom.kernels, "triton_importable", lambda i=importable: i)
             assert decode_graphs_wanted(cfg("cuda:0", 0, invariant=True)) is importable
-            assert decode_graphs_wanted(cfg("cuda:0", 2, invariant=True)) is False
+            assert decode_graphs_wanted(cfg("cuda:0", 2, invariant=True)) is importable

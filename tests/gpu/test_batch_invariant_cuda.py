@@ -67,3 +67,53 @@ def test_the_samplers_reductions_keep_a_rows_bits_in_any_batch(vocab):
     for n in (2, 7, 16, 33, 64):
         assert token_logprobs(rows[:n], [7] * n, 5)[0] == alone, n
         assert int(rows[:n].argmax(-1)[0]) == top, n
+
+
+@pytest.mark.parametrize(
+    "preset, block", [("v41-tiny-draft", 16), ("v4-mini", 256)]  # v4-mini: its MTP layer
+)
+def test_drafts_replay_span_graphs_in_the_mode_bit_for_bit(preset, block):
+    """With drafts the mode replays the verify and draft graphs too: greedy requests (walked
+    on the device) decode the same tokens as the eager run in the mode, and requests asking
+    for logprobs (walked on the host) the same bits; both the tokens of plain decoding in the
+    mode (a verify row is a decode row's bits: row-local arithmetic)."""
+    from atom import LLM, SamplingParams
+    from tests.engine.test_speculative import ScriptedDrafter
+
+    from .tier_two_pass import assert_same_bits
+
+    kw = dict(
+        device="cuda",
+        dtype="bfloat16",
+        batch_invariant=True,
+        block_size=block,
+        num_blocks=48,
+        max_num_seqs=8,
+        max_num_batched_tokens=1024,
+    )
+    prompts = cpu.prompts_of((40, 300, 530, 90, 260, 700), seed=14)
+    greedy = SamplingParams(max_tokens=24, ignore_eos=True)
+    listed = SamplingParams(max_tokens=24, ignore_eos=True, logprobs=2)
+
+    def both(llm):  # greedy requests (the device walk), then requests listing logprobs
+        return llm.generate(prompts, greedy) + llm.generate(prompts, listed)
+
+    plain = both(LLM(preset, **kw))
+    truth = {tuple(p): p + o.token_ids for p, o in zip(prompts, plain)}
+    runs = {}
+    for graphs in (True, False):
+        llm = LLM(preset, speculative_tokens=2, cuda_graphs=graphs, **kw)
+        llm.engine.drafter = ScriptedDrafter(llm.engine.drafter, truth, lambda p: p % 5 == 0)
+        runs[graphs] = both(llm)
+        stats = llm.engine.stats()["speculative"]
+        assert stats["acceptance_rate"] > 0.5 and stats["device_walk_steps"] > 0, stats
+        span = llm.engine.runtime.span_graphs
+        if graphs:
+            assert span is not None, "no span graphs in the batch-invariant mode"
+            assert not span.failed, span.failed
+            assert span.replays["verify"] > 0 and span.replays["draft"] > 0, span.replays
+        else:
+            assert span is None
+        llm.shutdown()
+    assert_same_bits(runs[True], runs[False])
+    assert [o.token_ids for o in runs[True]] == [o.token_ids for o in plain]
