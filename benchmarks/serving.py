@@ -590,6 +590,9 @@ def idle(args) -> None:
         + f" (spread {100 * summary['pair_spread']:.2f} points); loads in the tier arms: "
         f"{summary['tier_loads']}. Each arm: {passes} measured pass(es) of "
         f"{len(prompts)} requests in one engine.\n"
+        "\nWhere the time goes, by step kind (step thread off CPU: its wall time less its CPU "
+        "time, i.e. blocked, as on the interpreter lock another thread holds; other threads: "
+        "their CPU time during the step):\n\n" + md_table(STEPS_HEADER, steps_table(arms)) + "\n"
     )
     print(table)
     cmd = (

@@ -7,6 +7,14 @@ more) from a different mix of steps; wall time outside steps is the loop waiting
 lookups with nothing to run. With ``busy`` (sampled as each step starts: the tier has a
 transfer or lookup in flight) each kind is also split into steps that ran beside tier work and
 steps that did not, which tells contention with transfers from a slower forward overall.
+
+Each step also records the step thread's own CPU time and the other threads' (the process's
+CPU time less the step thread's) while it ran. The step thread spins while it waits on the
+device (CUDA's default sync), so its wall time less its CPU time is time it was blocked:
+waiting for the interpreter lock another thread held, or in a blocking call. Against an arm
+without the tier, ``off_cpu_ms`` rising with ``others_cpu_ms`` in the same steps is the tier's
+threads taking the interpreter from the step thread; a step slower at the same off-CPU time is
+a slower forward (the device, or the step thread's own work).
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ class StepLog:
 
     def __init__(self, engine, busy=None):
         self.rows: list[tuple[float, str, int, int, bool]] = []
+        self.cpu: list[tuple[float, float]] = []  # per row: (step thread CPU s, others CPU s)
         scheduler, inner_schedule, inner_step = (
             engine.scheduler,
             engine.scheduler.schedule,
@@ -40,9 +49,11 @@ class StepLog:
 
         def step():
             tier_busy = bool(busy()) if busy is not None else False
+            c0, p0 = time.thread_time(), time.process_time()
             t0 = time.perf_counter()
             finished = inner_step()
             dt = time.perf_counter() - t0
+            mine, everyone = time.thread_time() - c0, time.process_time() - p0
             out = last.pop() if last else None
             if out is not None and out.spans:
                 # a verify span is one decode position plus its drafts
@@ -51,6 +62,7 @@ class StepLog:
                 prefill = sum(n for n in sizes if n > 1)
                 kind = "decode" if not prefill else "prefill" if not single else "mixed"
                 self.rows.append((dt, kind, len(out.spans), prefill, tier_busy))
+                self.cpu.append((mine, max(0.0, everyone - mine)))
             return finished
 
         scheduler.schedule = schedule
@@ -64,10 +76,13 @@ class StepLog:
     def summary(self, wall_s: float) -> dict:
         res: dict = {}
         for kind in KINDS:
-            rows = [r for r in self.rows if r[1] == kind]
-            if not rows:
+            idx = [i for i, r in enumerate(self.rows) if r[1] == kind]
+            if not idx:
                 continue
+            rows = [self.rows[i] for i in idx]
             secs = [r[0] for r in rows]
+            off = [max(0.0, self.rows[i][0] - self.cpu[i][0]) for i in idx]
+            others = [self.cpu[i][1] for i in idx]
             res[kind] = {
                 "steps": len(rows),
                 "p50_ms": round(1000 * pct(secs, 50), 2),
@@ -75,7 +90,11 @@ class StepLog:
                 "mean_spans": round(statistics.fmean(r[2] for r in rows), 2),
                 "mean_prefill_tokens": round(statistics.fmean(r[3] for r in rows), 1),
                 "total_s": round(sum(secs), 3),
-            }
+                "off_cpu_ms": {"p50": round(1000 * pct(off, 50), 3),
+                               "mean": round(1000 * statistics.fmean(off), 3)},
+                "others_cpu_ms": {"p50": round(1000 * pct(others, 50), 3),
+                                  "mean": round(1000 * statistics.fmean(others), 3)},
+            }  # fmt: skip
             beside = [r[0] for r in rows if r[4]]
             if beside:
                 alone = [r[0] for r in rows if not r[4]]
@@ -103,10 +122,12 @@ def steps_table(arms: list[dict]) -> list[list]:
                     [arm["arm"], kind, k["steps"], k["p50_ms"], k["mean_ms"], k["mean_spans"]]
                     + [k["mean_prefill_tokens"], k["total_s"]]
                     + [side.get("steps", ""), side.get("p50_ms", ""), side.get("alone_p50_ms", "")]
-                )
+                    + [k.get("off_cpu_ms", {}).get("mean", ""), k.get("others_cpu_ms", {}).get(
+                        "mean", "")]
+                )  # fmt: skip
         if "outside_steps_s" in log:
             rows.append(
-                [arm["arm"], "outside steps"] + [""] * 5 + [log["outside_steps_s"]] + [""] * 3
+                [arm["arm"], "outside steps"] + [""] * 5 + [log["outside_steps_s"]] + [""] * 5
             )
     return rows
 
@@ -123,4 +144,6 @@ STEPS_HEADER = [
     "beside tier work",
     "their p50 ms",
     "others p50 ms",
+    "step thread off CPU, mean ms",
+    "other threads CPU, mean ms",
 ]
