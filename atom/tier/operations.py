@@ -288,6 +288,8 @@ class TierRequest:
     located: Any = None  # where the answer's objects sit in the server's L1 (engine-driven)
     ops: set[TransferOp] = field(default_factory=set)  # live transfers (leased or unreported)
     session_open: bool = False
+    confirm_at: int = 0  # CONFIRMING: the boundary its confirmation is for (asked near it)
+    confirm_key: int | None = None  # the prefix whose shared confirmation it leads or follows
 
     def to(self, phase: Phase) -> None:
         if phase is self.phase:

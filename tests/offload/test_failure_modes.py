@@ -616,6 +616,10 @@ def test_fm11_hit_covered_by_hbm_frees_its_locks_once(make):
     p = prompt_of(87, 20)
     first = h.add(p, max_tokens=1)
     h.run([first])
+    h.step()
+    # the tier may have lost it (a restart): the HBM-covered request confirms at admission
+    # (a prefix it knows stored it would confirm only near a boundary to store)
+    h.connector.tier_lost()
     again = h.add(p, max_tokens=1)
     h.run([again])
     h.step()
@@ -629,8 +633,9 @@ def test_fm11_hit_covered_by_hbm_frees_its_locks_once(make):
 
 def test_hbm_covered_request_runs_without_waiting_for_its_lookup(make):
     """An idle tier costs no step: when HBM already covers every loadable token, the request
-    is admitted at once; the lookup's late answer frees its locks once and tells the saves what
-    the tier lost (here: everything), which is then stored again."""
+    is admitted at once and asks nothing until it nears the first boundary it would store
+    (96, asked from 92); the lookup's late answer frees its locks once and tells the saves
+    what the tier lost (here: everything), which is then stored again."""
     h = make(auto_lookups=False)
     h.transfers.auto = {"save"}
     p = prompt_of(87, 22)
@@ -642,11 +647,15 @@ def test_hbm_covered_request_runs_without_waiting_for_its_lookup(make):
     assert h.server.hit(p[:-1]) == 80
     h.server.forget()  # the tier lost it; HBM still has it
     saves = len(h.transfers.saves)
-    s = h.add(p, max_tokens=4)
+    s = h.add(p, max_tokens=12)
     h.step()
-    (lk,) = [o for o in h.lookups.ops if o.owner.seq is s]
-    assert lk.hit is None  # unanswered, yet the request runs from HBM
     assert s.counters.hbm_hit_tokens == 80 and s.num_computed > 80
+    assert [o for o in h.lookups.ops if o.owner.seq is s] == []  # nothing to store yet
+    h.step_until(lambda: [o for o in h.lookups.ops if o.owner.seq is s])
+    (lk,) = [o for o in h.lookups.ops if o.owner.seq is s]
+    assert 92 <= s.num_computed < 96 and lk.token_ids == p[:80]
+    h.step()
+    assert lk.hit is None and s.num_computed > 92  # unanswered, yet the request runs
     h.lookups.answer(lk)
     h.run([s])
     lmc = h.tier_state(s).lmc_id

@@ -11,8 +11,12 @@ The connector answers; the engine scheduler decides. It writes no engine state (
             hit always leaves a prefill token and ends where a load can end (a stored image).
             When HBM already covers every loadable token the request is admitted at once and
             the answer only tells the saves what the tier still holds (an idle tier costs no
-            step). An answer the request waits on is first judged against the concurrent
-            lookups of its prefix, and asked again when they show it short (below).
+            step): it is asked near the first boundary the request would store (at once for
+            a prefix not known stored, e.g. after a restart), shared by the requests of one
+            prefix (confirmations.py), and not at all for a prompt shorter than a chunk or a
+            request that ends before that boundary. An answer the request waits on is first
+            judged against the concurrent lookups of its prefix, and asked again when they
+            show it short (below).
   load      [start, tier_hit) as the engine planned it (start = the resident frontier); the
             read locks below ``start`` are freed at once. Success -> ``Loaded`` (the engine
             publishes the blocks, the image becomes READY). Failure or lateness ->
@@ -102,6 +106,7 @@ from atom.tier.operations import (
     TransferOp,
 )
 from atom.tier.policy import TierPolicy
+from atom.tier.scheduler_side.confirmations import CONFIRM_LEAD, Confirmations
 from atom.tier.tier_metrics import TierMetrics
 from atom.tier.worker_side.events import EventPool
 from atom.tier.worker_side.local_load import LocalLoadError
@@ -182,8 +187,10 @@ class OffloadConnector(Connector):
         self._lock = Lock()  # guards _requests / ops against the metrics thread
         self._requests: dict[int, TierRequest] = {}  # seq_id -> alive or with live transfers
         self._stored: OrderedDict[int, None] = OrderedDict()  # image keys the tier holds
+        self.confirmations = Confirmations()  # HBM-covered requests of one prefix: one lookup
         self.health = transfers.health  # the worker side's health record (read only)
         self._epoch = self.health.epoch
+        self._seen_down = False  # the step thread saw the tier unhealthy since its last update
         self.local, self.mappings = local, mappings
         self.tier_metrics = TierMetrics(metrics, self)
         self._ahead_open = False  # reservations sent ahead for the current step
@@ -223,9 +230,13 @@ class OffloadConnector(Connector):
     # ---- Connector: step thread ------------------------------------------------------------
 
     def update(self) -> list[Outcome]:
-        epoch = self.health.epoch
-        if epoch != self._epoch:  # the tier may have lost everything: store again from 0
-            self._epoch = epoch
+        epoch, healthy = self.health.epoch, self.health.healthy
+        # the tier may have lost everything: store again from 0. The epoch records an outage
+        # the transfer thread's rounds saw; one while the tier had no transfers (its thread
+        # blocks when idle) only this thread sees, as the steps go on
+        lost = epoch != self._epoch or (healthy and self._seen_down)
+        self._epoch, self._seen_down = epoch, not healthy
+        if lost:
             self.tier_lost()
         if self.local is not None:
             self.local.poll()  # copies that completed: their locks are freed, ops retired
@@ -251,12 +262,15 @@ class OffloadConnector(Connector):
 
     def tier_lost(self) -> None:
         """The tier may hold none of what it held (a restart, a clear): trust nothing stored
-        before, and store again what the running requests compute."""
+        before, and store again what the running requests compute (those HBM covered and
+        that have not asked yet ask now: their prefix too may be gone)."""
         self._stored.clear()
-        for st in self._requests.values():
+        self.confirmations.clear()
+        for st in list(self._requests.values()):
             st.saved_upto = 0
             if st.tier_has is not None:
                 st.tier_has = 0
+            self._confirm_when_due(st, now=True)
 
     def _state(self, seq: Sequence) -> TierRequest:
         st = self._requests.get(seq.seq_id)
@@ -281,12 +295,79 @@ class OffloadConnector(Connector):
             st.to(Phase.RUNNING)
             return
         tokens = st.seq.tokens[: st.seq.num_tokens - 1]
+        boundary = (len(tokens) // self.chunk_size) * self.chunk_size
+        if local_hit >= boundary:  # the tier cannot add a token: admit now
+            st.to(Phase.CONFIRMING)
+            if boundary == 0:
+                self._confirmed(st, 0)  # nothing the tier could hold: a miss, unasked
+                return
+            st.confirm_at = boundary + self.chunk_size  # its first boundary past HBM's
+            # a prefix this connector has not seen stored (the tier may have lost it: a
+            # restart) is confirmed now, so that it is stored again from HBM; one it stored
+            # or loaded is confirmed only when the request has something to store
+            self._confirm_when_due(st, now=not self._known_stored(st.seq, boundary))
+            return
+        st.to(Phase.LOOKING_UP)
         self._send_lookup(st, tokens, self.clock() + self.cfg.lookup_timeout_s)
         st.session_open = True
-        if local_hit >= (len(tokens) // self.chunk_size) * self.chunk_size:
-            st.to(Phase.CONFIRMING)  # the tier cannot add a token: admit now
-        else:
-            st.to(Phase.LOOKING_UP)
+
+    def _known_stored(self, seq: Sequence, boundary: int) -> bool:
+        """This connector stored or loaded the image at ``boundary`` since the tier was last
+        lost (saves store a prefix in order, so the chunks before it went first)."""
+        n = boundary // self.spec.block_size
+        if len(seq.block_hashes) < n:
+            return False
+        image = self.images.ready_image(seq.block_hashes[n - 1])
+        return image is not None and self.is_stored(image)
+
+    def _confirm_when_due(self, st: TierRequest, now: bool = False) -> None:
+        """A CONFIRMING request asks what the tier holds of the prefix HBM gave it (``now``,
+        or once it nears a boundary it would store: ``CONFIRM_LEAD`` of a chunk before it;
+        until then it has nothing to save, and a request whose ``max_tokens`` end it before
+        that boundary asks nothing).
+        The requests of one prefix share the confirmation (``confirmations.py``)."""
+        asked = st.lookup is not None or st.confirm_key is not None
+        if st.phase is not Phase.CONFIRMING or not st.confirm_at or asked:
+            return
+        seq, lead = st.seq, int(CONFIRM_LEAD * self.chunk_size)
+        if not now:
+            if seq.max_tokens and seq.num_prompt + seq.max_tokens - 1 < st.confirm_at:
+                return  # it ends before that boundary: nothing of its own to store
+            if seq.num_computed + lead < st.confirm_at:
+                return
+        boundary = st.confirm_at - self.chunk_size  # the prompt's last: what HBM covered
+        n = boundary // self.spec.block_size
+        if len(seq.block_hashes) >= n:  # (the local hit hashed them)
+            st.confirm_key = key = seq.block_hashes[n - 1]
+            known = self.confirmations.known(key, self.clock())
+            if known is not None:
+                self.tier_metrics.lookups.inc(outcome="shared")
+                self._confirmed(st, known)
+                return
+            if self.confirmations.follow(key, st):
+                self.tier_metrics.lookups.inc(outcome="shared")
+                return
+            self.confirmations.lead(key, st)
+        deadline = self.clock() + self.cfg.lookup_timeout_s
+        self._send_lookup(st, seq.tokens[:boundary], deadline)
+        st.session_open = True
+
+    def _confirmed(self, st: TierRequest, hit: int | None) -> None:
+        """A CONFIRMING request settled by a shared confirmation (``hit`` None: unknown, so
+        neither load nor store, as its leader)."""
+        if st.phase is not Phase.CONFIRMING:
+            return  # finished meanwhile
+        st.answer = hit or 0
+        if hit is not None:
+            st.tier_has = st.saved_upto = hit
+        st.to(Phase.RUNNING)
+        if hit is not None and st.seq.block_table:
+            self._plan_saves(st)
+
+    def _settle_followers(self, st: TierRequest, hit: int | None) -> None:
+        if st.confirm_key is not None:
+            for follower in self.confirmations.answered(st.confirm_key, st, hit, self.clock()):
+                self._confirmed(follower, hit)
 
     def holds(self, seq: Sequence) -> bool:
         st = self._requests.get(seq.seq_id)
@@ -355,6 +436,7 @@ class OffloadConnector(Connector):
         for seq in seqs:
             st = self._requests.get(seq.seq_id)
             if st is not None:
+                self._confirm_when_due(st)
                 self._plan_saves(st)
         if self._ahead_open:  # after this step's saves: what they did not claim is given back
             self.transfers.ahead_end()
@@ -441,6 +523,7 @@ class OffloadConnector(Connector):
         if known:
             st.tier_has = st.saved_upto = hit
             self.tier_metrics.lookups.inc(outcome="hit" if hit else "miss")
+        self._settle_followers(st, hit if known else None)
         st.locked = hit
         op = st.lookup
         st.located = op.located if op.located is not None and op.located.end == hit else None
@@ -472,6 +555,7 @@ class OffloadConnector(Connector):
             if st.lookup_pending and now > lk.deadline and lk.mark_late():
                 st.answer = 0  # no answer: neither load nor store (the thread frees locks)
                 self.tier_metrics.lookups.inc(outcome="late")
+                self._settle_followers(st, None)
                 if st.phase in (Phase.LOOKING_UP, Phase.CONFIRMING):
                     if st.phase is Phase.LOOKING_UP:
                         self._emitted.append(Answered(st.seq))
