@@ -26,6 +26,16 @@ def warm(h) -> None:
     h.step()
 
 
+def warmed(make, answer: bool):
+    """A harness whose HBM and tier hold the prefix; lookups answered at once (``answer``) or
+    only when the test answers them."""
+    h = make(auto_lookups=False)
+    h.lookups.auto = True
+    warm(h)
+    h.lookups.auto = answer
+    return h
+
+
 def lookups_of(h, seqs) -> list:
     return [op for op in h.lookups.ops if op.owner.seq in seqs]
 
@@ -37,9 +47,7 @@ def shared_count(h) -> float:
 def test_a_request_that_stores_nothing_new_calls_the_server_not_once(make):
     """(Its prefix this connector stored itself: had the tier been lost since, it would
     confirm at admission; see the next test.)"""
-    h = make(auto_lookups=False)
-    h.lookups.auto = True
-    warm(h)
+    h = warmed(make, answer=True)
     calls = len(h.lookups.ops), len(h.lookups.free_calls), len(h.lookups.ended)
     # 82 + 12 tokens: it comes within the lead of 96 (asked from 92) but ends before it
     seqs = [h.add(PREFIX + [9, i], max_tokens=12) for i in range(3)]
@@ -51,9 +59,7 @@ def test_a_request_that_stores_nothing_new_calls_the_server_not_once(make):
 
 
 def test_after_a_tier_loss_a_covered_prefix_is_confirmed_at_once_and_stored_again(make):
-    h = make(auto_lookups=False)
-    h.lookups.auto = True
-    warm(h)
+    h = warmed(make, answer=True)
     h.server.forget()
     h.connector.tier_lost()  # as a re-registration after a restart calls it
     saves = len(h.transfers.saves)
@@ -70,10 +76,7 @@ def test_after_a_tier_loss_a_covered_prefix_is_confirmed_at_once_and_stored_agai
 
 
 def test_requests_of_one_prefix_ask_once_near_their_boundary_and_settle_with_the_answer(make):
-    h = make(auto_lookups=False)
-    h.lookups.auto = True
-    warm(h)
-    h.lookups.auto = False
+    h = warmed(make, answer=False)
     h.server.forget()  # the tier lost the prefix; HBM still has it
     saves = len(h.transfers.saves)
     seqs = [h.add(PREFIX + [9, i, i], max_tokens=LONG) for i in range(4)]
@@ -96,9 +99,7 @@ def test_requests_of_one_prefix_ask_once_near_their_boundary_and_settle_with_the
 
 
 def test_an_answer_is_reused_for_its_ttl_then_asked_again(make):
-    h = make(auto_lookups=False)
-    h.lookups.auto = True
-    warm(h)
+    h = warmed(make, answer=True)
     first = h.add(PREFIX + [4, 4], max_tokens=LONG)
     h.run([first])
     h.step()  # its answer folded in
@@ -117,10 +118,7 @@ def test_an_answer_is_reused_for_its_ttl_then_asked_again(make):
 
 
 def test_a_failed_confirmation_leaves_its_followers_unknown(make):
-    h = make(auto_lookups=False)
-    h.lookups.auto = True
-    warm(h)
-    h.lookups.auto = False
+    h = warmed(make, answer=False)
     saves = len(h.transfers.saves)
     seqs = [h.add(PREFIX + [7, i], max_tokens=LONG) for i in range(3)]
     h.step_until(lambda: lookups_of(h, seqs))
@@ -149,9 +147,7 @@ def test_a_prompt_shorter_than_a_chunk_sends_no_lookup(make):
 
 
 def test_a_lost_tier_forgets_the_shared_answers(make):
-    h = make(auto_lookups=False)
-    h.lookups.auto = True
-    warm(h)
+    h = warmed(make, answer=True)
     first = h.add(PREFIX + [4, 4], max_tokens=LONG)
     h.run([first])
     h.step()
