@@ -7,7 +7,9 @@ request used to send its lookup at admission: three server calls (the lookup, th
 read locks it took, the session's end), all the tier did on a workload that fits in HBM (an
 idle tier), and in the very step that prefilled the request's tail. Now a request asks only
 once it nears the first boundary it would store (``CONFIRM_LEAD`` of a chunk before it): one
-that finishes first has nothing to save and asks nothing.
+whose ``max_tokens`` end it first has nothing to save and asks nothing. A prefix the connector
+does not know stored (after a restart) is still confirmed at admission (planner.py decides
+when; this module only shares).
 
 The requests of one prefix also share one confirmation. The prefix is named by the engine's
 block hash at the prompt's last chunk boundary (a chained hash: equal hashes, equal tokens up
