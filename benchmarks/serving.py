@@ -387,6 +387,7 @@ def run_arm(
     log = StepLog(eng, busy=conn.busy if conn is not None else None)
     spec0 = spec_counts(eng)
     threads0, rounds0 = thread_cpu_seconds(), transfer_rounds(eng)
+    calls0 = lookup_path_calls(conn)
     walls, every = [], []
     with PerProcessGpu() as gpu:  # which processes used the GPU during the pass (CUDA hosts)
         for _ in range(passes):
@@ -421,6 +422,8 @@ def run_arm(
         res["gpu_sm_pct"] = gpu.summary(pids)
     if rounds0 is not None:
         res["transfer_rounds_per_step"] = round((transfer_rounds(eng) - rounds0) / max(steps, 1), 2)
+    if calls0 is not None:  # the lookup thread's server calls in the measured passes
+        res["lookup_thread_calls"] = {k: v - calls0[k] for k, v in lookup_path_calls(conn).items()}
     if held is not None:
         block = eng.scheduler.block_size
         res["tier_held_after_pass1"] = sum(held)
@@ -492,6 +495,23 @@ def run_arm(
     return res
 
 
+def calls_cell(calls: dict | None) -> str:
+    return "" if not calls else f"{calls['lookups']} / {calls['frees']} / {calls['session_ends']}"
+
+
+def lookup_path_calls(conn) -> dict | None:
+    """The server calls the tier's lookup thread made so far: lookups (each round-trip of the
+    lookup path), frees of read locks, session ends (None without a lookup thread)."""
+    lookups = getattr(conn, "lookups", None) if conn is not None else None
+    if lookups is None or not hasattr(lookups, "server_calls"):
+        return None
+    return {
+        "lookups": lookups.server_calls,
+        "frees": lookups.locks_freed,
+        "session_ends": lookups.sessions_ended,
+    }
+
+
 def transfer_rounds(eng) -> int | None:
     """The tier's transfer-thread polling rounds so far (None without a tier)."""
     metric = eng.metrics._metrics.get("atom_tier_transfer_rounds_total")
@@ -557,6 +577,7 @@ def idle(args) -> None:
         [a["arm"], a["req_per_s"], a["wall_s"], a["ttft_p50_ms"], a.get("itl_p50_ms", "")]
         + [a["tier_hit_tokens"], a.get("loads", ""), a.get("connector_ms_per_step", "")]
         + [a.get("server_cpu_s", ""), a.get("transfer_rounds_per_step", "")]
+        + [calls_cell(a.get("lookup_thread_calls"))]
         + [sm_pct(a)]
         + [busiest_helpers(a.get("thread_cpu_ms_per_step", {}))]
         for a in arms
@@ -573,6 +594,7 @@ def idle(args) -> None:
             "connector ms/step",
             "server CPU s",
             "transfer rounds/step",
+            "lookups / frees / session ends",
             "GPU SM % engine / server",
             "other threads, CPU ms/step",
         ],
@@ -580,10 +602,11 @@ def idle(args) -> None:
     )
     table += (
         "\n\nserver CPU s: CPU time the owned LMCache server used during the measured pass (it "
-        "shares the engine's cores). Other threads: this process's threads but the step thread "
-        "(MainThread), the three busiest, CPU ms per step (each holds the interpreter lock "
-        "while it runs Python). GPU SM %: nvidia-smi pmon's 1 s samples of each process, "
-        "mean over the pass (the server's share is what its CUDA context took)."
+        "shares the engine's cores). Lookups / frees / session ends: the server calls the tier's "
+        "lookup thread made in the measured passes. Other threads: this process's threads but "
+        "the step thread (MainThread), the three busiest, CPU ms per step (each holds the "
+        "interpreter lock while it runs Python). GPU SM %: nvidia-smi pmon's 1 s samples of "
+        "each process, mean over the pass (the server's share is what its CUDA context took)."
         f"\n\nIdle-tier overhead (mean wall of the tier arms over the HBM-only arms - 1): "
         f"{100 * summary['idle_tier_overhead']:+.2f}%; by A B pair: "
         + ", ".join(f"{100 * x:+.2f}%" for x in pairs)
