@@ -113,12 +113,13 @@ def test_a_probe_unanswered_in_time_leaves_loads_unknown_then_engine_driven_with
     assert [o.tier_hit_tokens for o in out] == [ceiling(n) for n in LENGTHS]
     assert conn.tier_metrics.local_loads.get(outcome="copied") == 0
     assert [ld["local"] for ld in w.loads] == [False] * len(prompts)
-    asked = locator.probe.probes
 
     cue.set()  # the server answers from now on: the next retry finds the module
     pump(llm, lambda: mode() == "engine_driven", "the retry's verdict")
     mapped(llm, lmcache_server.l1_segment)
-    assert locator.probe.probes > asked and locator.combined
+    # a retry found it, not the first probe (the retry may have been sent, and held, before
+    # the cue: its answer then arrives with no further probe)
+    assert locator.probe.probes > 1 and locator.combined
     llm.engine.reset_prefix_cache()
     out = llm.generate(prompts, GREEDY, on_step=check)
     pump(llm, lambda: settled(llm), "pass 3 to settle")

@@ -156,3 +156,26 @@ def test_a_lost_tier_forgets_the_shared_answers(make):
     h.run([again])
     assert len(lookups_of(h, [again])) == 1
     h.shutdown()
+
+
+def test_a_prompt_that_ends_on_a_boundary_confirms_that_chunk_and_stores_nothing_twice(make):
+    """A repeated prompt of 96 tokens: HBM covers 80 (a token is left to compute), the
+    prefill computes [80, 96), whose tokens are the prompt's own: the confirmation covers 96,
+    which the tier holds from the first run, so nothing is stored again."""
+    h = make(auto_lookups=False)
+    h.lookups.auto = True
+    h.transfers.auto = {"save"}
+    prompt = PREFIX + prompt_of(16, 8)
+    first = h.add(prompt, max_tokens=2)
+    h.run([first])
+    h.step()
+    assert h.server.hit(prompt) == 96
+    saves = len(h.transfers.saves)
+    again = h.add(prompt, max_tokens=2)
+    h.run([again])
+    h.step()
+    (asked,) = lookups_of(h, [again])
+    assert asked.token_ids == prompt and asked.hit == 96
+    assert again.counters.hbm_hit_tokens == 80
+    assert h.transfers.saves[saves:] == []
+    h.shutdown()

@@ -12,8 +12,8 @@ does not know stored (after a restart) is still confirmed at admission (planner.
 when; this module only shares).
 
 The requests of one prefix also share one confirmation. The prefix is named by the engine's
-block hash at the prompt's last chunk boundary (a chained hash: equal hashes, equal tokens up
-to the boundary). The first request sends the lookup (the leader); the requests admitted
+block hash at the lookup's end, a chunk boundary (a chained hash: equal hashes, equal tokens
+up to the boundary). The first request sends the lookup (the leader); the requests admitted
 while it is in flight follow it and settle with its answer; for ``ttl_s`` after it an answer
 is reused at once. An answer older than that is not trusted (the server may have evicted the
 prefix since): the next request asks again. A failed or late confirmation settles the

@@ -335,9 +335,14 @@ class OffloadConnector(Connector):
                 return  # it ends before that boundary: nothing of its own to store
             if seq.num_computed + lead < st.confirm_at:
                 return
-        boundary = st.confirm_at - self.chunk_size  # the prompt's last: what HBM covered
-        n = boundary // self.spec.block_size
-        if len(seq.block_hashes) >= n:  # (the local hit hashed them)
+        # up to the boundary it is about to store where its tokens (and their hash) exist
+        # already, so that a chunk the tier holds is not stored again; else up to the
+        # prompt's last boundary, what HBM covered (the local hit hashed it)
+        end, bs = st.confirm_at, self.spec.block_size
+        if seq.num_tokens < end or len(seq.block_hashes) < end // bs:
+            end -= self.chunk_size
+        n = end // bs
+        if len(seq.block_hashes) >= n:
             st.confirm_key = key = seq.block_hashes[n - 1]
             known = self.confirmations.known(key, self.clock())
             if known is not None:
@@ -349,7 +354,7 @@ class OffloadConnector(Connector):
                 return
             self.confirmations.lead(key, st)
         deadline = self.clock() + self.cfg.lookup_timeout_s
-        self._send_lookup(st, seq.tokens[:boundary], deadline)
+        self._send_lookup(st, seq.tokens[:end], deadline)
         st.session_open = True
 
     def _confirmed(self, st: TierRequest, hit: int | None) -> None:
