@@ -131,8 +131,8 @@ def main(argv=None) -> int:
         if len(engines) > 1:
             first = next(iter(engines.values()))
             share(first.engine.runtime.model, engines[arm].engine.runtime.model)
-    for llm in engines.values():  # warm-up (allocations, kernels, graphs)
-        llm.generate(prompts[:2], SamplingParams(max_tokens=4, ignore_eos=True))
+    for llm in engines.values():  # warm-up (allocations, kernels, graphs of the full batch)
+        llm.generate(prompts[: args.concurrency], SamplingParams(max_tokens=6, ignore_eos=True))
     if args.oracle_acceptance is not None:
         from benchmarks.oracle_drafts import OracleDrafter
 

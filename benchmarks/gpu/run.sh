@@ -25,6 +25,9 @@ echo "=== results name commit ${ATOM_GIT_REV:-(unknown: git of this copy)}"
 RESULTS=${OUT:-/tmp/out}  # where results are copied (the caller may set OUT)
 mkdir -p "$RESULTS"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$RESULTS/gpu.txt"
+# the card in results names that carry one (h100, h200)
+CARD=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -oE 'H[0-9]+' | tr H h)
+CARD=${CARD:-gpu}
 step() { local limit=$1; shift; echo "=== $* (limit ${limit}s)"; local t0=$SECONDS
   timeout "$limit" "$@"; echo "=== rc=$? in $((SECONDS - t0)) s"; }
 # a pytest step: every test's outcome in $RESULTS/NAME.log (it comes back as a file, and names
@@ -126,7 +129,7 @@ for s in "$@"; do
           --oracle-acceptance "${ORACLE_ACCEPTANCE:-0.85}" --device cuda --ks ${SPEC_KS:-0 1 2 3} \
           --host-walk ${ORACLE_INVARIANT---batch-invariant} --prompts $((2 * c > 8 ? 2 * c : 8)) \
           --prompt-len 256 --output-len 96 \
-          --concurrency $c --repeats 3 --name "speculative_oracle_h200_b$c"
+          --concurrency $c --repeats 3 --name "speculative_oracle_${CARD}_b$c"
       done ;;
     speculative_v4)  # v4-bench's random MTP block (acceptance ~0): what a verify step costs
       step "${SPEC_V4_LIMIT:-300}" python3 -m benchmarks.speculative --model v4-bench \

@@ -2,6 +2,7 @@
 A shared engine computes exactly what it computed with its own copy; a parameter whose values
 differ (a draft layer another seed made) keeps its own copy."""
 
+import pytest
 import torch
 
 from atom import LLM, SamplingParams
@@ -40,3 +41,34 @@ def test_a_parameter_with_other_values_keeps_its_own_copy():
     assert freed == total - param.numel() * param.element_size()
     assert dict(dst.named_parameters())[name] is param
     assert not torch.equal(param, dict(src.named_parameters())[name])
+
+
+def test_shared_experts_are_stacked_once_for_both_engines():
+    """The engines' MoEs keep one stack of the shared experts: stacking through either engine
+    finds it current and leaves it in place (apart, each restacked the experts and freed the
+    other's stack, which that engine's CUDA graphs still read), and both engines still decode
+    what they decoded alone."""
+    first = LLM("v41-tiny-draft", **KW)
+    second = LLM("v41-tiny-draft", **KW)
+    alone = [o.token_ids for o in second.generate(PROMPTS, GREEDY)]
+    src, dst = first.engine.runtime.model, second.engine.runtime.model
+    share(src, dst)
+    moes = [n for n, m in dst.named_modules() if hasattr(m, "share_stacks")]
+    assert moes, "v41-tiny-draft has no MoE layer"
+    with torch.no_grad():
+        stacks = {n: src.get_submodule(n).stacked_weights() for n in moes}
+        for model in (dst, src, dst):
+            for n in moes:
+                assert model.get_submodule(n).stacked_weights() is stacks[n], n
+    for llm in (second, first):
+        assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == alone
+    for n in moes:
+        assert dst.get_submodule(n)._stack is stacks[n], n
+
+
+def test_share_stacks_refuses_modules_with_other_experts():
+    src = LLM("v41-tiny-draft", **KW).engine.runtime.model
+    dst = LLM("v41-tiny-draft", **KW).engine.runtime.model
+    name = next(n for n, m in dst.named_modules() if hasattr(m, "share_stacks"))
+    with pytest.raises(ValueError, match="same expert parameters"):
+        dst.get_submodule(name).share_stacks(src.get_submodule(name))

@@ -33,10 +33,12 @@ def assert_loaded_bytes_equal(first, second, hits: list[int], block_size: int) -
 
 
 def assert_same_bits(got, want) -> None:
-    """Tokens and every listed logprob equal, bit for bit."""
+    """Tokens and every listed logprob equal, bit for bit (requests that listed none: none)."""
+    assert len(got) == len(want), (len(got), len(want))
     for k, (g, w) in enumerate(zip(got, want)):
         assert g.token_ids == w.token_ids, f"request {k}: {g.token_ids} != {w.token_ids}"
-        for j, (a, b) in enumerate(zip(g.logprobs, w.logprobs)):
+        assert (g.logprobs is None) == (w.logprobs is None), f"request {k}: logprobs listed once"
+        for j, (a, b) in enumerate(zip(g.logprobs or [], w.logprobs or [])):
             assert a.top == b.top, f"request {k} output {j}: logprobs {a.top} != {b.top}"
 
 

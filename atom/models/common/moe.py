@@ -105,7 +105,7 @@ class MoE(nn.Module):
         self.act = functools.partial(fp8_act_round, block=32) if act_fp8 else _act_identity
         for expert in [*self.experts, self.shared_experts]:
             expert.act = self.act
-        self._stack: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._stacks = StackCell()
         # tensor parallelism (``atom.distributed``): this rank holds a slice of every expert's
         # intermediate dimension, and this sums the ranks' float32 partial outputs
         self.reduce_output: Callable[[torch.Tensor], torch.Tensor] | None = None
@@ -301,6 +301,27 @@ class MoE(nn.Module):
             )  # training
         return self._stacked([(p, "weight") for p in _PROJS])
 
+    @property
+    def _stack(self) -> tuple[torch.Tensor, ...] | None:
+        """The experts' stacked tensors (``_stacked``); None: stack on next use."""
+        return self._stacks.stack
+
+    @_stack.setter
+    def _stack(self, value: tuple[torch.Tensor, ...] | None) -> None:
+        self._stacks.stack = value
+
+    def share_stacks(self, other: MoE) -> None:
+        """Hold the stacked expert tensors in ``other``'s cell, whose experts' parameters are
+        these experts' (engines sharing one copy of the weights:
+        ``benchmarks/shared_weights.py``). With a cell each, each module would find the
+        parameters stacked by the other, restack them and free the other's stack, which CUDA
+        graphs captured on the other still read."""
+        mine = [p for e in self.experts for p in e.parameters()]
+        theirs = [p for e in other.experts for p in e.parameters()]
+        if len(mine) != len(theirs) or any(a is not b for a, b in zip(mine, theirs)):
+            raise ValueError("share_stacks needs the same expert parameters in both modules")
+        self._stacks = other._stacks
+
     def _stacked(self, fields: list[tuple[str, str]]) -> tuple[torch.Tensor, ...]:
         """One [E, ...] tensor per (projection, tensor name) of the experts; the experts'
         tensors are made views of them (no second copy; loads and in-place updates show
@@ -322,6 +343,16 @@ class MoE(nn.Module):
                     t.data = s[i]
             self._stack = stack
         return stack
+
+
+class StackCell:
+    """Where a ``MoE`` keeps its experts' stacked tensors: one per module, or one for the
+    modules of several engines that share the experts' parameters (``MoE.share_stacks``)."""
+
+    __slots__ = ("stack",)
+
+    def __init__(self) -> None:
+        self.stack: tuple[torch.Tensor, ...] | None = None
 
 
 _PROJS = ("gate_proj", "up_proj", "down_proj")
