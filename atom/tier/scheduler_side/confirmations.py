@@ -8,8 +8,8 @@ read locks it took, the session's end), all the tier did on a workload that fits
 idle tier), and in the very step that prefilled the request's tail. Now a request asks only
 once it nears the first boundary it would store (``CONFIRM_LEAD`` of a chunk before it): one
 whose ``max_tokens`` end it first has nothing to save and asks nothing. A prefix the connector
-does not know stored (after a restart) is still confirmed at admission (planner.py decides
-when; this module only shares).
+does not know stored (after a restart) is still confirmed at admission (planner.py knows
+that; ``confirm_end`` decides the rest: whether a request is due, and up to where it asks).
 
 The requests of one prefix also share one confirmation. The prefix is named by the engine's
 block hash at the lookup's end, a chunk boundary (a chained hash: equal hashes, equal tokens
@@ -32,6 +32,31 @@ CONFIRM_TTL_S = 1.0  # an answer reused for this long by the other requests of i
 CONFIRM_LEAD = 0.25  # asked this fraction of a chunk before the first boundary it would store
 
 
+def confirm_end(seq, confirm_at: int, chunk: int, block_size: int, now: bool) -> int | None:
+    """Where a CONFIRMING request's lookup ends, once it is due (``now``, or within
+    ``CONFIRM_LEAD`` of a chunk of ``confirm_at``, the first boundary it would store); None
+    while it is not, and always for a request whose ``max_tokens`` end it before
+    ``confirm_at`` (nothing of its own to store).
+
+    The end is ``confirm_at`` where the request's tokens up to it (and their block hash)
+    exist already, so that a chunk the tier holds is not stored again; else the prompt's last
+    boundary, what HBM covered (the local hit hashed it)."""
+    if not now:
+        if seq.max_tokens and seq.num_prompt + seq.max_tokens - 1 < confirm_at:
+            return None
+        if seq.num_computed + int(CONFIRM_LEAD * chunk) < confirm_at:
+            return None
+    if seq.num_tokens < confirm_at or len(seq.block_hashes) < confirm_at // block_size:
+        return confirm_at - chunk
+    return confirm_at
+
+
+def prefix_key(seq, end: int, block_size: int) -> int | None:
+    """The key that names the prefix [0, end) (the block hash at its end; None: not hashed)."""
+    n = end // block_size
+    return seq.block_hashes[n - 1] if n and len(seq.block_hashes) >= n else None
+
+
 @dataclass
 class _Confirmation:
     leader: object  # the TierRequest whose lookup asks
@@ -44,7 +69,18 @@ class Confirmations:
         self._asking: dict[int, _Confirmation] = {}  # prefix key -> the lookup in flight
         # prefix key -> (tokens held, when), oldest first (expired from the front)
         self._known: OrderedDict[int, tuple[int, float]] = OrderedDict()
-        self.shared = 0  # requests settled by another request's confirmation
+
+    def join(self, key: int, st, now: float) -> tuple[str, int | None]:
+        """``st`` confirms the prefix ``key``: ("known", tokens held) where an answer of the
+        last ``ttl_s`` says; ("following", None) where a lookup is in flight (``answered``
+        returns ``st`` with its followers); else ("leading", None): ``st`` sends the lookup."""
+        held = self.known(key, now)
+        if held is not None:
+            return "known", held
+        if self.follow(key, st):
+            return "following", None
+        self.lead(key, st)
+        return "leading", None
 
     def known(self, key: int, now: float) -> int | None:
         """Tokens the tier held of this prefix, if a confirmation answered within ``ttl_s``."""
@@ -54,7 +90,6 @@ class Confirmations:
         if now - got[1] > self.ttl_s:
             del self._known[key]
             return None
-        self.shared += 1
         return got[0]
 
     def follow(self, key: int, st) -> bool:
@@ -81,7 +116,6 @@ class Confirmations:
             self._known.pop(key, None)
             self._known[key] = (hit, now)
             self._expire(now)
-        self.shared += len(asking.followers)
         return asking.followers
 
     def clear(self) -> None:

@@ -106,7 +106,7 @@ from atom.tier.operations import (
     TransferOp,
 )
 from atom.tier.policy import TierPolicy
-from atom.tier.scheduler_side.confirmations import CONFIRM_LEAD, Confirmations
+from atom.tier.scheduler_side.confirmations import Confirmations, confirm_end, prefix_key
 from atom.tier.tier_metrics import TierMetrics
 from atom.tier.worker_side.events import EventPool
 from atom.tier.worker_side.local_load import LocalLoadError
@@ -329,32 +329,20 @@ class OffloadConnector(Connector):
         asked = st.lookup is not None or st.confirm_key is not None
         if st.phase is not Phase.CONFIRMING or not st.confirm_at or asked:
             return
-        seq, lead = st.seq, int(CONFIRM_LEAD * self.chunk_size)
-        if not now:
-            if seq.max_tokens and seq.num_prompt + seq.max_tokens - 1 < st.confirm_at:
-                return  # it ends before that boundary: nothing of its own to store
-            if seq.num_computed + lead < st.confirm_at:
-                return
-        # up to the boundary it is about to store where its tokens (and their hash) exist
-        # already, so that a chunk the tier holds is not stored again; else up to the
-        # prompt's last boundary, what HBM covered (the local hit hashed it)
-        end, bs = st.confirm_at, self.spec.block_size
-        if seq.num_tokens < end or len(seq.block_hashes) < end // bs:
-            end -= self.chunk_size
-        n = end // bs
-        if len(seq.block_hashes) >= n:
-            st.confirm_key = key = seq.block_hashes[n - 1]
-            known = self.confirmations.known(key, self.clock())
-            if known is not None:
+        end = confirm_end(st.seq, st.confirm_at, self.chunk_size, self.spec.block_size, now)
+        if end is None:
+            return
+        st.confirm_key = key = prefix_key(st.seq, end, self.spec.block_size)
+        if key is not None:
+            how, held = self.confirmations.join(key, st, self.clock())
+            if how != "leading":
                 self.tier_metrics.lookups.inc(outcome="shared")
-                self._confirmed(st, known)
+            if how == "known":
+                self._confirmed(st, held)
+            if how != "leading":
                 return
-            if self.confirmations.follow(key, st):
-                self.tier_metrics.lookups.inc(outcome="shared")
-                return
-            self.confirmations.lead(key, st)
         deadline = self.clock() + self.cfg.lookup_timeout_s
-        self._send_lookup(st, seq.tokens[:end], deadline)
+        self._send_lookup(st, st.seq.tokens[:end], deadline)
         st.session_open = True
 
     def _confirmed(self, st: TierRequest, hit: int | None) -> None:
