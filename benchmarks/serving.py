@@ -345,154 +345,218 @@ def run_arm(
     times over, back to back in the same engine: the wall is their sum, each in
     ``pass_walls_s``); ``keep`` receives both passes' output tokens ("pass1", "pass2": the last
     measured pass) and the blocks an image takes."""
-    llm = LLM(
-        args.model,
-        device=args.device,
-        dtype=args.dtype,
-        max_num_seqs=args.concurrency,
-        max_num_batched_tokens=args.max_batched_tokens,
-        num_blocks=args.pool_blocks,
-        tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
-        batch_invariant=getattr(args, "batch_invariant", False),
-        **engine,
-    )
-    eng = llm.engine
-    params = SamplingParams(max_tokens=args.output_len, ignore_eos=True)
-    # pass 1 (not the measured pass) also returns top-2 logprobs: where a later output parts
-    # from it, the gap says whether that was a near-tie
-    params1 = SamplingParams(max_tokens=args.output_len, ignore_eos=True, logprobs=2)
-    llm.generate([[7] * 8], SamplingParams(max_tokens=2, ignore_eos=True))  # warm-up
-    eng.reset_prefix_cache()
-    t0 = time.perf_counter()
-    log1 = StepLog(eng)
-    first = llm.generate(prompts, params1) if fill else None
-    pass1 = time.perf_counter() - t0
-    pass1_summary = None
-    if first is not None:  # the cold pass: what filling the caches cost
-        pass1_summary = {k: v for k, v in summarize(first, pass1).items() if k in PASS1_KEYS} | {
-            "step_kinds": log1.summary(pass1)
-        }
-    log1.detach()
-    conn = eng.scheduler.connector
-    while conn is not None and conn.busy():  # pass 1's stores drain before pass 2
-        eng.wait_for_progress(0.05)
-        conn.update()
-    held = tier_holds(eng, prompts) if conn is not None and fill else None
-    profiler = cProfile.Profile() if getattr(args, "profile_hooks", False) else None
-    spent = instrument(conn, profiler) if conn is not None else {"s": 0.0}
-    answers = record_lookups(conn) if conn is not None else {}
-    server = owned_server_process(eng)
-    server_cpu0 = cpu_seconds(server)
-    steps0 = eng.steps
-    log = StepLog(eng, busy=conn.busy if conn is not None else None)
-    spec0 = spec_counts(eng)
-    threads0, rounds0 = thread_cpu_seconds(), transfer_rounds(eng)
-    calls0 = lookup_path_calls(conn)
-    walls, every = [], []
+    arm = Arm(name, prompts, args, fill=fill, keep=keep, **engine)
     with PerProcessGpu() as gpu:  # which processes used the GPU during the pass (CUDA hosts)
         for _ in range(passes):
-            t0 = time.perf_counter()
-            outs = llm.generate(prompts, params)
-            walls.append(time.perf_counter() - t0)
-            every += outs
-    wall = sum(walls)
-    threads = cpu_used(threads0, thread_cpu_seconds())
-    if keep is not None:
-        keep["pass1"] = [o.token_ids for o in first] if first is not None else None
-        keep["pass1_outputs"] = first
-        keep["pass2"] = [o.token_ids for o in outs]
-        keep["units_per_image"] = eng.spec.units_per_image
-    server_cpu = cpu_seconds(server) - server_cpu0 if server is not None else None
-    steps = eng.steps - steps0
-    itls = [x for o in every for x in o.itl_s]
-    res = {
-        "arm": name,
-        **summarize(every, wall, itls),
-        "pass_walls_s": [round(w, 4) for w in walls],
-        "pass1_wall_s": round(pass1, 3),
-        "pass1": pass1_summary,
-        "steps": steps,
-        "step_kinds": log.summary(wall),
-        "engine": {k: str(v) for k, v in engine.items()},
-        # CPU ms per step of the threads beside the step thread (tier, client library, torch)
-        "thread_cpu_ms_per_step": per_thread_ms(threads, steps),
-    }
-    if gpu.lines:  # the engine's and the owned server's SM % (nvidia-smi pmon, 1 s samples)
-        pids = {"engine": os.getpid()} | ({"server": server.pid} if server is not None else {})
-        res["gpu_sm_pct"] = gpu.summary(pids)
-    if rounds0 is not None:
-        res["transfer_rounds_per_step"] = round((transfer_rounds(eng) - rounds0) / max(steps, 1), 2)
-    if calls0 is not None:  # the lookup thread's server calls in the measured passes
-        res["lookup_thread_calls"] = {k: v - calls0[k] for k, v in lookup_path_calls(conn).items()}
-    if held is not None:
-        block = eng.scheduler.block_size
-        res["tier_held_after_pass1"] = sum(held)
-        res["tier_held_by_request"] = held
-        res["tier_held_ceiling"] = sum((len(p) - 1) // block * block for p in prompts)
-        res["lookup_answers_by_request"] = [answers.get(o.request_id) for o in outs]
-    if first is not None:
-        res["same_tokens_as_pass1"] = all(a.token_ids == b.token_ids for a, b in zip(first, outs))
-        res["parting_from_pass1"] = partings(first, [o.token_ids for o in outs])
-    if spec0 is not None:  # drafts verified in the measured pass
-        proposed, accepted, verifies = (b - a for a, b in zip(spec0, spec_counts(eng)))
-        res["speculative"] = {
-            "draft_tokens": proposed,
-            "accepted_tokens": accepted,
-            "verify_spans": verifies,
-            "acceptance_rate": round(accepted / max(1, proposed), 4),
-            "tokens_per_verify": round((accepted + verifies) / max(1, verifies), 4),
+            arm.measure()
+    return arm.finish(gpu)
+
+
+class Arm:
+    """One arm's engine, from its build to its summary: built, warmed and filled (pass 1) by
+    the constructor, then ``measure`` runs measured passes (as many as the caller wants, and
+    interleaved with another arm's if it wants), ``finish`` summarizes and shuts it down.
+
+    Per-engine counters (steps, hooks, lookups, server CPU) count only this engine's work.
+    The CPU of the process's other threads is read around each measured pass, so an arm whose
+    passes alternate with another engine's is not charged for that engine's threads' work in
+    between (both engines' threads run in this one process)."""
+
+    def __init__(
+        self,
+        name: str,
+        prompts: list[list[int]],
+        args,
+        fill: bool = True,
+        keep: dict | None = None,
+        weights_from: LLM | None = None,
+        **engine,
+    ):
+        self.name, self.prompts, self.args, self.keep = name, prompts, args, keep
+        self.engine_kw = engine
+        self.llm = llm = LLM(
+            args.model,
+            device=args.device,
+            dtype=args.dtype,
+            max_num_seqs=args.concurrency,
+            max_num_batched_tokens=args.max_batched_tokens,
+            num_blocks=args.pool_blocks,
+            tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
+            batch_invariant=getattr(args, "batch_invariant", False),
+            **engine,
+        )
+        if weights_from is not None:  # one copy of the weights for both arms' engines
+            from benchmarks.shared_weights import share
+
+            share(weights_from.engine.runtime.model, llm.engine.runtime.model)
+        self.eng = eng = llm.engine
+        self.params = SamplingParams(max_tokens=args.output_len, ignore_eos=True)
+        # pass 1 (not the measured pass) also returns top-2 logprobs: where a later output
+        # parts from it, the gap says whether that was a near-tie
+        params1 = SamplingParams(max_tokens=args.output_len, ignore_eos=True, logprobs=2)
+        llm.generate([[7] * 8], SamplingParams(max_tokens=2, ignore_eos=True))  # warm-up
+        eng.reset_prefix_cache()
+        t0 = time.perf_counter()
+        log1 = StepLog(eng)
+        self.first = first = llm.generate(prompts, params1) if fill else None
+        self.pass1 = pass1 = time.perf_counter() - t0
+        self.pass1_summary = None
+        if first is not None:  # the cold pass: what filling the caches cost
+            self.pass1_summary = {
+                k: v for k, v in summarize(first, pass1).items() if k in PASS1_KEYS
+            } | {"step_kinds": log1.summary(pass1)}
+        log1.detach()
+        self.conn = conn = eng.scheduler.connector
+        while conn is not None and conn.busy():  # pass 1's stores drain before pass 2
+            eng.wait_for_progress(0.05)
+            conn.update()
+        self.held = tier_holds(eng, prompts) if conn is not None and fill else None
+        self.profiler = cProfile.Profile() if getattr(args, "profile_hooks", False) else None
+        self.spent = instrument(conn, self.profiler) if conn is not None else {"s": 0.0}
+        self.answers = record_lookups(conn) if conn is not None else {}
+        self.server = owned_server_process(eng)
+        self.server_cpu0 = cpu_seconds(self.server)
+        self.steps0 = eng.steps
+        self.log = StepLog(eng, busy=conn.busy if conn is not None else None)
+        self.spec0 = spec_counts(eng)
+        self.rounds0 = transfer_rounds(eng)
+        self.calls0 = lookup_path_calls(conn)
+        self.walls: list[float] = []
+        self.every: list = []
+        self.outs: list = []
+        self.threads: dict[str, float] = {}
+
+    def measure(self) -> float:
+        """One measured pass; returns its wall seconds."""
+        threads0 = thread_cpu_seconds()
+        t0 = time.perf_counter()
+        self.outs = self.llm.generate(self.prompts, self.params)
+        wall = time.perf_counter() - t0
+        for k, v in cpu_used(threads0, thread_cpu_seconds()).items():
+            self.threads[k] = self.threads.get(k, 0.0) + v
+        self.walls.append(wall)
+        self.every += self.outs
+        return wall
+
+    def finish(self, gpu: PerProcessGpu | None = None) -> dict:
+        """The arm's summary (printed too); shuts its engine down."""
+        # the summary's inputs, under the names it reads them by
+        args, eng, conn, prompts, keep = self.args, self.eng, self.conn, self.prompts, self.keep
+        first, outs, every, walls = self.first, self.outs, self.every, self.walls
+        spent, profiler, answers, held = self.spent, self.profiler, self.answers, self.held
+        server, spec0, rounds0, calls0 = self.server, self.spec0, self.rounds0, self.calls0
+        name, engine, pass1, llm, threads = (
+            self.name,
+            self.engine_kw,
+            self.pass1,
+            self.llm,
+            self.threads,
+        )
+        wall = sum(walls)
+        if keep is not None:
+            keep["pass1"] = [o.token_ids for o in first] if first is not None else None
+            keep["pass1_outputs"] = first
+            keep["pass2"] = [o.token_ids for o in outs]
+            keep["units_per_image"] = eng.spec.units_per_image
+        server_cpu = cpu_seconds(server) - self.server_cpu0 if server is not None else None
+        steps = eng.steps - self.steps0
+        itls = [x for o in every for x in o.itl_s]
+        res = {
+            "arm": name,
+            **summarize(every, wall, itls),
+            "pass_walls_s": [round(w, 4) for w in walls],
+            "pass1_wall_s": round(pass1, 3),
+            "pass1": self.pass1_summary,
+            "steps": steps,
+            "step_kinds": self.log.summary(wall),
+            "engine": {k: str(v) for k, v in engine.items()},
+            # CPU ms per step of the threads beside the step thread (tier, client library, torch)
+            "thread_cpu_ms_per_step": per_thread_ms(threads, steps),
         }
-    tp = eng.tier_health().get("tensor_parallel") if conn is not None else None
-    if tp:  # every rank's parts, bytes and latencies, over both passes
-        res["tensor_parallel"] = tp
-    if conn is not None:
-        lat = eng.metrics._metrics["atom_tier_transfer_seconds"].samples(op="load")
-        nbytes = eng.metrics._metrics["atom_tier_bytes_total"].get(direction="load")
-        n_loads = len(lat)
-        res["loads"] = n_loads
-        res["connector_ms_per_step"] = round(1000 * spent["s"] / max(steps, 1), 4)
-        if server_cpu is not None:  # an owned server shares this machine's cores
-            res["server_cpu_s"] = round(server_cpu, 3)
-        res["connector_ms_per_step_by_hook"] = {
-            name: round(1000 * spent[name] / max(steps, 1), 4) for name in CONNECTOR_HOOKS
-        }
-        if n_loads:
-            size = nbytes / n_loads
-            copy_s = plain_copy_seconds(int(size), args.device)
-            res.update(
-                {
-                    "load_mean_mib": round(size / 2**20, 2),
-                    "load_p50_ms": round(1000 * pct(lat, 50), 2),
-                    "load_p99_ms": round(1000 * pct(lat, 99), 2),
-                    "load_gbps_p50": round(size / pct(lat, 50) / 1e9, 3),
-                    "plain_copy_ms": round(1000 * copy_s, 3),
-                    "plain_copy_gbps": round(size / copy_s / 1e9, 2),
-                    "load_p50_over_copy": round(pct(lat, 50) / copy_s, 1),
-                }
+        if (
+            gpu is not None and gpu.lines
+        ):  # the engine's and the owned server's SM % (nvidia-smi pmon, 1 s samples)
+            pids = {"engine": os.getpid()} | ({"server": server.pid} if server is not None else {})
+            res["gpu_sm_pct"] = gpu.summary(pids)
+        if rounds0 is not None:
+            res["transfer_rounds_per_step"] = round(
+                (transfer_rounds(eng) - rounds0) / max(steps, 1), 2
             )
-        res.update(phase_medians(eng.metrics))
-        if profiler is not None:  # where the hooks' step-thread time goes, by function
-            out = io.StringIO()
-            pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(30)
-            res["hook_profile"] = out.getvalue()
-        res["tier_metrics"] = {
-            line.split(" ")[0]: float(line.split(" ")[1])
-            for line in eng.metrics.render().splitlines()
-            if line.startswith(
-                (
-                    "atom_tier_loads_total",
-                    "atom_tier_local_loads_total",
-                    "atom_tier_saves_total",
-                    "atom_tier_lookups_total",
-                    "atom_tier_local_saves_total",
-                    "atom_tier_save_reserves_ahead_total",
-                    "atom_tier_transfer_rounds_total",
+        if calls0 is not None:  # the lookup thread's server calls in the measured passes
+            res["lookup_thread_calls"] = {
+                k: v - calls0[k] for k, v in lookup_path_calls(conn).items()
+            }
+        if held is not None:
+            block = eng.scheduler.block_size
+            res["tier_held_after_pass1"] = sum(held)
+            res["tier_held_by_request"] = held
+            res["tier_held_ceiling"] = sum((len(p) - 1) // block * block for p in prompts)
+            res["lookup_answers_by_request"] = [answers.get(o.request_id) for o in outs]
+        if first is not None:
+            res["same_tokens_as_pass1"] = all(
+                a.token_ids == b.token_ids for a, b in zip(first, outs)
+            )
+            res["parting_from_pass1"] = partings(first, [o.token_ids for o in outs])
+        if spec0 is not None:  # drafts verified in the measured pass
+            proposed, accepted, verifies = (b - a for a, b in zip(spec0, spec_counts(eng)))
+            res["speculative"] = {
+                "draft_tokens": proposed,
+                "accepted_tokens": accepted,
+                "verify_spans": verifies,
+                "acceptance_rate": round(accepted / max(1, proposed), 4),
+                "tokens_per_verify": round((accepted + verifies) / max(1, verifies), 4),
+            }
+        tp = eng.tier_health().get("tensor_parallel") if conn is not None else None
+        if tp:  # every rank's parts, bytes and latencies, over both passes
+            res["tensor_parallel"] = tp
+        if conn is not None:
+            lat = eng.metrics._metrics["atom_tier_transfer_seconds"].samples(op="load")
+            nbytes = eng.metrics._metrics["atom_tier_bytes_total"].get(direction="load")
+            n_loads = len(lat)
+            res["loads"] = n_loads
+            res["connector_ms_per_step"] = round(1000 * spent["s"] / max(steps, 1), 4)
+            if server_cpu is not None:  # an owned server shares this machine's cores
+                res["server_cpu_s"] = round(server_cpu, 3)
+            res["connector_ms_per_step_by_hook"] = {
+                name: round(1000 * spent[name] / max(steps, 1), 4) for name in CONNECTOR_HOOKS
+            }
+            if n_loads:
+                size = nbytes / n_loads
+                copy_s = plain_copy_seconds(int(size), args.device)
+                res.update(
+                    {
+                        "load_mean_mib": round(size / 2**20, 2),
+                        "load_p50_ms": round(1000 * pct(lat, 50), 2),
+                        "load_p99_ms": round(1000 * pct(lat, 99), 2),
+                        "load_gbps_p50": round(size / pct(lat, 50) / 1e9, 3),
+                        "plain_copy_ms": round(1000 * copy_s, 3),
+                        "plain_copy_gbps": round(size / copy_s / 1e9, 2),
+                        "load_p50_over_copy": round(pct(lat, 50) / copy_s, 1),
+                    }
                 )
-            )
-        }
-    llm.shutdown()
-    print({k: v for k, v in res.items() if k != "tier_metrics"}, flush=True)
-    return res
+            res.update(phase_medians(eng.metrics))
+            if profiler is not None:  # where the hooks' step-thread time goes, by function
+                out = io.StringIO()
+                pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(30)
+                res["hook_profile"] = out.getvalue()
+            res["tier_metrics"] = {
+                line.split(" ")[0]: float(line.split(" ")[1])
+                for line in eng.metrics.render().splitlines()
+                if line.startswith(
+                    (
+                        "atom_tier_loads_total",
+                        "atom_tier_local_loads_total",
+                        "atom_tier_saves_total",
+                        "atom_tier_lookups_total",
+                        "atom_tier_local_saves_total",
+                        "atom_tier_save_reserves_ahead_total",
+                        "atom_tier_transfer_rounds_total",
+                    )
+                )
+            }
+        llm.shutdown()
+        print({k: v for k, v in res.items() if k != "tier_metrics"}, flush=True)
+        return res
 
 
 def calls_cell(calls: dict | None) -> str:
@@ -548,15 +612,7 @@ def idle(args) -> None:
     another engine start). The overhead of each A B pair is reported, and their spread."""
     prompts = shared_prefix_prompts(args.concurrency, args.prefixes, args.prefix_len, args.tail_len)
     args.pool_blocks *= 2
-    tier = dict(
-        offload="lmcache_mp",
-        lmcache={
-            "l1_size_gb": args.l1_gb,
-            "load_mode": args.load_mode,
-            "save_mode": getattr(args, "save_mode", "lmcache_driven"),
-            "tp_rank_collapse": getattr(args, "rank_collapse", "auto"),
-        },
-    )
+    tier = idle_tier_engine(args)
     arms = []
     passes = args.passes
     for rep in range(args.repeats):
@@ -625,6 +681,100 @@ def idle(args) -> None:
     print(
         write_results(
             f"{args.name}_idle", {"args": vars(args), "arms": arms, "summary": summary}, table, cmd
+        )
+    )
+
+
+def idle_tier_engine(args) -> dict:
+    """The tier arm's engine settings (the idle comparison's B)."""
+    return dict(
+        offload="lmcache_mp",
+        lmcache={
+            "l1_size_gb": args.l1_gb,
+            "load_mode": args.load_mode,
+            "save_mode": getattr(args, "save_mode", "lmcache_driven"),
+            "tp_rank_collapse": getattr(args, "rank_collapse", "auto"),
+        },
+    )
+
+
+def idle_interleaved(args) -> None:
+    """The idle comparison with both engines alive (the tier arm's shares the HBM-only arm's
+    weights) and their measured passes alternating, ``--interleave`` rounds of one pass each
+    (A B, then B A, ...: neither arm always runs first). Each round's overhead (B's wall over
+    A's - 1) compares passes seconds apart, so drift between engine starts (which moved the
+    HBM-only arm alone by 7% on an H100) does not enter it; the report gives their mean with
+    a 95% confidence interval (1.96 standard errors), the median and the range."""
+    prompts = shared_prefix_prompts(args.concurrency, args.prefixes, args.prefix_len, args.tail_len)
+    args.pool_blocks *= 2
+    hbm = Arm("HBM only", prompts, args)
+    tiered = Arm("HBM + idle tier", prompts, args, weights_from=hbm.llm, **idle_tier_engine(args))
+    rounds = []
+    for r in range(args.interleave):
+        first, second = (hbm, tiered) if r % 2 == 0 else (tiered, hbm)
+        walls = {first.name: first.measure(), second.name: second.measure()}
+        rounds.append(walls[tiered.name] / walls[hbm.name] - 1)
+    arms = [hbm.finish(), tiered.finish()]
+    mean = statistics.mean(rounds)
+    half = 1.96 * statistics.stdev(rounds) / len(rounds) ** 0.5 if len(rounds) > 1 else 0.0
+    summary = {
+        "rounds": len(rounds),
+        "round_overheads": [round(x, 5) for x in rounds],
+        "idle_tier_overhead": mean,
+        "ci95_half_width": half,
+        "median": statistics.median(rounds),
+        "min": min(rounds),
+        "max": max(rounds),
+        "hbm_only_wall_s": arms[0]["wall_s"],
+        "idle_tier_wall_s": arms[1]["wall_s"],
+        "tier_loads": arms[1].get("loads", 0),
+    }
+    rows = [
+        [a["arm"], a["req_per_s"], a["wall_s"], a["ttft_p50_ms"], a.get("itl_p50_ms", "")]
+        + [a["tier_hit_tokens"], a.get("loads", ""), a.get("connector_ms_per_step", "")]
+        + [a.get("server_cpu_s", ""), calls_cell(a.get("lookup_thread_calls"))]
+        + [busiest_helpers(a.get("thread_cpu_ms_per_step", {}))]
+        for a in arms
+    ]
+    table = md_table(
+        [
+            "arm",
+            "req/s",
+            "wall s (all passes)",
+            "TTFT p50 ms",
+            "ITL p50 ms",
+            "tier tokens",
+            "loads",
+            "connector ms/step",
+            "server CPU s",
+            "lookups / frees / session ends",
+            "other threads, CPU ms/step",
+        ],
+        rows,
+    )
+    table += (
+        f"\n\nIdle-tier overhead over {len(rounds)} interleaved rounds (one measured pass of "
+        f"{len(prompts)} requests per arm each, the order alternating): mean "
+        f"{100 * mean:+.2f}% (95% confidence interval {100 * (mean - half):+.2f}% to "
+        f"{100 * (mean + half):+.2f}%), median {100 * summary['median']:+.2f}%, range "
+        f"{100 * summary['min']:+.2f}% to {100 * summary['max']:+.2f}%; loads in the tier "
+        f"arm: {summary['tier_loads']}. Both engines in one process (the tier arm shares the "
+        "HBM-only arm's weights); other threads' CPU is counted during each arm's own passes."
+        "\n\nWhere the time goes, by step kind:\n\n"
+        + md_table(STEPS_HEADER, steps_table(arms))
+        + "\n"
+    )
+    print(table)
+    cmd = (
+        f"python -m benchmarks.serving --preset {args.preset} --arms idle "
+        f"--interleave {args.interleave}"
+    )
+    print(
+        write_results(
+            f"{args.name}_idle_interleaved",
+            {"args": vars(args), "arms": arms, "summary": summary},
+            table,
+            cmd,
         )
     )
 
@@ -875,6 +1025,14 @@ def main() -> None:
         help="idle: measured passes per arm, back to back in its engine (a longer arm)",
     )
     ap.add_argument(
+        "--interleave",
+        type=int,
+        default=0,
+        help="idle: both arms' engines alive at once (one copy of the weights), this many rounds "
+        "of one measured pass each, alternating which arm goes first (A B, B A, ...): the "
+        "overhead per round and its 95%% confidence interval, drift cancelled pass by pass",
+    )
+    ap.add_argument(
         "--load-mode",
         choices=("auto", "engine_driven", "lmcache_driven"),
         default="auto",
@@ -930,7 +1088,7 @@ def main() -> None:
     if args.workload == "auto":
         args.workload = "recall" if "recall" in Path(args.model).name else "random"
     if args.arms == "idle":
-        idle(args)
+        idle_interleaved(args) if args.interleave else idle(args)
         return
     make = recall_prompts if args.workload == "recall" else shared_prefix_prompts
     prompts = make(args.requests, args.prefixes, args.prefix_len, args.tail_len)

@@ -3,7 +3,7 @@
 # Usage: bash benchmarks/gpu/run.sh STEP...
 #   steps: tests (= tests_main tests_glue) tests_spec tier forward profile components roofline roofline_glue sweep profile_prefill transfer cuda_ops transfer_native transfer_modes serving
 #          speculative serving_spec train_draft speculative_oracle tp tp_tests (tp, tp_tests: two GPUs)
-#          tier_only tier_profile idle
+#          tier_only tier_profile idle idle_paired
 #          train forward_v4 roofline_v4 serving_v4 speculative_v4 fp8_gemm roofline_fp8
 #          invariant_cost invariant_sweep serving_invariant determinism precision_agreement
 #          fp4_sweep transfer_saves serving_saves
@@ -191,6 +191,10 @@ for s in "$@"; do
       --save-mode engine_driven --profile-hooks --name serving_h200_profile ;;
     idle) step "${IDLE_LIMIT:-560}" python3 -m benchmarks.serving --preset gpu --arms idle \
       --repeats "${IDLE_REPEATS:-2}" --passes "${IDLE_PASSES:-1}" ;;
+    # both arms' engines alive, their passes alternating (IDLE_ROUNDS rounds of one pass each):
+    # the overhead with a confidence interval, drift cancelled pass by pass
+    idle_paired) step "${IDLE_LIMIT:-400}" python3 -m benchmarks.serving --preset gpu --arms idle \
+      --interleave "${IDLE_ROUNDS:-60}" ;;
     train)  # a sweep of recipes in parallel (one GPU, launch-bound processes); keep every model
       m=${TRAIN_MINUTES:-6}; t=$(( ${TRAIN_MINUTES:-6} * 60 + 150 ))
       base="--minutes $m --batch 32 --far 80"
