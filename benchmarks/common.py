@@ -95,10 +95,12 @@ def bound_runtime(
     slots: int,
     graphs: bool = False,
     weight_dtype: str = "auto",
+    speculative_tokens: int = 0,
 ):
     """A model runtime (random weights, seed 0; fp8 index rows, KV stored in the compute dtype)
     bound to a fresh pool of ``blocks`` blocks and ``slots`` state slots; ``graphs``: with
-    decode CUDA graphs for up to ``slots`` sequences (on CUDA; ``rt.cuda_graphs`` toggles);
+    decode CUDA graphs for up to ``slots`` sequences (on CUDA; ``rt.cuda_graphs`` toggles; with
+    ``speculative_tokens`` k, verify graphs of spans up to k + 1 tokens too);
     ``weight_dtype`` as ``EngineConfig.weight_dtype`` (auto: as the preset stores them)."""
     from atom.models.registry import default_block_size, load_runtime
 
@@ -111,6 +113,7 @@ def bound_runtime(
         device=device,
         seed=0,
         weight_dtype=weight_dtype,
+        speculative_tokens=speculative_tokens,
     )
     if graphs and hasattr(rt, "enable_decode_graphs"):
         rt.enable_decode_graphs(slots)

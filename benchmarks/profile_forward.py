@@ -2,12 +2,16 @@
 ops that take the most time, for a prefill chunk batch and a decode batch at a serving position.
 
 python -m benchmarks.profile_forward --model v41-bench --device cuda --dtype bfloat16 \
-    --position 4096 --batch 16 [--graphs]
+    --position 4096 --batch 16 [--graphs] [--verify K]
 
 Prints (and writes under benchmarks/results/ with ``--name``) one row per shape: milliseconds
 per forward, aten ops, kernel launches and stream synchronizations per step; host syncs inside
 the forward; then the top ops by self device time and by self host time. Launch-bound forwards
-show many launches and host time well above device time.
+show many launches and host time well above device time. ``--verify K`` adds speculative
+decoding's verify forward at the same position: every sequence a span of K + 1 tokens (its
+decode token and K drafts, all logits and residuals, as the engine runs it; the drafts all
+accepted, so the next one starts K + 1 later), beside the decode forward of as many sequences:
+what the verify step's extra rows cost, op by op.
 
 Two sync counts: "stream syncs" are the profiler's cudaStreamSynchronize/cudaDeviceSynchronize
 calls over one whole step (the forward plus the step's own ``argmax().cpu()``, which a sampler
@@ -90,16 +94,26 @@ def _shape_runs(rt, args, tables, gen):
 
     chunk_batch = max(1, args.prefill_tokens // bs)
 
+    k1 = getattr(args, "verify", 0) + 1
+
+    def verify():
+        pos = state["pos"]
+        spans = [Span(pos, pos + k1, i, tables[i]) for i in range(batch)]
+        ids = torch.zeros(batch * k1, dtype=torch.int64)
+        logits, _ = rt.forward_with_residual(ids, spans, True)
+        logits.argmax(-1).cpu()
+        state["pos"] += k1
+
     def prefill():
         # a fresh chunk at the start of each of the first sequences (resets their slots: run last)
         spans = [Span(0, bs, i, tables[i]) for i in range(chunk_batch)]
         rt.forward(prompts[:chunk_batch, :bs].reshape(-1), spans).argmax(-1).cpu()
 
     graphs = " (graphs)" if getattr(rt, "cuda_graphs", False) else ""
-    return [
-        (f"decode batch {batch} at {args.position}{graphs}", decode),
-        (f"prefill {chunk_batch} x {bs} tokens", prefill),
-    ]
+    shapes = [(f"decode batch {batch} at {args.position}{graphs}", decode)]
+    if k1 > 1:
+        shapes.append((f"verify batch {batch} x {k1} rows at {args.position}{graphs}", verify))
+    return shapes + [(f"prefill {chunk_batch} x {bs} tokens", prefill)]
 
 
 def shape_parser(doc: str, prefill_tokens: int, top: int) -> argparse.ArgumentParser:
@@ -130,7 +144,11 @@ def profiled_runtime(args, extra_blocks: int = 0, graphs: bool = False):
         from atom.kernels import invariant
 
         invariant.configure(True)
-    per_seq = -(-(args.position + args.repeats + 8) // default_block_size(args.model))
+    k = getattr(args, "verify", 0)
+    # decode and verify forwards advance the sequences past --position: warm-up, repeats,
+    # the profiled run and the sync count, each 1 + (k + 1) positions
+    ahead = (args.repeats + 4) * (k + 2) + 8
+    per_seq = -(-(args.position + ahead) // default_block_size(args.model))
     per_seq += extra_blocks
     rt = bound_runtime(
         args.model,
@@ -139,6 +157,7 @@ def profiled_runtime(args, extra_blocks: int = 0, graphs: bool = False):
         per_seq * args.batch,
         args.batch,
         graphs=graphs,
+        speculative_tokens=k,
     )
     tables = [
         torch.arange(i * per_seq, (i + 1) * per_seq, device=args.device) for i in range(args.batch)
@@ -152,6 +171,12 @@ def profiled_runtime(args, extra_blocks: int = 0, graphs: bool = False):
 def main() -> None:
     ap = shape_parser(__doc__, prefill_tokens=2048, top=20)
     ap.add_argument("--graphs", action="store_true", help="decode through CUDA graphs (CUDA)")
+    ap.add_argument(
+        "--verify",
+        type=int,
+        default=0,
+        help="also a verify forward of K drafts per sequence (K + 1 rows each; module doc)",
+    )
     args = ap.parse_args()
     rt, tables, cuda, sync, activities = profiled_runtime(args, graphs=args.graphs)
     rows, tops, site_lines = [], [], []

@@ -3,7 +3,7 @@
 # Usage: bash benchmarks/gpu/run.sh STEP...
 #   steps: tests (= tests_main tests_glue) tests_spec tier forward profile components roofline roofline_glue sweep profile_prefill transfer cuda_ops transfer_native transfer_modes serving
 #          speculative serving_spec train_draft speculative_oracle tp tp_tests (tp, tp_tests: two GPUs)
-#          tier_only tier_profile idle idle_paired
+#          tier_only tier_profile idle idle_paired profile_verify
 #          train forward_v4 roofline_v4 serving_v4 speculative_v4 fp8_gemm roofline_fp8
 #          invariant_cost invariant_sweep serving_invariant determinism precision_agreement
 #          fp4_sweep transfer_saves serving_saves
@@ -75,6 +75,14 @@ for s in "$@"; do
     profile) step 200 python3 -m benchmarks.profile_forward --model v41-bench --device cuda \
       --dtype bfloat16 --position 4096 --batch 16 --prefill-tokens 2048 --top 25 \
       --name profile_forward_h200 ;;
+    # decode against speculative decoding's verify forward (16 sequences, 1 draft each: 32
+    # rows), op by op (eager), then their wall times with graphs: what a k=1 step's rows cost
+    profile_verify) step 240 python3 -m benchmarks.profile_forward --model v41-bench-draft \
+        --device cuda --dtype bfloat16 --position 4096 --batch 16 --verify 1 --repeats 5 \
+        --top 25 --name profile_verify_h200
+      step 240 python3 -m benchmarks.profile_forward --model v41-bench-draft --device cuda \
+        --dtype bfloat16 --position 4096 --batch 16 --verify 1 --repeats 20 --top 5 --graphs \
+        --name profile_verify_graphs_h200 ;;
     roofline) step "${ROOFLINE_LIMIT:-240}" python3 -m benchmarks.roofline --model v41-bench \
       --device cuda --dtype bfloat16 --position 4096 --batch 1 8 16 32 --decode-steps 16 \
       --repeats 3 --name "${ROOFLINE_NAME:-roofline_h200}" ;;
