@@ -127,6 +127,18 @@ def row_tile(device: torch.device) -> int:
     return ROW_TILE.get(device.type, 16)
 
 
+def _float32_gemm(x: torch.Tensor) -> bool:
+    """Whether the mode multiplies a CPU GEMM with operands like ``x`` (bfloat16, float16) as
+    float32. Torch picks its reduced-precision CPU GEMM kernel (oneDNN's or its own, which
+    round some outputs apart) by the product of all the GEMM's sizes, the row or batch count
+    included (ATen's ``mkldnn_gemm_min_size``, 16^3): a row's bits would change with the rows
+    beside it (a [B, 2, 64] x [B, 64, 16] ``bmm``, a decode row's window scores, takes one
+    kernel for B <= 2 and the other from 3 on). Its float32 GEMM takes one path whatever the
+    count, so the operands are converted (exactly) to float32, multiplied, and the result is
+    rounded to their dtype once. On CUDA the fixed kernel (``fixed_gemm``) runs instead."""
+    return x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16)
+
+
 # operand alignment (bytes) in the mode: BLAS kernels pick other code paths (and sums) for
 # operands that start unaligned or have odd leading dimensions, so each operand is a fresh
 # contiguous tensor starting on this boundary
@@ -194,13 +206,16 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         if bias is not None:
             y = y + bias
         return y.view(*lead, weight.shape[0])
+    dtype = x.dtype
+    if _float32_gemm(x):
+        rows, weight = rows.float(), weight.float()
     if k % KEY_PAD:  # an odd K: zero columns, so every row of a tile starts aligned
         rows, weight = pad_rows(rows, 1, KEY_PAD), pad_rows(weight, 1, KEY_PAD)
     tiled = _tiles(rows, row_tile(x.device))
     y = torch.matmul(tiled, aligned(weight).t()).reshape(-1, weight.shape[0])[:m]
     if bias is not None:
         y = y + bias
-    return y.view(*lead, weight.shape[0])
+    return y.to(dtype).view(*lead, weight.shape[0])
 
 
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -211,17 +226,23 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     n, g, _ = x.shape
     if fixed_gemm(x):  # group j: the n rows of x[:, j] against weight[j]
         return bmm(x.transpose(0, 1), weight.transpose(1, 2)).transpose(0, 1)
+    dtype = x.dtype
+    if _float32_gemm(x):
+        x, weight = x.float(), weight.float()
     tiled = _tiles(x, row_tile(x.device)).permute(2, 0, 1, 3)  # [g, tiles, tile, i]
     tiled = aligned(tiled)
     y = torch.matmul(tiled, aligned(weight.transpose(1, 2))[:, None])  # [g, tiles, tile, o]
-    return y.permute(1, 2, 0, 3).reshape(-1, g, weight.shape[1])[:n]
+    return y.permute(1, 2, 0, 3).reshape(-1, g, weight.shape[1])[:n].to(dtype)
 
 
 def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``torch.bmm(a, b)``; in the mode on CUDA, the fixed-configuration kernel, one group per
-    batch entry (cuBLAS may pick its kernel by the batch count)."""
+    batch entry (cuBLAS may pick its kernel by the batch count); on CPU, bfloat16 and float16
+    as float32 (``_float32_gemm``: torch picks their kernel by the batch count too)."""
     if _MODE["on"] and fixed_gemm(a):
         from atom.kernels._invariant_gemm_triton import invariant_bmm
 
         return invariant_bmm(a, b)
+    if _MODE["on"] and _float32_gemm(a):
+        return torch.bmm(a.float(), b.float()).to(a.dtype)
     return torch.bmm(a, b)

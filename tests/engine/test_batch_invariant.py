@@ -118,15 +118,31 @@ def test_the_mode_matches_the_oracle(preset):
     llm.shutdown()
 
 
-@pytest.mark.parametrize("preset", ["v4-tiny", "v41-tiny-draft"])
-def test_drafts_change_no_bit_in_the_mode(preset):
+# bfloat16 with the storage dtypes the engine resolves for it (on CPU: bf16 KV and index)
+BF16 = dict(dtype="bfloat16", kv_dtype="auto", index_dtype="auto")
+
+
+@pytest.mark.parametrize(
+    "preset, lengths, seed, tokens, precision",
+    [
+        ("v4-tiny", [5, 17, 33, 40], 21, 24, {}),
+        ("v41-tiny-draft", [5, 17, 33, 40], 21, 24, {}),
+        # lone requests: their plain steps are 1-row decode batches, their verify spans 3-row
+        # ones, which torch's bfloat16 CPU GEMMs ran through other kernels (a logprob 1 ulp
+        # apart at output 5 resp. 9, before the mode multiplied them as float32)
+        ("v4-tiny", [40], 13, 8, BF16),
+        ("v41-tiny-draft", [5], 12, 12, BF16),
+    ],
+)
+def test_drafts_change_no_bit_in_the_mode(preset, lengths, seed, tokens, precision):
     """Greedy with drafts (k=2, the model's MTP layer) against plain decoding in the mode:
     the same tokens and logprobs, bit for bit: both families run a verify span's rows as
     decode rows (when V4.1 ran them through its prefill tiles, whose window keys sit at other
-    offsets, its logprobs came out 1 ulp apart)."""
-    prompts = prompts_of([5, 17, 33, 40], seed=21)
-    params = SamplingParams(max_tokens=24, ignore_eos=True, logprobs=2)
-    kw = dict(KW, max_num_seqs=8, max_num_batched_tokens=128)
+    offsets, its logprobs came out 1 ulp apart), whose arithmetic does not depend on how many
+    rows share the batch, in float32 and in bfloat16."""
+    prompts = prompts_of(lengths, seed=seed)
+    params = SamplingParams(max_tokens=tokens, ignore_eos=True, logprobs=2)
+    kw = dict(KW, max_num_seqs=8, max_num_batched_tokens=128, **precision)
     plain = LLM(preset, **kw).generate(prompts, params)
     llm = LLM(preset, **kw, speculative_tokens=2)
     spec = llm.generate(prompts, params)
@@ -181,6 +197,41 @@ def test_grouped_linear_rows_do_not_depend_on_the_batch():
     for m in (1, 3, 17, 40):
         assert torch.equal(invariant.grouped_linear(x[:m], w), alone[:m])
     assert torch.allclose(alone, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_bfloat16_products_do_not_depend_on_the_batch_count():
+    """bfloat16 on CPU: torch picks its GEMM kernel by the product of all the sizes, the batch
+    count included (oneDNN's past 16^3 multiply-adds: a [B, 2, 64] x [B, 64, 16] product takes
+    one kernel for B <= 2, another from 3 on), and the two round some outputs apart. The mode's
+    products (and the decode rows' attention built on them: 1 row alone, 3 in a verify span)
+    give each row the same bits whatever the batch."""
+    from atom.kernels.invariant_attention import sink_attention_rows
+
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(2048, 2, 64, generator=g).bfloat16()
+    b = torch.randn(2048, 64, 16, generator=g).bfloat16()
+    invariant.configure(True)
+    alone = torch.cat([invariant.bmm(a[i : i + 1], b[i : i + 1]) for i in range(2048)])
+    for m in (2, 3, 17, 2048):
+        same = torch.equal(invariant.bmm(a[:m], b[:m]), alone[:m])
+        assert same, f"a batch of {m}: rows other than alone"
+    assert torch.allclose(alone.float(), torch.bmm(a.float(), b.float()), atol=0.1, rtol=1e-2)
+    g = torch.Generator().manual_seed(2)  # decode rows: 2 heads, a window of 8, 4 picks
+    t, h, hd = 1024, 2, 64
+    q = torch.randn(t, h, hd, generator=g).bfloat16()
+    win = torch.randn(t, 8, hd, generator=g).bfloat16()
+    mask = torch.rand(t, 8, generator=g) < 0.8
+    mask[:, -1] = True  # every query's own key
+    comp = torch.randn(t, 4, hd, generator=g).bfloat16()
+    valid = torch.rand(t, 4, generator=g) < 0.7
+    sink = torch.randn(h, generator=g)
+
+    def rows(lo: int, hi: int) -> torch.Tensor:
+        s = slice(lo, hi)
+        return sink_attention_rows(q[s], win[s], mask[s], comp[s], valid[s], sink, 0.125)
+
+    same = torch.equal(torch.cat([rows(i, i + 1) for i in range(t)]), rows(0, t))
+    assert same, "decode rows attended together differ from each row alone"
 
 
 def test_attention_ignores_padding_rows_and_matches_the_default():
