@@ -605,6 +605,37 @@ def busiest_helpers(per_thread: dict, n: int = 3) -> str:
     return "; ".join(f"{k} {v:g}" for k, v in rest)
 
 
+def idle_table(arms: list[dict]) -> str:
+    """The idle comparison's table: one row per arm."""
+    rows = [
+        [a["arm"], a["req_per_s"], a["wall_s"], a["ttft_p50_ms"], a.get("itl_p50_ms", "")]
+        + [a["tier_hit_tokens"], a.get("loads", ""), a.get("connector_ms_per_step", "")]
+        + [a.get("server_cpu_s", ""), a.get("transfer_rounds_per_step", "")]
+        + [calls_cell(a.get("lookup_thread_calls"))]
+        + [sm_pct(a)]
+        + [busiest_helpers(a.get("thread_cpu_ms_per_step", {}))]
+        for a in arms
+    ]
+    return md_table(
+        [
+            "arm",
+            "req/s",
+            "wall s",
+            "TTFT p50 ms",
+            "ITL p50 ms",
+            "tier tokens",
+            "loads",
+            "connector ms/step",
+            "server CPU s",
+            "transfer rounds/step",
+            "lookups / frees / session ends",
+            "GPU SM % engine / server",
+            "other threads, CPU ms/step",
+        ],
+        rows,
+    )
+
+
 def idle(args) -> None:
     """The tier attached but never needed: one wave of requests in a pool twice the preset's,
     HBM-only against HBM + tier, interleaved ``--repeats`` times (A B A B) to expose drift;
@@ -629,33 +660,7 @@ def idle(args) -> None:
         "pair_spread": max(pairs) - min(pairs),
         "tier_loads": sum(a.get("loads", 0) for a in arms[1::2]),
     }
-    rows = [
-        [a["arm"], a["req_per_s"], a["wall_s"], a["ttft_p50_ms"], a.get("itl_p50_ms", "")]
-        + [a["tier_hit_tokens"], a.get("loads", ""), a.get("connector_ms_per_step", "")]
-        + [a.get("server_cpu_s", ""), a.get("transfer_rounds_per_step", "")]
-        + [calls_cell(a.get("lookup_thread_calls"))]
-        + [sm_pct(a)]
-        + [busiest_helpers(a.get("thread_cpu_ms_per_step", {}))]
-        for a in arms
-    ]
-    table = md_table(
-        [
-            "arm",
-            "req/s",
-            "wall s",
-            "TTFT p50 ms",
-            "ITL p50 ms",
-            "tier tokens",
-            "loads",
-            "connector ms/step",
-            "server CPU s",
-            "transfer rounds/step",
-            "lookups / frees / session ends",
-            "GPU SM % engine / server",
-            "other threads, CPU ms/step",
-        ],
-        rows,
-    )
+    table = idle_table(arms)
     table += (
         "\n\nserver CPU s: CPU time the owned LMCache server used during the measured pass (it "
         "shares the engine's cores). Lookups / frees / session ends: the server calls the tier's "
@@ -729,29 +734,7 @@ def idle_interleaved(args) -> None:
         "idle_tier_wall_s": arms[1]["wall_s"],
         "tier_loads": arms[1].get("loads", 0),
     }
-    rows = [
-        [a["arm"], a["req_per_s"], a["wall_s"], a["ttft_p50_ms"], a.get("itl_p50_ms", "")]
-        + [a["tier_hit_tokens"], a.get("loads", ""), a.get("connector_ms_per_step", "")]
-        + [a.get("server_cpu_s", ""), calls_cell(a.get("lookup_thread_calls"))]
-        + [busiest_helpers(a.get("thread_cpu_ms_per_step", {}))]
-        for a in arms
-    ]
-    table = md_table(
-        [
-            "arm",
-            "req/s",
-            "wall s (all passes)",
-            "TTFT p50 ms",
-            "ITL p50 ms",
-            "tier tokens",
-            "loads",
-            "connector ms/step",
-            "server CPU s",
-            "lookups / frees / session ends",
-            "other threads, CPU ms/step",
-        ],
-        rows,
-    )
+    table = idle_table(arms)
     table += (
         f"\n\nIdle-tier overhead over {len(rounds)} interleaved rounds (one measured pass of "
         f"{len(prompts)} requests per arm each, the order alternating): mean "
