@@ -643,7 +643,7 @@ def idle(args) -> None:
     another engine start). The overhead of each A B pair is reported, and their spread."""
     prompts = shared_prefix_prompts(args.concurrency, args.prefixes, args.prefix_len, args.tail_len)
     args.pool_blocks *= 2
-    tier = idle_tier_engine(args)
+    tier = tier_engine(args)
     arms = []
     passes = args.passes
     for rep in range(args.repeats):
@@ -690,8 +690,8 @@ def idle(args) -> None:
     )
 
 
-def idle_tier_engine(args) -> dict:
-    """The tier arm's engine settings (the idle comparison's B)."""
+def tier_engine(args) -> dict:
+    """A tier arm's engine settings (the idle comparison's B, the speculative arms' tier)."""
     return dict(
         offload="lmcache_mp",
         lmcache={
@@ -713,7 +713,7 @@ def idle_interleaved(args) -> None:
     prompts = shared_prefix_prompts(args.concurrency, args.prefixes, args.prefix_len, args.tail_len)
     args.pool_blocks *= 2
     hbm = Arm("HBM only", prompts, args)
-    tiered = Arm("HBM + idle tier", prompts, args, weights_from=hbm.llm, **idle_tier_engine(args))
+    tiered = Arm("HBM + idle tier", prompts, args, weights_from=hbm.llm, **tier_engine(args))
     rounds = []
     for r in range(args.interleave):
         first, second = (hbm, tiered) if r % 2 == 0 else (tiered, hbm)
@@ -767,15 +767,7 @@ def speculative(args, prompts: list[list[int]]) -> int:
     per configuration, in A B, B A, ... order); 1 if, in fp32, any output differs from the
     configuration's first k = 0 run."""
     k = args.speculative_tokens
-    tier = dict(
-        offload="lmcache_mp",
-        lmcache={
-            "l1_size_gb": args.l1_gb,
-            "load_mode": args.load_mode,
-            "save_mode": getattr(args, "save_mode", "lmcache_driven"),
-            "tp_rank_collapse": getattr(args, "rank_collapse", "auto"),
-        },
-    )
+    tier = tier_engine(args)
     configs = [
         ("no prefix reuse", dict(fill=False, enable_prefix_caching=False)),
         ("HBM prefix caching", {}),
@@ -1077,17 +1069,9 @@ def main() -> None:
     prompts = make(args.requests, args.prefixes, args.prefix_len, args.tail_len)
     if args.arms == "speculative":
         sys.exit(speculative(args, prompts))
-    tier_engine = dict(
-        offload="lmcache_mp",
-        lmcache={
-            "l1_size_gb": args.l1_gb,
-            "load_mode": args.load_mode,
-            "save_mode": getattr(args, "save_mode", "lmcache_driven"),
-            "tp_rank_collapse": getattr(args, "rank_collapse", "auto"),
-        },
-    )
+    tier = tier_engine(args)
     if args.arms == "tier":
-        arm = run_arm("HBM + tier", prompts, args, **tier_engine)
+        arm = run_arm("HBM + tier", prompts, args, **tier)
         table = md_table(STEPS_HEADER, steps_table([arm]))
         if "hook_profile" in arm:
             table += "\n\nThe connector's hooks, profiled (cProfile, by own time):\n\n```\n"
@@ -1102,7 +1086,7 @@ def main() -> None:
     arms = [
         run_arm("no prefix reuse", prompts, args, False, kept[0], enable_prefix_caching=False),
         run_arm("HBM prefix caching", prompts, args, keep=kept[1]),
-        run_arm("HBM + tier", prompts, args, keep=kept[2], **tier_engine),
+        run_arm("HBM + tier", prompts, args, keep=kept[2], **tier),
     ]
     exact = exactness(arms, kept)
     # calibrated model on the arms that move no bytes: time per request = a * computed + b
