@@ -1,0 +1,69 @@
+"""benchmarks.serving --arms idle --interleave on a tiny preset: both arms' engines alive on one
+copy of the weights (the tier arm's attached to an owned LMCache server), their measured passes
+alternating; every round's overhead in the summary, the tier arm idle (no lookup, no load) and
+both arms decoding the same tokens. Results are captured, not written to benchmarks/results."""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+from benchmarks import serving
+
+ARGS = dict(
+    model="v41-tiny",
+    preset="cpu",
+    requests=4,
+    prefixes=2,
+    prefix_len=32,
+    tail_len=24,
+    output_len=6,
+    concurrency=4,
+    max_batched_tokens=256,
+    pool_blocks=40,  # doubled by the idle comparison: every prompt stays in HBM
+    device="cpu",
+    dtype="float32",
+    l1_gb=0.2,
+    load_mode="engine_driven",
+    save_mode="lmcache_driven",
+    interleave=4,
+    name="serving_idle_test",
+)
+
+
+def test_interleaved_idle_rounds_alternate_and_the_tier_stays_idle(monkeypatch):
+    written = {}
+
+    def write_results(name, data, table, command):
+        written.update(name=name, data=data, table=table, command=command)
+        return name
+
+    monkeypatch.setattr(serving, "write_results", write_results)
+    outputs = {}
+    measure = serving.Arm.measure
+
+    def measured(arm):
+        wall = measure(arm)
+        outputs.setdefault(arm.name, []).append([o.token_ids for o in arm.outs])
+        return wall
+
+    monkeypatch.setattr(serving.Arm, "measure", measured)
+    serving.idle_interleaved(argparse.Namespace(**ARGS))
+    data = written["data"]
+    assert written["name"] == "serving_idle_test_idle_interleaved"
+    assert "--interleave 4" in written["command"]
+    hbm, tiered = data["arms"]
+    assert [hbm["arm"], tiered["arm"]] == ["HBM only", "HBM + idle tier"]
+    assert len(hbm["pass_walls_s"]) == len(tiered["pass_walls_s"]) == 4
+    summary = data["summary"]
+    rounds = [b / a - 1 for a, b in zip(hbm["pass_walls_s"], tiered["pass_walls_s"])]
+    # each round compares the two arms' passes of that round (walls kept to 0.1 ms)
+    assert len(summary["round_overheads"]) == 4
+    assert all(abs(a - b) < 0.01 for a, b in zip(summary["round_overheads"], rounds))
+    assert abs(summary["idle_tier_overhead"] - statistics.mean(summary["round_overheads"])) < 1e-4
+    assert summary["ci95_half_width"] > 0
+    assert tiered["loads"] == 0 and tiered["tier_hit_tokens"] == 0
+    assert tiered["lookup_thread_calls"]["lookups"] == 0  # HBM covered every prompt
+    # one copy of the weights: both engines decode the same tokens in every pass
+    assert outputs["HBM only"] == outputs["HBM + idle tier"]
+    assert len(outputs["HBM only"]) == 4
