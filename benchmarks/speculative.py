@@ -131,8 +131,11 @@ def main(argv=None) -> int:
         if len(engines) > 1:
             first = next(iter(engines.values()))
             share(first.engine.runtime.model, engines[arm].engine.runtime.model)
-    for llm in engines.values():  # warm-up (allocations, kernels, graphs of the full batch)
-        llm.generate(prompts[: args.concurrency], SamplingParams(max_tokens=6, ignore_eos=True))
+    # warm-up: allocations, kernels, and the graphs of every batch and table width a repeat
+    # meets (at 141f422 a warm-up of 6 tokens left the first repeat capturing: k=1 ran 0.78x
+    # there against 1.19x in the median)
+    for llm in engines.values():
+        llm.generate(prompts[: args.concurrency], params)
     if args.oracle_acceptance is not None:
         from benchmarks.oracle_drafts import OracleDrafter
 
