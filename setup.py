@@ -3,7 +3,7 @@ from setuptools import find_packages, setup
 setup(
     name="atom",
     version="0.1.0",
-    description="A native LLM inference engine for DeepSeek-V4.1-style models with LMCache MP offload",
+    description="A native LLM inference engine for DeepSeek-V4.1 models with LMCache MP offload",
     packages=find_packages(include=["atom", "atom.*"]),
     package_data={"atom": ["byte_tokenizer/*.json"]},  # the presets' tokenizer, for clients
     python_requires=">=3.10",

@@ -10,35 +10,22 @@ import statistics
 
 from benchmarks import serving
 
+from .test_serving_speculative import ARGS as SPECULATIVE_ARGS
+
 ARGS = dict(
+    SPECULATIVE_ARGS,
     model="v41-tiny",
-    preset="cpu",
-    requests=4,
-    prefixes=2,
-    prefix_len=32,
-    tail_len=24,
     output_len=6,
-    concurrency=4,
     max_batched_tokens=256,
     pool_blocks=40,  # doubled by the idle comparison: every prompt stays in HBM
-    device="cpu",
-    dtype="float32",
-    l1_gb=0.2,
-    load_mode="engine_driven",
     save_mode="lmcache_driven",
     interleave=4,
     name="serving_idle_test",
 )
 
 
-def test_interleaved_idle_rounds_alternate_and_the_tier_stays_idle(monkeypatch):
-    written = {}
-
-    def write_results(name, data, table, command):
-        written.update(name=name, data=data, table=table, command=command)
-        return name
-
-    monkeypatch.setattr(serving, "write_results", write_results)
+def test_interleaved_idle_rounds_alternate_and_the_tier_stays_idle(monkeypatch, captured_results):
+    written = captured_results
     outputs = {}
     measure = serving.Arm.measure
 

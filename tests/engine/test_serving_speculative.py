@@ -35,15 +35,8 @@ ARGS = dict(
 
 
 @pytest.fixture
-def captured(monkeypatch):
-    written = {}
-
-    def write_results(name, data, table, command):
-        written.update(name=name, data=data, table=table, command=command)
-        return name
-
-    monkeypatch.setattr(serving, "write_results", write_results)
-    return written
+def captured(captured_results):
+    return captured_results
 
 
 def test_speculative_arms_report_acceptance_and_equal_outputs(captured):
