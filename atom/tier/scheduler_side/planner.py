@@ -335,11 +335,10 @@ class OffloadConnector(Connector):
         st.confirm_key = key = prefix_key(st.seq, end, self.spec.block_size)
         if key is not None:
             how, held = self.confirmations.join(key, st, self.clock())
-            if how != "leading":
+            if how != "leading":  # settled by another request's confirmation, now or later
                 self.tier_metrics.lookups.inc(outcome="shared")
-            if how == "known":
-                self._confirmed(st, held)
-            if how != "leading":
+                if how == "known":
+                    self._confirmed(st, held)
                 return
         deadline = self.clock() + self.cfg.lookup_timeout_s
         self._send_lookup(st, st.seq.tokens[:end], deadline)
