@@ -79,10 +79,10 @@ for s in "$@"; do
     # rows), op by op (eager), then their wall times with graphs: what a k=1 step's rows cost
     profile_verify) step 240 python3 -m benchmarks.profile_forward --model v41-bench-draft \
         --device cuda --dtype bfloat16 --position 4096 --batch 16 --verify 1 --repeats 5 \
-        --top 25 --name profile_verify_h200
+        --top 25 --name "profile_verify_${CARD}"
       step 240 python3 -m benchmarks.profile_forward --model v41-bench-draft --device cuda \
         --dtype bfloat16 --position 4096 --batch 16 --verify 1 --repeats 20 --top 5 --graphs \
-        --name profile_verify_graphs_h200 ;;
+        --name "profile_verify_graphs_${CARD}" ;;
     roofline) step "${ROOFLINE_LIMIT:-240}" python3 -m benchmarks.roofline --model v41-bench \
       --device cuda --dtype bfloat16 --position 4096 --batch 1 8 16 32 --decode-steps 16 \
       --repeats 3 --name "${ROOFLINE_NAME:-roofline_h200}" ;;
