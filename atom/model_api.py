@@ -58,12 +58,19 @@ class StateSpec:
 @dataclass(frozen=True)
 class Span:
     """One sequence's part of a paged forward: tokens [start, end) in state ``slot``, whose PAGE
-    blocks are ``block_table`` (int64 pool block ids covering at least ceil(end / block))."""
+    blocks are ``block_table`` (int64 pool block ids covering at least ceil(end / block)).
+
+    ``verify``: the span is a sequence's last committed token and its drafts (speculative
+    decoding), which a model computes as decode rows, a decode step's bits. A prompt chunk of
+    the same length is not one: it runs as prefill, so a prompt's bits never depend on whether
+    the engine speculates (a prompt's 2-token tail chunk, as verify rows, came out in other
+    bits than without drafts, on CUDA)."""
 
     start: int
     end: int
     slot: int
     block_table: torch.Tensor
+    verify: bool = False
 
     @property
     def num_tokens(self) -> int:

@@ -46,6 +46,7 @@ import logging
 import threading
 import time
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import Protocol
 
 import torch
@@ -302,7 +303,7 @@ class BroadcastRuntime:
 
 def host_spans(spans: list[Span]) -> list[Span]:
     """The spans with their block tables on the host (what an op sends to the ranks)."""
-    return [Span(s.start, s.end, s.slot, s.block_table.cpu()) for s in spans]
+    return [replace(s, block_table=s.block_table.cpu()) for s in spans]
 
 
 def run_forward(runtime, ids: torch.Tensor, spans: list[Span], all_logits: bool):

@@ -151,6 +151,7 @@ class ModelRunner:
                     if host
                     else self._units(sp.seq.block_table)
                 ),
+                verify=bool(sp.drafts),
             )
             for sp in spans
         ]
