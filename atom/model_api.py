@@ -60,17 +60,19 @@ class Span:
     """One sequence's part of a paged forward: tokens [start, end) in state ``slot``, whose PAGE
     blocks are ``block_table`` (int64 pool block ids covering at least ceil(end / block)).
 
-    ``verify``: the span is a sequence's last committed token and its drafts (speculative
-    decoding), which a model computes as decode rows, a decode step's bits. A prompt chunk of
-    the same length is not one: it runs as prefill, so a prompt's bits never depend on whether
-    the engine speculates (a prompt's 2-token tail chunk, as verify rows, came out in other
-    bits than without drafts, on CUDA)."""
+    A span past 0 of one token, or of at most 1 + speculative_tokens (a verify span: the last
+    committed token and its drafts), is a decode step's: the model computes it as decode rows.
+    ``prefill`` marks tokens the engine computes as a prompt (a prompt chunk, a preempted
+    request's recompute): prefill rows whatever the span's length. Decode rows and prefill rows
+    may differ in the last bits, so a prompt's bits would otherwise depend on where its chunks
+    end: a 2-token tail chunk ran as verify rows with drafts only (its first token changed on an
+    H100), a 1-token tail chunk as a decode row under one chunk budget and not another."""
 
     start: int
     end: int
     slot: int
     block_table: torch.Tensor
-    verify: bool = False
+    prefill: bool = False
 
     @property
     def num_tokens(self) -> int:

@@ -98,7 +98,7 @@ def _shape_runs(rt, args, tables, gen):
 
     def verify():
         pos = state["pos"]
-        spans = [Span(pos, pos + k1, i, tables[i], verify=True) for i in range(batch)]
+        spans = [Span(pos, pos + k1, i, tables[i]) for i in range(batch)]
         ids = torch.zeros(batch * k1, dtype=torch.int64)
         logits, _ = rt.forward_with_residual(ids, spans, True)
         logits.argmax(-1).cpu()

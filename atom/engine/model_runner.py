@@ -151,7 +151,7 @@ class ModelRunner:
                     if host
                     else self._units(sp.seq.block_table)
                 ),
-                verify=bool(sp.drafts),
+                prefill=not sp.decodes,
             )
             for sp in spans
         ]

@@ -158,6 +158,13 @@ class ScheduledSpan:
     def samples(self) -> bool:
         return self.end - len(self.drafts) == self.seq.num_tokens
 
+    @property
+    def decodes(self) -> bool:
+        """A decode step's span: the last token, a generated one, and its drafts (if any);
+        the model computes it as decode rows (any other span as prefill: ``Span.prefill``)."""
+        s = self.seq
+        return self.start == s.num_tokens - 1 >= s.num_prompt and self.samples
+
     def token_ids(self) -> list[int]:
         """The span's input tokens: committed ones, then the drafts."""
         return self.seq.tokens[self.start : self.end - len(self.drafts)] + list(self.drafts)

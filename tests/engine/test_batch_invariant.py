@@ -108,6 +108,24 @@ def test_randomized_batches_and_chunkings_give_the_same_bits(preset):
 
 
 @pytest.mark.parametrize("preset", ["v41-tiny", "v4-tiny"])
+def test_a_one_token_tail_chunk_gives_the_same_bits(preset):
+    """A 145-token prompt (9 blocks and one token) with images every 16 blocks: in one chunk
+    (budget 145), and as 144 tokens then a 1-token chunk (budget 144). The 1-token chunk ran
+    as a decode row, whose bits a prefill row's need not be, and the outputs parted (float32):
+    a prompt chunk now prefills whatever its length (``Span.prefill``)."""
+    prompt = prompts_of([145], seed=4)[0]
+    params = SamplingParams(max_tokens=3, ignore_eos=True, logprobs=3)
+    outs = []
+    for budget in (145, 144):
+        kw = dict(KW, max_num_seqs=2, max_num_batched_tokens=budget, checkpoint_interval=16)
+        llm = LLM(preset, **kw)
+        out = llm.generate([prompt], params)[0]
+        outs.append((out.token_ids, [lp.top for lp in out.logprobs]))
+        llm.shutdown()
+    assert outs[1] == outs[0]
+
+
+@pytest.mark.parametrize("preset", ["v41-tiny", "v4-tiny"])
 def test_the_mode_matches_the_oracle(preset):
     llm = LLM(preset, **KW, max_num_batched_tokens=48)
     prompts = prompts_of([70, 33, 129, 16, 250], seed=4)

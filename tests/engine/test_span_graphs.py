@@ -105,9 +105,9 @@ def test_verify_graphs_refuse_as_the_eager_forward_does(tiny):
     rt.forward_with_residual(seq[:10], [Span(0, 10, 0, torch.arange(6))], all_logits=True)
     before = rt.slots.data.clone()
     with pytest.raises(StateMismatchError):  # 3 behind the cursor with k = 2
-        rt.forward_with_residual(seq[7:9], [Span(7, 9, 0, torch.arange(6), True)], all_logits=True)
+        rt.forward_with_residual(seq[7:9], [Span(7, 9, 0, torch.arange(6))], all_logits=True)
     with pytest.raises(StateMismatchError):  # past the cursor
-        rt.forward_with_residual(seq[11:13], [Span(11, 13, 0, torch.arange(6), True)])
+        rt.forward_with_residual(seq[11:13], [Span(11, 13, 0, torch.arange(6))])
     assert torch.equal(rt.slots.data, before) and not rt.span_graphs.graphs
 
 
@@ -117,7 +117,7 @@ def test_graph_counts_survive_a_rebind(tiny):
     seq = tokens(20, seed=2)
     spans = [Span(0, 8, 0, torch.arange(6)), Span(0, 9, 1, torch.arange(6, 12))]
     rt.forward_with_residual(torch.cat([seq[:8], seq[:9]]), spans, all_logits=True)
-    spans = [Span(8, 10, 0, torch.arange(6), True), Span(9, 11, 1, torch.arange(6, 12), True)]
+    spans = [Span(8, 10, 0, torch.arange(6)), Span(9, 11, 1, torch.arange(6, 12))]
     rt.forward_with_residual(torch.cat([seq[8:10], seq[9:11]]), spans, all_logits=True)
     before = rt.graph_stats()
     assert before["verify"] == {"captured": 1, "replays": 1, "failed": 0}
@@ -148,7 +148,7 @@ def test_a_failed_capture_runs_eagerly_and_is_counted(tiny):
         want, got = (r.forward_with_residual(ids, spans, all_logits=True) for r in (eager, rt))
         for a, b in zip(want, got):
             assert_close(a, b)
-        spans = [Span(sp.end, sp.end + 2, sp.slot, sp.block_table, True) for sp in spans]
+        spans = [Span(sp.end, sp.end + 2, sp.slot, sp.block_table) for sp in spans]
     # one key tried once: recorded, a fresh pool asked for, then eager without trying again
     assert list(rt.span_graphs.failed) == [("verify", 4, 1)] and backend.fresh_pools == 1
     assert rt.graph_stats()["verify"] == {"captured": 0, "replays": 0, "failed": 1}

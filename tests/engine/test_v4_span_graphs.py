@@ -73,7 +73,7 @@ def test_verify_graphs_equal_the_eager_forward_through_rewinds(v4_tiny, k):
         )
     for step in range(12):
         n = [1 + (step + i) % (k + 1) for i in range(2)]  # every span length 1 .. k + 1
-        spans = [Span(p, p + m, i, tables[i], m > 1) for i, (p, m) in enumerate(zip(pos, n))]
+        spans = [Span(p, p + m, i, tables[i]) for i, (p, m) in enumerate(zip(pos, n))]
         ids = torch.cat([s[p : p + m] for s, p, m in zip(seqs, pos, n)])
         want = eager.forward_with_residual(ids, spans, all_logits=True)
         got = fake.forward_with_residual(ids, spans, all_logits=True)

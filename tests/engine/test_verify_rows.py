@@ -1,7 +1,9 @@
-"""Which spans of a target forward run as decode rows: a verify span of several tokens does;
-a prompt chunk of the same length never does, so a prompt's bits do not depend on whether the
-engine speculates (on CUDA a prompt's 2-token tail chunk, computed as verify rows with k = 2,
-came out in other bits than the prefill without drafts, and the first token changed)."""
+"""Which spans of a target forward run as decode rows: a decode step's (one token, or a verify
+span of several), never a prompt chunk (``Span.prefill``), whatever its length. Decode rows and
+prefill rows may differ in the last bits, so a prompt's bits would otherwise depend on where its
+chunks end: with drafts (k = 2) a 2-token tail chunk ran as verify rows and, on an H100, the
+first token changed; under one chunk budget a 1-token tail chunk ran as a decode row and the
+batch-invariant mode's outputs changed with the budget (on CPU in float32)."""
 
 from __future__ import annotations
 
@@ -13,31 +15,48 @@ from atom.models.deepseek_v41.forward_plan import ForwardPlan
 from tests.engine.test_batch_invariant import KW, prompts_of
 
 
-@pytest.mark.parametrize(
-    "preset, plan", [("v41-tiny-draft", ForwardPlan), ("v4-tiny", V4ForwardPlan)]
-)
-def test_a_prompt_tail_of_verify_length_prefills_and_verify_spans_run_as_rows(
-    preset, plan, monkeypatch
-):
-    forwards = []  # each target forward: (positions it ran as decode rows, its spans)
+def record_rows(plan, monkeypatch) -> list:
+    """Each target forward's (positions it ran as decode rows, its spans), as it builds them
+    (V4's draft-layer forwards build with ``ratios=[]`` and are left out)."""
+    forwards = []
     build = plan.build.__func__
 
     def spy(cls, token_ids, spans, *args, **kw):
         got = build(cls, token_ids, spans, *args, **kw)
-        if plan is ForwardPlan or kw.get("verify_only"):  # not V4's draft-layer forwards
+        if plan is ForwardPlan or kw.get("ratios"):
             rows = set() if got.decode is None else set(got.decode.pos.tolist())
             forwards.append((rows, list(spans)))
         return got
 
     monkeypatch.setattr(plan, "build", classmethod(spy))
-    prompt = prompts_of([50], seed=3)[0]  # 3 blocks of 16, then a tail of 2 tokens
-    llm = LLM(preset, **dict(KW, max_num_seqs=2, max_num_batched_tokens=64), speculative_tokens=2)
+    return forwards
+
+
+@pytest.mark.parametrize(
+    "preset, plan", [("v41-tiny-draft", ForwardPlan), ("v4-tiny", V4ForwardPlan)]
+)
+@pytest.mark.parametrize("length, budget", [(50, 64), (49, 48)])
+def test_prompt_tails_prefill_and_verify_spans_run_as_rows(
+    preset, plan, length, budget, monkeypatch
+):
+    """A prompt whose last chunk is 2 tokens (50 = 3 blocks + 2) or 1 token (49, the budget
+    cutting at 48) with drafts (k = 2): the tail's positions are prefill rows; the verify
+    spans of several tokens are decode rows."""
+    forwards = record_rows(plan, monkeypatch)
+    prompt = prompts_of([length], seed=3)[0]
+    kw = dict(KW, max_num_seqs=2, max_num_batched_tokens=budget)
+    llm = LLM(preset, **kw, speculative_tokens=2)
     out = llm.generate([prompt], SamplingParams(max_tokens=12, ignore_eos=True))
     assert len(out[0].token_ids) == 12
-    tail = [rows for rows, spans in forwards if any(sp.end == 50 for sp in spans)]
-    assert tail, "no forward computed the prompt's last token"
-    assert all(not rows & {48, 49} for rows in tail), tail  # prefill rows
-    verify = [rows for rows, spans in forwards for sp in spans if sp.verify and sp.num_tokens > 1]
+    tail = [(rows, spans) for rows, spans in forwards if any(sp.end == length for sp in spans)]
+    assert tail and all(sp.prefill for _, spans in tail for sp in spans), tail
+    assert all(not rows & set(range(48, length)) for rows, _ in tail), tail  # prefill rows
+    verify = [
+        rows
+        for rows, spans in forwards
+        for sp in spans
+        if sp.num_tokens > 1 and sp.start > 0 and not sp.prefill
+    ]
     assert verify, "no verify span of several tokens ran"
     assert all(len(rows) > 1 for rows in verify), verify  # decode rows, as before
     llm.shutdown()

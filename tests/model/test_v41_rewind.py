@@ -46,10 +46,9 @@ def tokens(n, seed):
     return torch.randint(0, 320, (n,), generator=torch.Generator().manual_seed(seed))
 
 
-def forward(rt, spans, ids, verify: bool = False):
-    """All logits [N, V] of a forward of (start, end, slot) spans through the runtime (with
-    ``verify``, spans of a committed token and its drafts: ``Span.verify``)."""
-    sp = [Span(s, e, slot, table(slot), verify and e - s > 1) for s, e, slot in spans]
+def forward(rt, spans, ids):
+    """All logits [N, V] of a forward of (start, end, slot) spans through the runtime."""
+    sp = [Span(s, e, slot, table(slot)) for s, e, slot in spans]
     logits, _ = rt.forward_with_residual(torch.cat(ids), sp, all_logits=True)
     return logits
 
@@ -97,7 +96,7 @@ def speculative(rt, seqs, prefill, k, seed, final=None):
             ids.append(span)
             acc.append(j)
         rt.rewinds = getattr(rt, "rewinds", 0) + sum(c < rt.slots.position(s) for c, _, s in spans)
-        out = forward(rt, spans, ids, verify=True)
+        out = forward(rt, spans, ids)
         lo = 0
         for (c, e, s), j in zip(spans, acc):
             logits[s].append(out[lo : lo + 1 + j])
@@ -297,7 +296,7 @@ def test_decode_graphs_replay_plain_steps_and_run_rewinds_eagerly(tiny):
         outs = []
         for rt in (eager, graphs):
             n = rt.graphs.replays if rt.graphs is not None else 0
-            sp = [Span(a, b, slot, table(slot), b - a > 1) for a, b, slot, _ in spans]
+            sp = [Span(a, b, slot, table(slot)) for a, b, slot, _ in spans]
             out = rt.forward(torch.cat([ids for *_, ids in spans]), sp)
             outs.append(out)
             if rt.graphs is not None:

@@ -28,8 +28,7 @@ def _verify_like(h, seq, plan, slot, table):
         ids = torch.tensor(seq[s:e])
         if wrong:
             ids[1:] = (ids[1:] + 7) % 300
-        span = Span(s, e, slot, table, verify=wrong)  # a span with drafts: a verify span
-        out = h.rt.model.forward_paged(ids, [span], h.rt.kv, h.rt.slots, True)
+        out = h.rt.model.forward_paged(ids, [Span(s, e, slot, table)], h.rt.kv, h.rt.slots, True)
         if not wrong:
             worst = max(worst, (out - ref[s:e]).abs().max().item())
     return worst
@@ -59,7 +58,7 @@ def test_a_start_further_back_than_k_is_refused(v4_tiny):
     table, seq = h.blocks(4), tokens(40, seed=5)
     m, kv, slots = h.rt.model, h.rt.kv, h.rt.slots
     m.forward_paged(torch.tensor(seq[:20]), [Span(0, 20, 0, table)], kv, slots)
-    m.forward_paged(torch.tensor(seq[20:23]), [Span(20, 23, 0, table, True)], kv, slots)
+    m.forward_paged(torch.tensor(seq[20:23]), [Span(20, 23, 0, table)], kv, slots)
     m.forward_paged(torch.tensor(seq[21:22]), [Span(21, 22, 0, table)], kv, slots)  # 23 - 2
     with pytest.raises(StateMismatchError, match="written to 23; a forward may start at most 2"):
         m.forward_paged(torch.tensor(seq[20:21]), [Span(20, 21, 0, table)], kv, slots)
@@ -99,11 +98,7 @@ def test_verify_spans_run_as_decode_rows_beside_other_spans(v4_tiny, monkeypatch
     starts = [27, 22, 0]
     for i, s in enumerate(starts[:2]):
         h.rt.forward(torch.tensor(seqs[i][:s]), [Span(0, s, i, tables[i])])
-    spans = [
-        Span(27, 31, 0, tables[0], True),
-        Span(22, 23, 1, tables[1]),
-        Span(0, 20, 2, tables[2]),
-    ]
+    spans = [Span(27, 31, 0, tables[0]), Span(22, 23, 1, tables[1]), Span(0, 20, 2, tables[2])]
     ids = torch.tensor(seqs[0][27:31] + seqs[1][22:23] + seqs[2][:20])
     rows.clear(), chunks.clear()
     out = h.rt.model.forward_paged(ids, spans, h.rt.kv, h.rt.slots, all_logits=True)

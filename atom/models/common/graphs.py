@@ -288,7 +288,7 @@ class DecodeGraphSet(GraphSet):
 
     def key(self, spans: list[Span]) -> tuple[int, int] | None:
         """(batch bucket, width bucket) of a forward a graph can run, else None."""
-        if not spans or any(sp.end - sp.start != 1 or sp.start == 0 for sp in spans):
+        if not spans or any(sp.end - sp.start != 1 or sp.start == 0 or sp.prefill for sp in spans):
             return None
         if any(not self.at_cursor(sp) for sp in spans):
             return None

@@ -34,13 +34,10 @@ class V4ForwardPlan:
     dec_tok: torch.Tensor | None  # [B] their tokens in the flat batch
 
     @staticmethod
-    def as_rows(sp: Span, short: int, verify_only: bool) -> bool:
+    def as_rows(sp: Span, short: int) -> bool:
         """Whether the span runs as decode rows: past position 0 and at most ``short`` tokens
-        (one, or a verify span of 1 + speculative_tokens; with ``verify_only``, a span of
-        several tokens only when ``Span.verify`` marks it one)."""
-        if verify_only and sp.num_tokens > 1 and not sp.verify:
-            return False
-        return sp.num_tokens <= short and sp.start > 0
+        (one, or a verify span of 1 + speculative_tokens), unless marked ``Span.prefill``."""
+        return sp.num_tokens <= short and sp.start > 0 and not sp.prefill
 
     @classmethod
     def build(
@@ -55,15 +52,12 @@ class V4ForwardPlan:
         partial: dict[int, int] | None = None,
         entries: int = 1,
         short: int = 1,
-        verify_only: bool = False,
     ) -> V4ForwardPlan:
         """``ratios``: the compressed layers' ratios; ``window``/``ring``: the sliding window
         and the ring rows; ``partial``: each ratio's partial ring rows (r when absent);
         ``entries``: each overlap field's (``V4Model.decode_layout``). Spans past 0 of at most
         ``short`` tokens run as decode rows (``short`` = 1 + speculative_tokens: verify spans,
-        whose rings keep that many rows more); with ``verify_only`` (the target's forward) a
-        span of several tokens only when it is a verify span (``Span.verify``): a prompt
-        chunk of that length prefills."""
+        whose rings keep that many rows more), unless marked ``Span.prefill``."""
         device = torch.device(device)
         n = token_ids.numel()
         segs: list[torch.Tensor] = []
@@ -86,7 +80,7 @@ class V4ForwardPlan:
         ]
         at_meta = put(torch.tensor(meta, dtype=torch.int64))
         at_reset = put(torch.tensor([sp.slot for sp in spans if sp.start == 0], dtype=torch.int64))
-        rows_of = [cls.as_rows(sp, short, verify_only) for sp in spans]
+        rows_of = [cls.as_rows(sp, short) for sp in spans]
         single = [k for k, r in enumerate(rows_of) if r]
         longer = [k for k, r in enumerate(rows_of) if not r]
         rows, row_spans = [], []  # per row: token, position, slot, span start, end, first row

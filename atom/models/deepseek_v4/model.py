@@ -174,9 +174,7 @@ class DeepseekV4ForCausalLM(nn.Module):
             return (logits, x) if return_residual else logits
         short = 1 + slots.geometry.speculative_tokens  # verify spans run as decode rows
         layout = self.decode_layout(slots)
-        plan = V4ForwardPlan.build(
-            token_ids, spans, self.device, short=short, verify_only=True, **layout
-        )
+        plan = V4ForwardPlan.build(token_ids, spans, self.device, short=short, **layout)
         slots.reset_many([sp.slot for sp in spans if sp.start == 0], plan.reset)
         x = self.embed_streams(plan.token_ids)
         for layer in self.layers:

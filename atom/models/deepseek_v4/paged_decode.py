@@ -77,7 +77,9 @@ class DecodeBatch:
 
     @staticmethod
     def usable(spans: list[Span]) -> bool:
-        return bool(spans) and all(sp.num_tokens == 1 and sp.start > 0 for sp in spans)
+        return bool(spans) and all(
+            sp.num_tokens == 1 and sp.start > 0 and not sp.prefill for sp in spans
+        )
 
     @classmethod
     def on_device(

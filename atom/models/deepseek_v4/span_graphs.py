@@ -103,10 +103,7 @@ class V4SpanGraphs(GraphSet):
     def verify_key(self, spans: list[Span]) -> tuple | None:
         """("verify", rows bucket, width bucket) of a forward a graph can run, else None."""
         if not spans or any(
-            sp.start < 1
-            or not 1 <= sp.num_tokens <= self.k + 1
-            or (sp.num_tokens > 1 and not sp.verify)  # a prompt chunk prefills
-            for sp in spans
+            sp.start < 1 or not 1 <= sp.num_tokens <= self.k + 1 or sp.prefill for sp in spans
         ):
             return None
         if any(not 0 <= sp.slot < self.slots.num_slots for sp in spans):

@@ -54,9 +54,10 @@ class ForwardPlan:
         the compressed layers), what the prefill batch's indices depend on. ``hist_width``: H,
         the history ids per slot; ``frontiers``: each span's slot frontier before the forward
         (0 for a span at 0; None: every span starts at its frontier and no history is kept
-        beyond the cursor's, k = 0). Single-token spans run as decode rows, and so do verify spans
-        (``Span.verify``) past 0 of at most ``short`` tokens (1 + k) when ``dump_block`` names
-        a block for their rows that complete no group (``DecodeBatch.dump_block``)."""
+        beyond the cursor's, k = 0). Single-token spans run as decode rows, and so do spans past 0
+        of at most ``short`` tokens (verify spans, 1 + k) when ``dump_block`` names a block for
+        their rows that complete no group (``DecodeBatch.dump_block``); never a span marked
+        ``Span.prefill``."""
         device = torch.device(device)
         n, nspan = token_ids.numel(), len(spans)
         segs: list[torch.Tensor] = []  # host int64 pieces of the one upload
@@ -102,9 +103,11 @@ class ForwardPlan:
         at_reset = put(torch.tensor([sp.slot for sp in spans if sp.start == 0], dtype=torch.int64))
 
         def as_rows(sp: Span) -> bool:
+            if sp.prefill:
+                return False
             if sp.num_tokens == 1:
                 return True
-            return dump_block is not None and sp.verify and sp.start > 0 and sp.num_tokens <= short
+            return dump_block is not None and sp.start > 0 and sp.num_tokens <= short
 
         single = [k for k, sp in enumerate(spans) if as_rows(sp)]
         longer = [k for k, sp in enumerate(spans) if not as_rows(sp)]

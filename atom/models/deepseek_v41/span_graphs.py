@@ -133,13 +133,11 @@ class SpanGraphs(GraphSet):
         self.hist = slots.gram_history.shape[1]
         self.replays = {"verify": 0, "draft": 0}
 
-    def _rows_bucket(self, spans: list[Span], min_start: int, verify: bool) -> int | None:
-        """The rows bucket of spans of 1 to k + 1 tokens at ``min_start`` or later (with
-        ``verify``, each one token or a verify span: a prompt chunk prefills), else None."""
+    def _rows_bucket(self, spans: list[Span], min_start: int) -> int | None:
+        """The rows bucket of spans of 1 to k + 1 tokens at ``min_start`` or later, none of
+        them marked ``Span.prefill`` (the eager forward prefills those), else None."""
         if not spans or any(
-            sp.start < min_start
-            or not 1 <= sp.num_tokens <= self.k + 1
-            or (verify and sp.num_tokens > 1 and not sp.verify)
+            sp.start < min_start or not 1 <= sp.num_tokens <= self.k + 1 or sp.prefill
             for sp in spans
         ):
             return None
@@ -149,7 +147,7 @@ class SpanGraphs(GraphSet):
 
     def verify_key(self, spans: list[Span]) -> tuple | None:
         """("verify", rows bucket, width bucket) of a forward a graph can run, else None."""
-        bucket = self._rows_bucket(spans, 1, verify=True)
+        bucket = self._rows_bucket(spans, 1)
         if bucket is None:
             return None
         need = max(-(-sp.end // self.block_size) for sp in spans)
@@ -158,7 +156,7 @@ class SpanGraphs(GraphSet):
         return None if width is None or key in self.failed else key
 
     def draft_key(self, spans: list[Span], layer: int) -> tuple | None:
-        bucket = self._rows_bucket(spans, 0, verify=False)
+        bucket = self._rows_bucket(spans, 0)
         key = ("draft", layer, bucket)
         return None if bucket is None or key in self.failed else key
 
