@@ -157,6 +157,8 @@ def index_scores(qi: torch.Tensor, w: torch.Tensor, keys: torch.Tensor) -> torch
     tile size (one query), so again by nothing the batch changes."""
     t, h, d = qi.shape
     r = keys.shape[-2]
+    if r == 0:  # no key yet (every query before its first compressed group): nothing to score
+        return qi.new_zeros(t, 0)
     from atom.kernels.index_scores import index_scores_usable, tiled_index_scores
 
     if index_scores_usable(qi):

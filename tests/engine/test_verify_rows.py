@@ -60,3 +60,18 @@ def test_prompt_tails_prefill_and_verify_spans_run_as_rows(
     assert verify, "no verify span of several tokens ran"
     assert all(len(rows) > 1 for rows in verify), verify  # decode rows, as before
     llm.shutdown()
+
+
+@pytest.mark.parametrize("preset", ["v41-tiny", "v4-tiny"])
+@pytest.mark.parametrize("invariant", [False, True])
+def test_prompts_shorter_than_a_compressed_group_prefill(preset, invariant):
+    """1-, 2- and 3-token prompts prefill (a 1-token prompt ran as a decode row before) with no
+    compressed row to score yet; the batch-invariant mode crashed on such a prompt (an empty
+    list of key chunks). Greedy outputs equal the oracle's."""
+    from tests.engine.test_engine_oracle import assert_greedy_matches_oracle
+
+    llm = LLM(preset, **dict(KW, batch_invariant=invariant, max_num_seqs=4))
+    for prompt in prompts_of([1, 2, 3], seed=9):  # alone: no longer span in the forward
+        [out] = llm.generate([prompt], SamplingParams(max_tokens=4, ignore_eos=True))
+        assert_greedy_matches_oracle(llm.engine.runtime.model, prompt, out.token_ids)
+    llm.shutdown()

@@ -39,6 +39,8 @@ class TiledKeys:
         caller's mask)."""
         b, q = self.batch, self.batch.q
         hi, d, r = qi.shape[1], qi.shape[2], self.keys.shape[1]
+        if r == 0:  # no key yet (every token before its first compressed group)
+            return qi.new_zeros(qi.shape[0], 0)
         qi_p, w_p = qi[b.pad_src], w[b.pad_src]
         if index_scores_usable(qi):
             vis = self.visible[b.pad_src]
