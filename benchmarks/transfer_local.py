@@ -15,9 +15,8 @@ from pathlib import Path
 
 import torch
 
-from atom.tier.worker_side.l1_mapping import Mappings
 from atom.tier.worker_side.local_load import LocalLoads
-from atom.tier.worker_side.locator import Locator
+from atom.tier.worker_side.locator import Locator, Mappings
 
 RETRIEVED = re.compile(r"Retrieved (\d+) tokens in ([\d.]+) seconds")
 

@@ -37,7 +37,6 @@ from atom.models.deepseek_v41.presets import preset_config
 from atom.tier.operations import SaveAhead, TransferOp
 from atom.tier.server.lmcache_server import LMCacheServer
 from atom.tier.worker_side.events import EventPool
-from atom.tier.worker_side.l1_mapping import Mappings
 from atom.tier.worker_side.layout import (
     SpecShape,
     build_spec,
@@ -47,7 +46,7 @@ from atom.tier.worker_side.layout import (
     unlink_segment,
 )
 from atom.tier.worker_side.local_save import EngineSaves
-from atom.tier.worker_side.locator import Locator
+from atom.tier.worker_side.locator import Locator, Mappings
 from benchmarks.common import md_table, write_results
 from benchmarks.transfer_local import write_header
 

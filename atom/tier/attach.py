@@ -22,10 +22,9 @@ from atom.tier.server.lmcache_server import LMCacheServer, LMCacheServerError
 from atom.tier.server.supervisor import ServerSupervisor
 from atom.tier.tier_metrics import worker_gauges
 from atom.tier.worker_side.events import EventPool
-from atom.tier.worker_side.l1_mapping import Mappings
 from atom.tier.worker_side.layout import SpecShape, share_pool, unlink_segment
 from atom.tier.worker_side.local_load import LocalLoads
-from atom.tier.worker_side.locator import Locator
+from atom.tier.worker_side.locator import Locator, Mappings
 from atom.tier.worker_side.lookup_thread import LookupThread
 from atom.tier.worker_side.transfer_thread import TransferThread
 

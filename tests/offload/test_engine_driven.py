@@ -28,8 +28,7 @@ from atom.model_api import pool_bytes
 from atom.tier.operations import LookupOp
 from atom.tier.server.l1_module import LOCATE_METHOD, LOCATE_VERSION
 from atom.tier.server.lmcache_server import L1_SHM_PREFIX, LMCacheServer
-from atom.tier.worker_side.l1_mapping import Mappings, SegmentId
-from atom.tier.worker_side.locator import IMAGE_GROUP, PAGES_GROUP
+from atom.tier.worker_side.locator import IMAGE_GROUP, PAGES_GROUP, Mappings, SegmentId
 
 from .conftest import BLOCK
 from .test_tier_faults import FAST, check, healthy, pump, same_tokens, settled

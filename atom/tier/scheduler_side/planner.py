@@ -168,7 +168,7 @@ class OffloadConnector(Connector):
         notify_progress,
         clock=time.monotonic,
         local=None,  # local_load.LocalLoads: engine-driven loads (None: every load via server)
-        mappings=None,  # l1_mapping.Mappings: the L1 segments mapped (closed here when idle)
+        mappings=None,  # locator.Mappings: the L1 segments mapped (closed here when idle)
         policy: TierPolicy | None = None,  # what it may do (None: the config's, one rank)
         settled: SettledOps | None = None,  # where the threads post ops (None: its own)
     ):

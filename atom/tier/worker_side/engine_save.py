@@ -39,9 +39,8 @@ from typing import Any
 import msgspec
 
 from atom.tier.operations import OpState, TransferOp
-from atom.tier.worker_side.l1_mapping import SegmentError, SegmentId
 from atom.tier.worker_side.local_load import runs
-from atom.tier.worker_side.locator import UNKNOWN_METHOD
+from atom.tier.worker_side.locator import UNKNOWN_METHOD, SegmentError, SegmentId
 from atom.tier.worker_side.server_probe import MODULE_HINT
 
 log = logging.getLogger("atom.offload")

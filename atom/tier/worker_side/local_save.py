@@ -10,7 +10,7 @@ staging objects, invisible to lookups) and says where each sits in the segment;
 
   * The reserve answer names the segment (name, size, device, inode, boot id, server id, as
     ``atom.locate`` does); the engine writes only through its own writable mapping of a
-    segment whose ``fstat`` matches that identity (``l1_mapping.Mappings(writable=True)``; the
+    segment whose ``fstat`` matches that identity (``locator.Mappings(writable=True)``; the
     loads' mapping stays read-only), and only into the spans the answer gave, each checked
     against the length this layout gives the object (a chunk's pages: blocks_per_chunk x
     block_bytes, in block order; the image: units_per_image x block_bytes, in ordinal order,
@@ -53,8 +53,14 @@ from atom.tier.worker_side.engine_save import (
     EngineSave,
     SaveCall,
 )
-from atom.tier.worker_side.l1_mapping import Mappings, SegmentError, SegmentId
-from atom.tier.worker_side.locator import IMAGE_GROUP, PAGES_GROUP, UNKNOWN_METHOD
+from atom.tier.worker_side.locator import (
+    IMAGE_GROUP,
+    PAGES_GROUP,
+    UNKNOWN_METHOD,
+    Mappings,
+    SegmentError,
+    SegmentId,
+)
 from atom.tier.worker_side.save_copy import SaveCopy
 from atom.tier.worker_side.server_probe import (
     MODULE_HINT,

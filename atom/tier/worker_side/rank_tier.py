@@ -51,10 +51,9 @@ from atom.model_api import image_header
 from atom.tier.config import OffloadConfig
 from atom.tier.operations import OpState, TransferOp
 from atom.tier.worker_side.events import EventPool
-from atom.tier.worker_side.l1_mapping import Mappings, SegmentError
 from atom.tier.worker_side.layout import SpecShape, share_pool, unlink_segment
 from atom.tier.worker_side.local_load import LocalLoads
-from atom.tier.worker_side.locator import Where
+from atom.tier.worker_side.locator import Mappings, SegmentError, Where
 from atom.tier.worker_side.transfer_thread import TransferThread
 
 log = logging.getLogger("atom.distributed")
