@@ -164,8 +164,8 @@ def main() -> None:
             rt.forward(torch.randint(0, 300, (n * bs,)), spans).argmax(-1).cpu()
             late["pos"] += bs
 
-        shapes.insert(1, (f"prefill {n} x {bs} tokens at {args.position}", late_prefill))
-    for shape, run in shapes:
+        shapes.insert(1, (f"prefill {n} x {bs} tokens at {args.position}", late_prefill, None))
+    for shape, run, _ in shapes:
         run()  # warm
         sync()
         restore = instrument()

@@ -11,7 +11,10 @@ show many launches and host time well above device time. ``--verify K`` adds spe
 decoding's verify forward at the same position: every sequence a span of K + 1 tokens (its
 decode token and K drafts, all logits and residuals, as the engine runs it; the drafts all
 accepted, so the next one starts K + 1 later), beside the decode forward of as many sequences:
-what the verify step's extra rows cost, op by op.
+what the verify step's extra rows cost, op by op. Each decode and verify row also gives the
+weight bytes its forward reads (the roofline's floor bytes: routed experts as that batch's
+routing activates them), and a line compares the two forwards' time with their bytes: more
+rows activate more experts, so even a purely weight-bound verify costs more than a decode.
 
 Two sync counts: "stream syncs" are the profiler's cudaStreamSynchronize/cudaDeviceSynchronize
 calls over one whole step (the forward plus the step's own ``argmax().cpu()``, which a sampler
@@ -35,6 +38,7 @@ from torch.profiler import ProfilerActivity, profile
 from atom.model_api import Span
 from atom.models.registry import default_block_size
 from benchmarks.common import bound_runtime, command_line, md_table, write_results
+from benchmarks.roofline import distinct_experts, weight_counts
 
 SYNC_EVENTS = ("cudaStreamSynchronize", "cudaDeviceSynchronize")
 
@@ -76,8 +80,9 @@ def count_forward_syncs(rt, run) -> tuple[int, Counter]:
 
 
 def _shape_runs(rt, args, tables, gen):
-    """(name, callable running one forward) for the shapes we profile; state is advanced to
-    ``--position`` first so decode reads a realistic number of compressed rows."""
+    """(name, callable running one forward, token rows) for the shapes we profile (rows: None
+    for prefill); state is advanced to ``--position`` first so decode reads a realistic number
+    of compressed rows."""
     bs, batch = default_block_size(args.model), args.batch
     prompts = torch.randint(0, 300, (batch, args.position), generator=gen)
     for start in range(0, args.position, bs):
@@ -110,10 +115,37 @@ def _shape_runs(rt, args, tables, gen):
         rt.forward(prompts[:chunk_batch, :bs].reshape(-1), spans).argmax(-1).cpu()
 
     graphs = " (graphs)" if getattr(rt, "cuda_graphs", False) else ""
-    shapes = [(f"decode batch {batch} at {args.position}{graphs}", decode)]
+    shapes = [(f"decode batch {batch} at {args.position}{graphs}", decode, batch)]
     if k1 > 1:
-        shapes.append((f"verify batch {batch} x {k1} rows at {args.position}{graphs}", verify))
-    return shapes + [(f"prefill {chunk_batch} x {bs} tokens", prefill)]
+        name = f"verify batch {batch} x {k1} rows at {args.position}{graphs}"
+        shapes.append((name, verify, batch * k1))
+    return shapes + [(f"prefill {chunk_batch} x {bs} tokens", prefill, None)]
+
+
+def weight_bytes(counts: dict, experts: int, token_rows: int) -> int:
+    """Bytes of the weights one forward reads (``benchmarks.roofline``'s floor bytes): the
+    dense ones, the routed experts its rows activate and one lookup row per token."""
+    return (
+        counts["dense_bytes"]
+        + experts * counts["per_expert_bytes"]
+        + token_rows * counts["lookup_bytes_per_row"]
+    )
+
+
+def verify_ratio(rows: list, floors: dict) -> str:
+    """The verify forward against the decode forward: measured time and weight bytes (the
+    ratio a weight-bound step would show), or "" without a verify shape."""
+    by = {r[0]: r for r in rows}
+    decode = next((n for n in floors if n.startswith("decode")), None)
+    verify = next((n for n in floors if n.startswith("verify")), None)
+    if decode is None or verify is None:
+        return ""
+    t = by[verify][1] / by[decode][1]
+    b = floors[verify] / floors[decode]
+    return (
+        f"verify / decode: {t:.2f}x the time, {b:.2f}x the weight bytes (a forward bound by "
+        "streaming its weights would cost the bytes' ratio)"
+    )
 
 
 def shape_parser(doc: str, prefill_tokens: int, top: int) -> argparse.ArgumentParser:
@@ -147,7 +179,7 @@ def profiled_runtime(args, extra_blocks: int = 0, graphs: bool = False):
     k = getattr(args, "verify", 0)
     # decode and verify forwards advance the sequences past --position: warm-up, repeats,
     # the profiled run and the sync count, each 1 + (k + 1) positions
-    ahead = (args.repeats + 4) * (k + 2) + 8
+    ahead = (args.repeats + 5) * (k + 2) + 8  # and the floor's routing step
     per_seq = -(-(args.position + ahead) // default_block_size(args.model))
     per_seq += extra_blocks
     rt = bound_runtime(
@@ -180,7 +212,11 @@ def main() -> None:
     args = ap.parse_args()
     rt, tables, cuda, sync, activities = profiled_runtime(args, graphs=args.graphs)
     rows, tops, site_lines = [], [], []
-    for name, run in _shape_runs(rt, args, tables, torch.Generator().manual_seed(0)):
+    counts = weight_counts(rt.model)
+    floors = {}  # shape -> weight bytes its forward reads (the roofline's floor bytes)
+    for name, run, token_rows in _shape_runs(rt, args, tables, torch.Generator().manual_seed(0)):
+        if token_rows is not None:
+            floors[name] = weight_bytes(counts, distinct_experts(rt, run), token_rows)
         run()  # warm
         sync()
         t0 = time.perf_counter()
@@ -196,7 +232,8 @@ def main() -> None:
         launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernel"))
         syncs = sum(e.count for e in events if e.key in SYNC_EVENTS)
         forward_syncs, sites = count_forward_syncs(rt, run) if cuda else (None, Counter())
-        rows.append([name, round(ms, 2), aten, launches, syncs, forward_syncs])
+        gb = round(floors[name] / 1e9, 3) if name in floors else ""
+        rows.append([name, round(ms, 2), aten, launches, syncs, forward_syncs, gb])
         print(rows[-1], flush=True)
         site_lines.append(
             f"- {name}: {forward_syncs} host syncs in the forward"
@@ -221,21 +258,28 @@ def main() -> None:
             "kernel launches",
             "stream syncs (step)",
             "host syncs (forward)",
+            "weight GB read",
         ],
         rows,
     )
+    ratio = verify_ratio(rows, floors)
+    if ratio:
+        print(ratio, flush=True)
+        table += "\n\n" + ratio
     table += (
         "\n\nstream syncs (step): the profiler's cudaStreamSynchronize/cudaDeviceSynchronize "
         "over one step (the forward and the step's argmax().cpu()); host syncs (forward): one "
         "forward under torch.cuda.set_sync_debug_mode('warn'), warnings counted, by source "
-        "line:\n\n" + "\n".join(site_lines)
+        "line; weight GB read: the bytes of every weight the forward reads at its stored dtype, "
+        "routed experts as the batch's routing activates them (benchmarks/roofline.py's floor "
+        "bytes):\n\n" + "\n".join(site_lines)
     )
     if args.name:
         cmd = command_line("profile_forward", args)
         print(
             write_results(
                 args.name,
-                {"model": args.model, "rows": rows},
+                {"model": args.model, "rows": rows, "verify_over_decode": ratio},
                 table + "\n\n" + "\n".join(tops),
                 cmd,
             )
