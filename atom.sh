@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One entry point for a newcomer:
 #   ./atom.sh serve [flags]   set up (first run) and serve v41-mini with the LMCache tier
-#   ./atom.sh test  [args]    set up (first run) and run the test suite
+#   ./atom.sh test  [args]    set up (first run) and run the test suite (two workers)
 set -euo pipefail
 cd "$(dirname "$0")"
 export LMCACHE_TRACK_USAGE=false
@@ -26,6 +26,8 @@ shift || true
 case "$cmd" in
   setup) setup ;;
   serve) setup; exec .venv/bin/python -m atom.serve --model v41-mini --offload lmcache_mp "$@" ;;
-  test) setup; exec .venv/bin/python -m pytest -q "$@" ;;
+  # two worker processes, each taking whole files (module fixtures run once); most tests wait on
+  # servers and rank processes, so two share two cores well. ATOM_TEST_WORKERS=0: in-process
+  test) setup; exec .venv/bin/python -m pytest -q -n "${ATOM_TEST_WORKERS:-2}" --dist loadfile "$@" ;;
   *) echo "usage: ./atom.sh serve|test|setup [args]" >&2; exit 2 ;;
 esac

@@ -22,7 +22,7 @@ setup(
         "prometheus_client",
     ],
     extras_require={
-        "dev": ["pytest", "pytest-timeout", "ruff", "black", "openai", "httpx"],
+        "dev": ["pytest", "pytest-timeout", "pytest-xdist", "ruff", "black", "openai", "httpx"],
         # tests/serve/test_lm_eval.py (skipped without it); .ci/run installs it
         "eval": ["lm-eval[api]==0.4.13"],
     },
