@@ -77,15 +77,15 @@ for s in "$@"; do
       --name profile_forward_h200 ;;
     # decode against speculative decoding's verify forward (B sequences, 1 draft each: 2B
     # rows): op by op (eager) at batch 16 in both modes, then the wall times with graphs at
-    # batch 1, 8 and 16 in both modes (the speculative oracle runs batch-invariant): what a
-    # k=1 step's rows cost
+    # batch 1, 8 and 16 (VERIFY_BATCHES) in both modes (VERIFY_MODES; the speculative oracle
+    # runs batch-invariant): what a k=1 step's rows cost, time beside weight bytes
     profile_verify)
-      for mode in default invariant; do
+      for mode in ${VERIFY_MODES:-default invariant}; do
         flag=""; [ "$mode" = invariant ] && flag=--batch-invariant
         step 200 python3 -m benchmarks.profile_forward --model v41-bench-draft --device cuda \
           --dtype bfloat16 --position 4096 --batch 16 --verify 1 --repeats 5 --top 25 \
           $flag --name "profile_verify_${mode}_${CARD}"
-        for b in 1 8 16; do
+        for b in ${VERIFY_BATCHES:-1 8 16}; do
           step 150 python3 -m benchmarks.profile_forward --model v41-bench-draft --device cuda \
             --dtype bfloat16 --position 4096 --batch "$b" --verify 1 --repeats 20 --top 5 \
             --graphs $flag --name "profile_verify_graphs_b${b}_${mode}_${CARD}"
