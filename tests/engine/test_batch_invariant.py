@@ -126,6 +126,56 @@ def test_a_one_token_tail_chunk_gives_the_same_bits(preset):
 
 
 @pytest.mark.parametrize("preset", ["v41-tiny", "v4-tiny"])
+def test_a_decoded_token_has_the_bits_of_the_same_token_prefilled(preset):
+    """Decode rows and prefill rows compute a token alike: the logprobs of a request's 24
+    generated tokens (decode steps) are those a second engine computes for the same tokens as
+    prompt tokens (the prompt and the output as one prompt, prefilled in chunks of 32). So the
+    next turn of a conversation, resumed from blocks the first turn decoded into (here from
+    HBM), computes what a cold engine computes for it. A prefill tile's shared window keys
+    once ordered its queries' reductions by their place in the tile (``query_windows``); in
+    float32 that moved the last bits (in bfloat16 on CPU the rounding hid it)."""
+    kw = dict(KW, max_num_batched_tokens=32)
+    prompt, extra = prompts_of([150, 20], seed=5)
+    listed = SamplingParams(max_tokens=24, ignore_eos=True, logprobs=3)
+    llm = LLM(preset, **kw)
+    first = llm.generate([prompt], listed)[0]
+    full = prompt + first.token_ids[:-1]
+    cold = LLM(preset, **kw)
+    prefilled = cold.generate(
+        [full], SamplingParams(max_tokens=1, ignore_eos=True, logprobs=3, prompt_logprobs=3)
+    )[0]
+    assert prefilled.prompt_logprobs[len(prompt) :] + prefilled.logprobs == first.logprobs
+    # the next turn: its prefix is the first turn's, decoded blocks included
+    turn = prompt + first.token_ids + extra
+    resumed = llm.generate([turn], listed)[0]
+    assert resumed.hbm_hit_tokens > len(prompt), resumed.hbm_hit_tokens
+    cold.shutdown()
+    fresh = LLM(preset, **kw)
+    recomputed = fresh.generate([turn], listed)[0]
+    assert recomputed.hbm_hit_tokens == 0
+    assert resumed.logprobs == recomputed.logprobs
+    llm.shutdown()
+    fresh.shutdown()
+
+
+@pytest.mark.parametrize("preset", ["v41-tiny", "v4-tiny"])
+def test_a_preempted_request_decodes_the_bits_of_one_never_preempted(preset):
+    """A pool too small for six requests preempts some of them mid-decode; they recompute
+    their generated tokens as prefill rows and still give every logprob of the run with room
+    for all (decode rows and prefill rows agree in the mode)."""
+    prompts = prompts_of([40, 90, 70, 120, 55, 100], seed=8)
+    params = SamplingParams(max_tokens=30, ignore_eos=True, logprobs=3)
+    outs, preempted = [], []
+    for blocks in (4000, 40):
+        llm = LLM(preset, **dict(KW, num_blocks=blocks, max_num_batched_tokens=64))
+        outs.append([o.logprobs for o in llm.generate(prompts, params)])
+        preempted.append(llm.engine.stats()["preemptions"])
+        llm.shutdown()
+    assert preempted[0] == 0 and preempted[1] > 0, preempted
+    assert outs[1] == outs[0]
+
+
+@pytest.mark.parametrize("preset", ["v41-tiny", "v4-tiny"])
 def test_the_mode_matches_the_oracle(preset):
     llm = LLM(preset, **KW, max_num_batched_tokens=48)
     prompts = prompts_of([70, 33, 129, 16, 250], seed=4)

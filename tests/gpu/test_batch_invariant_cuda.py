@@ -125,3 +125,19 @@ def test_drafts_replay_span_graphs_in_the_mode_bit_for_bit(preset, block):
         llm.shutdown()
     assert_same_bits(runs[True], runs[False])
     assert [o.token_ids for o in runs[True]] == [o.token_ids for o in plain]
+
+
+@pytest.mark.parametrize("preset", ["v41-tiny", "v4-tiny"])
+def test_a_decoded_token_has_the_bits_of_the_same_token_prefilled_on_cuda(preset, monkeypatch):
+    """The prefill kernel runs each query over its own window (``kernel_tile_attention``), as
+    the mode's decode rows do: decoded and prefilled tokens give the same bits in bfloat16."""
+    monkeypatch.setattr(cpu, "KW", CUDA_KW)
+    cpu.test_a_decoded_token_has_the_bits_of_the_same_token_prefilled(preset)
+
+
+@pytest.mark.parametrize("preset", ["v41-tiny", "v4-tiny"])
+def test_a_preempted_request_decodes_the_bits_of_one_never_preempted_on_cuda(
+    preset, monkeypatch
+):
+    monkeypatch.setattr(cpu, "KW", CUDA_KW)
+    cpu.test_a_preempted_request_decodes_the_bits_of_one_never_preempted(preset)

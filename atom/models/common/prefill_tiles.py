@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from atom.kernels import invariant, invariant_attention
+from atom.kernels.attention import sink_attention
 from atom.kernels.index_scores import index_scores_usable, tiled_index_scores
 from atom.models.common.prefill_plan import PrefillBatch
 
@@ -57,6 +58,52 @@ class TiledKeys:
         return torch.cat(out)[b.unpad]
 
 
+def query_windows(
+    win_k: torch.Tensor, win_mask: torch.Tensor, window: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each query's own window of a ``PrefillBatch``'s tiles, laid out as a decode row's:
+    win_k [B, L, hd], win_mask [B, Q, L] -> ([B * Q, window, hd], [B * Q, window]), the keys of
+    positions p - window + 1 .. p in order (those before position 0 masked). A tile's keys end
+    at its last query (``PrefillBatch``: positions [p0 + Q - L, p0 + Q)), so query j's window is
+    keys [j + L - Q - window + 1, j + L - Q], a slice of the tile's."""
+    b, q, n = win_mask.shape
+    idx = (n - q - window + 1) + torch.arange(q, device=win_k.device)[:, None]
+    idx = idx + torch.arange(window, device=win_k.device)  # [Q, window]
+    keys = win_k[:, idx].reshape(b * q, window, win_k.shape[-1])
+    mask = win_mask.gather(2, idx.expand(b, q, window)).reshape(b * q, window)
+    return keys, mask
+
+
+def kernel_tile_attention(
+    q: torch.Tensor,
+    win_k: torch.Tensor,
+    win_mask: torch.Tensor,
+    plane: torch.Tensor | None,
+    offsets: torch.Tensor | None,
+    valid: torch.Tensor | None,
+    sink: torch.Tensor,
+    scale: float,
+    window: int,
+) -> torch.Tensor:
+    """The attention kernel (``atom.kernels.attention.sink_attention``) over a
+    ``PrefillBatch``'s tiles: q [P, H, hd] (tile rows), win_k [nt, L, hd], win_mask [nt, Q, L],
+    compressed rows of ``plane`` at ``offsets`` [P, K] where ``valid``. In the batch-invariant
+    mode each query attends its own window (``query_windows``), in groups of tiles, as the mode's
+    decode rows do: the kernel walks a row's keys in tiles counted from its first visible one,
+    so in a tile's shared keys a query's tiles would start where its position puts them."""
+    if not invariant.enabled():
+        return sink_attention(q, win_k, win_mask, plane, offsets, valid, sink, scale)
+    nt, tq = win_mask.shape[:2]
+    out = []
+    for t0, t1 in tile_groups(nt, tq * window * win_k.shape[-1]):
+        a, z = t0 * tq, t1 * tq
+        keys, mask = query_windows(win_k[t0:t1], win_mask[t0:t1], window)
+        picks = None if offsets is None else offsets[a:z]
+        flags = None if valid is None else valid[a:z]
+        out.append(sink_attention(q[a:z], keys, mask, plane, picks, flags, sink, scale))
+    return torch.cat(out)
+
+
 def tile_attention(
     q: torch.Tensor,
     win_k: torch.Tensor,
@@ -65,12 +112,22 @@ def tile_attention(
     comp_valid: torch.Tensor | None,
     sink: torch.Tensor,
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Sink attention for B tiles of Q queries, each tile with its own window keys (K = V):
     q [B, Q, H, hd], win_k [B, L, hd], win_mask [B, Q, L], comp [B * Q, K, hd], comp_valid
     [B * Q, K], sink [H] float32 -> [B * Q, H, hd]. Scores are float32 products scaled by
-    ``scale``; the sink joins the softmax denominator."""
+    ``scale``; the sink joins the softmax denominator.
+
+    ``window``: the tiles are a ``PrefillBatch``'s; in the batch-invariant mode each query then
+    attends its own ``window`` keys (``query_windows``), the layout a decode row attends, so a
+    token's bits are the same whether a prefill chunk or a decode step computes it (a tile's
+    shared keys would order its reductions by the tile's other positions)."""
     if invariant.enabled():
+        if window is not None:
+            b, t, h, hd = q.shape
+            win_k, win_mask = query_windows(win_k, win_mask, window)
+            q, win_mask = q.reshape(b * t, 1, h, hd), win_mask[:, None]
         return invariant_attention.sink_attention(q, win_k, win_mask, comp, comp_valid, sink, scale)
     b, t, h, hd = q.shape
     nw = win_k.shape[1]

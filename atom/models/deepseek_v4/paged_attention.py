@@ -22,9 +22,15 @@ from __future__ import annotations
 
 import torch
 
-from atom.kernels.attention import sink_attention, sink_attention_usable
+from atom.kernels.attention import sink_attention_usable
 from atom.models.common.prefill_plan import CompressorPlan, PrefillBatch
-from atom.models.common.prefill_tiles import NEG_INF, TiledKeys, tile_attention, tile_groups
+from atom.models.common.prefill_tiles import (
+    NEG_INF,
+    TiledKeys,
+    kernel_tile_attention,
+    tile_attention,
+    tile_groups,
+)
 from atom.models.common.selection import mask_invisible, picked_ids, select_topk, visible_rows
 from atom.models.common.storage import pack_index, unpack_index
 from atom.models.deepseek_v4.attention import V4Attention, V4Compressor
@@ -124,7 +130,9 @@ def prefill_attention(
             picks = ids.reshape(nt, tq * k)
             offsets = kv.row_offsets(layer, b.tables[b.tile_span], picks).view(-1, k)
         res.append(
-            sink_attention(q_p, win_k, mask, plane, offsets, valid, attn.attn_sink, attn.scale)
+            kernel_tile_attention(
+                q_p, win_k, mask, plane, offsets, valid, attn.attn_sink, attn.scale, attn.window
+            )
         )
     groups = [] if res else tile_groups(nt, tq * heads * (win_k.shape[1] + k + 1))
     for t0, t1 in groups:
@@ -137,7 +145,16 @@ def prefill_attention(
         qs = q_p[a:z].view(t1 - t0, tq, heads, hd)
         valid_g = None if valid is None else valid[a:z]
         res.append(
-            tile_attention(qs, win_k[t0:t1], mask[t0:t1], comp, valid_g, attn.attn_sink, attn.scale)
+            tile_attention(
+                qs,
+                win_k[t0:t1],
+                mask[t0:t1],
+                comp,
+                valid_g,
+                attn.attn_sink,
+                attn.scale,
+                attn.window,
+            )
         )
     slots.window[b.ww_slot, layer, b.ww_row] = win_l[b.ww_src].to(slots.window.dtype)
     return torch.cat(res)[b.unpad]

@@ -237,11 +237,15 @@ class CSA2Attention(nn.Module):
         win_mask: torch.Tensor,
         comp: torch.Tensor | None,
         comp_valid: torch.Tensor | None,
+        window: int | None = None,
     ) -> torch.Tensor:
         """``attend`` for B tiles of Q queries at once, each tile with its own window keys:
         q [B, Q, H, hd], win_k [B, L, hd], win_mask [B, Q, L], comp [B * Q, K, hd], comp_valid
-        [B * Q, K] -> [B * Q, H, hd]. The same arithmetic per query as ``attend``."""
-        return tile_attention(q, win_k, win_mask, comp, comp_valid, self.attn_sink, self.scale)
+        [B * Q, K] -> [B * Q, H, hd]. The same arithmetic per query as ``attend``; ``window``:
+        a ``PrefillBatch``'s tiles (``tile_attention``)."""
+        return tile_attention(
+            q, win_k, win_mask, comp, comp_valid, self.attn_sink, self.scale, window
+        )
 
     def output(self, o: torch.Tensor, cs) -> torch.Tensor:
         """Inverse RoPE at the query position (in place: ``o`` [N, H, hd] is the caller's

@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import torch
 
-from atom.kernels.attention import sink_attention, sink_attention_usable
+from atom.kernels.attention import sink_attention_usable
 from atom.models.common.prefill_plan import PrefillBatch
-from atom.models.common.prefill_tiles import TiledKeys, tile_groups
+from atom.models.common.prefill_tiles import TiledKeys, kernel_tile_attention, tile_groups
 from atom.models.common.storage import pack_index, unpack_index
 from atom.models.deepseek_v41.attention import (
     CSA2Attention,
@@ -111,7 +111,9 @@ def prefill_attention(
             picks = ids.view(nt, tq * k)
             offsets = kv.row_offsets(attn.kv_owner, b.tables[b.tile_span], picks).view(-1, k)
         sink, scale = attn.attn_sink, attn.scale
-        res.append(sink_attention(q_p, win_k, mask, plane, offsets, valid, sink, scale))
+        res.append(
+            kernel_tile_attention(q_p, win_k, mask, plane, offsets, valid, sink, scale, attn.window)
+        )
     groups = [] if res else tile_groups(nt, tq * heads * (win_k.shape[1] + k + 1))
     for t0, t1 in groups:
         a, z = t0 * tq, t1 * tq
@@ -123,7 +125,12 @@ def prefill_attention(
         qs = q_p[a:z].view(t1 - t0, tq, heads, hd)
         res.append(
             attn.attend_tiles(
-                qs, win_k[t0:t1], mask[t0:t1], comp, None if valid is None else valid[a:z]
+                qs,
+                win_k[t0:t1],
+                mask[t0:t1],
+                comp,
+                None if valid is None else valid[a:z],
+                window=attn.window,
             )
         )
     o = torch.cat(res)[b.unpad]
