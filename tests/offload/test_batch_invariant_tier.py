@@ -52,3 +52,29 @@ def test_resumed_requests_compute_the_bits_of_pass_one_under_other_batches(
     default = make_llm(preset, **tier(lmcache_server))
     _, outs4 = outputs(default, prompts, range(len(prompts)))
     assert sum(o.tier_hit_tokens for o in outs4) == 0
+
+
+@pytest.mark.parametrize("preset", ["v41-tiny", "v4-tiny"])
+def test_a_next_turn_resumed_from_decoded_blocks_computes_what_a_cold_engine_does(
+    lmcache_server, make_llm, preset
+):
+    """A conversation's first turn decodes 40 tokens; its blocks (decoded ones included) go to
+    the tier. A second engine resumes the next turn (the first turn, its output and 20 new
+    tokens) from those objects, past the prompt, and computes the logprobs and tokens an engine
+    without the tier computes by prefilling all of it (decode rows and prefill rows agree)."""
+    prompt, extra = prompts_of([70, 20], seed=3503)
+    mode = dict(batch_invariant=True)
+    params = SamplingParams(max_tokens=40, ignore_eos=True, logprobs=3)
+    first = make_llm(preset, **mode, **tier(lmcache_server))
+    turn1 = first.generate([prompt], params)[0]
+    first.shutdown()  # drains its saves
+    turn = prompt + turn1.token_ids + extra
+    second = make_llm(preset, **mode, **tier(lmcache_server), max_num_batched_tokens=48)
+    resumed = second.generate([turn], params)[0]
+    assert (
+        resumed.tier_hit_tokens >= ceiling(len(prompt) + 40) > len(prompt)
+    ), resumed.tier_hit_tokens
+    cold = make_llm(preset, **mode).generate([turn], params)[0]
+    assert cold.tier_hit_tokens == cold.hbm_hit_tokens == 0
+    assert resumed.token_ids == cold.token_ids
+    assert resumed.logprobs == cold.logprobs
