@@ -136,8 +136,6 @@ def test_a_decoded_token_has_the_bits_of_the_same_token_prefilled_on_cuda(preset
 
 
 @pytest.mark.parametrize("preset", ["v41-tiny", "v4-tiny"])
-def test_a_preempted_request_decodes_the_bits_of_one_never_preempted_on_cuda(
-    preset, monkeypatch
-):
+def test_a_preempted_request_decodes_the_bits_of_one_never_preempted_on_cuda(preset, monkeypatch):
     monkeypatch.setattr(cpu, "KW", CUDA_KW)
     cpu.test_a_preempted_request_decodes_the_bits_of_one_never_preempted(preset)
