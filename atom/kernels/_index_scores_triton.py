@@ -57,7 +57,13 @@ def _index_scores_kernel(
 
 
 def index_scores_config(per_tile: int) -> dict:
-    """Launch parameters for tiles of ``per_tile`` queries."""
+    """Launch parameters for tiles of ``per_tile`` queries. In the batch-invariant mode the
+    tile's query block is 16 rows whatever the tile: a decode row (a tile of its own) and a
+    query of a prefill tile then take each score's products over D in the same block shape."""
+    from atom.kernels import invariant_mode
+
+    if invariant_mode.enabled():
+        return dict(BT=16, BR=64, num_warps=4, num_stages=2)
     bt = min(64, max(16, triton.next_power_of_2(per_tile)))
     return dict(BT=bt, BR=64, num_warps=4, num_stages=2)
 
