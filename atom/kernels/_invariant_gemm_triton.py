@@ -2,10 +2,12 @@
 only where Triton is).
 
 ``_gemm_kernel`` computes one [BM, BN] tile of ``rows @ weight[g].T`` per program, its K loop
-in order over BK-wide blocks into one float32 accumulator, with one launch configuration for
-every call of a dtype (``CONFIG``), no choice by M. K may be split into contiguous ranges
-(``splits``: by the weight's shape and the device alone), whose float32 partials are added in
-range order afterwards: decode-shaped calls then have enough programs to stream the weight.
+in order over BK-wide blocks into one float32 accumulator. BK is fixed per weight shape
+(``CONFIG``, ``SHAPE_CONFIG``), never chosen by M; only which program computes which outputs
+may change with M (``PREFILL_CONFIG``: wider tiles for a prefill). K may be split into
+contiguous ranges (``splits``: by the weight's shape and the device alone), whose float32
+partials are added in range order afterwards: decode-shaped calls then have enough programs to
+stream the weight.
 An output element's value therefore depends only on its own input row and weight column: not
 on how many rows the call has, nor where its row sits in its tile (the tensor-core product of a
 tile treats every row alike). cuBLAS does not promise that: its kernels and split-K change with
@@ -174,12 +176,30 @@ SHAPE_CONFIG: dict[tuple[torch.dtype, int, int], tuple[int, int, int, int]] = {
 }
 
 
-def _config(dtype: torch.dtype, n: int | None = None, k: int | None = None):
-    """(BM, BN, BK, warps, stages) of a call with an [n, k] weight in ``dtype``."""
+# (dtype, N, K) -> (BM, BN, warps, stages) of a call of at least ``PREFILL_ROWS`` rows (not
+# grouped), over the shape's own configuration: a bigger tile for a prefill's many rows. What
+# decides a product's bits is kept: the shape's BK (the same tensor-core products, added in
+# the same order along K) and its split of K (``splits``, from the shape's configuration).
+# BM, BN, warps and stages only say which program computes which outputs, so a row gets the
+# same bits at either tile (tests/kernels/test_invariant_gemm.py checks it on the GPU, and
+# benchmarks/invariant_gemm_sweep.py ``--prefill`` keeps only tiles that do). A shape not named
+# keeps its one configuration for every M.
+PREFILL_ROWS = 256
+PREFILL_CONFIG: dict[tuple[torch.dtype, int, int], tuple[int, int, int, int]] = {}
+
+
+def _config(dtype: torch.dtype, n: int | None = None, k: int | None = None, m: int = 0):
+    """(BM, BN, BK, warps, stages) of a call of ``m`` rows (0: the shape's own configuration)
+    with an [n, k] weight in ``dtype``."""
     if dtype not in CONFIG:
         raise TypeError(f"no batch-invariant GEMM for {dtype}")
     shaped = SHAPE_CONFIG.get((dtype, n, k))
-    return CONFIG[dtype] if shaped is None else (CONFIG[dtype][0], *shaped)
+    own = CONFIG[dtype] if shaped is None else (CONFIG[dtype][0], *shaped)
+    wide = PREFILL_CONFIG.get((dtype, n, k)) if m >= PREFILL_ROWS else None
+    if wide is None:
+        return own
+    bm, bn, warps, stages = wide
+    return bm, bn, own[2], warps, stages
 
 
 # programs a call should have at least, so that a decode-shaped GEMM (few rows) streams its
@@ -214,9 +234,10 @@ def splits(n: int, k: int, dtype: torch.dtype, device: torch.device) -> int:
     return max(1, min(programs // triton.cdiv(n, bn), by_k, _MAX_SPLITS))
 
 
-def _launch(rows, weight, out, grid_m, tiles, ends, grouped: bool):
+def _launch(rows, weight, out, tiles, ends, grouped: bool):
     n, k = weight.shape[-2], weight.shape[-1]
-    bm, bn, bk, warps, stages = _config(rows.dtype, n, k)
+    bm, bn, bk, warps, stages = _config(rows.dtype, n, k, 0 if grouped else rows.shape[0])
+    grid_m = tiles[0].shape[0] if grouped else triton.cdiv(rows.shape[0], bm)
     if out.shape[0] == 0 or n == 0:
         return out
     split = splits(n, k, rows.dtype, rows.device)
@@ -269,8 +290,7 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if weight.dtype != x.dtype:
         raise TypeError(f"input {x.dtype} and weight {weight.dtype} differ")
     out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
-    bm = _config(x.dtype)[0]
-    return _launch(x, weight, out, triton.cdiv(x.shape[0], bm), None, None, grouped=False)
+    return _launch(x, weight, out, None, None, grouped=False)
 
 
 def group_tiles(ends: torch.Tensor, rows: int, dtype: torch.dtype, bm: int | None = None):
@@ -316,4 +336,4 @@ def invariant_grouped_linear(
     if tiles is None:
         tiles = group_tiles(ends, x.shape[0], x.dtype)
     out = torch.empty(x.shape[0], weight.shape[1], dtype=x.dtype, device=x.device)
-    return _launch(x, weight, out, tiles[0].shape[0], tiles, ends, grouped=True)
+    return _launch(x, weight, out, tiles, ends, grouped=True)

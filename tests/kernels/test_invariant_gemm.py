@@ -156,3 +156,38 @@ def test_a_shape_of_its_own_configuration_keeps_every_rows_bits(monkeypatch):
     assert (y.float() - default.float()).abs().max().item() < 1e-3
     for lo, hi in [(0, 1), (30, 31), (2, 99)]:
         assert torch.equal(k.invariant_linear(x[lo:hi], w), y[lo:hi]), (lo, hi)
+
+
+# prefill tiles to try: (BM, BN, warps, stages), each over a shape's own BK and split of K
+PREFILL_TILES = [(128, 128, 4, 3), (128, 128, 8, 3), (128, 256, 8, 3), (64, 256, 8, 4)]
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="bench-size shapes on the GPU")
+@pytest.mark.parametrize("tile", PREFILL_TILES)
+@pytest.mark.parametrize("n,kdim", [(2304, 5120), (5120, 2304), (32768, 1280), (4096, 1280)])
+def test_a_prefill_tile_keeps_every_rows_bits(monkeypatch, tile, n, kdim):
+    """``PREFILL_CONFIG``: a call of many rows runs at another tile (same BK, same split of K)
+    and still gives every row the bits a decode-shaped call gives it."""
+    k = _k()
+    dtype = torch.bfloat16
+    w = _rand(n, kdim, dtype=dtype, seed=31)
+    x = _rand(1024, kdim, dtype=dtype, seed=32)
+    monkeypatch.setattr(k, "PREFILL_ROWS", 256)
+    monkeypatch.setitem(k.PREFILL_CONFIG, (dtype, n, kdim), tile)
+    assert k._config(dtype, n, kdim, 1024)[:2] == tile[:2]
+    assert k._config(dtype, n, kdim, 1024)[2] == k._config(dtype, n, kdim, 1)[2]
+    full = k.invariant_linear(x, w)
+    for lo, hi in [(0, 1), (0, 16), (500, 516), (1008, 1024)]:
+        assert torch.equal(k.invariant_linear(x[lo:hi], w), full[lo:hi]), (lo, hi)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the shipped prefill tiles are bf16, GPU shapes")
+def test_every_shipped_prefill_tile_keeps_every_rows_bits():
+    k = _k()
+    for (dtype, n, kdim), tile in sorted(k.PREFILL_CONFIG.items(), key=lambda e: e[0][1:]):
+        w = _rand(n, kdim, dtype=dtype, seed=41)
+        x = _rand(k.PREFILL_ROWS + 40, kdim, dtype=dtype, seed=42)
+        assert k._config(dtype, n, kdim, x.shape[0])[:2] == tile[:2]
+        full = k.invariant_linear(x, w)
+        for lo, hi in [(0, 1), (0, 16), (k.PREFILL_ROWS - 8, k.PREFILL_ROWS + 40)]:
+            assert torch.equal(k.invariant_linear(x[lo:hi], w), full[lo:hi]), (n, kdim, lo, hi)
