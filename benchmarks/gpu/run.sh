@@ -5,7 +5,7 @@
 #          speculative serving_spec train_draft speculative_oracle tp tp_tests (tp, tp_tests: two GPUs)
 #          tier_only tier_profile idle idle_paired profile_verify
 #          train forward_v4 roofline_v4 serving_v4 speculative_v4 fp8_gemm roofline_fp8
-#          invariant_cost invariant_sweep invariant_prefill serving_invariant determinism precision_agreement
+#          invariant_cost invariant_sweep invariant_prefill components_invariant serving_invariant determinism precision_agreement
 #          fp4_sweep transfer_saves serving_saves
 # cuda_ops builds lmcache.cuda_ops from lmcache's sources against this machine's torch
 # (benchmarks/gpu/build_cuda_ops.py); once built (build/ stays while the machine is warm, or
@@ -101,6 +101,11 @@ for s in "$@"; do
     components) step "${COMPONENTS_LIMIT:-200}" python3 -m benchmarks.profile_components \
       --model v41-bench --device cuda --dtype bfloat16 --position 4096 --batch 16 \
       --prefill-tokens 4096 --late-prefill --name "profile_components_h200${COMPONENTS_TAG:-}" ;;
+    components_invariant)  # kernel device time per component in the batch-invariant mode
+      step "${COMPONENTS_LIMIT:-200}" python3 -m benchmarks.profile_components \
+      --model v41-bench --device cuda --dtype bfloat16 --position 2048 --batch 16 \
+      --prefill-tokens 4096 --repeats 2 --top 25 --batch-invariant \
+      --name "profile_components_invariant_${CARD}" ;;
     sweep) step "${SWEEP_LIMIT:-300}" python3 -m benchmarks.kernel_sweep --tokens 4096 \
       --rows 4096 --name kernel_sweep_h200 ;;
     profile_prefill) step 200 python3 -m benchmarks.profile_forward --model v41-bench \
@@ -176,7 +181,7 @@ for s in "$@"; do
         --model v41-bench --m 16 4096 ;;
     invariant_prefill)  # the mode GEMM's prefill tiles on v41-bench's linears, bits checked
       step "${INVARIANT_PREFILL_LIMIT:-420}" python3 -m benchmarks.invariant_prefill_sweep \
-        --model v41-bench --m 256 1024 4096 ;;
+        --model v41-bench --m 256 1024 4096 --name "invariant_prefill_sweep_${CARD}" ;;
     fp4_sweep)  # the FP4 expert GEMM's launches on v41-bench-fp8's experts, decode and prefill
       step "${FP4_SWEEP_LIMIT:-300}" python3 -m benchmarks.fp4_gemm_sweep \
         --model v41-bench-fp8 --tokens 16 4096 ;;
@@ -188,7 +193,7 @@ for s in "$@"; do
         step "${INVARIANT_LIMIT:-240}" python3 -m benchmarks.roofline --model v41-bench \
           --device cuda --dtype bfloat16 --position 2048 --batch 1 16 32 --decode-steps 8 \
           --repeats 3 --prefill-repeats 2 $mode \
-          --name "roofline_v41_bench_invariant${mode:+_on}_h200"
+          --name "roofline_v41_bench_invariant${mode:+_on}_${CARD}"
       done ;;
     serving_invariant)  # the three arms in the batch-invariant mode, half the gpu preset's
       # requests; exits 1 unless every pass equals the no-reuse arm token for token
