@@ -99,6 +99,9 @@ def main() -> None:
             best = None
             for tile in TILES:
                 k.PREFILL_CONFIG[dtype, n, kd] = tile
+                if not k.fits(k._config(dtype, n, kd, top), x.device):
+                    k.PREFILL_CONFIG.pop((dtype, n, kd))
+                    continue
                 try:
                     got = timed(k.invariant_linear, n, kd, ws, x)
                     full = k.invariant_linear(x, ws[0])

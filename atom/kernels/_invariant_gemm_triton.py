@@ -188,6 +188,14 @@ PREFILL_ROWS = 256
 PREFILL_CONFIG: dict[tuple[torch.dtype, int, int], tuple[int, int, int, int]] = {}
 
 
+def fits(tile: tuple[int, int, int, int, int], device: torch.device) -> bool:
+    """Whether a (BM, BN, BK, warps, stages) tile's pipelined bf16 operands fit the device's
+    shared memory (an estimate: stages x (BM + BN) x BK x 2 bytes)."""
+    bm, bn, bk, _, stages = tile
+    limit = torch.cuda.get_device_properties(device).shared_memory_per_block_optin
+    return stages * (bm + bn) * bk * 2 <= limit
+
+
 def _config(dtype: torch.dtype, n: int | None = None, k: int | None = None, m: int = 0):
     """(BM, BN, BK, warps, stages) of a call of ``m`` rows (0: the shape's own configuration)
     with an [n, k] weight in ``dtype``."""
