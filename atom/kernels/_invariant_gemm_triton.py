@@ -183,9 +183,22 @@ SHAPE_CONFIG: dict[tuple[torch.dtype, int, int], tuple[int, int, int, int]] = {
 # BM, BN, warps and stages only say which program computes which outputs, so a row gets the
 # same bits at either tile (tests/kernels/test_invariant_gemm.py checks it on the GPU, and
 # benchmarks/invariant_gemm_sweep.py ``--prefill`` keeps only tiles that do). A shape not named
-# keeps its one configuration for every M.
-PREFILL_ROWS = 256
-PREFILL_CONFIG: dict[tuple[torch.dtype, int, int], tuple[int, int, int, int]] = {}
+# keeps its one configuration for every M. The entries: v41-bench's shapes where the sweep's
+# fastest bit-keeping tile beat the shape's own by 7% or more at M = 4096 and did not lose at
+# M = 1024 (H100, benchmarks/results/invariant_prefill_sweep_h100.md).
+PREFILL_ROWS = 1024
+_BF16_PREFILL = {
+    (4096, 1280): (128, 128, 8, 3),
+    (5120, 8192): (128, 128, 8, 4),
+    (8192, 4096): (128, 128, 8, 4),
+    (5120, 2304): (128, 128, 8, 4),
+    (25600, 1536): (128, 256, 8, 3),
+    (32768, 1280): (128, 256, 8, 3),
+    (129280, 5120): (128, 256, 8, 3),
+}
+PREFILL_CONFIG: dict[tuple[torch.dtype, int, int], tuple[int, int, int, int]] = {
+    (torch.bfloat16, n, k): tile for (n, k), tile in _BF16_PREFILL.items()
+}
 
 
 def fits(tile: tuple[int, int, int, int, int], device: torch.device) -> bool:
