@@ -5,7 +5,7 @@
 #          speculative serving_spec train_draft speculative_oracle tp tp_tests (tp, tp_tests: two GPUs)
 #          tier_only tier_profile idle idle_paired profile_verify
 #          train forward_v4 roofline_v4 serving_v4 speculative_v4 fp8_gemm roofline_fp8
-#          invariant_cost invariant_sweep invariant_prefill components_invariant serving_invariant determinism precision_agreement
+#          invariant_cost invariant_sweep invariant_prefill invariant_tiles components_invariant serving_invariant determinism precision_agreement
 #          fp4_sweep transfer_saves serving_saves
 # cuda_ops builds lmcache.cuda_ops from lmcache's sources against this machine's torch
 # (benchmarks/gpu/build_cuda_ops.py); once built (build/ stays while the machine is warm, or
@@ -182,6 +182,10 @@ for s in "$@"; do
     invariant_prefill)  # the mode GEMM's prefill tiles on v41-bench's linears, bits checked
       step "${INVARIANT_PREFILL_LIMIT:-420}" python3 -m benchmarks.invariant_prefill_sweep \
         --model v41-bench --m 256 1024 4096 --name "invariant_prefill_sweep_${CARD}" ;;
+    invariant_tiles)  # decode and prefill tiles of the mode's GEMM chosen together, per shape
+      step "${INVARIANT_TILES_LIMIT:-480}" python3 -m benchmarks.invariant_prefill_sweep \
+        --model v41-bench --m 16 256 1024 4096 --decode-tiles sweep \
+        --name "invariant_tile_sweep_${CARD}" ;;
     fp4_sweep)  # the FP4 expert GEMM's launches on v41-bench-fp8's experts, decode and prefill
       step "${FP4_SWEEP_LIMIT:-300}" python3 -m benchmarks.fp4_gemm_sweep \
         --model v41-bench-fp8 --tokens 16 4096 ;;
