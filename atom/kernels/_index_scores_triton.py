@@ -56,14 +56,77 @@ def _index_scores_kernel(
     tl.store(o_ptr + t[:, None] * so_t + r[None, :], acc, mask=live[:, None] & (r < R)[None, :])
 
 
+# R and Q vary with the batch: specializing on them would recompile mid-serving
+@triton.jit(do_not_specialize=["R", "Q", "HI"])
+def _index_scores_by_query_kernel(
+    q_ptr,
+    sq_t,
+    sq_h,
+    w_ptr,
+    sw_t,
+    k_ptr,
+    sk_s,
+    sk_r,
+    tk_ptr,
+    vis_ptr,
+    o_ptr,
+    so_t,
+    R,
+    Q,
+    HI,
+    D: tl.constexpr,
+    HB: tl.constexpr,
+    BT: tl.constexpr,
+    BR: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    """The batch-invariant mode's scores: one query at a time, its heads the rows of one
+    product with a block of keys ([HB, D] x [D, BR]), the weighted ReLUs then summed over the
+    heads by a second product ([16, HB] x [HB, BR], the head weights in row 0). Every query
+    runs the same two products of the same shapes, whichever program and tile it is in, so a
+    decode row and a prefill query get the same bits; and a program runs its heads in one
+    product rather than a loop of HI (a decode step's scores were latency-bound on that loop).
+    A program holds a block of BR keys and loops over BT queries of one tile."""
+    tile = tl.program_id(0).to(tl.int64)
+    sub = tl.program_id(1)
+    rb = tl.program_id(2)
+    r = rb * BR + tl.arange(0, BR)
+    d = tl.arange(0, D)
+    h = tl.arange(0, HB)
+    pick = tl.arange(0, 16)
+    seq = tl.load(tk_ptr + tile).to(tl.int64)
+    k = tl.load(
+        k_ptr + seq * sk_s + r[:, None] * sk_r + d[None, :], mask=(r < R)[:, None], other=0.0
+    )
+    kt = tl.trans(k)
+    for j in range(BT):
+        i = sub * BT + j
+        if i < Q:
+            t = tile * Q + i
+            vis = tl.load(vis_ptr + t)
+            row = tl.full([BR], float("-inf"), tl.float32)
+            if rb * BR < vis:
+                q = tl.load(
+                    q_ptr + t * sq_t + h[:, None] * sq_h + d[None, :],
+                    mask=(h < HI)[:, None],
+                    other=0.0,
+                )
+                s = tl.dot(q, kt, input_precision=PREC)  # [HB, BR]
+                wv = tl.load(w_ptr + t * sw_t + h, mask=h < HI, other=0.0)
+                w16 = tl.where(pick[:, None] == 0, wv[None, :], 0.0)  # [16, HB]
+                both = tl.dot(w16, tl.maximum(s, 0.0), input_precision=PREC)  # [16, BR]
+                total = tl.sum(tl.where(pick[:, None] == 0, both, 0.0), 0)  # its row 0
+                row = tl.where(r < vis, total, float("-inf"))
+            tl.store(o_ptr + t * so_t + r, row, mask=r < R)
+
+
 def index_scores_config(per_tile: int) -> dict:
-    """Launch parameters for tiles of ``per_tile`` queries. In the batch-invariant mode the
-    tile's query block is 16 rows whatever the tile: a decode row (a tile of its own) and a
-    query of a prefill tile then take each score's products over D in the same block shape."""
+    """Launch parameters for tiles of ``per_tile`` queries (the batch-invariant mode's kernel
+    takes its queries one at a time, BT of them per program)."""
     from atom.kernels import invariant_mode
 
     if invariant_mode.enabled():
-        return dict(BT=16, BR=64, num_warps=4, num_stages=2)
+        return dict(BT=16, BR=64, num_warps=4, num_stages=1)
     bt = min(64, max(16, triton.next_power_of_2(per_tile)))
     return dict(BT=bt, BR=64, num_warps=4, num_stages=2)
 
@@ -78,9 +141,15 @@ def index_scores_triton(qi, w, keys, tile_keys, visible, precision, config=None)
         return out.fill_(float("-inf"))
     per = p // nt
     qi, w, keys = qi.contiguous(), w.contiguous(), keys.contiguous()
+    from atom.kernels import invariant_mode
+
+    by_query = invariant_mode.enabled()
     cfg = index_scores_config(per) | (config or {})
     grid = (nt, triton.cdiv(per, cfg["BT"]), triton.cdiv(r, cfg["BR"]))
-    _index_scores_kernel[grid](
+    if by_query:
+        cfg["HB"] = max(16, triton.next_power_of_2(hi))
+    kernel = _index_scores_by_query_kernel if by_query else _index_scores_kernel
+    kernel[grid](
         qi,
         qi.stride(0),
         qi.stride(1),

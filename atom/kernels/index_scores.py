@@ -8,6 +8,11 @@ written and read three times per index layer, and the product itself runs on flo
 (TF32 is off). The kernel keeps a tile of rows' keys on chip, loops over the heads, and sums
 the weighted ReLUs in registers; row blocks no query of the tile can see are not computed.
 
+In the batch-invariant mode another kernel takes one query at a time: its heads are the rows
+of one product with a block of keys, and the weighted ReLUs are summed over the heads by a
+second product, so every query (a decode row, or one of a prefill tile's) runs the same two
+products in the same shapes.
+
 Arithmetic: the products are float32 to within ~1e-6 relative (three TF32 products of the split
 operands, Triton's ``tf32x3``; ``ieee`` on request), summed over the key dimension and the heads
 in another order than torch's. Scores only rank rows (top-k), so a difference can only change

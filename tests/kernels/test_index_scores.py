@@ -74,3 +74,33 @@ def test_index_scores_kernel_switches(kernels_on, monkeypatch):
     assert not index_scores_usable(qi)
     monkeypatch.delenv("ATOM_TRITON_OFF")
     assert not index_scores_usable(torch.zeros(2, 4, 32, requires_grad=True))
+
+
+@pytest.fixture
+def invariant_on():
+    from atom.kernels import invariant
+
+    invariant.configure(True)
+    yield
+    invariant.configure(False)
+
+
+@needs_kernel
+@pytest.mark.parametrize("heads", [4, 64])
+def test_in_the_mode_a_query_has_the_same_bits_in_any_tile(invariant_on, heads):
+    """The batch-invariant mode's kernel (one query at a time, its heads one product): a
+    query's scores equal the torch expression, and their bits do not depend on the tile it
+    is in, on how many queries share the tile, or on its place there (a decode row is a tile
+    of its own; a prefill query shares one)."""
+    gen = torch.Generator().manual_seed(heads)
+    qi, w, keys, tile_keys, visible = _case(DEVICE, 2, 40, heads, 32, 3, 150, gen)
+    with torch.no_grad():
+        tiled = tiled_index_scores(qi, w, keys, tile_keys, visible)
+        _assert_scores_match(
+            tiled.cpu(), index_scores_torch(qi, w, keys, tile_keys, visible).cpu(), 1e-5
+        )
+        alone_keys = tile_keys.repeat_interleave(40)  # every query a tile of its own
+        alone = tiled_index_scores(qi, w, keys, alone_keys, visible)
+        assert torch.equal(alone, tiled)
+        part = tiled_index_scores(qi[45:52], w[45:52], keys, tile_keys[1:], visible[45:52])
+        assert torch.equal(part, tiled[45:52])
