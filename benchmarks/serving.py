@@ -698,6 +698,7 @@ def tier_engine(args) -> dict:
             "l1_size_gb": args.l1_gb,
             "load_mode": args.load_mode,
             "save_mode": getattr(args, "save_mode", "lmcache_driven"),
+            "load_copy": getattr(args, "load_copy", "copy_engine"),
             "tp_rank_collapse": getattr(args, "rank_collapse", "auto"),
         },
     )
@@ -1021,6 +1022,13 @@ def main() -> None:
         default="lmcache_driven",
         help="who copies tier saves: the engine, into space the server reserved in its "
         "shared-memory L1, or the server (lmcache.save_mode; default lmcache_driven)",
+    )
+    ap.add_argument(
+        "--load-copy",
+        choices=("copy_engine", "kernel"),
+        default="copy_engine",
+        help="how engine-driven loads copy on a GPU: the copy engines (one batched runtime "
+        "call per load) or one gather kernel per load (lmcache.load_copy)",
     )
     ap.add_argument(
         "--tensor-parallel-size",

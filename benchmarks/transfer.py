@@ -180,8 +180,9 @@ def main() -> None:
         # (each load's completion from the GPU's own clock)
         nbytes = (n + k) * spec.block_bytes
         ed = []
-        for streams, batch in ((1, True), (1, False), (2, True)):
-            copier = local.copier(streams, batch)
+        variants = [(1, True, "copy_engine"), (1, False, "copy_engine"), (2, True, "copy_engine")]
+        for streams, batch, kind in variants + [(1, True, "kernel")]:
+            copier = local.copier(streams, batch, kind)
             located = []
             for rid, op, _ in jobs:
                 pb[op.page_blocks] = 0
@@ -201,6 +202,8 @@ def main() -> None:
             ed.append(
                 {
                     "streams": streams,
+                    "copier": kind,
+                    "gathers": copier.gathers,
                     "batched": copier.launches < copier.copies,
                     "launches": copier.launches,
                     "copies": copier.copies,
@@ -366,7 +369,9 @@ def main() -> None:
             + "".join(
                 f"Engine-driven, the same {row['burst']} loads issued at once, {e['streams']} "
                 f"copy stream{'s' if e['streams'] > 1 else ''}, {e['copies']} copies in "
-                f"{e['launches']} runtime calls (issued in {e['issue_all_ms']} ms): p50 "
+                f"{e['launches']} runtime calls"
+                + (f" ({e['gathers']} of them gather kernels)" if e["gathers"] else "")
+                + f" (issued in {e['issue_all_ms']} ms): p50 "
                 f"{e['p50_ms']} ms, last {e['max_ms']} ms, aggregate {e['aggregate_gbps']} "
                 "GB/s.\n"
                 for e in row["engine_driven"]

@@ -80,10 +80,13 @@ class EngineDriven:
         assert located is not None, "locate failed"
         return located, t1 - t0, time.perf_counter() - t1
 
-    def copier(self, streams: int, batch: bool = True) -> LocalLoads:
+    def copier(self, streams: int, batch: bool = True, kind: str = "copy_engine") -> LocalLoads:
         """A LocalLoads with ``streams`` copy streams (the engine's has 1); ``batch=False``:
-        one runtime call per copy instead of one batched call per load."""
-        return LocalLoads(self.local.spec, self.pool, 256, streams=streams, batch=batch)
+        one runtime call per copy instead of one batched call per load; ``kind="kernel"``:
+        one gather kernel per load (``lmcache.load_copy``)."""
+        return LocalLoads(
+            self.local.spec, self.pool, 256, streams=streams, batch=batch, copier=kind
+        )
 
     def issue(self, located, n: int, dst: list[int], units: list[int], done: list, local=None):
         local = local or self.local

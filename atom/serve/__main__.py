@@ -57,6 +57,7 @@ OFFLOAD_FLAGS: dict[str, tuple[str, type]] = {
     "lmcache-rpc-timeout": ("rpc_timeout_s", float),
     "lmcache-load-mode": ("load_mode", str),
     "lmcache-save-mode": ("save_mode", str),
+    "lmcache-load-copy": ("load_copy", str),
     "lmcache-tp-rank-collapse": ("tp_rank_collapse", str),
     "model-revision": ("model_revision", str),
     "l2-store-policy": ("l2_store_policy", str),

@@ -49,6 +49,12 @@ class OffloadConfig(BaseModel):
     # lmcache_driven: the server copies every load. auto: engine_driven (EngineConfig.resolved,
     # so --print-config, shows the mode). Saves follow save_mode.
     load_mode: Literal["auto", "engine_driven", "lmcache_driven"] = "auto"
+    # how an engine-driven load copies on a GPU. copy_engine: the copy engines, one
+    # cudaMemcpyBatchAsync call per load (one call per run where the runtime lacks it).
+    # kernel: one kernel launch per load that reads the registered L1 bytes over the bus
+    # (atom/kernels/host_gather.py; needs Triton; a run not 16-byte aligned falls back to the
+    # copy engines). Ignored on CPU.
+    load_copy: Literal["copy_engine", "kernel"] = "copy_engine"
     # who copies a save out of the pool (``save_path``). engine_driven: the server module
     # reserves space in the server's shared-memory L1 (atom.reserve), the engine copies the
     # save's objects into it itself and commits them (atom.commit); a reserve refused, a server

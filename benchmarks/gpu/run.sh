@@ -3,7 +3,7 @@
 # Usage: bash benchmarks/gpu/run.sh STEP...
 #   steps: tests (= tests_main tests_glue) tests_spec tier forward profile components roofline roofline_glue sweep profile_prefill transfer cuda_ops transfer_native transfer_modes serving
 #          speculative serving_spec train_draft speculative_oracle tp tp_tests (tp, tp_tests: two GPUs)
-#          tier_only tier_profile idle idle_paired profile_verify
+#          tier_only tier_gather tier_profile idle idle_paired profile_verify
 #          train forward_v4 roofline_v4 serving_v4 speculative_v4 fp8_gemm roofline_fp8
 #          invariant_cost invariant_sweep invariant_prefill invariant_tiles components_invariant serving_invariant determinism precision_agreement
 #          fp4_sweep transfer_saves serving_saves
@@ -213,6 +213,9 @@ for s in "$@"; do
       step "${SERVING_SPEC_LIMIT:-585}" python3 -m benchmarks.serving --preset gpu \
         --arms speculative --speculative-tokens "${SERVING_SPEC_K:-1}" ;;
     tier_only) step 300 python3 -m benchmarks.serving --preset gpu --arms tier ;;
+    tier_gather)  # the tier arm with each engine-driven load one gather kernel (lmcache.load_copy)
+      step 300 python3 -m benchmarks.serving --preset gpu --arms tier --load-copy kernel \
+        --name "serving_${CARD}_gather" ;;
     # the tier arm alone with engine-driven saves, its connector hooks profiled by function
     # (the step thread's ms per hook are inflated by the profiler: compare tier_only)
     tier_profile) step 300 python3 -m benchmarks.serving --preset gpu --arms tier \

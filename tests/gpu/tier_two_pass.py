@@ -67,6 +67,8 @@ def two_pass(model: str, prompts, params, kw: dict, second: dict | None = None):
             "events_created": llm.engine.tier.connector.events.created,
             "copied": llm.engine.tier.connector.tier_metrics.local_loads.get(outcome="copied"),
         }
+        local = llm.engine.tier.connector.local
+        info["gathers"] = local.gathers if local is not None else 0
         maps = llm.engine.tier.mappings
         info["pinned"] = maps.current.pinned if maps and maps.current else None
         llm.shutdown()

@@ -219,3 +219,13 @@ def test_copy_merges_an_image_that_follows_its_last_chunk():
     plan = check_copied(ll, data, pages, image, 0, 24, list(range(1, 7)), [7, 8])
     assert plan == [(0, 1, 8)]
     assert ll.copies == 1
+
+
+def test_an_unknown_copier_is_refused_and_the_kernel_copier_is_ignored_on_cpu():
+    """``lmcache.load_copy`` reaches LocalLoads: a copier it does not know is a clear error;
+    ``kernel`` on a CPU pool copies as before (there is no device to gather onto)."""
+    pool = torch.zeros(SPEC.pool_shape(NUM_BLOCKS), dtype=SPEC.pool_dtype)
+    with pytest.raises(ValueError, match="'dma'.*copy_engine.*kernel"):
+        LocalLoads(SPEC, pool, CHUNK, copier="dma")
+    loads = LocalLoads(SPEC, pool, CHUNK, copier="kernel")
+    assert loads.gathers == 0 and loads._gather is None

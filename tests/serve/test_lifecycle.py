@@ -152,6 +152,24 @@ def test_load_mode_flag_sets_the_tier_config_and_refuses_unknown_modes():
     assert "lmcache.load_mode='server'" in r.stderr and "engine_driven" in r.stderr
 
 
+def test_load_copy_flag_sets_the_tier_config_and_refuses_unknown_copiers():
+    r = run_cli(*TINY_FLAGS[:2], "--offload", "lmcache_mp", "--print-config")
+    assert r.returncode == 0, r.stderr
+    assert yaml.safe_load(r.stdout)["lmcache"]["load_copy"] == "copy_engine"  # the default
+    r = run_cli(
+        *TINY_FLAGS[:2], "--offload", "lmcache_mp", "--lmcache-load-copy", "kernel",
+        "--print-config",
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert yaml.safe_load(r.stdout)["lmcache"]["load_copy"] == "kernel"
+    r = run_cli(
+        *TINY_FLAGS[:2], "--offload", "lmcache_mp", "--lmcache-load-copy", "dma",
+        "--print-config",
+    )  # fmt: skip
+    assert r.returncode == 2
+    assert "lmcache.load_copy='dma'" in r.stderr and "copy_engine" in r.stderr
+
+
 def test_save_mode_flag_sets_the_tier_config_prints_it_and_refuses_unknown_modes():
     r = run_cli(*TINY_FLAGS[:2], "--offload", "lmcache_mp", "--print-config")
     assert r.returncode == 0, r.stderr

@@ -71,6 +71,20 @@ def clear_cuda_error() -> None:
         lib.cudaGetLastError()
 
 
+def device_address(host_ptr: int) -> int | None:
+    """The device's address of registered (mapped) or pinned host memory at ``host_ptr``
+    (cudaHostGetDevicePointer), or None where the runtime cannot say."""
+    lib = _runtime()
+    if lib is None:
+        return None
+    out = ctypes.c_void_p(0)
+    rc = lib.cudaHostGetDevicePointer(ctypes.byref(out), ctypes.c_void_p(host_ptr), 0)
+    if rc != 0:
+        clear_cuda_error()
+        return None
+    return out.value
+
+
 def cuda_memcpy_async():
     """The runtime's cudaMemcpyAsync(dst, src, bytes, kind, stream), or None."""
     lib = _runtime()

@@ -10,11 +10,13 @@ On CUDA the copies are issued straight into the CUDA runtime that torch loaded (
 one ``cudaMemcpyBatchAsync`` call per load where the runtime has it, else one
 ``cudaMemcpyAsync`` per run, about 20 us less each than ``Tensor.copy_``, which a burst of loads
 of many chunks pays hundreds of times; ``Tensor.copy_`` when that runtime cannot be reached),
-on a copy stream of their own. The copy stream first waits for the compute stream (an earlier
-forward may still read a block being overwritten), and the compute stream waits on the copy's
-event, so the next forward (and the image restore) is ordered after the load with no host
-wait: the load is complete for the scheduler as soon as it is issued. On CPU the copies are
-plain and synchronous.
+on a copy stream of their own. With ``copier="kernel"`` a load is instead one kernel launch
+that reads the registered L1 bytes over the bus (atom/kernels/host_gather.py), where Triton
+imports and every run is 16-byte aligned; the copy engines otherwise. The copy stream first
+waits for the compute stream (an earlier forward may still read a block being overwritten), and
+the compute stream waits on the copy's event, so the next forward (and the image restore) is
+ordered after the load with no host wait: the load is complete for the scheduler as soon as it
+is issued. On CPU the copies are plain and synchronous.
 
 The lookup's read locks on the source objects are released only after the copy completed
 (``poll`` frees them when the copy's event has fired; on CPU at once), and the mapping
@@ -53,6 +55,7 @@ class _Pending:
     issued_at: float  # monotonic time of the issue
     phases: dict  # host phases so far (plan, issue), seconds
     marks: list  # per copy stream, the event on compute it waited for
+    held: list  # what the copies read until they completed (a gather's table)
 
 
 PHASES = ("plan", "issue", "wait", "copy")
@@ -87,6 +90,7 @@ class LocalLoads:
         chunk: int,
         streams: int = 1,
         batch: bool = True,
+        copier: str = "copy_engine",
     ):
         self.spec, self.chunk = spec, chunk
         self.bb = spec.block_bytes
@@ -99,6 +103,22 @@ class LocalLoads:
         self._streams = [torch.cuda.Stream(dev) for _ in range(streams)] if self.cuda else []
         self._clock = torch.cuda.Stream(dev) if self.cuda else None  # never given work
         self._raw = RawCopier.of_runtime("loads", batch) if self.cuda else RawCopier()
+        if copier not in ("copy_engine", "kernel"):
+            raise ValueError(f"load copier {copier!r}: use 'copy_engine' or 'kernel'")
+        self._gather = None
+        if self.cuda and copier == "kernel":
+            from atom.kernels.host_gather import HostGather
+
+            self._gather = HostGather()
+            if not self._gather.available:
+                log.warning("load_copy=kernel: Triton does not import; loads use the copy engines")
+                self._gather = None
+        # the pool as 4-byte words (the gather kernel's destination)
+        self._words = (
+            self.blocks.view(-1).view(torch.int32)
+            if self._gather is not None and self.bb % 16 == 0
+            else None
+        )
         self._pending: list[_Pending] = []
         self._free: list = []  # completed loads' events, reused
         # gets each completed load's phases ({phase: seconds} over ``PHASES``), or None
@@ -167,7 +187,7 @@ class LocalLoads:
         compute = torch.cuda.current_stream(dst.device)
         issued = self._event()
         issued.record(self._clock)  # an idle stream: it marks the issue on the GPU's clock
-        starts, ends, marks = [], [], []
+        starts, ends, marks, held = [], [], [], []
         for i, stream in enumerate(self._streams):
             part = plan[i :: len(self._streams)]  # runs alternate between the copy streams
             if not part:
@@ -177,7 +197,10 @@ class LocalLoads:
             stream.wait_event(after)  # an earlier forward may still read these blocks
             start = self._event()
             start.record(stream)  # fires once the stream is past compute's earlier work
-            if not self._raw_copies(stream, located.mapping, dst, part):
+            table = self._kernel_copies(stream, located.mapping, part)
+            if table is not None:
+                held.append(table)
+            elif not self._raw_copies(stream, located.mapping, dst, part):
                 with torch.cuda.stream(stream):
                     for s, d, n in part:
                         dst[d : d + n].view(-1).copy_(src[s : s + n * bb], non_blocking=True)
@@ -191,7 +214,7 @@ class LocalLoads:
         located.mapping.in_flight += 1
         phases["issue"] = time.monotonic() - t0
         self._pending.append(
-            _Pending(issued, starts, ends, located.mapping, on_done, t0, phases, marks)
+            _Pending(issued, starts, ends, located.mapping, on_done, t0, phases, marks, held)
         )
 
     def _event(self) -> torch.cuda.Event:
@@ -206,6 +229,23 @@ class LocalLoads:
             except Exception:  # noqa: BLE001 - a metric never fails a load
                 log.debug("load phases not recorded", exc_info=True)
 
+    def _kernel_copies(self, stream, mapping, plan: list):
+        """Issue ``plan`` as one gather kernel on ``stream`` (registered source, every run
+        16-byte aligned); returns the table the kernel reads, or None (not issued)."""
+        if self._words is None or not mapping.pinned:
+            return None
+        from atom.kernels.host_gather import aligned
+
+        s0 = mapping.device_base
+        if not s0:
+            return None
+        bb = self.bb
+        sources = [s0 + s for s, _, _ in plan]
+        if not aligned(sources, [n * bb for _, _, n in plan]):
+            return None
+        copies = [(a, d * bb // 4, n * bb // 4) for a, (_, d, n) in zip(sources, plan)]
+        return self._gather.issue(copies, self._words, stream)
+
     def _raw_copies(self, stream, mapping, dst: torch.Tensor, plan: list) -> bool:
         """Issue ``plan`` straight into the CUDA runtime on ``stream`` (registered source
         only; one batched call where the runtime has it). False when the runtime is out of
@@ -218,8 +258,14 @@ class LocalLoads:
 
     @property
     def launches(self) -> int:
-        """Runtime calls that issued copies (one per load where batching works)."""
-        return self._raw.launches
+        """Runtime calls and kernels that issued copies (one per load where batching works
+        or the gather kernel copies)."""
+        return self._raw.launches + (self._gather.launches if self._gather is not None else 0)
+
+    @property
+    def gathers(self) -> int:
+        """Loads copied by the gather kernel (``copier="kernel"``)."""
+        return self._gather.launches if self._gather is not None else 0
 
     def _count(self, plan) -> None:
         self.copies += len(plan)

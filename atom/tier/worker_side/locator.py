@@ -65,7 +65,7 @@ import torch
 
 from atom.tier.operations import LookupOp, OpState
 from atom.tier.server.host import boot_id
-from atom.tier.worker_side.cuda_copy import clear_cuda_error
+from atom.tier.worker_side.cuda_copy import clear_cuda_error, device_address
 from atom.tier.worker_side.server_probe import (
     MODULE_HINT,
     SUPPORTED,
@@ -78,9 +78,10 @@ from atom.tier.worker_side.server_probe import (
 log = logging.getLogger("atom.offload")
 
 SHM_DIR = "/dev/shm"
-# cudaHostRegisterPortable | cudaHostRegisterReadOnly: pinned for every device, never written
-CUDA_HOST_REGISTER_FLAGS = 1 | 8
-CUDA_HOST_REGISTER_WRITABLE = 1  # cudaHostRegisterPortable (saves write the mapping)
+# cudaHostRegisterPortable | cudaHostRegisterMapped | cudaHostRegisterReadOnly: pinned for
+# every device, in the devices' address space (the gather kernel reads it), never written
+CUDA_HOST_REGISTER_FLAGS = 1 | 2 | 8
+CUDA_HOST_REGISTER_WRITABLE = 1 | 2  # without ReadOnly (saves write the mapping)
 
 
 @dataclass(frozen=True)
@@ -154,6 +155,8 @@ class L1Mapping:
                     int(rc),
                     "saves copy to" if writable else "loads copy from",
                 )
+        # the mapping's address in the device's address space (the gather kernel's source)
+        self.device_base = device_address(self.data.data_ptr()) if self.pinned else None
         self.in_flight = 0  # copies from this mapping not known complete (step thread)
         self.closed = False
 

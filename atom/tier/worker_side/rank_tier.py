@@ -138,7 +138,9 @@ class RankTier:
         self.events = EventPool(self.pool.device)
         if self.spec.engine_loads:
             self.mappings = Mappings(self.pool.device)
-            self.local = LocalLoads(self.state_spec, self.pool, self.spec.shape.chunk_size)
+            self.local = LocalLoads(
+                self.state_spec, self.pool, self.spec.shape.chunk_size, copier=self.cfg.load_copy
+            )
         self.transfers = TransferThread(
             url=self.spec.url,
             namespace=self.spec.namespace,

@@ -1,0 +1,50 @@
+"""Copies out of host memory the GPU can address (pinned or registered, under unified virtual
+addressing) into a device tensor, by a kernel: the SMs read the host bytes over the bus, so a
+load of many separate pieces is one launch rather than one copy-engine call per piece (on an
+H100 a 29-piece ``cudaMemcpyBatchAsync`` cost the issuing thread about 0.2 ms alone, 0.65 ms
+under serving).
+
+``HostGather.issue(copies, dst_words, stream)`` takes (source address, destination word,
+words) triples. Its table of copies lives in pinned host memory the kernel reads; the table
+must outlive the kernel, so ``issue`` returns it and the caller holds it until the copy's
+event fired. The kernel reads 4-byte words: every source address and destination byte offset
+must be 16-byte aligned (``aligned`` checks a plan first)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def aligned(addresses: list[int], lengths: list[int]) -> bool:
+    """Whether every address and length is a multiple of 16 bytes."""
+    return all(a % 16 == 0 for a in addresses) and all(n % 16 == 0 for n in lengths)
+
+
+class HostGather:
+    """Issues gathers on CUDA streams (``available`` False where Triton does not import)."""
+
+    def __init__(self) -> None:
+        try:
+            from atom.kernels import _host_gather_triton as kernel
+        except ImportError:
+            kernel = None
+        self._kernel = kernel
+        self.launches = 0
+
+    @property
+    def available(self) -> bool:
+        return self._kernel is not None
+
+    def issue(
+        self, copies: list[tuple[int, int, int]], dst_words: torch.Tensor, stream
+    ) -> torch.Tensor:
+        """Launch one kernel on ``stream`` copying each (source address, destination word
+        offset in ``dst_words`` [int32, on the device], words); returns the pinned table the
+        kernel reads (hold it until the stream is past the kernel)."""
+        table = torch.tensor(
+            [v for c in copies for v in c], dtype=torch.int64, device="cpu"
+        ).pin_memory()
+        with torch.cuda.stream(stream):
+            self._kernel.gather(table, len(copies), max(c[2] for c in copies), dst_words)
+        self.launches += 1
+        return table
