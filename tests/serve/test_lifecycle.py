@@ -137,37 +137,33 @@ def test_bad_config_names_field_and_value(tmp_path):
     assert r.returncode == 2 and "lmcache.url" in r.stderr
 
 
-def test_load_mode_flag_sets_the_tier_config_and_refuses_unknown_modes():
-    r = run_cli(
-        *TINY_FLAGS[:2], "--offload", "lmcache_mp", "--lmcache-load-mode", "lmcache_driven",
-        "--print-config",
+def _tier_flag(flag: str, value: str):
+    """``--print-config`` with the tier on and ``--{flag} {value}``."""
+    return run_cli(
+        *TINY_FLAGS[:2], "--offload", "lmcache_mp", f"--{flag}", value, "--print-config"
     )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "flag,key,good,bad,named",
+    [
+        ("lmcache-load-mode", "load_mode", "lmcache_driven", "server", "engine_driven"),
+        ("lmcache-load-copy", "load_copy", "kernel", "dma", "copy_engine"),
+    ],
+)
+def test_load_flags_set_the_tier_config_and_refuse_unknown_values(flag, key, good, bad, named):
+    r = _tier_flag(flag, good)
     assert r.returncode == 0, r.stderr
-    assert yaml.safe_load(r.stdout)["lmcache"]["load_mode"] == "lmcache_driven"
-    r = run_cli(
-        *TINY_FLAGS[:2], "--offload", "lmcache_mp", "--lmcache-load-mode", "server",
-        "--print-config",
-    )  # fmt: skip
+    assert yaml.safe_load(r.stdout)["lmcache"][key] == good
+    r = _tier_flag(flag, bad)
     assert r.returncode == 2
-    assert "lmcache.load_mode='server'" in r.stderr and "engine_driven" in r.stderr
+    assert f"lmcache.{key}='{bad}'" in r.stderr and named in r.stderr  # the value and a fix
 
 
-def test_load_copy_flag_sets_the_tier_config_and_refuses_unknown_copiers():
+def test_loads_copy_through_the_copy_engines_by_default():
     r = run_cli(*TINY_FLAGS[:2], "--offload", "lmcache_mp", "--print-config")
     assert r.returncode == 0, r.stderr
-    assert yaml.safe_load(r.stdout)["lmcache"]["load_copy"] == "copy_engine"  # the default
-    r = run_cli(
-        *TINY_FLAGS[:2], "--offload", "lmcache_mp", "--lmcache-load-copy", "kernel",
-        "--print-config",
-    )  # fmt: skip
-    assert r.returncode == 0, r.stderr
-    assert yaml.safe_load(r.stdout)["lmcache"]["load_copy"] == "kernel"
-    r = run_cli(
-        *TINY_FLAGS[:2], "--offload", "lmcache_mp", "--lmcache-load-copy", "dma",
-        "--print-config",
-    )  # fmt: skip
-    assert r.returncode == 2
-    assert "lmcache.load_copy='dma'" in r.stderr and "copy_engine" in r.stderr
+    assert yaml.safe_load(r.stdout)["lmcache"]["load_copy"] == "copy_engine"
 
 
 def test_save_mode_flag_sets_the_tier_config_prints_it_and_refuses_unknown_modes():
