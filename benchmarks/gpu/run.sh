@@ -101,11 +101,14 @@ for s in "$@"; do
     components) step "${COMPONENTS_LIMIT:-200}" python3 -m benchmarks.profile_components \
       --model v41-bench --device cuda --dtype bfloat16 --position 4096 --batch 16 \
       --prefill-tokens 4096 --late-prefill --name "profile_components_h200${COMPONENTS_TAG:-}" ;;
-    components_invariant)  # kernel device time per component in the batch-invariant mode
-      step "${COMPONENTS_LIMIT:-200}" python3 -m benchmarks.profile_components \
-      --model v41-bench --device cuda --dtype bfloat16 --position 2048 --batch 16 \
-      --prefill-tokens 4096 --repeats 2 --top 25 --batch-invariant \
-      --name "profile_components_invariant_${CARD}" ;;
+    components_invariant)  # kernel device time per component, default mode then the mode
+      for mode in ${COMPONENTS_MODES:-default invariant}; do
+        flag=""; [ "$mode" = invariant ] && flag=--batch-invariant
+        step "${COMPONENTS_LIMIT:-200}" python3 -m benchmarks.profile_components \
+          --model v41-bench --device cuda --dtype bfloat16 --position 2048 --batch 16 \
+          --prefill-tokens 4096 --repeats 2 --top 25 $flag \
+          --name "profile_components_${mode}_${CARD}"
+      done ;;
     sweep) step "${SWEEP_LIMIT:-300}" python3 -m benchmarks.kernel_sweep --tokens 4096 \
       --rows 4096 --name kernel_sweep_h200 ;;
     profile_prefill) step 200 python3 -m benchmarks.profile_forward --model v41-bench \
