@@ -5,7 +5,7 @@
 #          speculative serving_spec train_draft speculative_oracle tp tp_tests (tp, tp_tests: two GPUs)
 #          tier_only tier_gather tier_profile idle idle_paired profile_verify
 #          train forward_v4 roofline_v4 serving_v4 speculative_v4 fp8_gemm roofline_fp8
-#          invariant_cost invariant_sweep invariant_prefill invariant_tiles components_invariant serving_invariant determinism precision_agreement
+#          invariant_cost invariant_sweep invariant_prefill invariant_tiles components_invariant gemm_calls serving_invariant determinism precision_agreement
 #          fp4_sweep transfer_saves serving_saves
 # cuda_ops builds lmcache.cuda_ops from lmcache's sources against this machine's torch
 # (benchmarks/gpu/build_cuda_ops.py); once built (build/ stays while the machine is warm, or
@@ -101,6 +101,13 @@ for s in "$@"; do
     components) step "${COMPONENTS_LIMIT:-200}" python3 -m benchmarks.profile_components \
       --model v41-bench --device cuda --dtype bfloat16 --position 4096 --batch 16 \
       --prefill-tokens 4096 --late-prefill --name "profile_components_h200${COMPONENTS_TAG:-}" ;;
+    gemm_calls)  # every weight GEMM of v41-bench's decode and prefill timed by shape, both modes
+      for mode in default invariant; do
+        flag=""; [ "$mode" = invariant ] && flag=--batch-invariant
+        step "${GEMM_CALLS_LIMIT:-150}" python3 -m benchmarks.gemm_calls --model v41-bench \
+          --device cuda --dtype bfloat16 --position 2048 --batch 16 --prefill-tokens 4096 \
+          $flag --name "gemm_calls_${mode}_${CARD}"
+      done ;;
     components_invariant)  # kernel device time per component, default mode then the mode
       for mode in ${COMPONENTS_MODES:-default invariant}; do
         flag=""; [ "$mode" = invariant ] && flag=--batch-invariant
