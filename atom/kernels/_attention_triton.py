@@ -71,20 +71,26 @@ def _sink_attention_kernel(
     Q,
     scale,
     D: tl.constexpr,
+    DV: tl.constexpr,
     BH: tl.constexpr,
     BN: tl.constexpr,
     HAS_COMP: tl.constexpr,
     IEEE: tl.constexpr,
 ):
+    """Row t, heads [BH * p1, ...), output features [DV * p2, ...): every program computes its
+    heads' scores over all D features and sums the values' DV features it owns (DV < D: a
+    decode batch's few rows spread over more programs; each output feature's products are
+    those of DV = D)."""
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BH + tl.arange(0, BH)
     d = tl.arange(0, D)
+    dv = tl.program_id(2) * DV + tl.arange(0, DV)
     hmask = h < H
     q = tl.load(q_ptr + t * sq_t + h[:, None] * sq_h + d[None, :], mask=hmask[:, None], other=0.0)
     # the sink starts the running max and adds exp(sink - max) to the denominator
     m = tl.load(sink_ptr + h, mask=hmask, other=0.0).to(tl.float32)
     lsum = tl.full([BH], 1.0, tl.float32)
-    acc = tl.zeros([BH, D], tl.float32)
+    acc = tl.zeros([BH, DV], tl.float32)
     tile = t // Q
     # keys outside [first, last] of a row's visible ones are not visited (a prefill tile's
     # window keys span the whole tile, each query sees ~window of them; early positions select
@@ -96,7 +102,11 @@ def _sink_attention_kernel(
         ok = (tl.load(wm_ptr + t * swm_t + n, mask=n < L, other=0) != 0) & (n < L)
         kp = w_ptr + tile * sw_tile + n[:, None] * sw_l
         k = tl.load(kp + d[None, :], mask=ok[:, None], other=0.0).to(q.dtype)
-        m, lsum, acc = _online(q, k, k, ok, m, lsum, acc, scale, IEEE)
+        if DV < D:
+            v = tl.load(kp + dv[None, :], mask=ok[:, None], other=0.0).to(q.dtype)
+        else:
+            v = k
+        m, lsum, acc = _online(q, k, v, ok, m, lsum, acc, scale, IEEE)
     if HAS_COMP:
         lo, hi = _visible_span(cv_ptr + t * scv_t, K, BN)
         for n0 in tl.range(lo, hi, BN):
@@ -105,34 +115,51 @@ def _sink_attention_kernel(
             off = tl.load(co_ptr + t * sco_t + n, mask=ok, other=0)
             k = tl.load(c_ptr + off[:, None] + d[None, :], mask=ok[:, None], other=0.0)
             k = k.to(q.dtype)
-            m, lsum, acc = _online(q, k, k, ok, m, lsum, acc, scale, IEEE)
+            if DV < D:
+                v = tl.load(c_ptr + off[:, None] + dv[None, :], mask=ok[:, None], other=0.0)
+                v = v.to(q.dtype)
+            else:
+                v = k
+            m, lsum, acc = _online(q, k, v, ok, m, lsum, acc, scale, IEEE)
     out = acc / lsum[:, None]
     tl.store(
-        o_ptr + t * so_t + h[:, None] * so_h + d[None, :],
+        o_ptr + t * so_t + h[:, None] * so_h + dv[None, :],
         out.to(o_ptr.dtype.element_ty),
         mask=hmask[:, None],
     )
 
 
-def sink_attention_config(t: int, h: int, wide: bool) -> dict:
-    """Launch parameters for t query rows of h heads (``wide``: float32). In the batch-invariant
-    mode the rows' count chooses nothing: the tiles (and so a row's order of additions) are
-    those of a prefill whatever t is."""
+# a decode-sized call in the batch-invariant mode: rows below this split their output features
+INVARIANT_FEW_ROWS = 256
+INVARIANT_DV = 128  # output features per program there
+
+
+def sink_attention_config(t: int, h: int, wide: bool, d: int | None = None) -> dict:
+    """Launch parameters for t query rows of h heads of d features (``wide``: float32). In the
+    batch-invariant mode the rows' count chooses nothing of a row's order of additions: the
+    tiles (heads and keys per program) are those of a prefill whatever t is; a decode-sized
+    call only spreads each row's output features over ``d // INVARIANT_DV`` programs (DV),
+    which computes each feature's products as DV = d does."""
     from atom.kernels import invariant_mode
 
     # heads per program: all 64 where there are enough rows to fill the GPU (a prefill: each
     # query's selected rows are read once, not once per 16 heads), 16 for a decode batch;
     # float32 tiles: half the keys per tile, one stage (shared memory)
-    many = t >= 256 or invariant_mode.enabled()
+    mode = invariant_mode.enabled()
+    many = t >= 256 or mode
     bh = 64 if many and h >= 64 and not wide else 16
+    dv = d
+    if mode and d is not None and t < INVARIANT_FEW_ROWS and d > INVARIANT_DV:
+        dv = INVARIANT_DV
     # benchmarks/kernel_sweep.py: 64 keys a tile with 64 heads (3.91 ms against 4.26 at 32 on
     # a 4096-token chunk's shapes on the H200)
-    return dict(
+    cfg = dict(
         BH=bh,
         BN=16 if wide else 64 if bh == 64 else 32,
         num_warps=8 if bh == 64 else 4,
         num_stages=1 if wide else 2,
     )
+    return cfg if dv is None else cfg | {"DV": dv}
 
 
 def _operand_args(q, win_k, win_mask, plane, offsets, valid) -> list:
@@ -165,8 +192,8 @@ def sink_attention_triton(q, win_k, win_mask, plane, offsets, valid, sink, scale
     if t == 0:
         return out
     has_comp = plane is not None
-    cfg = sink_attention_config(t, h, q.element_size() > 2) | (config or {})
-    _sink_attention_kernel[(t, triton.cdiv(h, cfg["BH"]))](
+    cfg = sink_attention_config(t, h, q.element_size() > 2, d) | (config or {})
+    _sink_attention_kernel[(t, triton.cdiv(h, cfg["BH"]), d // cfg["DV"])](
         *_operand_args(q, win_k, win_mask, plane, offsets, valid),
         sink,
         out,

@@ -115,6 +115,42 @@ def test_launch_parameters_compute_the_same(config):
 
 
 @needs_kernel
+def test_in_the_mode_a_decode_sized_call_gives_a_rows_prefill_bits(monkeypatch):
+    """Batch-invariant mode: a call of few rows (a decode batch) spreads each row's output
+    features over programs (DV < D); the same rows inside a call of many rows (a prefill's
+    per-query windows) run one program per row and block of heads. Every row's output has
+    the same bits either way, and what the torch expression computes."""
+    from atom.kernels import _attention_triton as k
+    from atom.kernels import invariant
+
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+    d = 512 if DEVICE == "cuda" else 64
+    monkeypatch.setattr(k, "INVARIANT_DV", d // 4)
+    invariant.configure(True)
+    try:
+        gen = torch.Generator().manual_seed(5)
+        rows = k.INVARIANT_FEW_ROWS + 4
+        q, win_k, mask, plane, offsets, valid, sink = _case(
+            DEVICE, dtype, rows, 1, 64, d, 40, 30, gen
+        )
+        assert k.sink_attention_config(3, 64, False, d)["DV"] == d // 4
+        assert k.sink_attention_config(rows, 64, False, d)["DV"] == d
+        many = sink_attention(q, win_k, mask, plane, offsets, valid, sink, 0.125)
+        for lo, hi in [(0, 3), (7, 23), (rows - 16, rows)]:
+            few = sink_attention(
+                q[lo:hi], win_k[lo:hi], mask[lo:hi], plane, offsets[lo:hi], valid[lo:hi],
+                sink, 0.125,
+            )  # fmt: skip
+            assert torch.equal(few, many[lo:hi]), (lo, hi)
+        comp = gather_offsets(offsets, plane)
+        want = sink_attention_torch(q, win_k, mask, comp, valid, sink, 0.125)
+        tol = 2e-5 if dtype == torch.float32 else 2e-2
+        assert torch.allclose(many.float(), want.float(), atol=tol, rtol=tol)
+    finally:
+        invariant.configure(False)
+
+
+@needs_kernel
 def test_masked_keys_never_reach_the_output():
     """NaN bytes in masked window rows and in invalid compressed rows (a block nobody wrote)
     change nothing: the kernel does not load them."""
