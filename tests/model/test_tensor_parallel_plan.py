@@ -78,8 +78,9 @@ def on_ranks(world: int, fn) -> dict[int, object]:
     return got
 
 
-def _logits(fam, net, prompt: torch.Tensor, steps: int) -> torch.Tensor:
-    """A 37-token prefill, then ``steps`` greedy decode steps: every forward's logits."""
+def _logits(fam, net, prompt: torch.Tensor, steps: int, feed=None) -> torch.Tensor:
+    """A 37-token prefill, then ``steps`` greedy decode steps: every forward's logits.
+    ``feed``: the tokens each step decodes from (teacher forcing) instead of its own argmax."""
     rt = fam.get("runtime")(net, block_size=16, speculative_tokens=0)
     spec = rt.spec
     pool = torch.zeros(
@@ -89,8 +90,9 @@ def _logits(fam, net, prompt: torch.Tensor, steps: int) -> torch.Tensor:
     rt.bind(pool, slots)
     table, n = torch.arange(4), prompt.numel()
     out = [rt.forward(prompt, [Span(0, n, 0, table)])]
-    for p in range(n, n + steps):
-        out.append(rt.forward(out[-1][-1:].argmax(-1), [Span(p, p + 1, 0, table)]))
+    for i, p in enumerate(range(n, n + steps)):
+        token = out[-1][-1:].argmax(-1) if feed is None else feed[i : i + 1]
+        out.append(rt.forward(token, [Span(p, p + 1, 0, table)]))
     return torch.cat(out)
 
 

@@ -53,11 +53,11 @@ def _model(config, weight_dtype: str = "fp8"):
     return build_model(config, None, seed=0, weight_dtype=weight_dtype, **KW)
 
 
-def _run_ranks(fam, ranks, prompt, steps: int) -> dict[int, torch.Tensor]:
+def _run_ranks(fam, ranks, prompt, steps: int, feed=None) -> dict[int, torch.Tensor]:
     got: dict[int, torch.Tensor] = {}
     threads = [
         threading.Thread(
-            target=lambda r=r: got.__setitem__(r, _logits(fam, ranks[r], prompt, steps))
+            target=lambda r=r: got.__setitem__(r, _logits(fam, ranks[r], prompt, steps, feed))
         )
         for r in range(len(ranks))
     ]
@@ -328,10 +328,23 @@ def test_a_published_checkpoint_at_tp2_reads_rank_slices_and_decodes_what_one_ra
     assert fp8 == world * layers * 5 and fp4 == world * layers * 3 * experts
     prompt = torch.randint(0, 200, (29,), generator=torch.Generator().manual_seed(4))
     want = _logits(fam, one, prompt, steps=6)
-    got = _run_ranks(fam, ranks, prompt, 6)
+    # both decode from one rank's tokens (teacher forcing): a near-tie that rounds the other
+    # way at one step does not carry into every later step's context
+    feed = want.argmax(-1)[-7:-1]
+    got = _run_ranks(fam, ranks, prompt, 6, feed)
     assert torch.equal(got[0], got[1])
-    print(f"{preset} checkpoint TP=2: max |logit - TP=1| {(got[0] - want).abs().max().item():.3g}")
-    assert torch.equal(got[0].argmax(-1), want.argmax(-1))
+    diff = (got[0] - want).abs()
+    print(
+        f"{preset} checkpoint TP=2: |logit - TP=1| max {diff.max().item():.3g}, mean "
+        f"{diff.mean().item():.3g}; logits' std {want.std().item():.3g}; argmax equal at "
+        f"{int((got[0].argmax(-1) == want.argmax(-1)).sum())} of {want.shape[0]} positions"
+    )
+    # at stored precision a rank's partial sums round activations (E4M3 inputs, V4's FP4 rows)
+    # at other points than one rank's whole sums: logits move by rounding steps (mean 0.033 for
+    # v4-tiny-fp8 on a 2-core Sapphire Rapids host, one near-tie flipped; 1e-7 for
+    # v41-tiny-fp8) and which near-ties flip depends on the host's float32 kernels. A rank that
+    # read a wrong slice moves every logit by the logits' own scale.
+    assert diff.mean() < 0.15 * want.std(), (diff.mean(-1).tolist(), want.std().item())
 
 
 def test_an_unquantized_checkpoint_asked_for_fp8_splits_one_ranks_quantization(tmp_path):
