@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import signal
 
+from atom.tier.operations import TransferOp
 from atom.tier.server.lmcache_server import probe
 
 from .test_two_pass import GREEDY, ceiling, prompts_of, tier
@@ -68,7 +69,9 @@ def stores_then_hits(llm, prompts, reference) -> None:
     pump(llm, lambda: settled(llm), "the tier to settle")
 
 
-def test_sigkill_mid_run_no_wrong_outputs_quarantine_then_recovery(own_server, make_llm):
+def test_sigkill_mid_run_no_wrong_outputs_quarantine_then_recovery(
+    own_server, make_llm, monkeypatch
+):
     own_server.start()
     old = prompts_of([40, 77, 100, 129, 64, 90], seed=201)  # stored by pass 1
     new = prompts_of([70, 95, 110, 60], seed=202)  # saves in pass 2
@@ -82,18 +85,21 @@ def test_sigkill_mid_run_no_wrong_outputs_quarantine_then_recovery(own_server, m
     assert conn.tier_metrics.saves.get(outcome="done") > 0
 
     eng.reset_prefix_cache()
-    killed: list[int] = []
-    steps = [eng.steps]
+    killed: list[TransferOp] = []
+    submitted = TransferOp.mark_submitted
 
-    def kill_when_busy(e):
-        e.check_integrity()
-        ran, steps[0] = e.steps > steps[0], e.steps
-        if not killed and ran and conn.live_ops > 0:
-            killed.append(conn.live_ops)  # loads and saves are queued or in flight
+    def kill_once_sent(op, future):
+        # the server dies just after it was handed pass 2's first transfer, which it has not
+        # answered: that transfer's fate is unknown (killed at a step boundary instead, the
+        # transfers were at times all still queued, and failed as never sent, a known fate)
+        submitted(op, future)
+        if not killed:
+            killed.append(op)
             own_server.signal(signal.SIGKILL)
 
-    out2 = llm.generate(old + new, GREEDY, on_step=kill_when_busy)
-    assert killed and killed[0] > 0 and not own_server.running
+    monkeypatch.setattr(TransferOp, "mark_submitted", kill_once_sent)
+    out2 = llm.generate(old + new, GREEDY, on_step=check)
+    assert killed and not own_server.running
     same_tokens(out2, reference)  # the engine kept serving, and every token is right
     # transfers of unknown fate hold their blocks while the server is dead
     pump(llm, lambda: conn.quarantined_blocks > 0 and not healthy(llm), "a quarantine")
