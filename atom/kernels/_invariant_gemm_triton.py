@@ -182,7 +182,7 @@ SHAPE_CONFIG: dict[tuple[torch.dtype, int, int], tuple[int, int, int, int]] = {
 # the same order along K) and its split of K (``splits``, from the shape's configuration).
 # BM, BN, warps and stages only say which program computes which outputs, so a row gets the
 # same bits at either tile (tests/kernels/test_invariant_gemm.py checks it on the GPU, and
-# benchmarks/invariant_gemm_sweep.py ``--prefill`` keeps only tiles that do). A shape not named
+# benchmarks/invariant_prefill_sweep.py keeps only tiles that do). A shape not named
 # keeps its one configuration for every M. The entries: v41-bench's shapes where the sweep's
 # fastest bit-keeping tile beat the shape's own by 7% or more at M = 4096 and did not lose at
 # M = 1024 (H100, benchmarks/results/invariant_prefill_sweep_h100.md).

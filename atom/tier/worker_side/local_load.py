@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
+from atom.kernels.host_gather import aligned
 from atom.model_api import StateSpec, pool_bytes
 from atom.tier.worker_side.cuda_copy import HOST_TO_DEVICE, RawCopier
 from atom.tier.worker_side.locator import Located
@@ -234,8 +235,6 @@ class LocalLoads:
         16-byte aligned); returns the table the kernel reads, or None (not issued)."""
         if self._words is None or not mapping.pinned:
             return None
-        from atom.kernels.host_gather import aligned
-
         s0 = mapping.device_base
         if not s0:
             return None
