@@ -235,8 +235,12 @@ def cpu_seconds(proc: psutil.Process | None) -> float:
     return t.user + t.system
 
 
-PHASE_ORDER = {p: i for i, p in enumerate(("queued", "plan", "issue", "wait", "reserve", "copy"))}
-PHASE_ORDER |= {"to_commit": 6, "commit": 7}
+PHASE_ORDER = {
+    p: i
+    for i, p in enumerate(
+        ("queued", "plan", "issue", "issue_cpu", "wait", "reserve", "copy", "to_commit", "commit")
+    )
+}
 
 
 def phase_medians(metrics) -> dict:

@@ -30,7 +30,8 @@ class TierMetrics:
         self.load_phases = m.histogram(
             "tier_load_phase_seconds",
             "An engine-driven load's latency by phase: plan (host, the decision to the copies' "
-            "issue), issue (host, issuing them), wait (device, the copy stream behind the "
+            "issue), issue (host, issuing them; issue_cpu: the step thread's CPU time within it), "
+            "wait (device, the copy stream behind the "
             "compute stream's earlier work), copy (device, the copies).",
         )
         self.save_phases = m.histogram(

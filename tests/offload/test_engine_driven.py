@@ -363,7 +363,7 @@ def test_two_pass_in_both_load_modes_is_exact_and_releases_every_lock(
         assert llm.engine.tier.mappings.mapped == 1
         # every copied load reported where its latency went, each phase once
         phases = conn.tier_metrics.load_phases
-        for phase in ("plan", "issue", "wait", "copy"):
+        for phase in ("plan", "issue", "issue_cpu", "wait", "copy"):
             assert phases.count(phase=phase) == len(prompts), phase
         assert all(v > 0 for v in phases.samples(phase="copy"))
         assert all(v >= 0 for p in ("plan", "issue", "wait") for v in phases.samples(phase=p))

@@ -32,7 +32,7 @@ _SRC_ACCESS_ORDER_STREAM = 1
 # cudaMemcpyFlagPreferOverlapWithCompute: copy engines, not SMs (the step's forward runs beside)
 _PREFER_OVERLAP_WITH_COMPUTE = 1
 
-_RUNTIMES = ("libcudart.so.13", "libcudart.so.12", "libcudart.so")
+RUNTIMES = ("libcudart.so.13", "libcudart.so.12", "libcudart.so")
 
 
 class _MemLocation(ctypes.Structure):
@@ -53,7 +53,7 @@ class _MemcpyAttributes(ctypes.Structure):
 @functools.cache
 def _runtime():
     """The CUDA runtime torch loaded (opened once), or None."""
-    for name in _RUNTIMES:
+    for name in RUNTIMES:
         try:
             lib = ctypes.CDLL(name)
             lib.cudaMemcpyAsync  # noqa: B018 - probes that this is a CUDA runtime
@@ -71,6 +71,25 @@ def clear_cuda_error() -> None:
         lib.cudaGetLastError()
 
 
+@functools.cache
+def locked_runtime():
+    """The same runtime opened so that its calls keep the interpreter lock (``ctypes.PyDLL``),
+    or None: for calls that return at once (a copy's or an event's issue). A call that lets go
+    of the lock waits to get it back for as long as a thread that took it meanwhile keeps it:
+    beside a thread running Python in 1 ms bursts, a foreign call of 80 us took 1060 us at the
+    median letting go and 89 us keeping the lock (benchmarks/gil_handoff.py, on a 2-core
+    host). The step thread issues loads while the tier's lookup thread and LMCache's client
+    loop run Python."""
+    for name in RUNTIMES:
+        try:
+            lib = ctypes.PyDLL(name)
+            lib.cudaMemcpyAsync  # noqa: B018 - probes that this is a CUDA runtime
+            return lib
+        except (OSError, AttributeError):
+            continue
+    return None
+
+
 def device_address(host_ptr: int) -> int | None:
     """The device's address of registered (mapped) or pinned host memory at ``host_ptr``
     (cudaHostGetDevicePointer), or None where the runtime cannot say."""
@@ -86,8 +105,9 @@ def device_address(host_ptr: int) -> int | None:
 
 
 def cuda_memcpy_async():
-    """The runtime's cudaMemcpyAsync(dst, src, bytes, kind, stream), or None."""
-    lib = _runtime()
+    """The runtime's cudaMemcpyAsync(dst, src, bytes, kind, stream), or None (keeps the
+    interpreter lock: ``locked_runtime``)."""
+    lib = locked_runtime()
     if lib is None:
         return None
     fn = lib.cudaMemcpyAsync
@@ -100,8 +120,9 @@ def cuda_memcpy_async():
 def cuda_memcpy_batch_async():
     """``batch(dsts, srcs, sizes, count, stream) -> error code`` over the runtime's
     cudaMemcpyBatchAsync, or None where the runtime lacks it (before CUDA 12.8). CUDA 12.x
-    takes a failure-index pointer before the stream; CUDA 13 dropped it."""
-    lib = _runtime()
+    takes a failure-index pointer before the stream; CUDA 13 dropped it. Keeps the
+    interpreter lock (``locked_runtime``)."""
+    lib = locked_runtime()
     if lib is None:
         return None
     try:

@@ -4,13 +4,18 @@ On CUDA an interprocess event is recorded on the step thread after the producing
 save) or after the last compute that used the destination (a load); the server waits on it
 before touching the blocks. Creating one costs about a millisecond and destroying an imported
 one can synchronize the device, so events are pooled and only created, recorded and recycled
-on the step thread. On CPU, ordering is "the bytes are written before submit" and the event is
-a stand-in with the same interface.
+on the step thread. A recycled event is recorded by the runtime call that keeps the interpreter
+lock (cuda_events.py; torch's ``record`` lets go of it, and getting it back from the tier's
+other threads can cost far more than the call); a new one by torch, which creates it there. On
+CPU, ordering is "the bytes are written before submit" and the event is a stand-in with the
+same interface.
 """
 
 from __future__ import annotations
 
 import torch
+
+from atom.tier.worker_side.cuda_events import StreamEvents
 
 
 class CpuEvent:
@@ -31,6 +36,7 @@ class EventPool:
         self.cuda = torch.device(device).type == "cuda"
         self._free: list = []
         self.created = 0
+        self._ev = StreamEvents.of_device(device) if self.cuda else None
 
     def acquire(self):
         if not self.cuda:
@@ -39,7 +45,10 @@ class EventPool:
         if ev is None:
             ev = torch.cuda.Event(interprocess=True)
             self.created += 1
-        ev.record()
+        if self._ev.raw and ev.cuda_event:  # created (recorded before): its handle is there
+            self._ev.record(ev.cuda_event, torch.cuda.current_stream())
+        else:
+            ev.record()
         return ev
 
     def recycle(self, ev) -> None:

@@ -16,7 +16,9 @@ imports and every run is 16-byte aligned; the copy engines otherwise. The copy s
 waits for the compute stream (an earlier forward may still read a block being overwritten), and
 the compute stream waits on the copy's event, so the next forward (and the image restore) is
 ordered after the load with no host wait: the load is complete for the scheduler as soon as it
-is issued. On CPU the copies are plain and synchronous.
+is issued. The issue's copy, event and stream-wait calls keep the interpreter lock
+(cuda_events.py: torch's let go of it, and getting it back from the tier's other threads cost
+more than the calls). On CPU the copies are plain and synchronous.
 
 The lookup's read locks on the source objects are released only after the copy completed
 (``poll`` frees them when the copy's event has fired; on CPU at once), and the mapping
@@ -37,6 +39,7 @@ import torch
 from atom.kernels.host_gather import aligned
 from atom.model_api import StateSpec, pool_bytes
 from atom.tier.worker_side.cuda_copy import HOST_TO_DEVICE, RawCopier
+from atom.tier.worker_side.cuda_events import StreamEvents
 from atom.tier.worker_side.locator import Located
 
 log = logging.getLogger("atom.offload")
@@ -59,11 +62,13 @@ class _Pending:
     held: list  # what the copies read until they completed (a gather's table)
 
 
-PHASES = ("plan", "issue", "wait", "copy")
+PHASES = ("plan", "issue", "issue_cpu", "wait", "copy")
 """An engine-driven load's latency by phase (``LocalLoads.on_phases``):
   plan   host: from the decision to load (``decided_at``) to the first copy's issue (checks,
          the header read, the runs);
   issue  host: issuing the copies (the step thread's share of the load);
+  issue_cpu  the step thread's CPU time within ``issue`` (for the rest of ``issue`` it waited:
+         in the runtime, or for the interpreter lock); part of ``issue``, not a phase after it;
   wait   device: from the issue until the copy stream is past the compute stream's earlier
          work (0 on CPU);
   copy   device: the copies themselves (on CPU: the synchronous copy)."""
@@ -104,6 +109,8 @@ class LocalLoads:
         self._streams = [torch.cuda.Stream(dev) for _ in range(streams)] if self.cuda else []
         self._clock = torch.cuda.Stream(dev) if self.cuda else None  # never given work
         self._raw = RawCopier.of_runtime("loads", batch) if self.cuda else RawCopier()
+        # the issue's events and stream waits keep the interpreter lock (cuda_events.py)
+        self._ev = StreamEvents.of_device(dev) if self.cuda else None
         if copier not in ("copy_engine", "kernel"):
             raise ValueError(f"load copier {copier!r}: use 'copy_engine' or 'kernel'")
         self._gather = None
@@ -175,29 +182,29 @@ class LocalLoads:
         issue to the last copy, so a late poll does not lengthen the measured load).
         ``decided_at``: when the load was decided (monotonic), for the ``plan`` phase."""
         src, dst, bb = located.mapping.data, self.blocks, self.bb
-        t0 = time.monotonic()
+        t0, c0 = time.monotonic(), time.thread_time()
         phases = {"plan": t0 - decided_at if decided_at is not None else 0.0}
         if not self.cuda:
             for s, d, n in plan:
                 dst[d : d + n].view(-1).copy_(src[s : s + n * bb])
             self._count(plan)
             t1 = time.monotonic()
-            self._report(phases | {"issue": 0.0, "wait": 0.0, "copy": t1 - t0})
+            self._report(phases | {"issue": 0.0, "issue_cpu": 0.0, "wait": 0.0, "copy": t1 - t0})
             on_done(t1)
             return
-        compute = torch.cuda.current_stream(dst.device)
+        compute, ev = torch.cuda.current_stream(dst.device), self._ev
         issued = self._event()
-        issued.record(self._clock)  # an idle stream: it marks the issue on the GPU's clock
+        ev.record(issued, self._clock)  # an idle stream: it marks the issue on the GPU's clock
         starts, ends, marks, held = [], [], [], []
         for i, stream in enumerate(self._streams):
             part = plan[i :: len(self._streams)]  # runs alternate between the copy streams
             if not part:
                 continue
             after = self._event()
-            after.record(compute)
-            stream.wait_event(after)  # an earlier forward may still read these blocks
+            ev.record(after, compute)
+            ev.wait(stream, after)  # an earlier forward may still read these blocks
             start = self._event()
-            start.record(stream)  # fires once the stream is past compute's earlier work
+            ev.record(start, stream)  # fires once the stream is past compute's earlier work
             table = self._kernel_copies(stream, located.mapping, part)
             if table is not None:
                 held.append(table)
@@ -206,14 +213,15 @@ class LocalLoads:
                     for s, d, n in part:
                         dst[d : d + n].view(-1).copy_(src[s : s + n * bb], non_blocking=True)
             end = self._event()
-            end.record(stream)
-            compute.wait_event(end)
+            ev.record(end, stream)
+            ev.wait(compute, end)
             starts.append(start)
             ends.append(end)
             marks.append(after)
         self._count(plan)
         located.mapping.in_flight += 1
         phases["issue"] = time.monotonic() - t0
+        phases["issue_cpu"] = time.thread_time() - c0
         self._pending.append(
             _Pending(issued, starts, ends, located.mapping, on_done, t0, phases, marks, held)
         )
@@ -221,7 +229,7 @@ class LocalLoads:
     def _event(self) -> torch.cuda.Event:
         """A timing event from the pool of those whose loads completed (creating one costs
         the step thread a few microseconds; a load takes four)."""
-        return self._free.pop() if self._free else torch.cuda.Event(enable_timing=True)
+        return self._free.pop() if self._free else self._ev.new()
 
     def _report(self, phases: dict) -> None:
         if self.on_phases is not None:
@@ -276,12 +284,14 @@ class LocalLoads:
             return
         still = []
         for p in self._pending:
-            if all(e.query() for e in p.ends):
+            if all(self._ev.query(e) for e in p.ends):
                 p.mapping.in_flight -= 1
-                took = max(p.issued.elapsed_time(e) for e in p.ends) / 1000.0
-                wait = max(p.issued.elapsed_time(e) for e in p.starts) / 1000.0
+                took = max(self._ev.elapsed_ms(p.issued, e) for e in p.ends) / 1000.0
+                wait = max(self._ev.elapsed_ms(p.issued, e) for e in p.starts) / 1000.0
                 self._report(p.phases | {"wait": wait, "copy": max(0.0, took - wait)})
                 self._free += [p.issued, *p.starts, *p.ends, *p.marks]  # all fired
+                for table in p.held:  # the gather kernels' tables, for later loads
+                    self._gather.release(table)
                 p.on_done(p.issued_at + took)
             else:
                 still.append(p)
@@ -291,7 +301,7 @@ class LocalLoads:
         """Wait for every copy (shutdown)."""
         for p in self._pending:
             for e in p.ends:
-                e.synchronize()
+                self._ev.synchronize(e)
         self.poll()
 
     @property
