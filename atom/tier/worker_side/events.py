@@ -45,8 +45,10 @@ class EventPool:
         if ev is None:
             ev = torch.cuda.Event(interprocess=True)
             self.created += 1
-        if self._ev.raw and ev.cuda_event:  # created (recorded before): its handle is there
-            self._ev.record(ev.cuda_event, torch.cuda.current_stream())
+        # created (recorded before): its handle is there for the runtime call
+        handle = ev.cuda_event if self._ev is not None and self._ev.raw else 0
+        if handle:
+            self._ev.record(handle, torch.cuda.current_stream())
         else:
             ev.record()
         return ev
