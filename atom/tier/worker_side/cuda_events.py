@@ -6,10 +6,13 @@ lock around their runtime call (torch/csrc/cuda/Event.cpp). A call that lets go 
 waits to get it back for as long as another thread that took it in between keeps it: beside a
 thread running Python in 1 ms bursts, a foreign call of 80 us took 1060 us at the median
 letting go and 89 us keeping the lock (benchmarks/gil_handoff.py, on a 2-core host;
-``cuda_copy.locked_runtime``). An engine-driven load made six such calls (and its copy
-call one more) on the step thread while the tier's lookup thread and LMCache's client loop run
-Python beside it, so these calls keep the lock: none of them waits for the device
-(``synchronize``, the one that does, lets go).
+``cuda_copy.locked_runtime``). The wait shows once a call lasts long enough for the waiting
+thread to wake and take the lock: on an H100 torch's ``Event.record`` (about 2 us) showed
+none. An engine-driven load's issue makes six event and stream-wait calls beside its copy call
+on the step thread, while the tier's lookup thread and LMCache's client loop run Python; with
+all of them keeping the lock, a serving load's issue fell from 0.40-0.44 ms to 0.08-0.15 ms at
+the median on an H100 (docs/TIER.md). None of them waits for the device (``synchronize``, the
+one that does, lets go).
 
 ``StreamEvents.of_device(device)`` gives the runtime's calls where the CUDA runtime torch
 loaded is reachable, torch's events otherwise (``raw`` says which); both take and return the
