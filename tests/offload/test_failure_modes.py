@@ -845,6 +845,36 @@ def test_fm13_scheduler_deadline_bounds_a_load_the_thread_never_answers(make):
     assert load.state is OpState.FAILED and not load.leased
 
 
+def test_fm13_each_load_is_called_late_at_its_own_deadline(make):
+    """The step thread walks the requests for late work only once the earliest deadline has
+    passed: a second load started later is still bounded by its own, later deadline after the
+    first one's sweep."""
+    h = make(offload={"transfer_timeout_s": 3.0})
+    p1, p2 = prompt_of(87, 26), prompt_of(87, 27)
+    fill_tier(h, p1)
+    fill_tier(h, p2)
+    s1 = h.add(p1, max_tokens=2)
+    h.step_until(lambda: len(h.transfers.loads) == 1)
+    first = h.transfers.loads[0]
+    h.clock.advance(2.0)
+    s2 = h.add(p2, max_tokens=2)
+    h.step_until(lambda: len(h.transfers.loads) == 2)
+    second = h.transfers.loads[1]
+    h.clock.advance(2.1)  # the first is 1.1 s past its deadline, the second 1.9 s short of it
+    h.step()
+    assert first.state is OpState.LATE and second.state is OpState.QUEUED
+    h.clock.advance(1.0)  # the second is past its deadline, within the margin
+    h.step()
+    assert second.state is OpState.QUEUED
+    h.clock.advance(1.0)
+    h.step()
+    assert second.state is OpState.LATE
+    h.transfers.auto = {"save"}
+    h.run([s1, s2])
+    assert s1.counters.failed_loads == 1 and s2.counters.failed_loads == 1
+    h.shutdown()
+
+
 # ---- 14. prompt completion, no spinning ------------------------------------------------------
 
 
