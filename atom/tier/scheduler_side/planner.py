@@ -725,11 +725,15 @@ class OffloadConnector(Connector):
 
     def _plan_saves(self, st: TierRequest) -> None:
         """The only maker of saves (every path that stores calls it): the policy's
-        ``may_store`` is asked here and nowhere else."""
+        ``may_store`` is asked here and nowhere else. Most calls (every running request,
+        every step) find no new boundary: that is checked first, before the server's health."""
+        seq, chunk = st.seq, self.chunk_size
+        b = st.saved_upto + chunk
+        if b > seq.num_computed:
+            return
         if not self.policy.may_store or not self.health.healthy or st.tier_has is None:
             return
-        seq, bs, chunk = st.seq, self.spec.block_size, self.chunk_size
-        b = st.saved_upto + chunk
+        bs = self.spec.block_size
         while b <= seq.num_computed:
             image = self.images.ready_image(seq.block_hashes[b // bs - 1])
             if image is not None:
