@@ -50,12 +50,12 @@ class _MemcpyAttributes(ctypes.Structure):
     ]
 
 
-@functools.cache
-def _runtime():
-    """The CUDA runtime torch loaded (opened once), or None."""
+def _open_runtime(loader):
+    """The CUDA runtime torch loaded, opened with ``loader`` (``ctypes.CDLL`` or ``PyDLL``), or
+    None where it cannot be reached."""
     for name in RUNTIMES:
         try:
-            lib = ctypes.CDLL(name)
+            lib = loader(name)
             lib.cudaMemcpyAsync  # noqa: B018 - probes that this is a CUDA runtime
             return lib
         except (OSError, AttributeError):
@@ -63,10 +63,17 @@ def _runtime():
     return None
 
 
+@functools.cache
+def runtime():
+    """The CUDA runtime torch loaded (opened once; its calls let go of the interpreter lock),
+    or None."""
+    return _open_runtime(ctypes.CDLL)
+
+
 def clear_cuda_error() -> None:
     """Reset the runtime's last error after a refused call, so torch's next launch check does
     not report it (torch.cuda.cudart() has no cudaGetLastError)."""
-    lib = _runtime()
+    lib = runtime()
     if lib is not None:
         lib.cudaGetLastError()
 
@@ -80,20 +87,13 @@ def locked_runtime():
     median letting go and 89 us keeping the lock (benchmarks/gil_handoff.py, on a 2-core
     host). The step thread issues loads while the tier's lookup thread and LMCache's client
     loop run Python."""
-    for name in RUNTIMES:
-        try:
-            lib = ctypes.PyDLL(name)
-            lib.cudaMemcpyAsync  # noqa: B018 - probes that this is a CUDA runtime
-            return lib
-        except (OSError, AttributeError):
-            continue
-    return None
+    return _open_runtime(ctypes.PyDLL)
 
 
 def device_address(host_ptr: int) -> int | None:
     """The device's address of registered (mapped) or pinned host memory at ``host_ptr``
     (cudaHostGetDevicePointer), or None where the runtime cannot say."""
-    lib = _runtime()
+    lib = runtime()
     if lib is None:
         return None
     out = ctypes.c_void_p(0)

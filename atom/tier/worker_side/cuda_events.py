@@ -27,7 +27,7 @@ import logging
 
 import torch
 
-from atom.tier.worker_side.cuda_copy import RUNTIMES, locked_runtime
+from atom.tier.worker_side.cuda_copy import locked_runtime, runtime
 
 log = logging.getLogger("atom.offload")
 
@@ -138,11 +138,6 @@ class StreamEvents:
 def _unlocked_sync():
     """cudaEventSynchronize of the runtime opened so that the call lets go of the lock (there
     when ``locked_runtime`` is: the same library)."""
-    for name in RUNTIMES:
-        try:
-            fn = ctypes.CDLL(name).cudaEventSynchronize
-        except (OSError, AttributeError):
-            continue
-        fn.argtypes, fn.restype = [ctypes.c_void_p], ctypes.c_int
-        return fn
-    raise EventError("the CUDA runtime has no cudaEventSynchronize")
+    fn = runtime().cudaEventSynchronize
+    fn.argtypes, fn.restype = [ctypes.c_void_p], ctypes.c_int
+    return fn
