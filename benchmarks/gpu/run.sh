@@ -3,7 +3,7 @@
 # Usage: bash benchmarks/gpu/run.sh STEP...
 #   steps: tests (= tests_main tests_glue) tests_spec tier forward profile components roofline roofline_glue sweep profile_prefill transfer cuda_ops transfer_native transfer_modes serving
 #          speculative serving_spec train_draft speculative_oracle tp tp_tests (tp, tp_tests: two GPUs)
-#          tier_only tier_gather tier_profile idle idle_paired profile_verify
+#          tier_only tier_repeats tier_gather tier_profile idle idle_paired profile_verify
 #          train forward_v4 roofline_v4 serving_v4 speculative_v4 fp8_gemm roofline_fp8
 #          invariant_cost invariant_sweep invariant_prefill invariant_tiles components_invariant gemm_calls serving_invariant determinism precision_agreement
 #          fp4_sweep transfer_saves serving_saves
@@ -223,6 +223,13 @@ for s in "$@"; do
       step "${SERVING_SPEC_LIMIT:-585}" python3 -m benchmarks.serving --preset gpu \
         --arms speculative --speculative-tokens "${SERVING_SPEC_K:-1}" ;;
     tier_only) step 300 python3 -m benchmarks.serving --preset gpu --arms tier ;;
+    tier_repeats)  # the tier arm TIER_REPEATS times (the spread of load ratios, connector ms)
+      for i in $(seq "${TIER_REPEATS:-3}"); do
+        step 120 python3 -m benchmarks.serving --preset gpu --arms tier \
+          --name "serving_${CARD}_r$i" > "/tmp/tier_r$i.log" 2>&1
+        echo "tier run $i: $(grep -oE "'(load_p50_ms|load_p99_ms|load_p50_over_copy|connector_ms_per_step)': [0-9.]+" "/tmp/tier_r$i.log" | tr '\n' ' ')"
+        grep -oE "'connector_ms_per_step_by_hook': \{[^}]*\}" "/tmp/tier_r$i.log"
+      done ;;
     tier_gather)  # the tier arm with each engine-driven load one gather kernel (lmcache.load_copy)
       step 300 python3 -m benchmarks.serving --preset gpu --arms tier --load-copy kernel \
         --name "serving_${CARD}_gather" ;;
@@ -253,4 +260,9 @@ done
 # this run's results, whatever card they name (benchmarks/common.py card_name: an H100's
 # files say h100)
 find benchmarks/results -type f -newer "$RESULTS/gpu.txt" -exec cp {} "$RESULTS"/ \;
+# at most 8 files come back from the GPU machine: more than that go back as one tar
+if [ "$(find "$RESULTS" -maxdepth 1 -type f | wc -l)" -gt 8 ]; then
+  (cd "$RESULTS" && find . -maxdepth 1 -type f ! -name gpu.txt ! -name results.tar -printf '%P\n' \
+    | tar -cf results.tar -T - --remove-files)
+fi
 ls "$RESULTS"
