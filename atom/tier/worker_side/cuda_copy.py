@@ -32,7 +32,7 @@ _SRC_ACCESS_ORDER_STREAM = 1
 # cudaMemcpyFlagPreferOverlapWithCompute: copy engines, not SMs (the step's forward runs beside)
 _PREFER_OVERLAP_WITH_COMPUTE = 1
 
-RUNTIMES = ("libcudart.so.13", "libcudart.so.12", "libcudart.so")
+_RUNTIMES = ("libcudart.so.13", "libcudart.so.12", "libcudart.so")
 
 
 class _MemLocation(ctypes.Structure):
@@ -53,7 +53,7 @@ class _MemcpyAttributes(ctypes.Structure):
 def _open_runtime(loader):
     """The CUDA runtime torch loaded, opened with ``loader`` (``ctypes.CDLL`` or ``PyDLL``), or
     None where it cannot be reached."""
-    for name in RUNTIMES:
+    for name in _RUNTIMES:
         try:
             lib = loader(name)
             lib.cudaMemcpyAsync  # noqa: B018 - probes that this is a CUDA runtime

@@ -23,13 +23,10 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
 
 import torch
 
 from atom.tier.worker_side.cuda_copy import locked_runtime, runtime
-
-log = logging.getLogger("atom.offload")
 
 _NOT_READY = 600  # cudaErrorNotReady: the event has not fired yet (not an error)
 

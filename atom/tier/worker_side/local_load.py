@@ -226,9 +226,9 @@ class LocalLoads:
             _Pending(issued, starts, ends, located.mapping, on_done, t0, phases, marks, held)
         )
 
-    def _event(self) -> torch.cuda.Event:
-        """A timing event from the pool of those whose loads completed (creating one costs
-        the step thread a few microseconds; a load takes four)."""
+    def _event(self):
+        """A timing event (a ``StreamEvents`` handle) from the pool of those whose loads
+        completed (creating one costs the step thread a few microseconds; a load takes four)."""
         return self._free.pop() if self._free else self._ev.new()
 
     def _report(self, phases: dict) -> None:
