@@ -135,6 +135,7 @@ CONNECTOR_HOOKS = (
     "before_forward",
     "after_step",
     "request_finished",
+    "while_forward",  # runs while the step's forward is queued on the device
 )
 
 
@@ -276,14 +277,20 @@ def phase_text(arms: list[dict]) -> str:
 
 
 def instrument(connector, profiler=None) -> dict:
-    """Accumulate step-thread time spent inside the connector's hooks (and, given a
-    ``cProfile.Profile``, profile them: what it adds is inside the times too)."""
-    spent = {"s": 0.0, **{name: 0.0 for name in CONNECTOR_HOOKS}}
+    """Accumulate step-thread time spent inside the connector's hooks, wall and CPU (its
+    thread's own; wall beyond it is waiting: for the interpreter lock, a lock, a call), and,
+    given a ``cProfile.Profile``, profile them (what it adds is inside the times too)."""
+    spent = {"s": 0.0, "cpu_s": 0.0, **{name: 0.0 for name in CONNECTOR_HOOKS}}
+    spent |= {f"{name}_cpu": 0.0 for name in CONNECTOR_HOOKS}
+    spent |= {"windows": 0, "windows_hidden": 0}
+    stream = None
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        stream = torch.cuda.current_stream()
     for name in CONNECTOR_HOOKS:
         inner = getattr(connector, name)
 
         def timed(*a, _inner=inner, _name=name, **k):
-            t0 = time.perf_counter()
+            c0, t0 = time.thread_time(), time.perf_counter()
             if profiler is not None:
                 profiler.enable()
             try:
@@ -291,9 +298,15 @@ def instrument(connector, profiler=None) -> dict:
             finally:
                 if profiler is not None:
                     profiler.disable()
-                dt = time.perf_counter() - t0
+                dt, dc = time.perf_counter() - t0, time.thread_time() - c0
                 spent["s"] += dt
                 spent[_name] += dt
+                spent["cpu_s"] += dc
+                spent[f"{_name}_cpu"] += dc
+                if _name == "while_forward" and stream is not None:
+                    # the forward still running when the hook returned: its time was hidden
+                    spent["windows"] += 1
+                    spent["windows_hidden"] += not stream.query()
 
         setattr(connector, name, timed)
     return spent
@@ -523,6 +536,19 @@ class Arm:
                 res["server_cpu_s"] = round(server_cpu, 3)
             res["connector_ms_per_step_by_hook"] = {
                 name: round(1000 * spent[name] / max(steps, 1), 4) for name in CONNECTOR_HOOKS
+            }
+            # the hooks' time outside while_forward: what a step waits for on a GPU, where
+            # while_forward overlaps the forward queued on the device (on a CPU it does not)
+            res["connector_exposed_ms_per_step"] = round(
+                1000 * (spent["s"] - spent["while_forward"]) / max(steps, 1), 4
+            )
+            if spent["windows"]:  # the share of while_forward calls the forward outlasted
+                res["while_forward_hidden"] = round(spent["windows_hidden"] / spent["windows"], 4)
+            # the step thread's CPU time inside the hooks (wall less this: waiting)
+            res["connector_cpu_ms_per_step"] = round(1000 * spent["cpu_s"] / max(steps, 1), 4)
+            res["connector_cpu_ms_per_step_by_hook"] = {
+                name: round(1000 * spent[f"{name}_cpu"] / max(steps, 1), 4)
+                for name in CONNECTOR_HOOKS
             }
             if n_loads:
                 size = nbytes / n_loads
