@@ -124,6 +124,13 @@ class Connector(ABC):
         Changes no engine state; by default nothing."""
         return None
 
+    def while_forward(self) -> None:
+        """The step's forward is queued on the device and the step thread would wait for it:
+        a tier may do its own step-thread work now (fold in what its threads settled), so that
+        it overlaps the forward. Changes no engine state: what it produces comes with the next
+        ``after_step`` or ``update``. By default nothing."""
+        return None
+
     @abstractmethod
     def after_step(self, seqs: list[Sequence]) -> list[Outcome]:
         """These sequences committed forwards: store what became storable. Returns a ``Lease``

@@ -255,6 +255,7 @@ class LLMEngine:
                 self.scheduler.abandon(sp)
             raise
         self.steps += 1
+        self.scheduler.while_forward()  # before sampling waits for the forward
         for i in full:
             record_prompt_logprobs(out.spans[i].seq, out.spans[i].start, self.runner.span_logits[i])
         sampling = [i for i, sp in enumerate(out.spans) if sp.samples]

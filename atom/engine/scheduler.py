@@ -523,6 +523,12 @@ class Scheduler:
         if self.connector is not None:
             self.connector.before_forward(spans)
 
+    def while_forward(self) -> None:
+        """The step's forward is queued on the device: the tier's step-thread work overlaps
+        it (its outcomes are applied with ``after_step``'s)."""
+        if self.connector is not None:
+            self.connector.while_forward()
+
     def after_step(self, seqs: list[Sequence]) -> None:
         """These sequences committed forwards: the tier stores what became storable."""
         if self.connector is not None:

@@ -68,6 +68,7 @@ def speculative_step(engine, out) -> list:
             engine.scheduler.abandon(sp)
         raise
     engine.steps += 1
+    engine.scheduler.while_forward()  # before the walk waits for the forward
     if on_device:  # (every span ran in the one all-logits forward: runner.step_logits)
         new, stops, ends, proposals = _device_walk(engine, spans)
     else:

@@ -81,6 +81,7 @@ every worker's locks, as many per object as its key declares readers.
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import logging
 import time
@@ -114,6 +115,7 @@ from atom.tier.worker_side.local_load import LocalLoadError
 log = logging.getLogger("atom.offload")
 
 MAX_ASKS = 3  # lookups one request may send: the first, and at most two more for short answers
+LATE_MARGIN_S = 1.0  # the step thread gives a load up this long after its own deadline
 
 
 class Verdict(NamedTuple):
@@ -197,6 +199,14 @@ class OffloadConnector(Connector):
         # LMCache request ids: this connector's random prefix and a count (a uuid4 per
         # request read os.urandom on the step thread: 0.3 ms a call on a 2-core CPU host)
         self._id_prefix, self._ids = uuid.uuid4().hex[:8], itertools.count()
+        # what each update acts on, so that one with nothing to do does not walk every
+        # request (two sweeps of 64 requests and the session check were a third of update's
+        # time): the deadlines of lookups and loads in order, the answers held for judging,
+        # and the finished requests whose sessions are still to end
+        self._deadlines: list[tuple[float, int, TierRequest, LookupOp | TransferOp]] = []
+        self._held: list[TierRequest] = []
+        self._closing: list[TierRequest] = []
+        self._due_order = itertools.count()  # (ties of the deadlines' heap)
 
     # ---- computed state (also read by the metrics thread) ----------------------------------
 
@@ -230,6 +240,18 @@ class OffloadConnector(Connector):
     # ---- Connector: step thread ------------------------------------------------------------
 
     def update(self) -> list[Outcome]:
+        self._fold()
+        return self._drain()
+
+    def while_forward(self) -> None:
+        """The step's forward is queued on the device: fold in what settled while the step
+        thread would wait for the device anyway (the outcomes come with ``after_step``'s, and
+        the next update has only what settled after this)."""
+        self._fold()
+
+    def _fold(self) -> None:
+        """Fold in what the threads settled, the deadlines passed, the held answers, and the
+        sessions to end."""
         epoch, healthy = self.health.epoch, self.health.healthy
         # the tier may have lost everything: store again from 0. The epoch records an outage
         # the transfer thread's rounds saw; one while the tier had no transfers (its thread
@@ -253,7 +275,6 @@ class OffloadConnector(Connector):
         self._judge_answers()
         self._end_sessions()
         self.lookups.flush()
-        return self._drain()
 
     def _drain(self) -> list[Outcome]:
         """The outcomes produced since the last call returned them, in order."""
@@ -386,6 +407,7 @@ class OffloadConnector(Connector):
         op = self._new_op("load", st, start, end, blocks, image)
         st.load = op
         st.to(Phase.LOADING)
+        self._due(op.deadline + LATE_MARGIN_S, st, op)
         located, st.located = st.located, None
         if self.local is None or not self._load_locally(st, op, located):
             self._launch(st, op)  # the server copies it
@@ -425,10 +447,16 @@ class OffloadConnector(Connector):
 
     def after_step(self, seqs: list[Sequence]) -> list[Outcome]:
         self.lookups.flush()  # the frees this step's loads queued
+        chunk, requests = self.chunk_size, self._requests
         for seq in seqs:
-            st = self._requests.get(seq.seq_id)
-            if st is not None:
+            st = requests.get(seq.seq_id)
+            if st is None:
+                continue
+            # (most requests, most steps, neither confirm nor reach a boundary: tested
+            # here, not in a call each)
+            if st.phase is Phase.CONFIRMING:
                 self._confirm_when_due(st)
+            if st.saved_upto + chunk <= seq.num_computed:
                 self._plan_saves(st)
         if self._ahead_open:  # after this step's saves: what they did not claim is given back
             self.transfers.ahead_end()
@@ -441,6 +469,7 @@ class OffloadConnector(Connector):
             self._drop_held(st)
             self._free_locks(st)
             st.to(Phase.DONE)
+            self._closing.append(st)
 
     def leases(self) -> dict[int, int]:
         refs: dict[int, int] = {}
@@ -461,7 +490,12 @@ class OffloadConnector(Connector):
     def _send_lookup(self, st: TierRequest, tokens: list[int], deadline: float) -> None:
         st.lookup = LookupOp(st.lmc_id, tokens, deadline, st)
         st.asked_at, st.replied_at, st.asks = self.clock(), None, st.asks + 1
+        self._due(deadline, st, st.lookup)
         self.lookups.lookup(st.lookup)
+
+    def _due(self, at: float, st: TierRequest, op: LookupOp | TransferOp) -> None:
+        """``op`` of ``st`` is given up at ``at`` if it is still pending then."""
+        heapq.heappush(self._deadlines, (at, next(self._due_order), st, op))
 
     def _on_lookup(self, op: LookupOp) -> None:
         st: TierRequest = op.owner
@@ -479,6 +513,7 @@ class OffloadConnector(Connector):
         st.locked = hit
         if st.phase is Phase.LOOKING_UP:
             st.held = hit  # judged against concurrent lookups first (_judge_answers)
+            self._held.append(st)
         else:
             self._settle_answer(st, hit)
 
@@ -486,11 +521,17 @@ class OffloadConnector(Connector):
         """Act on held answers: wait while a concurrent lookup of the same prefix may show one
         short, ask a short one again (its locks freed first), settle the rest. An answer still
         held at its lookup's deadline is settled as it is."""
-        now = self.clock()
-        for st in [s for s in self._requests.values() if s.held is not None]:
+        if not self._held:
+            return
+        now, held = self.clock(), self._held
+        self._held = []
+        for st in held:
+            if st.held is None:
+                continue  # dropped meanwhile (finished)
             verdict = judge(st, self._requests.values(), self.chunk_size)
             in_time = now < st.lookup.deadline
             if verdict.wait and in_time:
+                self._held.append(st)
                 continue
             if verdict.owed > st.held and in_time and st.asks < MAX_ASKS:
                 self.tier_metrics.lookups.inc(outcome="short")
@@ -538,22 +579,21 @@ class OffloadConnector(Connector):
             st.locked = 0
 
     def _sweep_deadlines(self) -> None:
-        """The step thread's own bound: a lookup or transfer that the threads have not
-        answered by its deadline (plus a margin) is treated as late here too."""
-        now = self.clock()
-        margin = 1.0
-        for st in list(self._requests.values()):
-            lk = st.lookup
-            if st.lookup_pending and now > lk.deadline and lk.mark_late():
-                st.answer = 0  # no answer: neither load nor store (the thread frees locks)
-                self.tier_metrics.lookups.inc(outcome="late")
-                self._settle_followers(st, None)
-                if st.phase in (Phase.LOOKING_UP, Phase.CONFIRMING):
-                    if st.phase is Phase.LOOKING_UP:
-                        self._emitted.append(Answered(st.seq))
-                    st.to(Phase.RUNNING)
-            op = st.load
-            if op is not None and not op.was_late and now > op.deadline + margin:
+        """The step thread's own bound: a lookup or load that the threads have not answered
+        by its deadline (a load's plus ``LATE_MARGIN_S``) is treated as late here too."""
+        now, due = self.clock(), self._deadlines
+        while due and due[0][0] < now:
+            _, _, st, op = heapq.heappop(due)
+            if isinstance(op, LookupOp):
+                if st.lookup is op and st.lookup_pending and op.mark_late():
+                    st.answer = 0  # no answer: neither load nor store (the thread frees locks)
+                    self.tier_metrics.lookups.inc(outcome="late")
+                    self._settle_followers(st, None)
+                    if st.phase in (Phase.LOOKING_UP, Phase.CONFIRMING):
+                        if st.phase is Phase.LOOKING_UP:
+                            self._emitted.append(Answered(st.seq))
+                        st.to(Phase.RUNNING)
+            elif st.load is op and not op.was_late:
                 op.mark_late()
                 self._on_load(op)
 
@@ -813,9 +853,13 @@ class OffloadConnector(Connector):
             st.ops.discard(op)
 
     def _end_sessions(self) -> None:
-        for st in list(self._requests.values()):
-            if st.alive or st.ops or st.lookup_pending:
-                continue  # a pending lookup may still take locks: its answer frees them
+        """Forget the finished requests with no transfer live and no lookup pending (one may
+        still take locks: its answer frees them), ending their sessions."""
+        closing, self._closing = self._closing, []
+        for st in closing:
+            if st.ops or st.lookup_pending:
+                self._closing.append(st)
+                continue
             self._free_locks(st)
             if st.session_open:
                 self.lookups.end_session(st.lmc_id)
@@ -845,6 +889,7 @@ class OffloadConnector(Connector):
                 self._drop_held(st)
                 self._free_locks(st)
                 st.to(Phase.DONE)
+                self._closing.append(st)
         self._end_sessions()
         self.lookups.stop(timeout_s)
         return outcomes + self._drain()
