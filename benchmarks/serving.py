@@ -287,7 +287,9 @@ def instrument(connector, profiler=None) -> dict:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         stream = torch.cuda.current_stream()
     for name in CONNECTOR_HOOKS:
-        inner = getattr(connector, name)
+        inner = getattr(connector, name, None)
+        if inner is None:  # a connector without this hook (an older one)
+            continue
 
         def timed(*a, _inner=inner, _name=name, **k):
             c0, t0 = time.thread_time(), time.perf_counter()
