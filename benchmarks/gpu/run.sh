@@ -231,7 +231,7 @@ for s in "$@"; do
       for i in $(seq "${TIER_REPEATS:-3}"); do
         step 120 python3 -m benchmarks.serving --preset gpu --arms tier \
           --name "serving_${CARD}_r$i" > "/tmp/tier_r$i.log" 2>&1
-        echo "tier run $i: $(grep -oE "'(load_p50_ms|load_p99_ms|load_p50_over_copy|connector_ms_per_step|connector_exposed_ms_per_step|connector_cpu_ms_per_step)': [0-9.]+" "/tmp/tier_r$i.log" | tr '\n' ' ')"
+        echo "tier run $i: $(grep -oE "'(load_p50_ms|load_p99_ms|load_p50_over_copy|connector_ms_per_step|connector_exposed_ms_per_step|connector_cpu_ms_per_step|while_forward_hidden)': [0-9.]+" "/tmp/tier_r$i.log" | tr '\n' ' ')"
         grep -oE "'connector_(cpu_)?ms_per_step_by_hook': \{[^}]*\}" "/tmp/tier_r$i.log"
       done ;;
     tier_gather)  # the tier arm with each engine-driven load one gather kernel (lmcache.load_copy)
