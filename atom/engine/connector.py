@@ -124,12 +124,12 @@ class Connector(ABC):
         Changes no engine state; by default nothing."""
         return None
 
-    def while_forward(self) -> None:
+    def while_forward(self) -> list[Outcome]:
         """The step's forward is queued on the device and the step thread would wait for it:
-        a tier may do its own step-thread work now (fold in what its threads settled), so that
-        it overlaps the forward. Changes no engine state: what it produces comes with the next
-        ``after_step`` or ``update``. By default nothing."""
-        return None
+        the same as ``update``, at a time when its work overlaps the forward. Its outcomes
+        concern no span of the step (requests waiting or loading, transfers' leases), so the
+        engine applies them at once. By default nothing."""
+        return []
 
     @abstractmethod
     def after_step(self, seqs: list[Sequence]) -> list[Outcome]:

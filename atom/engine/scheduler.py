@@ -525,9 +525,9 @@ class Scheduler:
 
     def while_forward(self) -> None:
         """The step's forward is queued on the device: the tier's step-thread work overlaps
-        it (its outcomes are applied with ``after_step``'s)."""
+        it (what it reports touches no span of the step)."""
         if self.connector is not None:
-            self.connector.while_forward()
+            self.apply(self.connector.while_forward())
 
     def after_step(self, seqs: list[Sequence]) -> None:
         """These sequences committed forwards: the tier stores what became storable."""

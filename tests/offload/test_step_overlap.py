@@ -1,6 +1,6 @@
 """The connector's step-thread work overlaps the forward: what the tier's threads settled is
 folded in at the step's ``while_forward`` (the forward is queued on the device then), its
-outcomes applied with ``after_step``'s. The fold acts on what changed (settled ops, due
+outcomes applied at once. The fold acts on what changed (settled ops, due
 deadlines, held answers, finished requests), so an update with nothing to do walks no
 request.
 
@@ -32,9 +32,9 @@ def make():
 
 
 def test_what_settled_is_folded_while_the_forward_runs(make):
-    """A save that completed before a step is folded in that step's while_forward (after its
+    """A save that completed during a step is folded in that step's while_forward (after its
     forward was queued, before sampling waits on it); its outcome (the sources released) is
-    applied with after_step's, and the next update finds nothing left to fold."""
+    applied then, and the next update finds nothing left to fold."""
     h = make()
     long = h.add(prompt_of(40, 51), max_tokens=60)  # keeps every step running a forward
     s = h.add(prompt_of(87, 52), max_tokens=30)
@@ -45,8 +45,9 @@ def test_what_settled_is_folded_while_the_forward_runs(make):
 
     def window():
         before = len(conn.settled._ops)
-        while_forward()
-        seen.append((before, len(conn.settled._ops), save.leased))
+        out = while_forward()
+        seen.append((before, len(conn.settled._ops), save.leased, len(out)))
+        return out
 
     def planned(spans):  # the save completes on its thread after the step's update ran
         before_forward(spans)
@@ -56,7 +57,7 @@ def test_what_settled_is_folded_while_the_forward_runs(make):
     conn.while_forward, conn.before_forward = window, planned
     h.step()  # the integrity check after it: the engine applied the release
     conn.before_forward = before_forward
-    assert seen == [(1, 0, False)]
+    assert seen == [(1, 0, False, 1)]  # one outcome: the save's sources released
     assert conn.update() == []  # nothing left for the next step's update
     h.transfers.auto = {"save"}
     h.transfers.complete_all()

@@ -243,11 +243,12 @@ class OffloadConnector(Connector):
         self._fold()
         return self._drain()
 
-    def while_forward(self) -> None:
+    def while_forward(self) -> list[Outcome]:
         """The step's forward is queued on the device: fold in what settled while the step
-        thread would wait for the device anyway (the outcomes come with ``after_step``'s, and
-        the next update has only what settled after this)."""
+        thread would wait for the device anyway (the next update has only what settles after
+        this)."""
         self._fold()
+        return self._drain()
 
     def _fold(self) -> None:
         """Fold in what the threads settled, the deadlines passed, the held answers, and the
