@@ -90,3 +90,22 @@ def make_llm():
     made.clear()
     gc.collect()
     assert shm_segments() == before, "shared-memory segments left in /dev/shm"
+
+
+@pytest.fixture()
+def make():
+    """Build engines over the fake tier (``fakes.make_harness``); any the test did not shut
+    down is shut down (unchecked) afterwards."""
+    from .fakes import make_harness  # (fakes imports this module's constants)
+
+    made = []
+
+    def build(**kw):
+        h = make_harness(**kw)
+        made.append(h)
+        return h
+
+    yield build
+    for h in made:
+        if not h.closed:
+            h.shutdown(check=False)

@@ -19,7 +19,7 @@ from atom import SamplingParams
 from atom.engine.sequence import SeqStatus
 
 from .conftest import BLOCK
-from .fakes import make_harness, prompt_of
+from .fakes import prompt_of
 from .l2_fixtures import redis  # noqa: F401  (a fixture)
 from .ordered_l2 import held_answers, plugin_spec
 from .test_l2 import drained, owned
@@ -33,21 +33,6 @@ ROOT = Path(__file__).resolve().parents[2]
 def pair(seed: int) -> list[list[int]]:
     pre = prompt_of(PREFIX, seed)
     return [pre + prompt_of(TAIL, seed + 1), pre + prompt_of(TAIL, seed + 2)]
-
-
-@pytest.fixture()
-def make():
-    made = []
-
-    def build(**kw):
-        h = make_harness(**kw)
-        made.append(h)
-        return h
-
-    yield build
-    for h in made:
-        if not h.closed:
-            h.shutdown(check=False)
 
 
 def filled(make, prompts, **kw):

@@ -36,29 +36,12 @@ from .fakes import (
     StuckThread,
     cursor_of_image,
     image_bytes,
-    make_harness,
     make_transfer_thread,
     prompt_of,
     transfer_op,
 )
 
 WAIT_S = 10.0  # upper bound for a thread to reach a barrier (never slept)
-
-
-@pytest.fixture()
-def make():
-    """Build harnesses; any not shut down by the test is shut down (unchecked) afterwards."""
-    made = []
-
-    def build(**kw):
-        h = make_harness(**kw)
-        made.append(h)
-        return h
-
-    yield build
-    for h in made:
-        if not h.closed:
-            h.shutdown(check=False)
 
 
 def fill_tier(h, prompt, max_tokens=2):

@@ -9,26 +9,9 @@ A real engine (v41-tiny, CPU) over the fake tier of tests/offload/fakes.py.
 
 from __future__ import annotations
 
-import pytest
-
 from atom.engine.sequence import SeqStatus
 
-from .fakes import make_harness, prompt_of
-
-
-@pytest.fixture()
-def make():
-    made = []
-
-    def build(**kw):
-        h = make_harness(**kw)
-        made.append(h)
-        return h
-
-    yield build
-    for h in made:
-        if not h.closed:
-            h.shutdown(check=False)
+from .fakes import prompt_of
 
 
 def test_what_settled_is_folded_while_the_forward_runs(make):
