@@ -10,9 +10,6 @@ from __future__ import annotations
 from atom.tier.scheduler_side.confirmations import CONFIRM_TTL_S
 
 from .fakes import prompt_of
-from .test_failure_modes import make as _make
-
-make = _make  # the harness fixture
 
 PREFIX = prompt_of(80, 5)  # 5 chunks of 16: a request of PREFIX + 3 tokens stores at 96
 LONG = 16  # output tokens that carry such a request past 96 (it asks at 92)
