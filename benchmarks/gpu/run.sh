@@ -96,12 +96,14 @@ for s in "$@"; do
         done
       done ;;
     roofline) step "${ROOFLINE_LIMIT:-240}" python3 -m benchmarks.roofline --model v41-bench \
-      --device cuda --dtype bfloat16 --position 4096 --batch 1 8 16 32 --decode-steps 16 \
-      --repeats 3 --name "${ROOFLINE_NAME:-roofline_h200}" ;;
-    # the same with compiled glue in the decode graphs (EngineConfig.compile_glue)
+      --device cuda --dtype bfloat16 --position 4096 --batch ${ROOFLINE_BATCHES:-1 8 16 32} \
+      --decode-steps 16 --repeats 3 --name "${ROOFLINE_NAME:-roofline_h200}" ;;
+    # the same with compiled glue in the decode graphs (EngineConfig.compile_glue); both take
+    # ROOFLINE_BATCHES (one batch keeps the glue's compile within a call)
     roofline_glue) step "${GLUE_ROOFLINE_LIMIT:-540}" python3 -m benchmarks.roofline --model v41-bench \
-      --device cuda --dtype bfloat16 --position 4096 --batch 1 8 16 32 --decode-steps 16 \
-      --repeats 3 --name roofline_h200_glue --compile-glue ;;
+      --device cuda --dtype bfloat16 --position 4096 --batch ${ROOFLINE_BATCHES:-1 8 16 32} \
+      --decode-steps 16 --repeats 3 --name "${GLUE_ROOFLINE_NAME:-roofline_h200_glue}" \
+      --compile-glue ;;
     components) step "${COMPONENTS_LIMIT:-200}" python3 -m benchmarks.profile_components \
       --model v41-bench --device cuda --dtype bfloat16 --position 4096 --batch 16 \
       --prefill-tokens 4096 --late-prefill --name "profile_components_h200${COMPONENTS_TAG:-}" ;;
