@@ -202,7 +202,8 @@ class LookupOp(_Settles):
     """A non-blocking lookup: the hit (tokens, ending at a stored image) or no answer."""
 
     lmc_id: str
-    token_ids: list[int]  # already capped: a hit never covers the prompt's last token
+    tokens: list[int]  # the request's live token list: the op asks about its first ``length``
+    length: int  # capped: a hit never covers the prompt's last token
     deadline: float
     owner: Any = None
     state: OpState = OpState.QUEUED
@@ -212,6 +213,17 @@ class LookupOp(_Settles):
     created_at: float = field(default_factory=time.monotonic)
     finished_at: float | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    _ids: list[int] | None = None
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The tokens asked about: ``tokens[:length]``, sliced at first use (by the lookup
+        thread as it sends; a prompt of thousands of tokens is tens of microseconds to copy,
+        which the step thread does not pay). The live list's first ``length`` never change."""
+        ids = self._ids
+        if ids is None:
+            ids = self._ids = self.tokens[: self.length]
+        return ids
 
     def resolve(self, hit: int | None, error: str = "") -> OpState | None:
         """Record the answer; returns the state it replaced (None if already terminal), so

@@ -517,9 +517,11 @@ class FakeSchedulerAdapter:
         self.submitted: list[str] = []
         self.frees: list[tuple[str, int, int]] = []
         self.ended: list[str] = []
+        self.sent: list[list[int]] = []  # the tokens of each lookup and free, as sent
 
     def maybe_submit_lookup_request(self, lmc_id, token_ids) -> None:
         self.submitted.append(lmc_id)
+        self.sent.append(list(token_ids))
 
     def check_lookup_result(self, lmc_id) -> int | None:
         return self.hit if lmc_id in self.submitted else None
@@ -529,6 +531,7 @@ class FakeSchedulerAdapter:
 
     def free_lookup_locks(self, token_ids, start, end, lmc_id) -> None:
         self.frees.append((lmc_id, start, end))
+        self.sent.append(list(token_ids))
 
     def end_session(self, lmc_id) -> None:
         self.ended.append(lmc_id)

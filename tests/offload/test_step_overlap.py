@@ -4,14 +4,19 @@ outcomes applied at once. The fold acts on what changed (settled ops, due
 deadlines, held answers, finished requests), so an update with nothing to do walks no
 request.
 
+The step thread copies no prompt for the tier either: a lookup and a lock free carry the
+request's live token list, and the lookup thread takes the tokens they name as it sends.
+
 A real engine (v41-tiny, CPU) over the fake tier of tests/offload/fakes.py.
 """
 
 from __future__ import annotations
 
 from atom.engine.sequence import SeqStatus
+from atom.tier.config import OffloadConfig
+from atom.tier.worker_side.lookup_thread import LookupThread
 
-from .fakes import prompt_of
+from .fakes import BLOCK, FakeSchedulerAdapter, prompt_of
 
 
 def test_what_settled_is_folded_while_the_forward_runs(make):
@@ -73,3 +78,39 @@ def test_an_update_with_nothing_to_do_walks_no_request(make):
     assert reads == []
     h.run(seqs)
     h.shutdown()
+
+
+def test_a_lookup_and_a_free_send_the_tokens_they_name_copied_off_the_step_thread(make):
+    """The step thread queues a lookup with the request's live list and its length (no copy of
+    a prompt of thousands of tokens, tens of microseconds each); the lookup thread sends
+    exactly the prompt less its last token. A free queued with a live list sends the first
+    ``end`` tokens even when the list grew before the thread got to it."""
+    h = make(auto_lookups=False)
+    thread = LookupThread(
+        url="tcp://127.0.0.1:1",
+        namespace="atom-test#0",
+        world_size=1,
+        block_size=BLOCK,
+        config=OffloadConfig(),
+        zmq_context=None,
+        on_outcome=h.connector.post,
+    )
+    thread._adapter = adapter = FakeSchedulerAdapter(hit=0)
+    h.connector.lookups = thread  # the real lookup thread's logic, run here on cue
+    try:
+        prompt = prompt_of(70, 53)
+        s = h.add(prompt, max_tokens=1)
+        h.step()
+        kind, (lk,) = thread._commands.popleft()
+        assert kind == "lookup" and lk.tokens is s.tokens and lk._ids is None
+        thread._do_lookup(lk)
+        assert adapter.sent == [prompt[:69]]  # a hit never covers the prompt's last token
+
+        live = list(prompt)
+        thread.free_locks("r-1", live, BLOCK, 3 * BLOCK)
+        live += [5, 6, 7]  # the request grows before the thread sends the free
+        thread._run_command(*thread._commands.popleft())
+        assert adapter.frees[-1] == ("r-1", BLOCK, 3 * BLOCK)
+        assert adapter.sent[-1] == prompt[: 3 * BLOCK]
+    finally:
+        h.connector.lookups = h.lookups

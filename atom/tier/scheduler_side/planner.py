@@ -316,8 +316,8 @@ class OffloadConnector(Connector):
             st.tier_has = 0 if self.health.healthy else None
             st.to(Phase.RUNNING)
             return
-        tokens = st.seq.tokens[: st.seq.num_tokens - 1]
-        boundary = (len(tokens) // self.chunk_size) * self.chunk_size
+        asked = st.seq.num_tokens - 1  # a hit never covers the prompt's last token
+        boundary = (asked // self.chunk_size) * self.chunk_size
         if local_hit >= boundary:  # the tier cannot add a token: admit now
             st.to(Phase.CONFIRMING)
             if boundary == 0:
@@ -330,7 +330,7 @@ class OffloadConnector(Connector):
             self._confirm_when_due(st, now=not self._known_stored(st.seq, boundary))
             return
         st.to(Phase.LOOKING_UP)
-        self._send_lookup(st, tokens, self.clock() + self.cfg.lookup_timeout_s)
+        self._send_lookup(st, asked, self.clock() + self.cfg.lookup_timeout_s)
         st.session_open = True
 
     def _known_stored(self, seq: Sequence, boundary: int) -> bool:
@@ -363,7 +363,7 @@ class OffloadConnector(Connector):
                     self._confirmed(st, held)
                 return
         deadline = self.clock() + self.cfg.lookup_timeout_s
-        self._send_lookup(st, st.seq.tokens[:end], deadline)
+        self._send_lookup(st, end, deadline)
         st.session_open = True
 
     def _confirmed(self, st: TierRequest, hit: int | None) -> None:
@@ -488,8 +488,9 @@ class OffloadConnector(Connector):
 
     # ---- lookups ------------------------------------------------------------------------
 
-    def _send_lookup(self, st: TierRequest, tokens: list[int], deadline: float) -> None:
-        st.lookup = LookupOp(st.lmc_id, tokens, deadline, st)
+    def _send_lookup(self, st: TierRequest, length: int, deadline: float) -> None:
+        """Ask about the request's first ``length`` tokens (its live list: not copied here)."""
+        st.lookup = LookupOp(st.lmc_id, st.seq.tokens, length, deadline, st)
         st.asked_at, st.replied_at, st.asks = self.clock(), None, st.asks + 1
         self._due(deadline, st, st.lookup)
         self.lookups.lookup(st.lookup)
@@ -539,7 +540,7 @@ class OffloadConnector(Connector):
                 log.debug("lookup %s: %d of %d; asked again", st.lmc_id, st.held, verdict.owed)
                 st.held = None
                 self._free_locks(st)
-                self._send_lookup(st, st.lookup.token_ids, st.lookup.deadline)
+                self._send_lookup(st, st.lookup.length, st.lookup.deadline)
             else:
                 hit, st.held = st.held, None
                 self._settle_answer(st, hit)
@@ -879,7 +880,7 @@ class OffloadConnector(Connector):
             lk = st.lookup
             if st.lookup_pending and lk.mark_late():
                 st.answer = 0
-                self.lookups.free_locks(st.lmc_id, lk.token_ids, 0, len(lk.token_ids))
+                self.lookups.free_locks(st.lmc_id, lk.tokens, 0, lk.length)
             for op in list(st.ops):
                 op.resolve(False, "shutdown")
                 if op.local:  # a copy that completed: its locks are freed now

@@ -112,9 +112,11 @@ class LookupThread:
 
     def free_locks(self, lmc_id: str, token_ids: list[int], start: int, end: int) -> None:
         """Queue a free without waking the thread (waking it hands the GIL over mid-step):
-        ``flush`` or the next command sends it, in order."""
+        ``flush`` or the next command sends it, in order. ``token_ids`` may be a request's
+        live list, longer than ``end``: its first ``end`` never change, and this thread reads
+        only those (the copy is made here, off the step thread)."""
         if end > start:
-            self._put("free", (lmc_id, list(token_ids[:end]), start, end), wake=False)
+            self._put("free", (lmc_id, token_ids, start, end), wake=False)
 
     def flush(self) -> None:
         """Wake the thread if commands wait (the connector calls it once per step)."""
@@ -272,7 +274,7 @@ class LookupThread:
     def _do_free(self, lmc_id: str, token_ids: list[int], start: int, end: int) -> None:
         adapter = self._get_adapter()
         if adapter is not None:
-            adapter.free_lookup_locks(token_ids, start, end, lmc_id)
+            adapter.free_lookup_locks(token_ids[:end], start, end, lmc_id)
             self.locks_freed += 1
 
     def _do_end(self, lmc_id: str) -> None:
