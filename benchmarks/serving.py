@@ -54,6 +54,7 @@ from atom import LLM, SamplingParams
 from atom.thread_cpu import cpu_used, thread_cpu_seconds
 from benchmarks.common import md_table, write_results
 from benchmarks.gpu_pmon import PerProcessGpu
+from benchmarks.pass_parts import gc_clock, paired_spread, pass_parts, spread_text
 from benchmarks.recall_task import SPLIT_SEEDS, filler, split
 from benchmarks.step_log import STEPS_HEADER, StepLog, steps_table
 from benchmarks.tier_probe import tier_holds
@@ -441,16 +442,22 @@ class Arm:
         self.rounds0 = transfer_rounds(eng)
         self.calls0 = lookup_path_calls(conn)
         self.walls: list[float] = []
+        self.parts: list[dict] = []  # per measured pass: where its wall went (pass_parts.py)
         self.every: list = []
         self.outs: list = []
         self.threads: dict[str, float] = {}
 
     def measure(self) -> float:
-        """One measured pass; returns its wall seconds."""
+        """One measured pass; returns its wall seconds (its parts: ``self.parts``)."""
         threads0 = thread_cpu_seconds()
+        clock, n0 = gc_clock(), len(self.log.rows)
+        gc0, counts0 = clock.read()
         t0 = time.perf_counter()
         self.outs = self.llm.generate(self.prompts, self.params)
         wall = time.perf_counter() - t0
+        gc1, counts1 = clock.read()
+        counts = tuple(b - a for a, b in zip(counts0, counts1))
+        self.parts.append(pass_parts(self.log.rows[n0:], wall, gc1 - gc0, counts))
         for k, v in cpu_used(threads0, thread_cpu_seconds()).items():
             self.threads[k] = self.threads.get(k, 0.0) + v
         self.walls.append(wall)
@@ -766,6 +773,8 @@ def idle_interleaved(args) -> None:
         "hbm_only_wall_s": arms[0]["wall_s"],
         "idle_tier_wall_s": arms[1]["wall_s"],
         "tier_loads": arms[1].get("loads", 0),
+        # which part of the passes carries the rounds' spread (pass_parts.py)
+        "spread": paired_spread(hbm.parts, tiered.parts),
     }
     table = idle_table(arms)
     table += (
@@ -776,9 +785,8 @@ def idle_interleaved(args) -> None:
         f"{100 * summary['min']:+.2f}% to {100 * summary['max']:+.2f}%; loads in the tier "
         f"arm: {summary['tier_loads']}. Both engines in one process (the tier arm shares the "
         "HBM-only arm's weights); other threads' CPU is counted during each arm's own passes."
-        "\n\nWhere the time goes, by step kind:\n\n"
-        + md_table(STEPS_HEADER, steps_table(arms))
-        + "\n"
+        "\n\n" + spread_text(summary["spread"], hbm.name, tiered.name) + "\n\n"
+        "Where the time goes, by step kind:\n\n" + md_table(STEPS_HEADER, steps_table(arms)) + "\n"
     )
     print(table)
     cmd = (
