@@ -114,3 +114,54 @@ def test_a_lookup_and_a_free_send_the_tokens_they_name_copied_off_the_step_threa
         assert adapter.sent[-1] == prompt[: 3 * BLOCK]
     finally:
         h.connector.lookups = h.lookups
+
+
+class _CountedHealth:
+    """The connector's health, counting reads of ``healthy`` while ``on``."""
+
+    def __init__(self, inner):
+        self._inner, self.on, self.reads = inner, False, 0
+
+    @property
+    def healthy(self):
+        self.reads += self.on
+        return self._inner.healthy
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+
+def test_after_step_asks_nothing_for_requests_whose_tier_state_is_unknown(make):
+    """Requests HBM covered ask the tier what it holds only as they near a boundary they would
+    store; until the answer (here: never) their tier state is unknown and they store nothing.
+    after_step then asks nothing for them: not the policy, not the server's health (with an
+    idle tier that is every running request, every step)."""
+    h = make(auto_transfers=("save",))
+    prompt = prompt_of(40, 70)
+    h.run([h.add(prompt, max_tokens=2)])  # stores the prefix; HBM keeps it
+    h.lookups.auto = False  # the confirmations below stay unanswered
+    again = [h.add(prompt, max_tokens=12) for _ in range(2)]
+    h.step_until(lambda: all(s.status is SeqStatus.RUNNING for s in again))
+    conn = h.connector
+    states = [conn.request_state(s) for s in again]
+    assert all(st.tier_has is None and st.saved_upto == 0 for st in states)
+    assert all(s.num_computed >= 32 for s in again)  # past a boundary: a save, were it known
+    counted = conn.health = _CountedHealth(conn.health)
+    after_step = conn.after_step
+
+    def watched(seqs):
+        counted.on = True
+        try:
+            return after_step(seqs)
+        finally:
+            counted.on = False
+
+    conn.after_step = watched
+    saves = len(h.transfers.saves)
+    for _ in range(3):
+        h.step()
+    assert counted.reads == 0
+    assert len(h.transfers.saves) == saves
+    conn.after_step, conn.health = after_step, counted._inner
+    h.run(again)
+    h.shutdown(check=False)

@@ -454,10 +454,11 @@ class OffloadConnector(Connector):
             if st is None:
                 continue
             # (most requests, most steps, neither confirm nor reach a boundary: tested
-            # here, not in a call each)
+            # here, not in a call each; one whose prefix the tier's state is unknown for
+            # stores nothing until it is: then its answer plans its saves)
             if st.phase is Phase.CONFIRMING:
                 self._confirm_when_due(st)
-            if st.saved_upto + chunk <= seq.num_computed:
+            if st.tier_has is not None and st.saved_upto + chunk <= seq.num_computed:
                 self._plan_saves(st)
         if self._ahead_open:  # after this step's saves: what they did not claim is given back
             self.transfers.ahead_end()
@@ -747,7 +748,7 @@ class OffloadConnector(Connector):
         b = st.saved_upto + chunk
         if b > seq.num_computed:
             return
-        if not self.policy.may_store or not self.health.healthy or st.tier_has is None:
+        if st.tier_has is None or not self.policy.may_store or not self.health.healthy:
             return
         bs = self.spec.block_size
         while b <= seq.num_computed:
