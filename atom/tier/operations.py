@@ -202,7 +202,8 @@ class LookupOp(_Settles):
     """A non-blocking lookup: the hit (tokens, ending at a stored image) or no answer."""
 
     lmc_id: str
-    tokens: list[int]  # the request's live token list: the op asks about its first ``length``
+    # the request's live token list: the op asks about its first ``length``
+    tokens: list[int] = field(repr=False)
     length: int  # capped: a hit never covers the prompt's last token
     deadline: float
     owner: Any = None
@@ -213,7 +214,7 @@ class LookupOp(_Settles):
     created_at: float = field(default_factory=time.monotonic)
     finished_at: float | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
-    _ids: list[int] | None = None
+    _ids: list[int] | None = field(default=None, repr=False)
 
     @property
     def token_ids(self) -> list[int]:
@@ -301,6 +302,7 @@ class TierRequest:
     ops: set[TransferOp] = field(default_factory=set)  # live transfers (leased or unreported)
     session_open: bool = False
     confirm_at: int = 0  # CONFIRMING: the boundary its confirmation is for (asked near it)
+    confirm_due: int = 0  # CONFIRMING: the computed length from which it asks (due_from)
     confirm_key: int | None = None  # the prefix whose shared confirmation it leads or follows
 
     def to(self, phase: Phase) -> None:

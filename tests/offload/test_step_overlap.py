@@ -165,3 +165,32 @@ def test_after_step_asks_nothing_for_requests_whose_tier_state_is_unknown(make):
     conn.after_step, conn.health = after_step, counted._inner
     h.run(again)
     h.shutdown(check=False)
+
+
+def test_after_step_does_not_weigh_confirming_for_requests_never_due(make, monkeypatch):
+    """A request HBM covered whose ``max_tokens`` end it before the first boundary it would
+    store never asks (nothing of its own to store): that is decided at admission, and
+    after_step does not weigh it again each step (it did, for every such request). One that
+    will reach its boundary asks once it nears it, as before."""
+    from atom.tier.scheduler_side import planner
+
+    h = make(auto_transfers=("save",))
+    prompt = prompt_of(40, 71)
+    h.run([h.add(prompt, max_tokens=2)])  # stores the prefix; HBM keeps it
+    weighed = []
+    inner = planner.confirm_end
+
+    def counted(seq, *a, **k):
+        weighed.append(seq.seq_id)
+        return inner(seq, *a, **k)
+
+    monkeypatch.setattr(planner, "confirm_end", counted)
+    short = h.add(prompt, max_tokens=4)  # 43 tokens at most: never at 48, its first boundary
+    long = h.add(prompt, max_tokens=12)  # reaches 48: asks once past 44
+    h.run([short, long])
+    assert weighed.count(short.seq_id) == 1  # at admission, then never again
+    assert weighed.count(long.seq_id) >= 1
+    asked = [op for op in h.lookups.ops if op.owner.seq is long]
+    assert len(asked) == 1  # (up to 32, the prompt's last boundary: its tokens to 48 not yet made)
+    assert not [op for op in h.lookups.ops if op.owner.seq is short]
+    h.shutdown()

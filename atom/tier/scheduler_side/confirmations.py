@@ -25,11 +25,24 @@ One object per connector, used on the step thread only.
 
 from __future__ import annotations
 
+import sys
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
 CONFIRM_TTL_S = 1.0  # an answer reused for this long by the other requests of its prefix
 CONFIRM_LEAD = 0.25  # asked this fraction of a chunk before the first boundary it would store
+NEVER = sys.maxsize  # a computed length no request reaches
+
+
+def due_from(seq, confirm_at: int, chunk: int) -> int:
+    """The computed length from which a CONFIRMING request is due to ask (unless asked
+    ``now``): ``CONFIRM_LEAD`` of a chunk before ``confirm_at``; ``NEVER`` for one whose
+    ``max_tokens`` end it before ``confirm_at`` (nothing of its own to store). Fixed at
+    admission (``max_tokens`` is resolved by then), so the step thread compares one integer
+    per request and step."""
+    if seq.max_tokens and seq.num_prompt + seq.max_tokens - 1 < confirm_at:
+        return NEVER
+    return confirm_at - int(CONFIRM_LEAD * chunk)
 
 
 def confirm_end(seq, confirm_at: int, chunk: int, block_size: int, now: bool) -> int | None:
@@ -41,11 +54,8 @@ def confirm_end(seq, confirm_at: int, chunk: int, block_size: int, now: bool) ->
     The end is ``confirm_at`` where the request's tokens up to it (and their block hash)
     exist already, so that a chunk the tier holds is not stored again; else the prompt's last
     boundary, what HBM covered (the local hit hashed it)."""
-    if not now:
-        if seq.max_tokens and seq.num_prompt + seq.max_tokens - 1 < confirm_at:
-            return None
-        if seq.num_computed + int(CONFIRM_LEAD * chunk) < confirm_at:
-            return None
+    if not now and seq.num_computed < due_from(seq, confirm_at, chunk):
+        return None
     if seq.num_tokens < confirm_at or len(seq.block_hashes) < confirm_at // block_size:
         return confirm_at - chunk
     return confirm_at

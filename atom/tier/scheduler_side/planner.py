@@ -107,7 +107,12 @@ from atom.tier.operations import (
     TransferOp,
 )
 from atom.tier.policy import TierPolicy
-from atom.tier.scheduler_side.confirmations import Confirmations, confirm_end, prefix_key
+from atom.tier.scheduler_side.confirmations import (
+    Confirmations,
+    confirm_end,
+    due_from,
+    prefix_key,
+)
 from atom.tier.tier_metrics import TierMetrics
 from atom.tier.worker_side.events import EventPool
 from atom.tier.worker_side.local_load import LocalLoadError
@@ -324,6 +329,7 @@ class OffloadConnector(Connector):
                 self._confirmed(st, 0)  # nothing the tier could hold: a miss, unasked
                 return
             st.confirm_at = boundary + self.chunk_size  # its first boundary past HBM's
+            st.confirm_due = due_from(st.seq, st.confirm_at, self.chunk_size)
             # a prefix this connector has not seen stored (the tier may have lost it: a
             # restart) is confirmed now, so that it is stored again from HBM; one it stored
             # or loaded is confirmed only when the request has something to store
@@ -456,7 +462,7 @@ class OffloadConnector(Connector):
             # (most requests, most steps, neither confirm nor reach a boundary: tested
             # here, not in a call each; one whose prefix the tier's state is unknown for
             # stores nothing until it is: then its answer plans its saves)
-            if st.phase is Phase.CONFIRMING:
+            if st.phase is Phase.CONFIRMING and seq.num_computed >= st.confirm_due:
                 self._confirm_when_due(st)
             if st.tier_has is not None and st.saved_upto + chunk <= seq.num_computed:
                 self._plan_saves(st)
