@@ -460,8 +460,8 @@ class OffloadConnector(Connector):
             if st is None:
                 continue
             # (most requests, most steps, neither confirm nor reach a boundary: tested
-            # here, not in a call each; one whose prefix the tier's state is unknown for
-            # stores nothing until it is: then its answer plans its saves)
+            # here, not in a call each; a request whose tier state is unknown stores
+            # nothing until its answer, which then plans its saves)
             if st.phase is Phase.CONFIRMING and seq.num_computed >= st.confirm_due:
                 self._confirm_when_due(st)
             if st.tier_has is not None and st.saved_upto + chunk <= seq.num_computed:
