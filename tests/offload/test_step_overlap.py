@@ -5,7 +5,9 @@ deadlines, held answers, finished requests), so an update with nothing to do wal
 request.
 
 The step thread copies no prompt for the tier either: a lookup and a lock free carry the
-request's live token list, and the lookup thread takes the tokens they name as it sends.
+request's live token list, and the lookup thread takes the tokens they name as it sends. And
+after_step asks nothing for a request that cannot store yet (its tier state unknown) and does
+not weigh again a confirmation its admission found never due.
 
 A real engine (v41-tiny, CPU) over the fake tier of tests/offload/fakes.py.
 """
