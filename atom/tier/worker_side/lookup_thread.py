@@ -217,7 +217,7 @@ class LookupThread:
             self._finish(op, None, "tier unavailable")
             return
         if self.locator is not None and self.locator.combined:
-            if len(op.token_ids) < adapter.lmcache_tokens_per_chunk:
+            if op.length < adapter.lmcache_tokens_per_chunk:
                 self._finish(op, 0)  # nothing to look up: the adapter answers 0 without a call
                 return
             sent = self._send_combined(adapter, op, poll=False)
@@ -237,7 +237,7 @@ class LookupThread:
             self._free_by_id(op)
             self._finish(op, None, f"lookup not acknowledged: {exc!r}")
             return False
-        if len(op.token_ids) >= getattr(adapter, "lmcache_tokens_per_chunk", 1):
+        if op.length >= getattr(adapter, "lmcache_tokens_per_chunk", 1):
             self.calls["lookup"] += 1  # (a shorter one the adapter answers itself)
             self._queried.add(id(op))
         return True
