@@ -73,6 +73,11 @@ def pass_parts(rows: list, wall: float, gc_s: float, gc_counts: tuple[int, ...])
     }
 
 
+def rounded(v):
+    """A part as the results keep it (seconds to 0.1 ms; counts as they are)."""
+    return round(v, 4) if isinstance(v, float) else v
+
+
 def _ci(xs: list[float]) -> tuple[float, float, float]:
     """(mean, 95% half-width, standard deviation)."""
     mean = statistics.fmean(xs)

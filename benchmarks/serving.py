@@ -54,7 +54,7 @@ from atom import LLM, SamplingParams
 from atom.thread_cpu import cpu_used, thread_cpu_seconds
 from benchmarks.common import md_table, write_results
 from benchmarks.gpu_pmon import PerProcessGpu
-from benchmarks.pass_parts import gc_clock, paired_spread, pass_parts, spread_text
+from benchmarks.pass_parts import gc_clock, paired_spread, pass_parts, rounded, spread_text
 from benchmarks.recall_task import SPLIT_SEEDS, filler, split
 from benchmarks.step_log import STEPS_HEADER, StepLog, steps_table
 from benchmarks.tier_probe import tier_holds
@@ -773,8 +773,13 @@ def idle_interleaved(args) -> None:
         "hbm_only_wall_s": arms[0]["wall_s"],
         "idle_tier_wall_s": arms[1]["wall_s"],
         "tier_loads": arms[1].get("loads", 0),
-        # which part of the passes carries the rounds' spread (pass_parts.py)
+        # which part of the passes carries the rounds' spread (pass_parts.py), and each
+        # round's parts (seconds), so that a single round can be traced to its cause
         "spread": paired_spread(hbm.parts, tiered.parts),
+        "passes": {
+            arm.name: [{k: rounded(v) for k, v in p.items()} for p in arm.parts]
+            for arm in (hbm, tiered)
+        },
     }
     table = idle_table(arms)
     table += (

@@ -49,6 +49,17 @@ def test_interleaved_idle_rounds_alternate_and_the_tier_stays_idle(monkeypatch, 
     assert all(abs(a - b) < 0.01 for a, b in zip(summary["round_overheads"], rounds))
     assert abs(summary["idle_tier_overhead"] - statistics.mean(summary["round_overheads"])) < 1e-4
     assert summary["ci95_half_width"] > 0
+    # each pass's parts: its steps by kind, the time outside them, its collections
+    for arm in (hbm, tiered):
+        parts = summary["passes"][arm["arm"]]
+        assert [p["wall_s"] for p in parts] == arm["pass_walls_s"]
+        for p in parts:
+            assert p["decode_s"] > 0 and p["steps"] > 0 and len(p["gc_collections"]) == 3
+            assert abs(p["decode_s"] + p["other_steps_s"] + p["outside_s"] - p["wall_s"]) < 1e-3
+    spread = summary["spread"]
+    assert (
+        spread["rounds"] == 4 and abs(spread["wall"]["mean"] - summary["idle_tier_overhead"]) < 1e-9
+    )
     assert tiered["loads"] == 0 and tiered["tier_hit_tokens"] == 0
     assert tiered["lookup_thread_calls"]["lookups"] == 0  # HBM covered every prompt
     # one copy of the weights: both engines decode the same tokens in every pass
