@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import logging
 import os
 import signal
@@ -35,6 +36,19 @@ log = logging.getLogger("atom.serve")
 def shutdown_reserve(drain_timeout: float) -> float:
     """The part of the drain budget kept for the engine and tier shutdown."""
     return min(10.0, drain_timeout / 2)
+
+
+def freeze_startup_heap() -> int:
+    """Collect once, then put every object alive now (the model's modules, the graphs, the
+    imports: hundreds of thousands) out of the cyclic collector's reach (``gc.freeze``), so a
+    full collection while serving scans only what serving allocated since. A built v41-mini
+    engine's full collection took 29-43 ms on a 2-core CPU host, under 0.01 ms once frozen,
+    and a full collection stalls the step thread for its whole length. Frozen objects are
+    still freed by reference counting; this process serves one engine until it exits, so none
+    of them becomes cyclic garbage. Returns how many objects were frozen."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
 
 
 def run_server(config: EngineConfig, args: argparse.Namespace) -> int:
@@ -77,6 +91,9 @@ def run_server(config: EngineConfig, args: argparse.Namespace) -> int:
             else f"{tier.get('url')} ({'healthy' if tier.get('healthy') else 'UNREACHABLE'}"
             f"{', owned' if tier.get('owned') else ''})"
         ),
+    )
+    log.info(
+        "froze %d objects of the started server for the garbage collector", freeze_startup_heap()
     )
     tier_obj = getattr(engine, "tier", None)  # kept: released by force if shutdown overruns
     overran = threading.Event()

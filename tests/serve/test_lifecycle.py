@@ -4,6 +4,7 @@ config printing and refusals."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -65,6 +66,8 @@ def test_sigterm_with_owned_lmcache_server_exits_cleanly():
     log = proc.text()
     assert "shutdown complete" in log
     assert "stopped LMCache server" in log
+    frozen = re.search(r"froze (\d+) objects of the started server", log)
+    assert frozen and int(frozen.group(1)) > 10_000  # the engine's heap, out of the GC's scans
     assert not probe(tier["url"], 1.0), "the owned LMCache server outlived atom.serve"
     assert shm_of(pid) == []
 
