@@ -14,6 +14,7 @@ beside it.
 
 from __future__ import annotations
 
+import functools
 import gc
 import statistics
 import time
@@ -42,19 +43,11 @@ class GcClock:
     def read(self) -> tuple[float, tuple[int, int, int]]:
         return sum(self.seconds), (self.counts[0], self.counts[1], self.counts[2])
 
-    def close(self) -> None:
-        if self._on_gc in gc.callbacks:
-            gc.callbacks.remove(self._on_gc)
 
-
-_CLOCK: list[GcClock] = []
-
-
+@functools.cache
 def gc_clock() -> GcClock:
     """The process's one ``GcClock`` (made on first use)."""
-    if not _CLOCK:
-        _CLOCK.append(GcClock())
-    return _CLOCK[0]
+    return GcClock()
 
 
 def pass_parts(rows: list, wall: float, gc_s: float, gc_counts: tuple[int, ...]) -> dict:

@@ -760,8 +760,10 @@ def idle_interleaved(args) -> None:
         walls = {first.name: first.measure(), second.name: second.measure()}
         rounds.append(walls[tiered.name] / walls[hbm.name] - 1)
     arms = [hbm.finish(), tiered.finish()]
-    mean = statistics.mean(rounds)
-    half = 1.96 * statistics.stdev(rounds) / len(rounds) ** 0.5 if len(rounds) > 1 else 0.0
+    # which part of the passes carries the rounds' spread (pass_parts.py); its whole-pass
+    # entry is the rounds' overhead, with its 95% confidence half-width
+    spread = paired_spread(hbm.parts, tiered.parts)
+    mean, half = spread["wall"]["mean"], spread["wall"]["ci95_half_width"]
     summary = {
         "rounds": len(rounds),
         "round_overheads": [round(x, 5) for x in rounds],
@@ -773,9 +775,8 @@ def idle_interleaved(args) -> None:
         "hbm_only_wall_s": arms[0]["wall_s"],
         "idle_tier_wall_s": arms[1]["wall_s"],
         "tier_loads": arms[1].get("loads", 0),
-        # which part of the passes carries the rounds' spread (pass_parts.py), and each
-        # round's parts (seconds), so that a single round can be traced to its cause
-        "spread": paired_spread(hbm.parts, tiered.parts),
+        "spread": spread,
+        # each round's parts (seconds), so that a single round can be traced to its cause
         "passes": {
             arm.name: [{k: rounded(v) for k, v in p.items()} for p in arm.parts]
             for arm in (hbm, tiered)

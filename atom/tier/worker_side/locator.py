@@ -571,8 +571,8 @@ class Locator:
             "model_name": self.namespace,
             "world_size": self.world_size,
             "request_id": op.lmc_id,
-            "token_ids": list(op.token_ids),
-            "end": len(op.token_ids) // chunk * chunk,
+            "token_ids": op.token_ids,  # the op's own slice (sliced once: polls resend it)
+            "end": op.length // chunk * chunk,
             "readers": readers,
             "grid": self.chunk,
             "locate": op.state is not OpState.LATE,

@@ -267,7 +267,7 @@ class LookupThread:
         ``_ends_after_answer``). Ended first, the free would find no lookup to release and
         leave the locks to LMCache's read-lock TTL."""
         try:
-            self._do_free(op.lmc_id, op.token_ids, 0, len(op.token_ids))
+            self._do_free(op.lmc_id, op.tokens, 0, op.length)
         except Exception:
             log.warning("freeing the locks of lookup %s failed", op.lmc_id, exc_info=True)
 
@@ -323,7 +323,7 @@ class LookupThread:
         for op, hit in answered + combined:
             before = self._finish(op, hit)
             if before is OpState.LATE and hit:  # nobody will load it: release its locks
-                self._do_free(op.lmc_id, op.token_ids, 0, hit)
+                self._do_free(op.lmc_id, op.tokens, 0, hit)
         if not self._ends_after_answer:
             return
         answering = {o.lmc_id for o in still}
