@@ -13,7 +13,9 @@ pinned host-to-device copy on CUDA, the copy a perfect load path would do.
 
 ``--burst B`` also submits B loads of the largest size at once (as a wave of requests admitted
 together does in serving) and reports each one's latency and the aggregate GB/s: whether the
-server overlaps loads or serves them one after another.
+server overlaps loads or serves them one after another. The same B loads engine-driven run in
+each copier variant ``--burst-rounds`` times (default 5), alternating, with their median and
+range, and the median as a share of a plain copy's bandwidth.
 
 Both load modes run side by side on the same stored objects: lmcache_driven (the server's
 retrieve; its own handler time, from the "Retrieved N tokens in S seconds" lines it logs, is
@@ -62,6 +64,24 @@ def wait(fut) -> None:
     assert fut.result(), "transfer failed"
 
 
+def share(gbps: float, row: dict) -> str:
+    """``gbps`` as a percentage of the plain copy's GB/s in ``row`` (same chunks)."""
+    return f"{100 * gbps / row['copy_gbps']:.0f}%"
+
+
+def burst_summary(runs: list[dict]) -> dict:
+    """One engine-driven variant's burst rounds: its counts (the same every round), the median
+    of each timing, and every round's aggregate GB/s (their spread)."""
+    gbps = [r["aggregate_gbps"] for r in runs]
+    out = {key: runs[0][key] for key in ("streams", "copier", "gathers", "batched")}
+    out |= {key: runs[0][key] for key in ("launches", "copies")}
+    for key in ("issue_all_ms", "p50_ms", "max_ms"):
+        out[key] = round(statistics.median(r[key] for r in runs), 3)
+    out["aggregate_gbps"] = round(statistics.median(gbps), 3)
+    out["rounds_gbps"] = [round(g, 3) for g in gbps]
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -70,8 +90,16 @@ def main() -> None:
     ap.add_argument("--chunks", type=int, nargs="+", default=[1, 4, 16, 28])
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--burst", type=int, default=0, help="loads submitted at once (0: none)")
+    ap.add_argument(
+        "--burst-rounds",
+        type=int,
+        default=5,
+        help="measured rounds of each engine-driven burst variant (their median and range)",
+    )
     ap.add_argument("--name", default=None)
     args = ap.parse_args()
+    if args.burst_rounds < 1:
+        ap.error(f"--burst-rounds {args.burst_rounds}: give at least 1")
     os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
     import zmq
     from lmcache.integration.atom import (
@@ -177,11 +205,12 @@ def main() -> None:
         # the same b loads engine-driven: one copy stream with one batched runtime call per
         # load (the engine's), one call per run, and two copy streams; lookups and locates
         # first (the answers), then every copy issued at once, timed to the last completion
-        # (each load's completion from the GPU's own clock)
+        # (each load's completion from the GPU's own clock). Each variant once unmeasured (its
+        # streams' first use, the gather kernel's compile), then ``--burst-rounds`` measured
+        # rounds, the variants' order reversed every other round
         nbytes = (n + k) * spec.block_bytes
-        ed = []
-        variants = [(1, True, "copy_engine"), (1, False, "copy_engine"), (2, True, "copy_engine")]
-        for streams, batch, kind in variants + [(1, True, "kernel")]:
+
+        def ed_round(streams: int, batch: bool, kind: str) -> dict:
             copier = local.copier(streams, batch, kind)
             located = []
             for rid, op, _ in jobs:
@@ -199,20 +228,32 @@ def main() -> None:
                 assert torch.equal(pb[op.page_blocks], pb[src])
                 assert torch.equal(pb[op.image.units], pb[src_units])
                 local.free(rid, op.token_ids, n)
-            ed.append(
-                {
-                    "streams": streams,
-                    "copier": kind,
-                    "gathers": copier.gathers,
-                    "batched": copier.launches < copier.copies,
-                    "launches": copier.launches,
-                    "copies": copier.copies,
-                    "issue_all_ms": round(1e3 * issued, 3),
-                    "p50_ms": round(1e3 * statistics.median(ed_lat), 3),
-                    "max_ms": round(1e3 * ed_lat[-1], 3),
-                    "aggregate_gbps": round(b * nbytes / ed_lat[-1] / 1e9, 3),
-                }
-            )
+            return {
+                "streams": streams,
+                "copier": kind,
+                "gathers": copier.gathers,
+                "batched": copier.launches < copier.copies,
+                "launches": copier.launches,
+                "copies": copier.copies,
+                "issue_all_ms": 1e3 * issued,
+                "p50_ms": 1e3 * statistics.median(ed_lat),
+                "max_ms": 1e3 * ed_lat[-1],
+                "aggregate_gbps": b * nbytes / ed_lat[-1] / 1e9,
+            }
+
+        variants = [
+            (1, True, "copy_engine"),
+            (1, False, "copy_engine"),
+            (2, True, "copy_engine"),
+            (1, True, "kernel"),
+        ]
+        for v in variants:
+            ed_round(*v)
+        measured: dict[tuple, list[dict]] = {v: [] for v in variants}
+        for r in range(args.burst_rounds):
+            for v in variants if r % 2 == 0 else variants[::-1]:
+                measured[v].append(ed_round(*v))
+        ed = [burst_summary(runs) for runs in measured.values()]
         for rid, _, _ in jobs:
             sched.end_session(rid)
         lat = sorted(done.values())
@@ -366,14 +407,16 @@ def main() -> None:
             f"{row['aggregate_gbps']} GB/s (one load alone: {single['load_p50_ms']} ms, "
             f"{single['load_gbps']} GB/s). The server's handler times sum to "
             f"{row['server_handler_sum_ms']} ms (each: {row['server_handler_ms']}).\n"
+            + f"Engine-driven, the same {row['burst']} loads issued at once, medians over "
+            f"{args.burst_rounds} rounds (each variant once more first, unmeasured):\n"
             + "".join(
-                f"Engine-driven, the same {row['burst']} loads issued at once, {e['streams']} "
-                f"copy stream{'s' if e['streams'] > 1 else ''}, {e['copies']} copies in "
-                f"{e['launches']} runtime calls"
+                f"- {e['streams']} copy stream{'s' if e['streams'] > 1 else ''}, {e['copies']} "
+                f"copies in {e['launches']} runtime calls"
                 + (f" ({e['gathers']} of them gather kernels)" if e["gathers"] else "")
-                + f" (issued in {e['issue_all_ms']} ms): p50 "
-                f"{e['p50_ms']} ms, last {e['max_ms']} ms, aggregate {e['aggregate_gbps']} "
-                "GB/s.\n"
+                + f" (issued in {e['issue_all_ms']} ms): p50 {e['p50_ms']} ms, last "
+                f"{e['max_ms']} ms, aggregate {e['aggregate_gbps']} GB/s "
+                f"({share(e['aggregate_gbps'], single)} of a plain copy; rounds "
+                f"{min(e['rounds_gbps'])}-{max(e['rounds_gbps'])} GB/s).\n"
                 for e in row["engine_driven"]
             )
         )
@@ -381,7 +424,7 @@ def main() -> None:
     cmd = (
         f"python -m benchmarks.transfer --device {args.device} --chunks "
         f"{' '.join(map(str, args.chunks))} --repeats {args.repeats}"
-        + (f" --burst {args.burst}" if args.burst else "")
+        + (f" --burst {args.burst} --burst-rounds {args.burst_rounds}" if args.burst else "")
     )
     print(table)
     data = {"geometry": geo.describe(), "rows": raw, "bursts": bursts, "event_ms": events_ms}
