@@ -92,6 +92,11 @@ class EngineConfig(BaseModel):
     # seconds every rank has to join the group at start (and to connect for the first
     # collective); a rank that exits before fails the start at once, naming the cause
     tensor_parallel_start_timeout_s: float = 30.0
+    # how the ranks sum a forward's partial outputs: "group" (NCCL on CUDA, gloo on CPU) or
+    # "one_shot" (CUDA only: tensors up to 8 MiB in one kernel over symmetric memory, every
+    # rank reading every rank's buffer; atom/distributed/one_shot.py). Opt-in until measured
+    # against NCCL on two GPUs
+    tp_all_reduce: Literal["group", "one_shot"] = "group"
     offload: Literal["none", "lmcache_mp"] = "none"
     lmcache: OffloadConfig = OffloadConfig()  # the tier's settings (with offload=lmcache_mp)
     # publish HBM prefix-cache events in vLLM's format on ZMQ (None: off); docs/SCALING.md
@@ -200,6 +205,16 @@ class EngineConfig(BaseModel):
                 f"tensor_parallel_size={self.tensor_parallel_size} with batch_invariant=true: "
                 "the ranks' partial sums are reduced in an order that depends on the batch; "
                 "use tensor_parallel_size=1 or batch_invariant=false"
+            )
+        if (
+            self.tp_all_reduce == "one_shot"
+            and self.tensor_parallel_size > 1
+            and self.device == "cpu"
+        ):
+            raise ValueError(
+                f"tp_all_reduce=one_shot with device={self.device}: the one-shot all-reduce "
+                "runs on CUDA ranks (torch's symmetric memory); CPU ranks sum over gloo: use "
+                "tp_all_reduce=group"
             )
         if self.compile_glue and self.batch_invariant:
             raise ValueError(

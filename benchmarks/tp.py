@@ -6,10 +6,11 @@
 One engine per arm (TP=1, then TP=N; both with decode graphs, or both eager with
 ``--graphs off``: at TP=N every rank captures and replays its own graphs) generates
 ``--output-len`` greedy tokens for ``--prompts`` random prompts, ``--repeats`` times.
-Reported per arm: wall time of the generate call (median, spread), output tokens/s, and for
-TP=N the fraction of sequences whose tokens equal TP=1's and, where they part, the first
-parting output and TP=1's top-2 logprob gap there (bf16 splits change rounding, which decides
-near-ties).
+``--all-reduce both`` runs the TP=N arm twice, summing through NCCL and through the one-shot
+kernel (``tp_all_reduce``), side by side. Reported per arm: wall time of the generate call
+(median, spread), output tokens/s, and for TP=N the fraction of sequences whose tokens equal
+TP=1's and, where they part, the first parting output and TP=1's top-2 logprob gap there (bf16
+splits change rounding, which decides near-ties).
 """
 
 from __future__ import annotations
@@ -37,11 +38,17 @@ def parse(argv=None) -> argparse.Namespace:
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--graphs", choices=("on", "off"), default="on")
+    ap.add_argument(
+        "--all-reduce",
+        choices=("group", "one_shot", "both"),
+        default="group",
+        help="tp_all_reduce of the TP=N arm; both: one TP=N arm each, side by side",
+    )
     ap.add_argument("--name", default=None)
     return ap.parse_args(argv)
 
 
-def arm(args, tp: int, prompts, params):
+def arm(args, tp: int, prompts, params, all_reduce: str = "group"):
     dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
     blocks = -(-(args.prompt_len + args.output_len) // 256) * args.concurrency + 16
     llm = LLM(
@@ -55,6 +62,7 @@ def arm(args, tp: int, prompts, params):
         cuda_graphs=args.graphs == "on",
         enable_prefix_caching=False,
         tensor_parallel_size=tp,
+        tp_all_reduce=all_reduce,
     )
     llm.generate(prompts[:2], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
     times, outs = [], None
@@ -75,34 +83,51 @@ def main(argv=None) -> int:
         torch.randint(0, 250, (args.prompt_len,), generator=g).tolist() for _ in range(args.prompts)
     ]
     params = SamplingParams(max_tokens=args.output_len, ignore_eos=True, logprobs=2)
+    kinds = ("group", "one_shot") if args.all_reduce == "both" else (args.all_reduce,)
     t1, one = arm(args, 1, prompts, params)
-    tn, many = arm(args, args.tp, prompts, params)
-    same, parts = 0, []
-    for a, b in zip(one, many):
-        j = next((j for j, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), None)
-        if j is None:
-            same += 1
-            continue
-        (_, lp1), (_, lp2) = a.logprobs[j].top[:2]
-        parts.append({"output": j, "top2_gap": lp1 - lp2})
+    arms = {kind: arm(args, args.tp, prompts, params, kind) for kind in kinds}
     tokens = args.prompts * args.output_len
-    rows = []
-    for tp, times in ((1, t1), (args.tp, tn)):
-        med = statistics.median(times)
-        rows.append([tp, f"{med:.3f} ({min(times):.3f}-{max(times):.3f})", f"{tokens / med:.1f}"])
-    table = md_table(["TP", "generate s (median, min-max)", "output tok/s"], rows)
-    table += f"\n\nDecode graphs: {args.graphs} in both arms."
-    table += (
-        f"\n\nGreedy agreement TP={args.tp} vs TP=1: {same}/{args.prompts} sequences equal; "
-        f"parting points (output index, TP=1 top-2 logprob gap): "
-        f"{[(p['output'], round(p['top2_gap'], 4)) for p in parts]}"
+    rows, agreement, parts_by = [], {}, {}
+    med1 = statistics.median(t1)
+    rows.append(
+        [1, "-", f"{med1:.3f} ({min(t1):.3f}-{max(t1):.3f})", f"{tokens / med1:.1f}", "1.00x"]
     )
+    for kind, (times, many) in arms.items():
+        same, parts = 0, []
+        for a, b in zip(one, many):
+            j = next((j for j, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), None)
+            if j is None:
+                same += 1
+                continue
+            (_, lp1), (_, lp2) = a.logprobs[j].top[:2]
+            parts.append({"output": j, "top2_gap": lp1 - lp2})
+        agreement[kind], parts_by[kind] = f"{same}/{args.prompts}", parts
+        med = statistics.median(times)
+        rows.append(
+            [
+                args.tp,
+                kind,
+                f"{med:.3f} ({min(times):.3f}-{max(times):.3f})",
+                f"{tokens / med:.1f}",
+                f"{med1 / med:.2f}x",
+            ]
+        )
+    table = md_table(
+        ["TP", "all-reduce", "generate s (median, min-max)", "output tok/s", "speed vs TP=1"], rows
+    )
+    table += f"\n\nDecode graphs: {args.graphs} in every arm."
+    for kind, parts in parts_by.items():
+        table += (
+            f"\n\nGreedy agreement TP={args.tp} ({kind}) vs TP=1: {agreement[kind]} sequences "
+            f"equal; parting points (output index, TP=1 top-2 logprob gap): "
+            f"{[(p['output'], round(p['top2_gap'], 4)) for p in parts]}"
+        )
     data = dict(
         model=args.model,
         tp=args.tp,
-        times={"1": t1, str(args.tp): tn},
-        agreement=f"{same}/{args.prompts}",
-        parts=parts,
+        times={"1": t1, **{f"{args.tp}_{kind}": arms[kind][0] for kind in kinds}},
+        agreement=agreement,
+        parts=parts_by,
         prompts=args.prompts,
         prompt_len=args.prompt_len,
         output_len=args.output_len,

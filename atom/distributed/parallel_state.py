@@ -80,6 +80,7 @@ class ParallelState:
     control: Any = None
     backend: str | None = None
     timeout_s: float | None = None
+    one_shot: Any = None  # OneShotAllReduce, or None: every all-reduce through ``group``
     _owns_dist: bool = field(default=False, repr=False)
 
     @classmethod
@@ -99,13 +100,18 @@ class ParallelState:
         timeout_s: float = DEFAULT_TIMEOUT_S,
         init_timeout_s: float = DEFAULT_INIT_TIMEOUT_S,
         control_timeout_s: float | None = None,
+        all_reduce: str = "group",
     ) -> ParallelState:
         """Join the group (every rank calls this; returns once all have). ``backend``: nccl
         for a CUDA ``device`` (made this process's current device), gloo otherwise.
         ``control_timeout_s``: how long a control op (a rank waiting for rank 0's next op)
         may wait (default ``init_timeout_s``); an idle rank 0 keeps its ranks within it by
         sending pings (``broadcast_runtime``). ``store``: a joined rendezvous store
-        (``rendezvous``) instead of ``init_method``."""
+        (``rendezvous``) instead of ``init_method``. ``all_reduce``: "group" (every forward
+        all-reduce through the group's backend) or "one_shot" (CUDA only: small ones through
+        ``OneShotAllReduce``, set up here, a collective of every rank)."""
+        if all_reduce not in ("group", "one_shot"):
+            raise ValueError(f"all_reduce={all_reduce!r}: use 'group' or 'one_shot'")
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"rank={rank} world_size={world_size}: need 0 <= rank < world_size")
         device = torch.device(device)
@@ -137,17 +143,27 @@ class ParallelState:
             control = dist.new_group(
                 list(range(world_size)), timeout=timedelta(seconds=control_s), backend="gloo"
             )
-        return cls(rank, world_size, group, control, backend, timeout_s, True)
+        one_shot = None
+        if all_reduce == "one_shot" and world_size > 1:
+            from atom.distributed.one_shot import OneShotAllReduce
+
+            one_shot = OneShotAllReduce(group, device)
+        return cls(rank, world_size, group, control, backend, timeout_s, one_shot, True)
 
     @property
     def is_first(self) -> bool:
         return self.rank == 0
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """The sum of ``x`` over the ranks, the same tensor on every rank (in place when ``x`` is
-        contiguous); ``x`` itself at world size 1."""
+        """The sum of ``x`` over the ranks, the same tensor on every rank (through the group: in
+        place when ``x`` is contiguous; one-shot: a new tensor); ``x`` itself at world size
+        1. Callers use the returned tensor."""
         if self.world_size == 1:
             return x
+        if self.one_shot is not None:
+            out = self.one_shot.reduce(x)
+            if out is not None:
+                return out
         x = x.contiguous()
         dist.all_reduce(x, op=dist.ReduceOp.SUM, group=self.group)
         return x

@@ -116,6 +116,7 @@ def _rank_main(
         timeout_s=TP_TIMEOUT_S,
         init_timeout_s=start_s,
         control_timeout_s=control_timeout_s,
+        all_reduce=cfg.tp_all_reduce,
     )
     runtime = build_rank_runtime(cfg, state)
     serve_ops(runtime, state, rank_ops(rank, tier_conn) if rank_ops is not None else None)
@@ -167,6 +168,7 @@ def start_ranks(cfg, rank_ops=None) -> BroadcastRuntime:
         state = ParallelState.init(
             0, world, store=rendezvous.store, device=rank_device(cfg.device, 0),
             timeout_s=TP_TIMEOUT_S, init_timeout_s=start_s, control_timeout_s=control_s,
+            all_reduce=cfg.tp_all_reduce,
         )  # fmt: skip
         runtime = build_rank_runtime(cfg, state)
     except BaseException:

@@ -41,6 +41,7 @@ ENGINE_FLAGS: dict[str, type] = {
     "speculative-tokens": int,
     "draft-adapter": str,  # a trained draft layer's adapter file
     "tensor-parallel-size": int,
+    "tp-all-reduce": str,  # group | one_shot
     "triton-kernels": str,  # true | false
     "triton-off": str,  # name[,name]
     "triton-on": str,  # name[,name]

@@ -2,7 +2,7 @@
 # On the GPU machine: install carried wheels, run GPU tests and benchmarks, keep results.
 # Usage: bash benchmarks/gpu/run.sh STEP...
 #   steps: tests (= tests_main tests_glue) tests_gpu tests_kernels (= tests_main) tests_spec tier forward profile components roofline roofline_glue sweep profile_prefill transfer cuda_ops transfer_native transfer_modes serving
-#          speculative serving_spec train_draft speculative_oracle tp tp_tests (tp, tp_tests: two GPUs)
+#          speculative serving_spec train_draft speculative_oracle tp tp_allreduce tp_tests (two GPUs)
 #          tier_only tier_repeats tier_gather tier_profile idle idle_paired profile_verify
 #          train forward_v4 roofline_v4 serving_v4 speculative_v4 fp8_gemm roofline_fp8
 #          invariant_cost invariant_sweep invariant_prefill invariant_tiles components_invariant gemm_calls serving_invariant determinism precision_agreement
@@ -172,11 +172,18 @@ for s in "$@"; do
       step "${SPEC_V4_LIMIT:-300}" python3 -m benchmarks.speculative --model v4-bench \
         --device cuda --ks 0 1 2 --eager-baseline --prompts 16 --prompt-len 512 \
         --output-len 64 --concurrency 16 --repeats 2 --name speculative_v4_h200 ;;
+    # tp: TP=1 against TP=2 summing through NCCL and through the one-shot kernel (TP_ALL_REDUCE:
+    # both | group | one_shot), side by side
     tp) step "${TP_LIMIT:-400}" python3 -m benchmarks.tp --model v41-bench --device cuda --tp 2 \
       --prompts 16 --prompt-len 1024 --output-len 64 --concurrency 16 --repeats 3 \
-      --graphs "${TP_GRAPHS:-on}" --name "tp2_h200_graphs_${TP_GRAPHS:-on}" ;;
+      --graphs "${TP_GRAPHS:-on}" --all-reduce "${TP_ALL_REDUCE:-both}" \
+      --name "tp2_${CARD}_graphs_${TP_GRAPHS:-on}" ;;
+    tp_allreduce)  # the all-reduce alone at decode sizes, NCCL against one-shot (two GPUs)
+      step "${ALLREDUCE_LIMIT:-200}" python3 -m benchmarks.allreduce --tp 2 \
+        --name "allreduce_tp2_${CARD}" ;;
     tp_tests) step "${TP_TESTS_LIMIT:-500}" python3 -m pytest -x -q -s -p no:cacheprovider \
-      tests/gpu/test_tp_cuda.py tests/gpu/test_tp_tier_cuda.py tests/distributed ;;
+      tests/gpu/test_tp_cuda.py tests/gpu/test_one_shot_cuda.py tests/gpu/test_tp_tier_cuda.py \
+      tests/distributed ;;
     serving_tp)  # the three arms at TP=2 (two GPUs, eager), the tier arm with rank collapse;
       # half the gpu preset (8 running need 8 x 28 blocks; 32 tails + prefixes do not fit 360)
       step "${SERVING_TP_LIMIT:-585}" python3 -m benchmarks.serving --preset gpu \
