@@ -738,6 +738,7 @@ def tier_engine(args) -> dict:
             "load_mode": args.load_mode,
             "save_mode": getattr(args, "save_mode", "lmcache_driven"),
             "load_copy": getattr(args, "load_copy", "copy_engine"),
+            "load_streams": getattr(args, "load_streams", 1),
             "tp_rank_collapse": getattr(args, "rank_collapse", "auto"),
         },
     )
@@ -1075,6 +1076,13 @@ def main() -> None:
         default="copy_engine",
         help="how engine-driven loads copy on a GPU: the copy engines (one batched runtime "
         "call per load) or one gather kernel per load (lmcache.load_copy)",
+    )
+    ap.add_argument(
+        "--load-streams",
+        type=int,
+        default=1,
+        help="copy streams an engine-driven load's copies alternate between "
+        "(lmcache.load_streams; default 1)",
     )
     ap.add_argument(
         "--tensor-parallel-size",

@@ -59,6 +59,7 @@ OFFLOAD_FLAGS: dict[str, tuple[str, type]] = {
     "lmcache-load-mode": ("load_mode", str),
     "lmcache-save-mode": ("save_mode", str),
     "lmcache-load-copy": ("load_copy", str),
+    "lmcache-load-streams": ("load_streams", int),
     "lmcache-tp-rank-collapse": ("tp_rank_collapse", str),
     "model-revision": ("model_revision", str),
     "l2-store-policy": ("l2_store_policy", str),

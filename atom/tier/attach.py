@@ -134,7 +134,9 @@ class LMCacheTier:
                 chunk=self.chunk,
                 mappings=self.mappings,
             )
-            local = LocalLoads(spec, pool_tensor, self.chunk, copier=config.load_copy)
+            local = LocalLoads(
+                spec, pool_tensor, self.chunk, config.load_streams, copier=config.load_copy
+            )
         self.saves = None
         if self.policy.engine_saves:
             from atom.tier.worker_side.local_save import EngineSaves

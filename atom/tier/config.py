@@ -55,6 +55,11 @@ class OffloadConfig(BaseModel):
     # (atom/kernels/host_gather.py; needs Triton; a run not 16-byte aligned falls back to the
     # copy engines). Ignored on CPU.
     load_copy: Literal["copy_engine", "kernel"] = "copy_engine"
+    # copy streams an engine-driven load's copies alternate between (copy_engine, on a GPU):
+    # one run each in turn. A burst of 16 loads on an H100 reached 81-92% of a plain copy's
+    # bandwidth with 1 and 88-89% with 2 (benchmarks/results/transfer_h100_load_modes_r*.md);
+    # 1 until serving measures 2. Ignored on CPU
+    load_streams: int = 1
     # who copies a save out of the pool (``save_path``). engine_driven: the server module
     # reserves space in the server's shared-memory L1 (atom.reserve), the engine copies the
     # save's objects into it itself and commits them (atom.commit); a reserve refused, a server
@@ -109,6 +114,13 @@ class OffloadConfig(BaseModel):
     def _positive(cls, v: float) -> float:
         if not (v > 0 and math.isfinite(v)):
             raise ValueError(f"must be a positive number of seconds/GiB, got {v}")
+        return v
+
+    @field_validator("load_streams")
+    @classmethod
+    def _streams(cls, v: int) -> int:
+        if not 1 <= v <= 4:
+            raise ValueError(f"must be 1 to 4 copy streams, got {v}")
         return v
 
     @field_validator("chunk_size")

@@ -236,10 +236,12 @@ for s in "$@"; do
       step "${SERVING_SPEC_LIMIT:-585}" python3 -m benchmarks.serving --preset gpu \
         --arms speculative --speculative-tokens "${SERVING_SPEC_K:-1}" ;;
     tier_only) step 300 python3 -m benchmarks.serving --preset gpu --arms tier ;;
-    tier_repeats)  # the tier arm TIER_REPEATS times (the spread of load ratios, connector ms)
+    # tier_repeats: the tier arm TIER_REPEATS times (the spread of load ratios, connector ms);
+    # TIER_ARGS adds serving flags (e.g. "--load-streams 2"), TIER_TAG suffixes the names
+    tier_repeats)
       for i in $(seq "${TIER_REPEATS:-3}"); do
-        step 120 python3 -m benchmarks.serving --preset gpu --arms tier \
-          --name "serving_${CARD}_r$i" > "/tmp/tier_r$i.log" 2>&1
+        step 120 python3 -m benchmarks.serving --preset gpu --arms tier ${TIER_ARGS:-} \
+          --name "serving_${CARD}_r$i${TIER_TAG:-}" > "/tmp/tier_r$i.log" 2>&1
         echo "tier run $i: $(grep -oE "'(load_p50_ms|load_p99_ms|load_p50_over_copy|connector_ms_per_step|connector_exposed_ms_per_step|connector_cpu_ms_per_step|while_forward_hidden)': [0-9.]+" "/tmp/tier_r$i.log" | tr '\n' ' ')"
         grep -oE "'connector_(cpu_)?ms_per_step_by_hook': \{[^}]*\}" "/tmp/tier_r$i.log"
       done ;;

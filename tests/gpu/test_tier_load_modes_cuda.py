@@ -50,6 +50,22 @@ def test_tier_two_pass_on_cuda_in_both_load_modes(mode, invariant):
         assert info["events_created"] >= 1  # the server's copies waited on engine events
 
 
+def test_tier_two_pass_on_cuda_with_two_copy_streams():
+    """``lmcache.load_streams: 2``: each engine-driven load's copies alternate between two
+    copy streams; pass 2 loads pass 1's bytes exactly and decodes its tokens."""
+    prompts = prompts_of((700, 1030, 300), seed=2)
+    p = SamplingParams(max_tokens=8, ignore_eos=True, logprobs=5)
+    kw = {**KW, "batch_invariant": True}
+    second = {
+        "lmcache": {"load_mode": "engine_driven", "load_streams": 2},
+        "max_num_batched_tokens": 384,
+    }
+    out1, out2, hits, info = two_pass("v41-mini", prompts, p, kw, second)
+    assert hits == [512, 1024, 256]
+    assert_same_bits(out2, out1)
+    assert info["copied"] == 3, info
+
+
 @pytest.mark.parametrize("invariant", [False, True], ids=["default", "batch_invariant"])
 def test_tier_two_pass_on_cuda_with_the_gather_kernel(invariant):
     """``lmcache.load_copy: kernel``: each engine-driven load is one kernel reading the

@@ -657,6 +657,13 @@ def test_a_located_answer_older_than_located_max_age_loads_through_the_server(
         assert probe.locked(prompts) == []
 
 
+def test_load_streams_reach_the_engines_copier(lmcache_server, make_llm):
+    """``lmcache.load_streams`` is the copier's stream count (on a GPU its copies alternate
+    between that many copy streams; tests/gpu/test_tier_load_modes_cuda.py loads with 2)."""
+    llm = make_llm(**tier(lmcache_server, load_mode="engine_driven", load_streams=3))
+    assert llm.engine.scheduler.connector.local.streams == 3
+
+
 def test_a_server_without_shared_l1_reports_lmcache_driven_and_still_loads(make_llm):
     server = LMCacheServer(chunk_size=BLOCK, l1_size_gb=0.25)  # shared_l1=False
     server.start()

@@ -163,6 +163,17 @@ def test_load_flags_set_the_tier_config_and_refuse_unknown_values(flag, key, goo
     assert f"lmcache.{key}='{bad}'" in r.stderr and named in r.stderr  # the value and a fix
 
 
+def test_load_streams_flag_sets_the_tier_config_and_refuses_a_count_out_of_range():
+    r = run_cli(*TINY_FLAGS[:2], "--offload", "lmcache_mp", "--print-config")
+    assert yaml.safe_load(r.stdout)["lmcache"]["load_streams"] == 1  # the default
+    r = _tier_flag("lmcache-load-streams", "2")
+    assert r.returncode == 0, r.stderr
+    assert yaml.safe_load(r.stdout)["lmcache"]["load_streams"] == 2
+    r = _tier_flag("lmcache-load-streams", "9")
+    assert r.returncode == 2
+    assert "lmcache.load_streams=9" in r.stderr and "1 to 4 copy streams" in r.stderr
+
+
 def test_loads_copy_through_the_copy_engines_by_default():
     r = run_cli(*TINY_FLAGS[:2], "--offload", "lmcache_mp", "--print-config")
     assert r.returncode == 0, r.stderr

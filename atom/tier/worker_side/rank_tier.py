@@ -139,7 +139,11 @@ class RankTier:
         if self.spec.engine_loads:
             self.mappings = Mappings(self.pool.device)
             self.local = LocalLoads(
-                self.state_spec, self.pool, self.spec.shape.chunk_size, copier=self.cfg.load_copy
+                self.state_spec,
+                self.pool,
+                self.spec.shape.chunk_size,
+                self.cfg.load_streams,
+                copier=self.cfg.load_copy,
             )
         self.transfers = TransferThread(
             url=self.spec.url,
