@@ -10,8 +10,9 @@ buffers over NVLink and sums them itself. It needs no NVLink multicast.
 
 Every rank sums the ranks' values in rank order (0, 1, ..., N-1; torch's kernel loads each
 rank's vector into a slot of its own and adds the slots in order), so every rank holds the same
-bits, as the design of tensor parallelism requires (``split_models``). The bits are not those
-of NCCL's sum (another order); a run is either one or the other, chosen at start.
+bits, as the design of tensor parallelism requires (``split_models``). Over more than two
+ranks the bits are not those of NCCL's sum (another order of additions; two values add the same
+either way); a run is either one or the other, chosen at start.
 
 Used for a tensor that fits ``max_bytes`` (decode and verify steps, small prefills), is float32
 or bfloat16 and a whole number of 16-byte vectors; anything else goes through the group's own
