@@ -55,15 +55,18 @@ class OneShotAllReduce:
         try:
             import torch.distributed._symmetric_memory as symm_mem
 
-            op = torch.ops.symm_mem.one_shot_all_reduce_copy
-        except (ImportError, AttributeError) as e:
+            ops = torch.ops.symm_mem
+            # the copy into the buffer inside the kernel where torch has it, else a copy first
+            copying = getattr(ops, "one_shot_all_reduce_copy", None)
+            plain = None if copying is not None else ops.one_shot_all_reduce
+        except (ImportError, AttributeError, RuntimeError) as e:
             raise OneShotUnavailable(
                 f"tp_all_reduce=one_shot: torch {torch.__version__} has no symmetric-memory "
                 f"one-shot all-reduce ({e}); use tp_all_reduce=group"
             ) from e
         self.group_name = group.group_name
         self.max_bytes = max_bytes
-        self._op = op
+        self._copying, self._plain = copying, plain
         # float32 words: every accepted tensor is a view of its first bytes
         self._buffer = symm_mem.empty(max_bytes // 4, dtype=torch.float32, device=device)
         symm_mem.rendezvous(self._buffer, self.group_name)
@@ -95,4 +98,9 @@ class OneShotAllReduce:
             x = x.clone()
         staging = self._buffer.view(x.dtype)[: x.numel()]
         self.calls += 1
-        return self._op(staging, x.view(-1), "sum", self.group_name).view(x.shape)
+        if self._copying is not None:
+            out = self._copying(staging, x.view(-1), "sum", self.group_name)
+        else:
+            staging.copy_(x.view(-1))
+            out = self._plain(staging, "sum", self.group_name)
+        return out.view(x.shape)
