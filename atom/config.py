@@ -14,6 +14,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
 
+from atom.config_cross import check_combinations
 from atom.config_errors import EngineConfigError, format_validation_error
 from atom.kv_events.config import KVEventsConfig
 from atom.tier.config import OffloadConfig
@@ -93,9 +94,7 @@ class EngineConfig(BaseModel):
     # collective); a rank that exits before fails the start at once, naming the cause
     tensor_parallel_start_timeout_s: float = 30.0
     # how the ranks sum a forward's partial outputs: "group" (NCCL on CUDA, gloo on CPU) or
-    # "one_shot" (CUDA only: tensors up to 8 MiB in one kernel over symmetric memory, every
-    # rank reading every rank's buffer; atom/distributed/one_shot.py). Opt-in until measured
-    # against NCCL on two GPUs
+    # "one_shot" (CUDA only, opt-in: small ones in one kernel, atom/distributed/one_shot.py)
     tp_all_reduce: Literal["group", "one_shot"] = "group"
     offload: Literal["none", "lmcache_mp"] = "none"
     lmcache: OffloadConfig = OffloadConfig()  # the tier's settings (with offload=lmcache_mp)
@@ -187,68 +186,10 @@ class EngineConfig(BaseModel):
 
     @model_validator(mode="after")
     def _cross(self) -> EngineConfig:
-        if self.model_overrides:  # refused here, naming the field, not when the model builds
-            from atom.models.common.config import ConfigError
-            from atom.models.registry import resolve_config
-
-            try:
-                resolve_config(self.model, self.model_overrides)
-            except ConfigError as exc:
-                raise ValueError(f"model_overrides {self.model_overrides}: {exc}") from None
-        if self.num_blocks is not None and self.pool_memory_gb is not None:
-            raise ValueError(
-                f"num_blocks={self.num_blocks} and pool_memory_gb={self.pool_memory_gb} both "
-                "size the pool; set only one"
-            )
-        if self.tensor_parallel_size > 1 and self.batch_invariant:
-            raise ValueError(
-                f"tensor_parallel_size={self.tensor_parallel_size} with batch_invariant=true: "
-                "the ranks' partial sums are reduced in an order that depends on the batch; "
-                "use tensor_parallel_size=1 or batch_invariant=false"
-            )
-        if (
-            self.tp_all_reduce == "one_shot"
-            and self.tensor_parallel_size > 1
-            and self.device == "cpu"
-        ):
-            raise ValueError(
-                f"tp_all_reduce=one_shot with device={self.device}: the one-shot all-reduce "
-                "runs on CUDA ranks (torch's symmetric memory); CPU ranks sum over gloo: use "
-                "tp_all_reduce=group"
-            )
-        if self.compile_glue and self.batch_invariant:
-            raise ValueError(
-                "compile_glue=true with batch_invariant=true: inductor picks reduction "
-                "strategies per shape, so a token's bits could depend on its batch; use one of "
-                "them"
-            )
-        if self.draft_adapter is not None:
-            from pathlib import Path
-
-            if not Path(self.draft_adapter).is_file():
-                raise ValueError(
-                    f"draft_adapter={self.draft_adapter!r}: no such file (an adapter that "
-                    "tools/train_draft_adapter.py wrote)"
-                )
-            if self.tensor_parallel_size > 1:
-                raise ValueError(
-                    f"draft_adapter with tensor_parallel_size={self.tensor_parallel_size}: "
-                    "adapters apply to a one-rank model; use tensor_parallel_size=1"
-                )
-        if self.block_size is not None and self.offload == "lmcache_mp":
-            self.lmcache.resolved_chunk(self.block_size)
-        if self.offload == "lmcache_mp":
-            # engine_driven saves across ranks are refused (one rank only)
-            self.lmcache.load_path(self.tensor_parallel_size, self._tier_collapse())
-            self.lmcache.save_path(self.tensor_parallel_size)
-        if self.block_size is not None and self.max_num_batched_tokens < self.block_size:
-            raise ValueError(
-                f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= "
-                f"block_size={self.block_size} (prefill chunks end on the block grid)"
-            )
+        check_combinations(self)  # settings that cannot go together (atom/config_cross.py)
         return self
 
-    def _tier_collapse(self) -> bool:
+    def tier_collapse(self) -> bool:
         """Whether the tier's ranks share one stored copy (``OffloadConfig.rank_collapse``;
         the split models' tier bytes are the same on every rank)."""
         if self.tensor_parallel_size == 1:
@@ -390,7 +331,7 @@ class EngineConfig(BaseModel):
                 raise EngineConfigError(str(exc)) from None
             # auto decided: loads engine_driven (on one rank and across ranks, with rank
             # collapse or without); saves engine_driven on one rank
-            load_mode, _ = lmcache.load_path(self.tensor_parallel_size, self._tier_collapse())
+            load_mode, _ = lmcache.load_path(self.tensor_parallel_size, self.tier_collapse())
             save_mode, _ = lmcache.save_path(self.tensor_parallel_size)
             lmcache = lmcache.model_copy(update=dict(load_mode=load_mode, save_mode=save_mode))
         return self.model_copy(

@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import torch
 
+from atom.config_cross import one_shot_refusal
+
 #: the largest tensor summed one-shot: a decode step of 256 rows at hidden 8192 in float32
 DEFAULT_MAX_BYTES = 8 << 20
 _DTYPES = (torch.float32, torch.bfloat16)
@@ -46,10 +48,7 @@ class OneShotAllReduce:
     def __init__(self, group, device: torch.device | str, max_bytes: int = DEFAULT_MAX_BYTES):
         device = torch.device(device)
         if device.type != "cuda":
-            raise OneShotUnavailable(
-                f"tp_all_reduce=one_shot needs CUDA ranks (device {device}); on CPU the ranks "
-                "sum over gloo: use tp_all_reduce=group"
-            )
+            raise OneShotUnavailable(one_shot_refusal(device))
         if max_bytes < _VECTOR or max_bytes % _VECTOR:
             raise ValueError(f"max_bytes={max_bytes}: a positive multiple of {_VECTOR}")
         try:
