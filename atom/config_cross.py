@@ -7,22 +7,10 @@ config's source). Checks that need the resolved model or device are ``EngineConf
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from atom.config import EngineConfig
-
-
-def one_shot_refusal(device) -> str:
-    """Why ``tp_all_reduce=one_shot`` cannot run on ``device`` (a non-CUDA one)."""
-    return (
-        f"tp_all_reduce=one_shot with device={device}: the one-shot all-reduce needs CUDA ranks "
-        "(torch's symmetric memory); CPU ranks sum over gloo: use tp_all_reduce=group"
-    )
-
-
-def check_combinations(cfg: EngineConfig) -> None:
-    """Raise ``ValueError`` for the first pair of settings of ``cfg`` that cannot go together."""
+def check_combinations(cfg) -> None:
+    """Raise ``ValueError`` for the first pair of settings of ``cfg`` (an ``EngineConfig``
+    whose fields passed their own checks) that cannot go together."""
     if cfg.model_overrides:  # refused here, naming the field, not when the model builds
         from atom.models.common.config import ConfigError
         from atom.models.registry import resolve_config
@@ -43,6 +31,8 @@ def check_combinations(cfg: EngineConfig) -> None:
             "use tensor_parallel_size=1 or batch_invariant=false"
         )
     if cfg.tp_all_reduce == "one_shot" and cfg.tensor_parallel_size > 1 and cfg.device == "cpu":
+        from atom.distributed.one_shot import one_shot_refusal
+
         raise ValueError(one_shot_refusal(cfg.device))
     if cfg.compile_glue and cfg.batch_invariant:
         raise ValueError(

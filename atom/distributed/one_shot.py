@@ -26,12 +26,19 @@ from __future__ import annotations
 
 import torch
 
-from atom.config_cross import one_shot_refusal
-
 #: the largest tensor summed one-shot: a decode step of 256 rows at hidden 8192 in float32
 DEFAULT_MAX_BYTES = 8 << 20
 _DTYPES = (torch.float32, torch.bfloat16)
 _VECTOR = 16  # bytes the kernel moves per load
+
+
+def one_shot_refusal(device) -> str:
+    """Why ``tp_all_reduce=one_shot`` cannot run on ``device`` (a non-CUDA one); the config
+    refuses CPU ranks with the same words (``atom.config_cross``)."""
+    return (
+        f"tp_all_reduce=one_shot with device={device}: the one-shot all-reduce needs CUDA ranks "
+        "(torch's symmetric memory); CPU ranks sum over gloo: use tp_all_reduce=group"
+    )
 
 
 class OneShotUnavailable(RuntimeError):
