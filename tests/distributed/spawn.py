@@ -9,6 +9,7 @@ running at the deadline is killed and reported (``timed_out``); nothing outlives
 from __future__ import annotations
 
 import os
+import pickle
 import queue
 import time
 import traceback
@@ -36,7 +37,9 @@ def _child(fn, rank, world, init_method, args, results) -> None:
 
     torch.set_num_threads(1)
     try:
-        results.put((rank, True, fn(rank, world, init_method, *args)))
+        # pickled here, by value: torch's queue would pass a tensor's storage by a file
+        # descriptor that this process must outlive the parent's read to serve (it does not)
+        results.put((rank, True, pickle.dumps(fn(rank, world, init_method, *args))))
     except BaseException:  # noqa: B036 - reported to the parent, whatever it was
         results.put((rank, False, traceback.format_exc()))
     results.close()
@@ -71,7 +74,7 @@ def run_ranks(fn, world: int, *args, timeout_s: float = 60.0) -> list[Outcome]:
                 continue
             o = out[rank]
             o.reported = True
-            o.result, o.error = (value, None) if ok else (None, value)
+            o.result, o.error = (pickle.loads(value), None) if ok else (None, value)
         for p in procs:
             p.join(timeout=max(0.1, deadline - time.monotonic()))
     finally:
