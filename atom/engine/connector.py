@@ -124,6 +124,12 @@ class Connector(ABC):
         Changes no engine state; by default nothing."""
         return None
 
+    def no_forward(self) -> None:
+        """The step runs no forward (nothing was scheduled, e.g. every request waits on the
+        tier): send now what the step's hooks queued for the tier's threads, which
+        ``while_forward`` sends in a step with one. By default nothing."""
+        return None
+
     def while_forward(self) -> list[Outcome]:
         """The step's forward is queued on the device and the step thread would wait for it:
         the same as ``update``, at a time when its work overlaps the forward. Its outcomes

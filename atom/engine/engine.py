@@ -236,6 +236,7 @@ class LLMEngine:
         """Run one engine step (settling the tier's outcomes first, also when idle)."""
         out: SchedulerOutput = self.scheduler.schedule()
         if not out.spans:
+            self.scheduler.no_forward()
             return StepResult(False, [], self.scheduler.has_work() or self.tier_busy())
         t0 = time.perf_counter()
         self.scheduler.before_forward(out.spans)  # the tier's reservations overlap the forward

@@ -523,6 +523,11 @@ class Scheduler:
         if self.connector is not None:
             self.connector.before_forward(spans)
 
+    def no_forward(self) -> None:
+        """The step scheduled nothing: the tier sends what its hooks queued."""
+        if self.connector is not None:
+            self.connector.no_forward()
+
     def while_forward(self) -> None:
         """The step's forward is queued on the device: the tier's step-thread work overlaps
         it (what it reports touches no span of the step)."""

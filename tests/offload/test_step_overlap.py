@@ -196,3 +196,79 @@ def test_after_step_does_not_weigh_confirming_for_requests_never_due(make, monke
     assert len(asked) == 1  # (up to 32, the prompt's last boundary: its tokens to 48 not yet made)
     assert not [op for op in h.lookups.ops if op.owner.seq is short]
     h.shutdown()
+
+
+class _WakeLog:
+    """The lookup thread's condition, logging each wake-up beside the connector's hooks."""
+
+    def __init__(self, thread: LookupThread, connector, events: list[str]):
+        cond, self.events = thread._cond, events
+
+        class Logged(type(cond)):
+            def notify(self, n=1):
+                events.append("wake")
+                super().notify(n)
+
+        thread._cond = Logged()
+        for name in ("lookup", "no_forward", "while_forward", "after_step"):
+            setattr(connector, name, self._logged(name, getattr(connector, name)))
+
+    def _logged(self, name, hook):
+        def call(*args, **kwargs):
+            self.events.append(name)
+            return hook(*args, **kwargs)
+
+        return call
+
+
+def _unstarted_lookup_thread(h) -> LookupThread:
+    thread = LookupThread(
+        url="tcp://127.0.0.1:1",
+        namespace="atom-test#0",
+        world_size=1,
+        block_size=BLOCK,
+        config=OffloadConfig(),
+        zmq_context=None,
+        on_outcome=h.connector.post,
+    )
+    thread._adapter = FakeSchedulerAdapter(hit=0)
+    return thread
+
+
+def test_a_lookup_wakes_the_lookup_thread_while_the_forward_runs_not_while_planning(make):
+    """A lookup asked while the step is planned is queued; the thread is woken at the step's
+    while_forward (the forward queued on the device), so building the lookup's keys takes the
+    interpreter lock while the step thread would wait for the device, not during planning."""
+    h = make()
+    long = h.add(prompt_of(40, 54), max_tokens=8)
+    h.step_until(lambda: long.status is SeqStatus.RUNNING)
+    thread, events = _unstarted_lookup_thread(h), []
+    h.connector.lookups = thread
+    try:
+        _WakeLog(thread, h.connector, events)
+        s = h.add(prompt_of(70, 55), max_tokens=1)
+        h.step()
+        assert s.status is SeqStatus.WAITING_FOR_TIER
+        assert [k for k, _ in thread._commands] == ["lookup"]
+        # (not started here, the thread leaves its commands queued: after_step wakes it again)
+        assert events[:3] == ["lookup", "while_forward", "wake"]
+    finally:
+        h.connector.lookups = h.lookups
+
+
+def test_a_step_without_a_forward_sends_its_lookups_at_once(make):
+    """A step whose only request waits on its lookup runs no forward: the engine tells the
+    tier so, and the lookup thread is woken in that step (were it left to the next step's
+    update, the driver would first block for its wait, a second, for nothing)."""
+    h = make(auto_lookups=False)
+    thread, events = _unstarted_lookup_thread(h), []
+    h.connector.lookups = thread
+    try:
+        _WakeLog(thread, h.connector, events)
+        s = h.add(prompt_of(70, 56), max_tokens=1)
+        result = h.engine.step()
+        assert not result.ran and result.must_wait
+        assert s.status is SeqStatus.WAITING_FOR_TIER
+        assert events == ["lookup", "no_forward", "wake"]
+    finally:
+        h.connector.lookups = h.lookups

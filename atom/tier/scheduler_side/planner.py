@@ -248,6 +248,9 @@ class OffloadConnector(Connector):
         self._fold()
         return self._drain()
 
+    def no_forward(self) -> None:
+        self.lookups.flush()  # the lookups this step queued (no forward to send them beside)
+
     def while_forward(self) -> list[Outcome]:
         """The step's forward is queued on the device: fold in what settled while the step
         thread would wait for the device anyway (the next update has only what settles after
@@ -453,7 +456,6 @@ class OffloadConnector(Connector):
             self._ahead_open = reserve(ahead)
 
     def after_step(self, seqs: list[Sequence]) -> list[Outcome]:
-        self.lookups.flush()  # the frees this step's loads queued
         chunk, requests = self.chunk_size, self._requests
         for seq in seqs:
             st = requests.get(seq.seq_id)
@@ -469,6 +471,7 @@ class OffloadConnector(Connector):
         if self._ahead_open:  # after this step's saves: what they did not claim is given back
             self.transfers.ahead_end()
             self._ahead_open = False
+        self.lookups.flush()  # the confirmations asked above, in the step that asked them
         return self._drain()
 
     def request_finished(self, seq: Sequence) -> None:
