@@ -136,6 +136,7 @@ CONNECTOR_HOOKS = (
     "before_forward",
     "after_step",
     "request_finished",
+    "no_forward",  # a step that runs no forward sends what the hooks queued
     "while_forward",  # runs while the step's forward is queued on the device
 )
 
@@ -198,12 +199,40 @@ def exactness_text(exact: dict, invariant: bool) -> str:
     )
 
 
-def plain_copy_seconds(nbytes: int, device: str, repeats: int = 20) -> float:
+def save_stats(metrics, device: str) -> dict:
+    """Saves over both passes against a plain copy of their mean size: latency (submission to
+    the store's end: for an engine-driven save, its commit answered) and the source blocks'
+    hold (submission to their release: the copy's completion for an engine-driven save)."""
+    m = metrics._metrics
+    lat = m["atom_tier_transfer_seconds"].samples(op="save")
+    hold = m["atom_tier_save_hold_seconds"].samples()
+    if not lat:
+        return {}
+    size = m["atom_tier_bytes_total"].get(direction="save") / len(lat)
+    copy_s = plain_copy_seconds(int(size), device, to_host=True)
+    out = {
+        "saves": len(lat),
+        "save_mean_mib": round(size / 2**20, 2),
+        "save_p50_ms": round(1000 * pct(lat, 50), 2),
+        "save_p99_ms": round(1000 * pct(lat, 99), 2),
+        "save_copy_ms": round(1000 * copy_s, 3),
+        "save_p50_over_copy": round(pct(lat, 50) / copy_s, 1),
+    }
+    if hold:
+        out["save_hold_p50_ms"] = round(1000 * pct(hold, 50), 2)
+        out["save_hold_p99_ms"] = round(1000 * pct(hold, 99), 2)
+        out["save_hold_p50_over_copy"] = round(pct(hold, 50) / copy_s, 1)
+    return out
+
+
+def plain_copy_seconds(nbytes: int, device: str, repeats: int = 20, to_host=False) -> float:
     """Median time of a plain copy of ``nbytes`` into the pool's memory (host->device from
-    pinned memory on GPU, memcpy on CPU)."""
+    pinned memory on GPU, memcpy on CPU), or out of it (``to_host``: device->pinned host)."""
     if device.startswith("cuda"):
         src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
         dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        if to_host:
+            src, dst = dst, src
         times = []
         for _ in range(repeats):
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -267,8 +296,36 @@ def phase_medians(metrics) -> dict:
 
 
 def phase_text(arms: list[dict]) -> str:
+    """Each tier arm's loads and saves against a plain copy of their mean size, the
+    connector's step-thread time, and the engine-driven transfers' phases."""
     lines = []
     for arm in arms:
+        if arm.get("loads"):
+            lines.append(
+                f"{arm['arm']}: {arm['loads']} loads of {arm['load_mean_mib']} MiB on average, "
+                f"p50 {arm['load_p50_ms']} ms, p99 {arm['load_p99_ms']} ms; "
+                f"{arm['load_p50_over_copy']}x a plain copy of their bytes at p50 "
+                f"({arm['plain_copy_ms']} ms, from pinned memory on a GPU).\n"
+            )
+        if arm.get("saves"):
+            hold = ""
+            if "save_hold_p50_ms" in arm:
+                hold = (
+                    f"; source blocks held p50 {arm['save_hold_p50_ms']} ms, "
+                    f"p99 {arm['save_hold_p99_ms']} ms ({arm['save_hold_p50_over_copy']}x)"
+                )
+            lines.append(
+                f"{arm['arm']}: {arm['saves']} saves (both passes) of {arm['save_mean_mib']} MiB "
+                f"on average, p50 {arm['save_p50_ms']} ms, p99 {arm['save_p99_ms']} ms "
+                f"({arm['save_p50_over_copy']}x a plain copy of their bytes, {arm['save_copy_ms']} "
+                f"ms, to pinned memory on a GPU){hold}.\n"
+            )
+        if "connector_exposed_ms_per_step" in arm:
+            lines.append(
+                f"{arm['arm']}: the connector's step-thread time outside while_forward "
+                f"{arm['connector_exposed_ms_per_step']} ms a step "
+                f"({arm['connector_ms_per_step']} ms with it).\n"
+            )
         for key in ("load", "save"):
             meds = arm.get(f"{key}_phase_p50_ms")
             if meds:
@@ -573,6 +630,7 @@ class Arm:
                         "load_p50_over_copy": round(pct(lat, 50) / copy_s, 1),
                     }
                 )
+            res.update(save_stats(eng.metrics, args.device))
             res.update(phase_medians(eng.metrics))
             if profiler is not None:  # where the hooks' step-thread time goes, by function
                 out = io.StringIO()
@@ -1134,7 +1192,7 @@ def main() -> None:
     tier = tier_engine(args)
     if args.arms == "tier":
         arm = run_arm("HBM + tier", prompts, args, **tier)
-        table = md_table(STEPS_HEADER, steps_table([arm]))
+        table = md_table(STEPS_HEADER, steps_table([arm])) + "\n\n" + phase_text([arm])
         if "hook_profile" in arm:
             table += "\n\nThe connector's hooks, profiled (cProfile, by own time):\n\n```\n"
             table += arm["hook_profile"] + "```\n"
