@@ -56,9 +56,10 @@ class OffloadConfig(BaseModel):
     # copy engines). Ignored on CPU.
     load_copy: Literal["copy_engine", "kernel"] = "copy_engine"
     # copy streams an engine-driven load's copies alternate between (copy_engine, on a GPU):
-    # one run each in turn. A burst of 16 loads on an H100 reached 81-92% of a plain copy's
-    # bandwidth with 1 and 88-89% with 2 (benchmarks/results/transfer_h100_load_modes_r*.md);
-    # 1 until serving measures 2. Ignored on CPU
+    # one run each in turn. A burst of 16 loads on an H100 reached 94% of a plain copy's
+    # bandwidth with 1 (one batched call per load) and 90% with 2, in two runs of five rounds
+    # each (benchmarks/results/transfer_h100_load_modes_ade40a7_r*.md); under serving, loads
+    # were 1.5-1.7x a copy at p50 with 1 and 1.6-1.8x with 2. So 1. Ignored on CPU
     load_streams: int = 1
     # who copies a save out of the pool (``save_path``). engine_driven: the server module
     # reserves space in the server's shared-memory L1 (atom.reserve), the engine copies the

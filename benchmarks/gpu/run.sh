@@ -3,7 +3,7 @@
 # Usage: bash benchmarks/gpu/run.sh STEP...
 #   steps: tests (= tests_main tests_glue) tests_gpu tests_kernels (= tests_main) tests_spec tier forward profile components roofline roofline_glue sweep profile_prefill transfer cuda_ops transfer_native transfer_modes serving
 #          speculative serving_spec train_draft speculative_oracle tp tp_allreduce tp_tests (two GPUs)
-#          tier_only tier_repeats tier_gather tier_profile idle idle_paired profile_verify
+#          tier_only tier_repeats tier_saves_ab tier_gather tier_profile idle idle_paired profile_verify
 #          train forward_v4 roofline_v4 serving_v4 speculative_v4 fp8_gemm roofline_fp8
 #          invariant_cost invariant_sweep invariant_prefill invariant_tiles components_invariant gemm_calls serving_invariant determinism precision_agreement
 #          fp4_sweep transfer_saves serving_saves
@@ -41,6 +41,15 @@ tests_step() { local name=$1 limit=$2; shift 2; echo "=== $name: pytest $* (limi
   grep -E "^tests/.* (FAILED|ERROR) " "$log" | head -20
   echo "--- $(grep -cE "^tests/.* PASSED " "$log") passed, $(grep -cE "^tests/.* (FAILED|ERROR) " "$log") failed"
   tail -n 40 "$log"; echo "=== rc=$rc in $((SECONDS - t0)) s (log: $name.log)"; }
+# one tier-arm serving run named serving_${CARD}_$1 (extra arguments passed on): its load,
+# save and connector figures here; a run named warmup keeps no results
+tier_run() { local tag=$1; shift; local log="/tmp/tier_$tag.log"
+  step 120 python3 -m benchmarks.serving --preset gpu --arms tier "$@" \
+    --name "serving_${CARD}_$tag" > "$log" 2>&1
+  if [ "$tag" = warmup ]; then rm -f "$RESULTS"/serving_*_warmup_tier.* \
+    benchmarks/results/serving_*_warmup_tier.*; echo "tier warm-up run done"; return; fi
+  echo "tier run $tag: $(grep -oE "'(load_p50_ms|load_p99_ms|load_p50_over_copy|save_p50_ms|save_p99_ms|save_hold_p50_ms|save_hold_p50_over_copy|req_per_s|connector_ms_per_step|connector_exposed_ms_per_step|connector_cpu_ms_per_step|while_forward_hidden)': [0-9.]+" "$log" | tr '\n' ' ')"
+  grep -oE "'connector_(cpu_)?ms_per_step_by_hook': \{[^}]*\}" "$log"; }
 for s in "$@"; do
   case "$s" in
     # the gate's tests without the tier, in two parts that each finish within 600 s on the GPU
@@ -238,12 +247,21 @@ for s in "$@"; do
     tier_only) step 300 python3 -m benchmarks.serving --preset gpu --arms tier ;;
     # tier_repeats: the tier arm TIER_REPEATS times (the spread of load ratios, connector ms);
     # TIER_ARGS adds serving flags (e.g. "--load-streams 2"), TIER_TAG suffixes the names
+    # the tier arm TIER_REPEATS times, after one unreported run (TIER_WARMUP=0 skips it): the
+    # first run on a fresh machine was the slowest of its call every time at ade40a7 and
+    # c9c63ff on H100s (req/s 16.6 against 17.8-18.0; 12.6 against 15.7-16.7): it compiles
     tier_repeats)
+      [ "${TIER_WARMUP:-1}" = 1 ] && tier_run warmup ${TIER_ARGS:-}
       for i in $(seq "${TIER_REPEATS:-3}"); do
-        step 120 python3 -m benchmarks.serving --preset gpu --arms tier ${TIER_ARGS:-} \
-          --name "serving_${CARD}_r$i${TIER_TAG:-}" > "/tmp/tier_r$i.log" 2>&1
-        echo "tier run $i: $(grep -oE "'(load_p50_ms|load_p99_ms|load_p50_over_copy|connector_ms_per_step|connector_exposed_ms_per_step|connector_cpu_ms_per_step|while_forward_hidden)': [0-9.]+" "/tmp/tier_r$i.log" | tr '\n' ' ')"
-        grep -oE "'connector_(cpu_)?ms_per_step_by_hook': \{[^}]*\}" "/tmp/tier_r$i.log"
+        tier_run "r$i${TIER_TAG:-}" ${TIER_ARGS:-}
+      done ;;
+    # the save modes side by side: after a warm-up, SAVES_ROUNDS rounds of one run each,
+    # lmcache_driven first in odd rounds and engine_driven first in even ones
+    tier_saves_ab)
+      [ "${TIER_WARMUP:-1}" = 1 ] && tier_run warmup
+      for i in $(seq "${SAVES_ROUNDS:-2}"); do
+        modes="lmcache_driven engine_driven"; [ $((i % 2)) = 0 ] && modes="engine_driven lmcache_driven"
+        for m in $modes; do tier_run "saves_${m%%_*}_r$i" --save-mode "$m"; done
       done ;;
     tier_gather)  # the tier arm with each engine-driven load one gather kernel (lmcache.load_copy)
       step 300 python3 -m benchmarks.serving --preset gpu --arms tier --load-copy kernel \
