@@ -340,6 +340,7 @@ def instrument(connector, profiler=None) -> dict:
     given a ``cProfile.Profile``, profile them (what it adds is inside the times too)."""
     spent = {"s": 0.0, "cpu_s": 0.0, **{name: 0.0 for name in CONNECTOR_HOOKS}}
     spent |= {f"{name}_cpu": 0.0 for name in CONNECTOR_HOOKS}
+    spent |= {f"{name}_calls": 0 for name in CONNECTOR_HOOKS}
     spent |= {"windows": 0, "windows_hidden": 0}
     stream = None
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -363,6 +364,7 @@ def instrument(connector, profiler=None) -> dict:
                 spent[_name] += dt
                 spent["cpu_s"] += dc
                 spent[f"{_name}_cpu"] += dc
+                spent[f"{_name}_calls"] += 1
                 if _name == "while_forward" and stream is not None:
                     # the forward still running when the hook returned: its time was hidden
                     spent["windows"] += 1
@@ -615,6 +617,11 @@ class Arm:
             res["connector_cpu_ms_per_step_by_hook"] = {
                 name: round(1000 * spent[f"{name}_cpu"] / max(steps, 1), 4)
                 for name in CONNECTOR_HOOKS
+            }
+            # calls per hook (a hook's time per step is its calls times their cost: the
+            # scheduler asks a waiting request's lookup again each step it stays waiting)
+            res["connector_calls_by_hook"] = {
+                name: spent[f"{name}_calls"] for name in CONNECTOR_HOOKS
             }
             if n_loads:
                 size = nbytes / n_loads

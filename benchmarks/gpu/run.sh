@@ -49,7 +49,7 @@ tier_run() { local tag=$1; shift; local log="/tmp/tier_$tag.log"
   if [ "$tag" = warmup ]; then rm -f "$RESULTS"/serving_*_warmup_tier.* \
     benchmarks/results/serving_*_warmup_tier.*; echo "tier warm-up run done"; return; fi
   echo "tier run $tag: $(grep -oE "'(load_p50_ms|load_p99_ms|load_p50_over_copy|save_p50_ms|save_p99_ms|save_hold_p50_ms|save_hold_p50_over_copy|req_per_s|connector_ms_per_step|connector_exposed_ms_per_step|connector_cpu_ms_per_step|while_forward_hidden)': [0-9.]+" "$log" | tr '\n' ' ')"
-  grep -oE "'connector_(cpu_)?ms_per_step_by_hook': \{[^}]*\}" "$log"; }
+  grep -oE "'connector_((cpu_)?ms_per_step|calls)_by_hook': \{[^}]*\}" "$log"; }
 for s in "$@"; do
   case "$s" in
     # the gate's tests without the tier, in two parts that each finish within 600 s on the GPU
