@@ -108,6 +108,7 @@ class EngineSaves:
         # the lease asked for: well past a save's deadline (copies are issued only before it)
         self.ttl_s = max(30.0, 4 * transfer_timeout_s)
         self._copier = SaveCopy(self.blocks, pool.device)
+        self.waiter = None  # copy_waiter.CopyWaiter: set by the transfer thread that owns this
         self.mappings = Mappings(pool.device, writable=True)
         self._owner = own_identity()
         self._client = None
@@ -353,8 +354,12 @@ class EngineSaves:
     # ---- the copy ----------------------------------------------------------------------------
 
     def copy(self, op: TransferOp, plan: list, mapping) -> tuple[Any, str]:
-        """Issue ``plan`` (``save_copy.SaveCopy.copy``)."""
-        return self._copier.copy(op, plan, mapping)
+        """Issue ``plan`` (``save_copy.SaveCopy.copy``); a CUDA copy's event is watched, so
+        that the transfer thread runs a round as soon as it fires."""
+        event, error = self._copier.copy(op, plan, mapping)
+        if event is not None and self.waiter is not None:
+            self.waiter.watch(event)
+        return event, error
 
     @property
     def bytes(self) -> int:
@@ -367,6 +372,8 @@ class EngineSaves:
         """Shutdown (the transfer thread, after its last round): abort what is reserved,
         wait for copies still writing, unmap."""
         self.probe.close()
+        if self.waiter is not None:
+            self.waiter.close()
         for event, _, _ in self._orphan_copies:
             event.synchronize()
         aborted = self.flush()

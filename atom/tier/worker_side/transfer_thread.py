@@ -37,6 +37,7 @@ import torch
 from atom.tier.config import OffloadConfig
 from atom.tier.operations import OpState, SaveAhead, TransferOp
 from atom.tier.worker_side.adapter_link import AdapterLink
+from atom.tier.worker_side.copy_waiter import CopyWaiter
 from atom.tier.worker_side.engine_save import EngineSave, fail_future
 from atom.tier.worker_side.layout import SpecShape, build_spec
 from atom.tier.worker_side.save_intake import SaveIntake
@@ -85,8 +86,10 @@ class TransferThread:
         self._inflight: list[TransferOp] = []
         self.health = self.link.health  # what the connector reads: adapter, registrations, ...
         self.intake = None  # save_intake.SaveIntake: engine-driven saves' way in
+        self._copy_done = False  # a save's copy completed since the last round began
         if saves is not None:
             saves.fallback = self._store_via_server
+            saves.waiter = CopyWaiter(self.copy_done)
             self.health.on_server_change.append(saves.server_changed)
             self.intake = SaveIntake(saves)
         self._stop = False
@@ -105,6 +108,13 @@ class TransferThread:
         """Queue ``op`` (its ``event`` marks when its source bytes are written)."""
         with self._cond:
             self._queue.append(op)
+            self._cond.notify()
+
+    def copy_done(self) -> None:
+        """A save's copy completed (the copy waiter's thread): run a round now rather than at
+        the next poll (its commit goes out and the step thread learns its blocks are free)."""
+        with self._cond:
+            self._copy_done = True
             self._cond.notify()
 
     def reserve_ahead(self, aheads: list[SaveAhead]) -> bool:
@@ -191,7 +201,9 @@ class TransferThread:
                         only_late = self._inflight and all(
                             op.state is OpState.LATE for op in self._inflight
                         )
-                        self._cond.wait(0.05 if only_late else self.poll_interval_s)
+                        if not self._copy_done:
+                            self._cond.wait(0.05 if only_late else self.poll_interval_s)
+                    self._copy_done = False
                     stopping = self._stop
                 if stopping and self._drained():
                     break
