@@ -584,6 +584,69 @@ def make_transfer_thread(on_outcome, **kw) -> TransferThread:
     )
 
 
+def unstarted_lookup_thread(connector, hit: int = 0, config=None):
+    """The real LookupThread (not started: its logic is run by the test on cue) over a
+    ``FakeSchedulerAdapter`` answering ``hit``, reporting to ``connector``."""
+    from atom.tier.worker_side.lookup_thread import LookupThread
+
+    config = config or OffloadConfig()
+    thread = LookupThread(
+        url="tcp://127.0.0.1:1",
+        namespace="atom-test#0",
+        world_size=1,
+        block_size=BLOCK,
+        config=config,
+        zmq_context=None,
+        on_outcome=connector.post,
+    )
+    thread._adapter = FakeSchedulerAdapter(hit=hit)
+    return thread
+
+
+@dataclass
+class WiredTransferThread:
+    """A TransferThread (not started) whose adapter is ``adapter``, whose condition records
+    its waits, and whose outcomes land in ``outcomes`` as (op, state), ``got`` set on each."""
+
+    tt: TransferThread
+    adapter: FakeWorkerAdapter
+    cond: RecordingCondition
+    outcomes: list = field(default_factory=list)
+    got: threading.Event = field(default_factory=threading.Event)
+
+    def submit_queried(self, wait_s: float):
+        """Submit a one-chunk op (its source written: a set event) and wait until the thread
+        submitted it and queried its future once; (op, future)."""
+        from atom.tier.worker_side.events import CpuEvent
+
+        op = transfer_op()
+        op.event = CpuEvent()
+        self.tt.submit(op)
+        assert self.adapter.submitted.wait(wait_s)
+        fut = self.adapter.futures[0]
+        assert fut.queried.wait(wait_s)
+        return op, fut
+
+
+def wired_transfer_thread(monkeypatch, **kw) -> WiredTransferThread:
+    """``make_transfer_thread`` with a ``FakeWorkerAdapter`` to connect to and the spec builder
+    faked (``kw`` as there)."""
+    from atom.tier.worker_side import transfer_thread
+
+    monkeypatch.setattr(transfer_thread, "build_spec", lambda op, shape: ("spec", op.op_id))
+    outcomes, got = [], threading.Event()
+
+    def on_outcome(op):
+        outcomes.append((op, op.state))
+        got.set()
+
+    adapter = FakeWorkerAdapter()
+    tt = make_transfer_thread(on_outcome, **kw)
+    tt._cond = cond = RecordingCondition()
+    tt.link.connect = lambda: adapter
+    return WiredTransferThread(tt, adapter, cond, outcomes, got)
+
+
 def transfer_op(kind: str = "save", deadline: float | None = None) -> TransferOp:
     """A one-chunk op on blocks [0] with an image in units [1, 2]; deadline in monotonic s."""
     image = Checkpoint(key=1, position=BLOCK, units=[1, 2], prefix=(1,))

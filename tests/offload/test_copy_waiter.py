@@ -8,11 +8,9 @@ from __future__ import annotations
 import threading
 
 from atom.tier.operations import OpState
-from atom.tier.worker_side import transfer_thread
 from atom.tier.worker_side.copy_waiter import CopyWaiter
-from atom.tier.worker_side.events import CpuEvent
 
-from .fakes import FakeWorkerAdapter, RecordingCondition, make_transfer_thread, transfer_op
+from .fakes import make_transfer_thread, wired_transfer_thread
 
 WAIT_S = 10.0  # upper bound for a thread to reach a barrier (never slept)
 
@@ -61,28 +59,13 @@ def test_a_waiter_that_saw_no_copy_starts_no_thread():
 
 def test_copy_done_runs_the_transfer_round_before_its_poll_timer(monkeypatch):
     """With a poll every 60 s, an op whose completion the copy waiter reports is settled
-    within the test's bound: copy_done wakes the round (and a wake-up that comes while a
-    round runs is not lost: the next wait is skipped)."""
-    monkeypatch.setattr(transfer_thread, "build_spec", lambda op, shape: ("spec", op.op_id))
-    outcomes, got = [], threading.Event()
-
-    def on_outcome(op):
-        outcomes.append((op, op.state))
-        got.set()
-
-    adapter = FakeWorkerAdapter()
-    tt = make_transfer_thread(on_outcome, poll_interval_s=60.0)
-    tt._cond = cond = RecordingCondition()
-    tt.link.connect = lambda: adapter
+    within the test's bound: copy_done wakes the round."""
+    w = wired_transfer_thread(monkeypatch, poll_interval_s=60.0)
+    tt, cond, outcomes, got = w.tt, w.cond, w.outcomes, w.got
     try:
         assert tt.start(wait_registered_s=WAIT_S)
         assert cond.blocked.wait(WAIT_S)
-        op = transfer_op()
-        op.event = CpuEvent()
-        tt.submit(op)
-        assert adapter.submitted.wait(WAIT_S)
-        fut = adapter.futures[0]
-        assert fut.queried.wait(WAIT_S)
+        op, fut = w.submit_queried(WAIT_S)
         fut.done = True
         tt.copy_done()
         assert got.wait(WAIT_S)
@@ -90,6 +73,36 @@ def test_copy_done_runs_the_transfer_round_before_its_poll_timer(monkeypatch):
     finally:
         tt.stop(1.0)
     assert not tt.thread.is_alive()
+
+
+def test_a_copy_done_during_a_round_is_not_lost(monkeypatch):
+    """copy_done called while the round that queried the op still runs (held here until it
+    is called): the thread skips its next 60 s wait and settles the op."""
+    w = wired_transfer_thread(monkeypatch, poll_interval_s=60.0)
+    tt, cond = w.tt, w.cond
+    in_round, gate = threading.Event(), threading.Event()
+    poll_round = tt._poll_round
+
+    def held_round():
+        poll_round()
+        if tt._inflight and not gate.is_set():  # the round that queried the op: hold it
+            in_round.set()
+            assert gate.wait(WAIT_S)
+
+    tt._poll_round = held_round
+    try:
+        assert tt.start(wait_registered_s=WAIT_S)
+        assert cond.blocked.wait(WAIT_S)
+        op, fut = w.submit_queried(WAIT_S)
+        assert in_round.wait(WAIT_S)
+        fut.done = True
+        tt.copy_done()  # the thread is inside its round, not waiting
+        gate.set()
+        assert w.got.wait(WAIT_S)
+        assert w.outcomes == [(op, OpState.DONE)]
+    finally:
+        gate.set()
+        tt.stop(1.0)
 
 
 def test_the_transfer_thread_gives_its_engine_saves_a_waiter():

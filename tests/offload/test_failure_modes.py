@@ -23,22 +23,19 @@ from atom.models.registry import load_runtime
 from atom.sampling_params import SamplingParams
 from atom.tier.config import OffloadConfig
 from atom.tier.operations import LookupOp, OpState
-from atom.tier.worker_side import transfer_thread
-from atom.tier.worker_side.events import CpuEvent
-from atom.tier.worker_side.lookup_thread import LookupThread
 
 from .fakes import (
     BLOCK,
     FakeFuture,
-    FakeSchedulerAdapter,
     FakeWorkerAdapter,
-    RecordingCondition,
     StuckThread,
     cursor_of_image,
     image_bytes,
     make_transfer_thread,
     prompt_of,
     transfer_op,
+    unstarted_lookup_thread,
+    wired_transfer_thread,
 )
 
 WAIT_S = 10.0  # upper bound for a thread to reach a barrier (never slept)
@@ -688,16 +685,8 @@ def test_fm11_hit_without_room_to_load_frees_its_locks_once(make):
 
 def test_fm11_lookup_answered_as_its_deadline_passes_still_frees_its_locks(make, monkeypatch):
     h = make(auto_lookups=False, offload={"lookup_timeout_s": 2.0})
-    thread = LookupThread(
-        url="tcp://127.0.0.1:1",
-        namespace="atom-test#0",
-        world_size=1,
-        block_size=BLOCK,
-        config=OffloadConfig(lookup_timeout_s=2.0),
-        zmq_context=None,
-        on_outcome=h.connector.post,
-    )
-    thread._adapter = adapter = FakeSchedulerAdapter(hit=48)
+    thread = unstarted_lookup_thread(h.connector, 48, OffloadConfig(lookup_timeout_s=2.0))
+    adapter = thread._adapter
     h.connector.lookups = thread  # the real lookup thread's logic, run here on cue
     try:
         s = h.add(prompt_of(70, 23), max_tokens=1)
@@ -862,17 +851,8 @@ def test_fm13_each_load_is_called_late_at_its_own_deadline(make):
 
 
 def test_fm14_transfer_thread_blocks_when_idle_and_polls_only_while_in_flight(monkeypatch):
-    monkeypatch.setattr(transfer_thread, "build_spec", lambda op, shape: ("spec", op.op_id))
-    outcomes, got = [], threading.Event()
-
-    def on_outcome(op):
-        outcomes.append((op, op.state))
-        got.set()
-
-    adapter = FakeWorkerAdapter()
-    tt = make_transfer_thread(on_outcome, poll_interval_s=0.001)
-    tt._cond = cond = RecordingCondition()
-    tt.link.connect = lambda: adapter
+    w = wired_transfer_thread(monkeypatch, poll_interval_s=0.001)
+    tt, adapter, cond, outcomes, got = w.tt, w.adapter, w.cond, w.outcomes, w.got
     rounds = []
     poll_round = tt._poll_round
     tt._poll_round = lambda: (rounds.append(len(tt._inflight)), poll_round())[1]
@@ -883,12 +863,7 @@ def test_fm14_transfer_thread_blocks_when_idle_and_polls_only_while_in_flight(mo
         assert cond.waits[-1] is None and rounds == [0]
         cond.blocked.clear()
         mark = len(cond.waits)
-        op = transfer_op()
-        op.event = CpuEvent()
-        tt.submit(op)
-        assert adapter.submitted.wait(WAIT_S)
-        fut = adapter.futures[0]
-        assert fut.queried.wait(WAIT_S)
+        op, fut = w.submit_queried(WAIT_S)
         fut.done = True
         assert got.wait(WAIT_S) and cond.blocked.wait(WAIT_S)
         assert outcomes == [(op, OpState.DONE)]
@@ -923,22 +898,15 @@ def test_fm14_load_completion_wakes_the_idle_engine_at_once(make):
 
 
 def test_fm15_a_failed_round_is_reported_over_an_older_error(monkeypatch):
-    monkeypatch.setattr(transfer_thread, "build_spec", lambda op, shape: ("spec", op.op_id))
-    errors, outcomes, got = ["first"], [], threading.Event()
+    errors = ["first"]
 
     def server_alive():
         if errors:
             raise RuntimeError(f"round failed: {errors.pop()}")
         return True
 
-    def on_outcome(op):
-        outcomes.append(op.state)
-        got.set()
-
-    adapter = FakeWorkerAdapter()
-    tt = make_transfer_thread(on_outcome, server_alive=server_alive, poll_interval_s=0.001)
-    tt._cond = cond = RecordingCondition()
-    tt.link.connect = lambda: adapter
+    w = wired_transfer_thread(monkeypatch, server_alive=server_alive, poll_interval_s=0.001)
+    tt, adapter, cond, got = w.tt, w.adapter, w.cond, w.got
     tt.last_error = "RuntimeError('an older error')"
     try:
         tt.start(wait_registered_s=WAIT_S)
@@ -951,7 +919,7 @@ def test_fm15_a_failed_round_is_reported_over_an_older_error(monkeypatch):
         adapter.futures[0].done = True
         assert got.wait(WAIT_S) and cond.blocked.wait(WAIT_S)
         assert tt.round_errors == 2 and "second" in tt.last_error
-        assert outcomes == [OpState.DONE]  # the thread kept serving
+        assert [state for _, state in w.outcomes] == [OpState.DONE]  # the thread kept serving
     finally:
         tt.stop(1.0)
 

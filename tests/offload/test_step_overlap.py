@@ -15,10 +15,9 @@ A real engine (v41-tiny, CPU) over the fake tier of tests/offload/fakes.py.
 from __future__ import annotations
 
 from atom.engine.sequence import SeqStatus
-from atom.tier.config import OffloadConfig
 from atom.tier.worker_side.lookup_thread import LookupThread
 
-from .fakes import BLOCK, FakeSchedulerAdapter, prompt_of
+from .fakes import BLOCK, prompt_of, unstarted_lookup_thread
 
 
 def test_what_settled_is_folded_while_the_forward_runs(make):
@@ -88,16 +87,8 @@ def test_a_lookup_and_a_free_send_the_tokens_they_name_copied_off_the_step_threa
     exactly the prompt less its last token. A free queued with a live list sends the first
     ``end`` tokens even when the list grew before the thread got to it."""
     h = make(auto_lookups=False)
-    thread = LookupThread(
-        url="tcp://127.0.0.1:1",
-        namespace="atom-test#0",
-        world_size=1,
-        block_size=BLOCK,
-        config=OffloadConfig(),
-        zmq_context=None,
-        on_outcome=h.connector.post,
-    )
-    thread._adapter = adapter = FakeSchedulerAdapter(hit=0)
+    thread = unstarted_lookup_thread(h.connector)
+    adapter = thread._adapter
     h.connector.lookups = thread  # the real lookup thread's logic, run here on cue
     try:
         prompt = prompt_of(70, 53)
@@ -221,20 +212,6 @@ class _WakeLog:
         return call
 
 
-def _unstarted_lookup_thread(h) -> LookupThread:
-    thread = LookupThread(
-        url="tcp://127.0.0.1:1",
-        namespace="atom-test#0",
-        world_size=1,
-        block_size=BLOCK,
-        config=OffloadConfig(),
-        zmq_context=None,
-        on_outcome=h.connector.post,
-    )
-    thread._adapter = FakeSchedulerAdapter(hit=0)
-    return thread
-
-
 def test_a_lookup_wakes_the_lookup_thread_while_the_forward_runs_not_while_planning(make):
     """A lookup asked while the step is planned is queued; the thread is woken at the step's
     while_forward (the forward queued on the device), so building the lookup's keys takes the
@@ -242,7 +219,7 @@ def test_a_lookup_wakes_the_lookup_thread_while_the_forward_runs_not_while_plann
     h = make()
     long = h.add(prompt_of(40, 54), max_tokens=8)
     h.step_until(lambda: long.status is SeqStatus.RUNNING)
-    thread, events = _unstarted_lookup_thread(h), []
+    thread, events = unstarted_lookup_thread(h.connector), []
     h.connector.lookups = thread
     try:
         _WakeLog(thread, h.connector, events)
@@ -261,7 +238,7 @@ def test_a_step_without_a_forward_sends_its_lookups_at_once(make):
     tier so, and the lookup thread is woken in that step (were it left to the next step's
     update, the driver would first block for its wait, a second, for nothing)."""
     h = make(auto_lookups=False)
-    thread, events = _unstarted_lookup_thread(h), []
+    thread, events = unstarted_lookup_thread(h.connector), []
     h.connector.lookups = thread
     try:
         _WakeLog(thread, h.connector, events)
