@@ -109,10 +109,9 @@ class LookupThread:
 
     def lookup(self, op: LookupOp) -> None:
         """Queue a lookup without waking the thread, as a free: a thread woken while the step
-        thread plans the step takes the interpreter lock from it to build the lookup's keys
-        (tens to hundreds of microseconds of Python on a long prompt, charged to the step).
-        The connector flushes while the step's forward runs, or at once in a step without
-        one: the lookup is sent within the step that asked it."""
+        thread plans the step can take the interpreter lock from it to build the lookup's
+        keys. The connector flushes while the step's forward runs, or at once in a step
+        without one: the lookup is sent within the step that asked it."""
         self._put("lookup", (op,), wake=False)
 
     def free_locks(self, lmc_id: str, token_ids: list[int], start: int, end: int) -> None:
