@@ -11,6 +11,7 @@ import torch
 
 from atom import SamplingParams
 from tests.engine.test_batch_invariant import prompts_of
+from tests.offload.test_tier_faults import pump
 
 from .tier_two_pass import assert_same_bits, two_pass
 
@@ -63,6 +64,31 @@ def test_tier_two_pass_on_cuda_with_two_copy_streams():
     out1, out2, hits, info = two_pass("v41-mini", prompts, p, kw, second)
     assert hits == [512, 1024, 256]
     assert_same_bits(out2, out1)
+    assert info["copied"] == 3, info
+
+
+def test_tier_two_pass_on_cuda_with_engine_driven_saves():
+    """``lmcache.save_mode: engine_driven``: pass 1's engine copies every save into space the
+    server reserved in its L1 (a device-to-host copy on its own stream; the copy waiter waits
+    on each copy's event and wakes the transfer thread), and commits it; pass 2 loads exactly
+    those bytes and, in the mode, computes pass 1's bits."""
+    prompts = prompts_of((700, 1030, 300), seed=3)
+    p = SamplingParams(max_tokens=8, ignore_eos=True, logprobs=5)
+    kw = {**KW, "batch_invariant": True}
+    kw["lmcache"] = {**KW["lmcache"], "save_mode": "engine_driven"}
+    second = {"lmcache": {"load_mode": "engine_driven"}, "max_num_batched_tokens": 384}
+
+    def saves_ready(llm):
+        saves = llm.engine.tier.saves
+        pump(llm, lambda: saves.mode == "engine_driven" and saves.mappings.current, "saves")
+
+    out1, out2, hits, info = two_pass("v41-mini", prompts, p, kw, second, ready=saves_ready)
+    assert hits == [512, 1024, 256]
+    assert_same_bits(out2, out1)
+    saves, done = info["first_saves"], info["first_saves_done"]
+    assert done > 0 and saves.counts["copied"] == done, (done, saves.counts)
+    assert saves.counts["via_server"] == saves.counts["failed"] == 0, saves.counts
+    assert saves.waiter.waited >= done and saves.waiter.errors == 0, vars(saves.waiter)
     assert info["copied"] == 3, info
 
 

@@ -42,18 +42,24 @@ def assert_same_bits(got, want) -> None:
             assert a.top == b.top, f"request {k} output {j}: logprobs {a.top} != {b.top}"
 
 
-def two_pass(model: str, prompts, params, kw: dict, second: dict | None = None):
+def two_pass(model: str, prompts, params, kw: dict, second: dict | None = None, ready=None):
     """(pass 1 outputs, pass 2 outputs, pass 2's hit tokens, facts about pass 2's tier); the
     loaded bytes are checked equal to pass 1's here.
 
     ``kw`` configures both engines (``offload="lmcache_mp"`` and an owned server from
     ``kw["lmcache"]``); ``second`` overrides pass 2's config (``lmcache`` there is merged
-    with the server's URL)."""
+    with the server's URL). ``ready(llm)``, if given, runs on pass 1's engine before it
+    generates. ``info["first_saves"]`` is pass 1's ``EngineSaves`` (None: the server's
+    stores), read after its shutdown drained them."""
     second = dict(second or {})
     first = LLM(model, **kw)
+    if ready is not None:
+        ready(first)
     out1 = first.generate(prompts, params)
     bytes1 = [prefix_bytes(first, p, len(p) // kw["block_size"]) for p in prompts]
     server = first.engine.tier.server
+    first_saves = first.engine.tier.saves
+    first_done = first.engine.scheduler.connector.tier_metrics.saves
     first.engine.tier.server = None  # keep the owned server alive for pass 2
     first.shutdown()
     try:
@@ -63,6 +69,8 @@ def two_pass(model: str, prompts, params, kw: dict, second: dict | None = None):
         hits = [o.tier_hit_tokens for o in out2]
         bytes2 = [prefix_bytes(llm, p, h // kw["block_size"]) for p, h in zip(prompts, hits)]
         info = {
+            "first_saves": first_saves,
+            "first_saves_done": first_done.get(outcome="done"),
             "load_mode": llm.engine.tier.health()["load_mode"],
             "events_created": llm.engine.tier.connector.events.created,
             "copied": llm.engine.tier.connector.tier_metrics.local_loads.get(outcome="copied"),
