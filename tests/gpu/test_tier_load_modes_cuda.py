@@ -80,7 +80,11 @@ def test_tier_two_pass_on_cuda_with_engine_driven_saves():
 
     def saves_ready(llm):
         saves = llm.engine.tier.saves
-        pump(llm, lambda: saves.mode == "engine_driven" and saves.mappings.current, "saves")
+
+        def ok() -> bool:  # the probe found the module and the server's segment is mapped
+            return saves.mode == "engine_driven" and saves.mappings.current is not None
+
+        pump(llm, ok, "engine-driven saves to be ready")
 
     out1, out2, hits, info = two_pass("v41-mini", prompts, p, kw, second, ready=saves_ready)
     assert hits == [512, 1024, 256]
