@@ -330,9 +330,10 @@ class EngineConfig(BaseModel):
             except ValueError as exc:
                 raise EngineConfigError(str(exc)) from None
             # auto decided: loads engine_driven (on one rank and across ranks, with rank
-            # collapse or without); saves engine_driven on one rank
-            load_mode, _ = lmcache.load_path(self.tensor_parallel_size, self.tier_collapse())
-            save_mode, _ = lmcache.save_path(self.tensor_parallel_size)
+            # collapse or without); saves engine_driven on one rank or with rank collapse
+            collapse = self.tier_collapse()
+            load_mode, _ = lmcache.load_path(self.tensor_parallel_size, collapse)
+            save_mode, _ = lmcache.save_path(self.tensor_parallel_size, collapse)
             lmcache = lmcache.model_copy(update=dict(load_mode=load_mode, save_mode=save_mode))
         return self.model_copy(
             update=dict(

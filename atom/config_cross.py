@@ -56,9 +56,10 @@ def check_combinations(cfg) -> None:
     if cfg.block_size is not None and cfg.offload == "lmcache_mp":
         cfg.lmcache.resolved_chunk(cfg.block_size)
     if cfg.offload == "lmcache_mp":
-        # engine_driven saves across ranks are refused (one rank only)
-        cfg.lmcache.load_path(cfg.tensor_parallel_size, cfg.tier_collapse())
-        cfg.lmcache.save_path(cfg.tensor_parallel_size)
+        # engine_driven saves across ranks without rank collapse are refused (rank 0 only)
+        collapse = cfg.tier_collapse()
+        cfg.lmcache.load_path(cfg.tensor_parallel_size, collapse)
+        cfg.lmcache.save_path(cfg.tensor_parallel_size, collapse)
     if cfg.block_size is not None and cfg.max_num_batched_tokens < cfg.block_size:
         raise ValueError(
             f"max_num_batched_tokens={cfg.max_num_batched_tokens} must be >= "

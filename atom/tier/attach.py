@@ -67,7 +67,7 @@ class LMCacheTier:
         self.policy = TierPolicy.of(config, self.tp_size, self.rank_collapse)
         self.load_mode, why = config.load_path(self.tp_size, self.rank_collapse)
         log.info("tier loads: %s (%s)", self.load_mode, why)
-        self.save_mode, why = config.save_path(self.tp_size)
+        self.save_mode, why = config.save_path(self.tp_size, self.rank_collapse)
         log.info("tier saves: %s (%s)", self.save_mode, why)
         self.server: LMCacheServer | None = None
         url = config.url
@@ -226,8 +226,8 @@ class LMCacheTier:
             local.on_phases = partial(tier_metrics.load_phases.observe_by, "phase")
         if self.saves is not None:
             self.saves.on_phases = partial(tier_metrics.save_phases.observe_by, "phase")
-            if ranks is None:  # across ranks the sources wait for every rank's part
-                self.saves.on_copied = settled.post
+            # across ranks (rank collapse: rank 0 alone saves) the copy is told as the op's
+            self.saves.on_copied = settled.post if ranks is None else self.transfers.copied
         self.supervisor: ServerSupervisor | None = None
         if self.server is not None:
             self.supervisor = ServerSupervisor(
@@ -357,8 +357,8 @@ class LMCacheTier:
         """engine_driven when saves are copied by the engine (lmcache_driven: by the server;
         the resolved ``save_mode``, logged at attach with its reason)."""
         if self.saves is None:
-            if self.tp_size > 1:
-                return "lmcache_driven (engine-driven saves run on one rank only)"
+            if self.tp_size > 1 and not self.rank_collapse:
+                return "lmcache_driven (engine-driven saves need rank collapse)"
             return "lmcache_driven"
         return self.saves.mode
 

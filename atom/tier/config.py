@@ -66,8 +66,9 @@ class OffloadConfig(BaseModel):
     # save's objects into it itself and commits them (atom.commit); a reserve refused, a server
     # without the module (or on another host), the segment not mapped yet: that save is the
     # server's store. lmcache_driven: the server copies every save (its store). auto:
-    # engine_driven with one rank, lmcache_driven across ranks. The default stays
-    # lmcache_driven until engine-driven saves are measured on a GPU.
+    # engine_driven with one rank and across ranks with rank collapse (rank 0 alone saves),
+    # lmcache_driven across ranks without it. The default stays lmcache_driven until
+    # engine-driven saves are measured under serving on a GPU.
     save_mode: Literal["auto", "engine_driven", "lmcache_driven"] = "lmcache_driven"
     # a located answer older than this is loaded through the server, which checks the objects
     # are still there (the server's read locks lapse after its --l1-read-ttl-seconds, 300 s)
@@ -189,25 +190,37 @@ class OffloadConfig(BaseModel):
             why = f"lmcache.load=false: nothing is loaded ({why})"
         return mode, why
 
-    def save_path(self, tp_size: int) -> tuple[str, str]:
-        """(save mode, why) for an engine of ``tp_size`` ranks: ``auto`` resolved, and
-        ``engine_driven`` across ranks refused (the engine's copies are built for one rank)."""
+    def save_path(self, tp_size: int, collapse: bool = False) -> tuple[str, str]:
+        """(save mode, why) for an engine of ``tp_size`` ranks, ``collapse``: whether its ranks
+        share one stored copy (``rank_collapse``). ``auto`` resolves to engine_driven on one
+        rank and across ranks with rank collapse (rank 0 alone saves, from its own pool, as one
+        rank does); without collapse every rank stores its own objects, which only the server's
+        stores do, so ``engine_driven`` is refused there."""
         mode = self.save_mode
-        if mode == "engine_driven" and tp_size > 1:
+        if mode == "engine_driven" and tp_size > 1 and not collapse:
             raise EngineConfigError(
-                f"lmcache.save_mode=engine_driven with tensor_parallel_size={tp_size}: "
-                "engine-driven saves run on one rank only; use save_mode auto (lmcache_driven "
-                "across ranks) or lmcache_driven"
+                f"lmcache.save_mode=engine_driven with tensor_parallel_size={tp_size} without "
+                "rank collapse: engine-driven saves copy rank 0's pool only, and without "
+                "collapse every rank stores its own objects; set lmcache.tp_rank_collapse "
+                "(auto or true, for a model whose ranks hold the same tier bytes), or use "
+                "save_mode auto (lmcache_driven without collapse) or lmcache_driven"
             )
         if mode == "auto":
-            mode = "engine_driven" if tp_size == 1 else "lmcache_driven"
-        if tp_size > 1:
-            why = (
-                f"tensor_parallel_size={tp_size}: engine-driven saves run on one rank only, so "
-                "every rank's part of a save is the server's store"
-            )
-        elif mode == "lmcache_driven":
+            mode = "engine_driven" if tp_size == 1 or collapse else "lmcache_driven"
+        if mode == "lmcache_driven":
             why = "lmcache.save_mode=lmcache_driven: the server copies every save"
+            if tp_size > 1 and self.save_mode == "auto":
+                why = (
+                    f"tensor_parallel_size={tp_size} without rank collapse: every rank stores "
+                    "its own objects, each part the server's store"
+                )
+        elif tp_size > 1:
+            why = (
+                f"tensor_parallel_size={tp_size} with rank collapse: rank 0 copies each save "
+                "(the one copy every rank loads) into space the server reserved in its "
+                "shared-memory L1 and commits it, through the server where it cannot "
+                "(/health tier.save_mode)"
+            )
         else:
             why = (
                 "one rank: the engine copies each save into space the server reserved in its "

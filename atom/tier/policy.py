@@ -36,10 +36,10 @@ class TierPolicy:
     @classmethod
     def of(cls, config: OffloadConfig, tp_size: int = 1, collapse: bool = False) -> TierPolicy:
         """The policy of ``config`` for an engine of ``tp_size`` ranks, sharing one copy when
-        ``collapse`` (``OffloadConfig.load_path``; engine-driven saves run on one rank only,
-        ``OffloadConfig.save_path``)."""
+        ``collapse`` (``OffloadConfig.load_path``; engine-driven saves run on rank 0 alone:
+        one rank, or ranks sharing one copy, ``OffloadConfig.save_path``)."""
         mode, _ = config.load_path(tp_size, collapse)
-        save_mode, _ = config.save_path(tp_size)
+        save_mode, _ = config.save_path(tp_size, collapse)
         return cls(
             may_store=config.save,
             may_load=config.load,

@@ -13,6 +13,10 @@ LMCache servers: every rank registers its pool and moves its part of every trans
   unchanged, and every read lock is released once.
 - Without collapse a prompt rank 1 never stored is no hit, though rank 0 stored it.
 - The server's stored bytes with collapse are exactly 1/2 of those without.
+- Engine-driven saves with rank collapse: rank 0 copies every save into space the server
+  reserved (reservations sent ahead through the ranks' transfers, each copy told as its op's
+  before the commit), pass 2 resumes from those bytes at the ceiling with pass 1's tokens, and
+  the server holds exactly the bytes the server's own stores leave.
 - Every read lock a lookup took (one per rank on a collapsed copy, one on each rank's objects
   without collapse) is released once every rank copied (one free of rank 0's, which releases
   every rank's and reader's lock): a non-forced clear afterwards empties the server's L1.
@@ -91,6 +95,28 @@ class SentCopies:
         self.cls.submit_copies = self.submit
 
 
+class CopiedSaves:
+    """Records the saves rank 0's transfers tell the connector were copied (their op's
+    ``copied_at``), across ranks: ``RankedTransfers.copied``."""
+
+    def __init__(self):
+        from atom.tier.worker_side.tier_ranks import RankedTransfers
+
+        self.cls, self.copied = RankedTransfers, RankedTransfers.copied
+        self.ops: list = []
+
+    def __enter__(self) -> CopiedSaves:
+        def record(transfers, part):
+            self.copied(transfers, part)
+            self.ops.append(part.owner)
+
+        self.cls.copied = record
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.cls.copied = self.copied
+
+
 class LoadPathLog(logging.Handler):
     """The tier's ``tier loads:`` lines (rank 0's tier logs it, once, when it attaches)."""
 
@@ -106,7 +132,9 @@ class LoadPathLog(logging.Handler):
 def two_pass(collapse: str, model: str = "v41-tiny", **tier):
     """Pass 1 and pass 2 at TP=2 on a fresh server (its L1 in shared memory, with atom's
     module); returns outputs, health and stored bytes, the first engine's ``tier loads:``
-    log lines and what rank 0 sent the other ranks for pass 2's engine-driven loads."""
+    log lines, what rank 0 sent the other ranks for pass 2's engine-driven loads, and the
+    first engine's engine-driven saves (their counts and reservations ahead, and the ops told
+    copied; None with the server's stores)."""
     server = LMCacheServer(chunk_size=BLOCK, l1_size_gb=0.2, shared_l1=True)
     server.start(wait=True)
     log, tier_log = LoadPathLog(), logging.getLogger("atom.offload")
@@ -114,14 +142,19 @@ def two_pass(collapse: str, model: str = "v41-tiny", **tier):
     try:
         tier_log.addHandler(log)
         tier_log.setLevel(logging.INFO)
-        try:
-            first = tp_llm(server, collapse, model, **tier)
-        finally:
-            tier_log.removeHandler(log)
-            tier_log.setLevel(level)
-        out1 = first.generate(PROMPTS, GREEDY)
-        health1 = first.engine.tier.health()
-        first.shutdown()  # every rank's saves drain before it returns
+        with CopiedSaves() as copied:  # (from the start: the tier binds its hook then)
+            try:
+                first = tp_llm(server, collapse, model, **tier)
+            finally:
+                tier_log.removeHandler(log)
+                tier_log.setLevel(level)
+            saves = first.engine.tier.saves  # (the engine lets go of its tier at shutdown)
+            out1 = first.generate(PROMPTS, GREEDY)
+            health1 = first.engine.tier.health()
+            first.shutdown()  # every rank's saves drain before it returns
+        engine_saves = None
+        if saves is not None:
+            engine_saves = (dict(saves.counts), dict(saves.ahead), copied.ops)
         stored = l1_bytes(server)
         second = tp_llm(server, collapse, model, **tier)
         # one read lock per loading rank when they share one copy
@@ -137,7 +170,7 @@ def two_pass(collapse: str, model: str = "v41-tiny", **tier):
         assert frees == 0, "a read lock was released twice"
     finally:
         server.stop()
-    return out1, out2, health1, health2, stored, left, log.lines, (copies.sent, calls)
+    return out1, out2, health1, health2, stored, left, log.lines, (copies.sent, calls, engine_saves)
 
 
 LMCACHE_DRIVEN = "false, load_mode lmcache_driven"
@@ -152,7 +185,8 @@ def runs():
 
 @pytest.mark.parametrize("collapse", ["true", "false", LMCACHE_DRIVEN])
 def test_tp2_two_pass_resumes_from_the_tier_on_every_rank(runs, collapse):
-    out1, out2, health1, health2, stored, left, load_log, (sent, calls) = runs[collapse]
+    out1, out2, health1, health2, stored, left, load_log, (sent, calls, saves) = runs[collapse]
+    assert saves is None  # the server's stores (save_mode lmcache_driven, the default)
     # every rank copies its loads, unless lmcache_driven is asked for (the server retrieves
     # them): said once at start (INFO) and in /health
     [(level, line)] = load_log
@@ -215,6 +249,34 @@ def test_v4_at_tp2_resumes_from_one_collapsed_copy():
     r0, r1 = health2["tensor_parallel"]["ranks"]
     assert r0["failed"] == r1["failed"] == {"load": 0, "save": 0}
     assert r1["bytes"]["load"] == r0["bytes"]["load"] > 0
+
+
+def test_engine_driven_saves_with_rank_collapse_store_what_the_servers_stores_do(runs):
+    """save_mode engine_driven at TP=2 with rank collapse: rank 0 copies each save itself,
+    pass 2 loads those bytes on both ranks and computes pass 1's tokens."""
+    out1, out2, health1, health2, stored, left, _, (_, _, saves) = two_pass(
+        "true", save_mode="engine_driven"
+    )
+    assert health1["save_mode"] == "engine_driven", health1["save_mode"]
+    counts, ahead, copied = saves
+    s0, s1 = health1["tensor_parallel"]["ranks"]
+    assert s0["parts"]["save"] > 0 and s1["parts"]["save"] == 0  # rank 0's one copy
+    assert s0["failed"]["save"] == 0
+    # every save copied by the engine (none fell back to the server's store), each told to
+    # the connector as copied before its commit, each reserved ahead of its step's forward
+    assert counts["copied"] + counts["resident"] == s0["parts"]["save"], counts
+    assert counts["via_server"] == counts["failed"] == counts["aborted"] == 0, counts
+    assert len(copied) == counts["copied"] and all(op.copied_at for op in copied)
+    assert ahead["claimed"] > 0, ahead
+    # the same objects as the server's stores make, and the same outputs
+    assert stored == runs["true"][4] > 0
+    for p, a, b, c in zip(PROMPTS, out1, out2, runs["true"][0]):
+        assert a.token_ids == b.token_ids == c.token_ids
+        assert b.tier_hit_tokens == ceiling(len(p)), (len(p), b.tier_hit_tokens)
+    r0, r1 = health2["tensor_parallel"]["ranks"]
+    assert r0["failed"] == r1["failed"] == {"load": 0, "save": 0}
+    assert r1["bytes"]["load"] == r0["bytes"]["load"] > 0
+    assert left == 0, "a read lock was left behind"
 
 
 def test_collapse_stores_half_the_bytes_and_every_read_lock_is_released(runs):

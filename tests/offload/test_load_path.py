@@ -93,27 +93,43 @@ def test_save_mode_defaults_to_the_servers_stores_and_auto_resolves_by_ranks():
     mode, why = OffloadConfig(save_mode="auto").save_path(1)
     assert mode == "engine_driven" and why.startswith("one rank")
     mode, why = OffloadConfig(save_mode="auto").save_path(2)
-    assert mode == "lmcache_driven" and "tensor_parallel_size=2" in why
+    assert mode == "lmcache_driven" and why.startswith("tensor_parallel_size=2 without rank")
+    # with rank collapse rank 0 alone saves (the one copy), from its own pool, as one rank does
+    mode, why = OffloadConfig(save_mode="auto").save_path(2, collapse=True)
+    assert mode == "engine_driven" and why.startswith("tensor_parallel_size=2 with rank collapse")
+    assert OffloadConfig(save_mode="engine_driven").save_path(4, collapse=True)[0] == (
+        "engine_driven"
+    )
+    mode, why = OffloadConfig(save_mode="lmcache_driven").save_path(2, collapse=True)
+    assert mode == "lmcache_driven" and "lmcache.save_mode=lmcache_driven" in why
     assert "lmcache.save=false" in OffloadConfig(save=False).save_path(1)[1]
     assert not TierPolicy.of(OffloadConfig(), 1).engine_saves
     assert TierPolicy.of(OffloadConfig(save_mode="engine_driven"), 1).engine_saves
     assert not TierPolicy.of(OffloadConfig(save_mode="auto"), 2).engine_saves
+    assert TierPolicy.of(OffloadConfig(save_mode="auto"), 2, collapse=True).engine_saves
     assert not TierPolicy.of(OffloadConfig(save_mode="engine_driven", save=False), 1).engine_saves
 
 
-def test_save_mode_is_resolved_in_the_config_and_refused_across_ranks():
+def test_save_mode_is_resolved_in_the_config_and_refused_across_ranks_without_collapse():
     assert EngineConfig(**TIER_KW).resolved().lmcache.save_mode == "lmcache_driven"
     auto = dict(lmcache={"save_mode": "auto"})
     assert EngineConfig(**TIER_KW, **auto).resolved().lmcache.save_mode == "engine_driven"
+    # rank collapse auto: the split models' tier bytes are the same on every rank
     two = EngineConfig(**TIER_KW, **auto, tensor_parallel_size=2).resolved()
+    assert two.lmcache.save_mode == "engine_driven"
+    apart = dict(lmcache={"save_mode": "auto", "tp_rank_collapse": "false"})
+    two = EngineConfig(**TIER_KW, **apart, tensor_parallel_size=2).resolved()
     assert two.lmcache.save_mode == "lmcache_driven"
+    EngineConfig.build(**TIER_KW, tensor_parallel_size=2, lmcache={"save_mode": "engine_driven"})
     with pytest.raises(EngineConfigError) as err:
         EngineConfig.build(
-            **TIER_KW, tensor_parallel_size=2, lmcache={"save_mode": "engine_driven"}
+            **TIER_KW,
+            tensor_parallel_size=2,
+            lmcache={"save_mode": "engine_driven", "tp_rank_collapse": "false"},
         )
     msg = str(err.value)
-    assert "lmcache.save_mode=engine_driven with tensor_parallel_size=2" in msg
-    assert "use save_mode auto" in msg
+    assert "lmcache.save_mode=engine_driven with tensor_parallel_size=2 without rank" in msg
+    assert "set lmcache.tp_rank_collapse" in msg and "use save_mode auto" in msg
 
 
 def test_the_tier_logs_its_save_mode_once_at_start(lmcache_server, make_llm, caplog):

@@ -13,6 +13,12 @@ order with the forwards; see ``rank_tier``). The op is terminal when every part 
 Which ranks move bytes: a load, every rank (each pool must hold the bytes); a save, every rank
 without rank collapse (each stores its own object), rank 0 alone with it (one copy).
 
+Engine-driven saves (rank collapse only: ``OffloadConfig.save_path``): rank 0's save is its
+transfer thread's, engine-driven as with one rank; the reservations the connector sends ahead
+go to that thread (``reserve_ahead``, ``ahead_end``), and a save whose copy completed is told
+to the connector as its op's (``copied``): no other rank reads the save's blocks, so its
+sources are free then, before the commit.
+
 An engine-driven load (``submit_copies``): rank 0's connector copied its part itself from
 where its lookup located the objects; every other rank is sent where its part sits (``Where``:
 with rank collapse the one copy, without it that rank's own objects, which rank 0's lookup
@@ -203,6 +209,26 @@ class RankedTransfers:
         except RankFailure as exc:  # the next forward stops the engine; fail the parts
             for r in range(1, self.world):
                 self._part(r, op.op_id, "failed", False, str(exc), None)
+
+    def reserve_ahead(self, aheads: list) -> bool:
+        """Reservations sent ahead of the step's forward (``TransferThread.reserve_ahead``):
+        rank 0's saves are its transfer thread's, the only part of a save with rank collapse;
+        without collapse there are no engine-driven saves and nothing is sent (False)."""
+        return self.spec.collapse and self.local.reserve_ahead(aheads)
+
+    def ahead_end(self) -> None:
+        if self.spec.collapse:
+            self.local.ahead_end()
+
+    def copied(self, part: TransferOp) -> None:
+        """Rank 0's engine-driven save ``part`` has its bytes in the server's L1 (its commit
+        to come): with rank collapse it is the save's only part, so the op's sources are
+        free; the connector learns it from the op (``copied_at``), as with one rank."""
+        op = part.owner
+        if not self.spec.collapse or not isinstance(op, TransferOp):
+            return
+        op.copied_at = part.copied_at
+        self.on_outcome(op)
 
     @property
     def health(self) -> RankedTransfers:
