@@ -194,10 +194,11 @@ for s in "$@"; do
       tests/gpu/test_tp_cuda.py tests/gpu/test_one_shot_cuda.py tests/gpu/test_tp_tier_cuda.py \
       tests/distributed ;;
     serving_tp)  # the three arms at TP=2 (two GPUs, eager), the tier arm with rank collapse;
-      # half the gpu preset (8 running need 8 x 28 blocks; 32 tails + prefixes do not fit 360)
+      # half the gpu preset (8 running need 8 x 28 blocks; 32 tails + prefixes do not fit 360).
+      # SERVING_TP_ARGS="--save-mode engine_driven" SERVING_TP_TAG=_es: rank 0 copies the saves
       step "${SERVING_TP_LIMIT:-585}" python3 -m benchmarks.serving --preset gpu \
         --tensor-parallel-size 2 --rank-collapse true --requests 32 --concurrency 8 \
-        --pool-blocks 360 --name serving_tp2_h200 ;;
+        --pool-blocks 360 ${SERVING_TP_ARGS:-} --name "serving_tp2_${CARD}${SERVING_TP_TAG:-}" ;;
     serving) step 585 python3 -m benchmarks.serving --preset gpu ;;
     fp8_gemm) step "${FP8_GEMM_LIMIT:-540}" python3 -m benchmarks.fp8_gemm \
       --models v4-bench-fp8 v41-bench-fp8 --m 1 16 32 64 256 4096 ${FP8_GEMM_SWEEP:+--sweep} \
