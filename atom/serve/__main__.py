@@ -16,85 +16,37 @@ import signal
 import sys
 
 from atom.config import EngineConfig, EngineConfigError
+from atom.kv_events.config import KVEventsConfig
 from atom.models.common.config import ConfigError
+from atom.serve import flags
+from atom.tier.config import OffloadConfig
 
 log = logging.getLogger("atom.serve")
 
-# flag -> EngineConfig field (None: same name with dashes as underscores)
-ENGINE_FLAGS: dict[str, type] = {
-    "model": str,
-    "model-overrides": str,  # JSON object of model config fields
-    "block-size": int,
-    "num-blocks": int,
-    "pool-memory-gb": float,
-    "max-num-seqs": int,
-    "max-num-batched-tokens": int,
-    "max-model-len": int,
-    "checkpoint-interval": int,
-    "device": str,
-    "dtype": str,
-    "kv-dtype": str,
-    "index-dtype": str,
-    "weight-dtype": str,  # auto | bf16 | fp8
-    "seed": int,
-    "offload": str,
-    "speculative-tokens": int,
-    "draft-adapter": str,  # a trained draft layer's adapter file
-    "tensor-parallel-size": int,
-    "tp-all-reduce": str,  # group | one_shot
-    "triton-kernels": str,  # true | false
-    "triton-off": str,  # name[,name]
-    "triton-on": str,  # name[,name]
-    "moe-grouped-mm": str,  # true | false
-    "batch-invariant": str,  # true | false
-    "compile-glue": str,  # true | false
-}
-OFFLOAD_FLAGS: dict[str, tuple[str, type]] = {
-    "lmcache-url": ("url", str),
-    "lmcache-l1-gb": ("l1_size_gb", float),
-    "lmcache-chunk-size": ("chunk_size", int),
-    "lmcache-lookup-timeout": ("lookup_timeout_s", float),
-    "lmcache-transfer-timeout": ("transfer_timeout_s", float),
-    "lmcache-rpc-timeout": ("rpc_timeout_s", float),
-    "lmcache-load-mode": ("load_mode", str),
-    "lmcache-save-mode": ("save_mode", str),
-    "lmcache-load-copy": ("load_copy", str),
-    "lmcache-load-streams": ("load_streams", int),
-    "lmcache-tp-rank-collapse": ("tp_rank_collapse", str),
-    "model-revision": ("model_revision", str),
-    "l2-store-policy": ("l2_store_policy", str),
-    "l2-prefetch-policy": ("l2_prefetch_policy", str),
-    "lmcache-metrics-url": ("metrics_url", str),
-}
-# flag -> KVEventsConfig field (docs/SCALING.md); --kv-events-endpoint turns the events on
-KV_EVENTS_FLAGS: dict[str, tuple[str, type]] = {
-    "kv-events-endpoint": ("endpoint", str),
-    "kv-events-replay-endpoint": ("replay_endpoint", str),
-    "kv-events-topic": ("topic", str),
-    "kv-events-encoding": ("encoding", str),
-}
 
-
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
+    """Every flag with its help (the config flags' choices and defaults from the models)."""
     ap = argparse.ArgumentParser(
         prog="python -m atom.serve",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     ap.add_argument("--config", help="engine config YAML (flags override it)")
-    for flag, kind in ENGINE_FLAGS.items():
-        ap.add_argument(f"--{flag}", type=kind, default=None)
-    ap.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
+    flags.add_group(ap, "engine (EngineConfig)", EngineConfig, flags.ENGINE)
+    ap.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="local prefix hits (default on; off: no local hits)",
+    )
     ap.add_argument(
         "--cuda-graphs",
         action=argparse.BooleanOptionalAction,
         default=None,
         help="replay CUDA graphs for decode steps (default on; --no-cuda-graphs: eager)",
     )
-    for flag, (_, kind) in OFFLOAD_FLAGS.items():
-        ap.add_argument(f"--{flag}", type=kind, default=None)
-    for flag, (_, kind) in KV_EVENTS_FLAGS.items():
-        ap.add_argument(f"--{flag}", type=kind, default=None)
+    flags.add_group(ap, "the LMCache tier (lmcache: OffloadConfig)", OffloadConfig, flags.OFFLOAD)
+    flags.add_group(ap, "KV cache events (kv_events)", KVEventsConfig, flags.KV_EVENTS)
     ap.add_argument(
         "--lmcache-l2-adapter",
         action="append",
@@ -104,9 +56,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         '\'{"type": "resp", "host": "127.0.0.1", "port": 6379}\' or '
         '\'{"type": "fs", "base_path": "/shared/kv"}\'; replaces the YAML list',
     )
-    ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--port", type=int, default=8000)
-    ap.add_argument("--served-model-name", default=None)
+    ap.add_argument("--host", default="127.0.0.1", help="address to listen on; default 127.0.0.1")
+    ap.add_argument("--port", type=int, default=8000, help="port to listen on; default 8000")
+    ap.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model name requests send and /v1/models lists (default: --model's)",
+    )
     ap.add_argument(
         "--default-max-tokens",
         type=int,
@@ -138,36 +94,35 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "template as JSON); off by default, as in vLLM",
     )
     ap.add_argument("--disable-log-requests", action="store_true", help="no per-request log lines")
-    ap.add_argument("--log-interval", type=float, default=10.0)
-    ap.add_argument("--log-level", default="INFO")
+    ap.add_argument(
+        "--log-interval",
+        type=float,
+        default=10.0,
+        help="seconds between the engine's throughput log lines; default 10",
+    )
+    ap.add_argument(
+        "--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR; default INFO"
+    )
     ap.add_argument(
         "--print-config", action="store_true", help="print the resolved config as YAML and exit"
     )
-    return ap.parse_args(argv)
+    return ap
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 def build_config(args: argparse.Namespace) -> EngineConfig:
-    overrides = {}
-    for flag in ENGINE_FLAGS:
-        value = getattr(args, flag.replace("-", "_"))
-        if value is not None:
-            overrides[flag.replace("-", "_")] = value
+    overrides = flags.given(args, flags.ENGINE)
     if args.enable_prefix_caching is not None:
         overrides["enable_prefix_caching"] = args.enable_prefix_caching
     if args.cuda_graphs is not None:
         overrides["cuda_graphs"] = args.cuda_graphs
-    lmcache = {}
-    for flag, (field, _) in OFFLOAD_FLAGS.items():
-        value = getattr(args, flag.replace("-", "_"))
-        if value is not None:
-            lmcache[field] = value
+    lmcache = flags.given(args, flags.OFFLOAD)
     if getattr(args, "lmcache_l2_adapter", None):
         lmcache["l2_adapters"] = list(args.lmcache_l2_adapter)
-    kv_events = {}
-    for flag, (field, _) in KV_EVENTS_FLAGS.items():
-        value = getattr(args, flag.replace("-", "_"), None)
-        if value is not None:
-            kv_events[field] = value
+    kv_events = flags.given(args, flags.KV_EVENTS)
     if args.config:
         base = EngineConfig.from_yaml(args.config)
         merged = base.model_dump(exclude_unset=True)
