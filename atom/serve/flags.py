@@ -133,7 +133,7 @@ KV_EVENTS = (
     _f(
         "kv-events-endpoint",
         str,
-        "publish prefix-cache events (vLLM's format) on this ZMQ " "endpoint, e.g. tcp://*:5557",
+        "publish prefix-cache events (vLLM's format) on this ZMQ endpoint, e.g. tcp://*:5557",
         "endpoint",
     ),
     _f(
