@@ -23,7 +23,7 @@ from atom.tier.worker_side.locator import Locator
 
 from .conftest import BLOCK
 from .test_engine_driven import Watch, mapped
-from .test_tier_faults import check, pump, same_tokens, settled
+from .test_tier_faults import check, pump, same_tokens, settled, visible
 from .test_two_pass import GREEDY, ceiling, prompts_of, tier
 
 LENGTHS = [40, 77, 64, 100]
@@ -106,7 +106,7 @@ def test_a_probe_unanswered_in_time_leaves_loads_unknown_then_engine_driven_with
     # unknown: every hit loads through the server, as before the probe answered
     w = Watch(llm)
     same_tokens(llm.generate(prompts, GREEDY, on_step=check), reference)
-    pump(llm, lambda: settled(llm), "pass 1's stores")
+    pump(llm, lambda: settled(llm) and visible(llm, prompts), "pass 1's stores, visible")
     llm.engine.reset_prefix_cache()
     out = llm.generate(prompts, GREEDY, on_step=check)
     same_tokens(out, reference)

@@ -34,7 +34,7 @@ from .test_engine_driven import (
     wait_for,
 )
 from .test_l2 import drained
-from .test_tier_faults import FAST, check, pump, same_tokens, settled
+from .test_tier_faults import FAST, check, pump, same_tokens, settled, visible
 from .test_two_pass import GREEDY, ceiling, prompts_of, tier
 
 OLD_MODULE = '{"module_path": "atom.tier.server.l1_module", "config": {"lookup_locate": false}}'
@@ -183,7 +183,7 @@ def held_replies(llm):
 def stored(llm, prompts, reference):
     mapped(llm)
     same_tokens(llm.generate(prompts, GREEDY, on_step=check), reference)
-    pump(llm, lambda: settled(llm), "pass 1's stores")
+    pump(llm, lambda: settled(llm) and visible(llm, prompts), "pass 1's stores, visible")
     llm.engine.reset_prefix_cache()
 
 

@@ -42,6 +42,21 @@ def settled(llm) -> bool:
     return not conn.busy() and not conn.leases() and not conn.quarantined
 
 
+def visible(llm, prompts) -> bool:
+    """The server's own lookups (LMCache's scheduler adapter, not the engine's) find every
+    prompt's stored prefix up to its ceiling. A store's future resolves a few milliseconds
+    before its objects are visible to lookups (lmcache 0.5.6 commits them on a thread of its
+    own), so a pass that must hit right after its stores settled waits for this too.
+    Lock-free afterwards: each lookup's locks are freed."""
+    from .test_engine_saves import lookup_hit
+
+    tier = llm.engine.tier
+    return all(
+        lookup_hit(tier.url, tier.namespace, list(p), f"visible-{i}") >= ceiling(len(p))
+        for i, p in enumerate(prompts)
+    )
+
+
 def same_tokens(got, want) -> None:
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert all(o.finish_reason == "length" for o in got)
@@ -60,7 +75,7 @@ def stores_then_hits(llm, prompts, reference) -> None:
     assert conn.tier_metrics.lookups.get(outcome="miss") == misses + len(
         prompts
     )  # answered, not lost
-    pump(llm, lambda: settled(llm), "the stores to finish")
+    pump(llm, lambda: settled(llm) and visible(llm, prompts), "the stores to be visible")
     assert conn.tier_metrics.saves.get(outcome="done") > saved
     llm.engine.reset_prefix_cache()
     out = llm.generate(prompts, GREEDY, on_step=check)
