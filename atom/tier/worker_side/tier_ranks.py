@@ -34,15 +34,15 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from multiprocessing.connection import wait as wait_connections
 
 from atom.distributed.parallel_state import RankChannels, RankFailure
 from atom.tier.operations import OpState, TransferOp
 from atom.tier.worker_side.layout import unlink_segment
 from atom.tier.worker_side.locator import Where
+from atom.tier.worker_side.rank_stats import RankStats
 from atom.tier.worker_side.rank_tier import RankTierSpec, TierPart
 
 log = logging.getLogger("atom.distributed")
@@ -54,46 +54,6 @@ class _Fan:
     pending: set[int]
     ok: bool = True
     error: str = ""
-
-
-@dataclass
-class RankStats:
-    """One rank's transfers: parts ended, bytes moved, latencies (seconds, newest 4096)."""
-
-    parts: dict[str, int] = field(default_factory=lambda: {"load": 0, "save": 0})
-    # load parts by how they moved: "copied" (from the server's L1 by this rank), "refused"
-    # (a located copy this rank could not make: the op failed), "retrieved" (the server's)
-    loads: dict[str, int] = field(
-        default_factory=lambda: {"copied": 0, "refused": 0, "retrieved": 0}
-    )
-    failed: dict[str, int] = field(default_factory=lambda: {"load": 0, "save": 0})
-    bytes: dict[str, int] = field(default_factory=lambda: {"load": 0, "save": 0})
-    latency_s: dict[str, deque] = field(
-        default_factory=lambda: {"load": deque(maxlen=4096), "save": deque(maxlen=4096)}
-    )
-
-    def record(
-        self, kind: str, ok: bool, nbytes: int, latency_s: float | None, how: str = ""
-    ) -> None:
-        self.parts[kind] += 1
-        if kind == "load" and (how or ok):
-            self.loads[how or "retrieved"] += 1
-        if not ok:
-            self.failed[kind] += 1
-            return
-        self.bytes[kind] += nbytes
-        if latency_s is not None:
-            self.latency_s[kind].append(latency_s)
-
-    def summary(self) -> dict:
-        out = {"parts": dict(self.parts), "failed": dict(self.failed), "bytes": dict(self.bytes)}
-        out["loads"] = dict(self.loads)
-        for kind, xs in self.latency_s.items():
-            if xs:
-                s = sorted(xs)
-                out[f"{kind}_ms_p50"] = round(1e3 * s[len(s) // 2], 3)
-                out[f"{kind}_ms_p99"] = round(1e3 * s[min(len(s) - 1, int(0.99 * len(s)))], 3)
-        return out
 
 
 class RankedTransfers:
