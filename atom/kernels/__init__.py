@@ -6,8 +6,9 @@ everywhere else the torch expression runs. Which kernels may run is the engine c
 ``--triton-off``, ``--triton-on``), applied by ``configure`` when an engine is built:
 ``triton_kernels=False`` turns every kernel off (A/B runs, and a way out if a kernel misbehaves
 on some GPU); ``triton_off`` names kernels to turn off: sink_attention (prefill),
-index_scores, fp8_gemm and fp4_gemm (FP8 weights and FP4 experts then run through the torch
-expression, which dequantizes them at every call); decode_attention and moe_combine run only
+index_scores, rope (RoPE in place; the torch expression gives the same bits in ten kernels
+where this is one), fp8_gemm and fp4_gemm (FP8 weights and FP4 experts then run through the
+torch expression, which dequantizes them at every call); decode_attention and moe_combine run only
 when named in ``triton_on`` (``OPT_IN``: none at present). The settings are the process's (one
 engine per process).
 
@@ -36,7 +37,15 @@ OPT_IN: frozenset[str] = frozenset()
 
 
 KERNELS = frozenset(
-    {"sink_attention", "index_scores", "decode_attention", "moe_combine", "fp8_gemm", "fp4_gemm"}
+    {
+        "sink_attention",
+        "index_scores",
+        "decode_attention",
+        "moe_combine",
+        "fp8_gemm",
+        "fp4_gemm",
+        "rope",
+    }
 )
 
 # the engine config's choice (``configure``); the environment overrides it (module doc)

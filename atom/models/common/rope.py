@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from atom.kernels import invariant
+from atom.kernels.rope import rope_
 
 
 def _yarn_inv_freq(dim: int, base: float, scaling: dict[str, Any]) -> tuple[torch.Tensor, float]:
@@ -39,6 +40,8 @@ def _yarn_inv_freq(dim: int, base: float, scaling: dict[str, Any]) -> tuple[torc
 
 class Rope:
     """RoPE over the last ``dim`` features of a vector (rotate-half pairing)."""
+
+    interleaved = False  # pairs (i, i + dim/2)
 
     def __init__(self, dim: int, theta: float, scaling: dict[str, Any] | None):
         self.dim = dim
@@ -71,36 +74,13 @@ class Rope:
         """``apply`` written into x's last ``dim`` features, the others untouched; returns x.
         For tensors the caller owns (a projection's output): only the rotated features are
         read and written, where ``apply`` copies all of them (a prefill chunk's queries are
-        [tokens, 64, 512], of which 64 features rotate). The same bits as ``apply``."""
-        cos, sin = cs
-        shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[-1],)
-        cos, sin = cos.view(shape), sin.view(shape)
-        if inverse:
-            sin = -sin
-        d, h = self.dim, self.dim // 2
-        rot = x[..., -d:].to(torch.float32, copy=True)  # not a view of x: x is written below
-        x1, x2 = rot[..., :h], rot[..., h:]
-        first, second = x1 * cos - x2 * sin, x1 * sin + x2 * cos
-        x[..., -d:-h] = first
-        x[..., -h:] = second
-        return x
+        [tokens, 64, 512], of which 64 features rotate). The same bits as ``apply``; one
+        kernel on CUDA (``atom.kernels.rope``)."""
+        return rope_(x, cs[0], cs[1], self.dim, inverse, self.interleaved)
 
 
 class InterleavedRope(Rope):
     """RoPE on the last ``dim`` features with pairs (2i, 2i+1), as DeepSeek's published V4 and
     V4.1 code rotates (feature pairs taken as complex numbers)."""
 
-    def apply_(
-        self, x: torch.Tensor, cs: tuple[torch.Tensor, torch.Tensor], inverse: bool = False
-    ) -> torch.Tensor:
-        """Rotate x's last ``dim`` features in place (the others untouched); returns x."""
-        cos, sin = cs
-        shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[-1],)
-        cos, sin = cos.view(shape), sin.view(shape)
-        if inverse:
-            sin = -sin
-        rot = x[..., -self.dim :].float()
-        x1, x2 = rot[..., 0::2], rot[..., 1::2]
-        out = torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).flatten(-2)
-        x[..., -self.dim :] = out.to(x.dtype)
-        return x
+    interleaved = True  # pairs (2i, 2i + 1)
