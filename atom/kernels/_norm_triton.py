@@ -28,12 +28,17 @@ def _rms_norm_kernel(
         tl.store(o_row + cols, y.to(out_ptr.dtype.element_ty), mask=m)
 
 
-def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+def rms_norm_triton(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    eps: float,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
     n = x.shape[-1]
     x2 = x.reshape(-1, n)
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
-    out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    out = torch.empty(x2.shape, dtype=out_dtype or x.dtype, device=x.device)
     if x2.shape[0]:
         block = min(4096, triton.next_power_of_2(n))
         w = weight if weight is not None else x2

@@ -19,21 +19,33 @@ def _kernel_ok(*ts: torch.Tensor) -> bool:
     return use_triton(ts[0], row_local=True)  # one program per row (per d-block for mHC)
 
 
-def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+def rms_norm_torch(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    eps: float,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
     xf = x.float()
     out = xf * torch.rsqrt(invariant.mean(xf.pow(2), -1, keepdim=True) + eps)
     if weight is not None:
         out = out * weight.float()
-    return out.to(x.dtype)
+    return out.to(out_dtype or x.dtype)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """x [..., n] -> x / rms(x) (* weight), float32 inside, in x's dtype."""
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    eps: float,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """x [..., n] -> x / rms(x) (* weight), float32 inside, in ``out_dtype`` (default x's).
+    ``rms_norm(x, w, eps, torch.float32)`` is ``rms_norm(x.float(), w, eps)`` without the
+    float32 copy of x (the same bits: the kernel reads x into float32 either way)."""
     if not _kernel_ok(x, weight):
-        return rms_norm_torch(x, weight, eps)
+        return rms_norm_torch(x, weight, eps, out_dtype)
     from atom.kernels._norm_triton import rms_norm_triton
 
-    return rms_norm_triton(x, weight, eps)
+    return rms_norm_triton(x, weight, eps, out_dtype)
 
 
 def hc_pre_torch(x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:

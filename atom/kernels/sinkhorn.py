@@ -4,9 +4,15 @@ normalization, every denominator + eps (so it ends on columns), per token, in on
 
 The torch expression launches 4 kernels per round (20 rounds, two hyper-connections per layer:
 160 launches per layer per forward); on a GPU that is launch time, not math.
+
+``hc_mix`` is a sublayer mixer's whole epilogue after its projection (pre, post and the matrix
+from the raw mix, ``HcMixer.mixes``), the same kernel with the ten element-wise ops before the
+matrix folded in.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -33,3 +39,31 @@ def sinkhorn(logits: torch.Tensor, hc: int, iters: int, eps: float) -> torch.Ten
     from atom.kernels._sinkhorn_triton import sinkhorn_triton
 
     return sinkhorn_triton(logits, hc, iters, eps)
+
+
+def hc_mix_torch(
+    mix: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: int, iters: int, eps: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A sublayer mixer's values from its raw mix [N, (2 + hc) * hc] float32, ``scale`` [3],
+    ``base`` [(2 + hc) * hc]: (pre [N, hc], post [N, hc], C [N, hc, hc]), float32, as
+    DeepSeek's published code computes them (module doc of ``atom.models.common.mhc``)."""
+    sigmoid = functools.partial(invariant.pointwise, torch.sigmoid)
+    pre = sigmoid(mix[:, :hc] * scale[0] + base[:hc]) + eps
+    post = 2 * sigmoid(mix[:, hc : 2 * hc] * scale[1] + base[hc : 2 * hc])
+    comb = mix[:, 2 * hc :] * scale[2] + base[2 * hc :]
+    return pre, post, sinkhorn(comb, hc, iters, eps)
+
+
+def hc_mix(
+    mix: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: int, iters: int, eps: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``hc_mix_torch``; one Triton kernel where ``sinkhorn``'s would run (every value to the
+    float32 rounding of the torch expression's, not its bits: the kernel's sigmoid and softmax
+    take Triton's exponential)."""
+    wants_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (mix, scale, base))
+    usable = use_triton(mix, row_local=True) and mix.dtype == torch.float32
+    if wants_grad or not usable or hc & (hc - 1) or mix.stride(-1) != 1:
+        return hc_mix_torch(mix, scale, base, hc, iters, eps)
+    from atom.kernels._sinkhorn_triton import hc_mix_triton
+
+    return hc_mix_triton(mix, scale.float().contiguous(), base.float().contiguous(), hc, iters, eps)

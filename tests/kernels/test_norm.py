@@ -63,3 +63,17 @@ def test_atom_triton_0_turns_the_kernels_off(device, monkeypatch):
     pre = torch.rand(3, 4, device=device)
     assert torch.equal(hc_pre(x, pre), hc_pre_torch(x, pre))
     assert torch.equal(rms_norm(x, None, 1e-6), rms_norm_torch(x, None, 1e-6))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_into_float32_is_the_norm_of_the_float32_copy(device, dtype):
+    """``out_dtype=float32`` (mHC's mixers: a bf16 stream normed in float32) gives the bits of
+    norming ``x.float()``, without that copy."""
+    g = torch.Generator().manual_seed(5)
+    x = (torch.randn(7, 4 * 96, generator=g) * 2).to(device, dtype)
+    got = rms_norm(x, None, 1e-6, out_dtype=torch.float32)
+    assert got.dtype == torch.float32
+    assert torch.equal(got, rms_norm(x.float(), None, 1e-6))
+    assert torch.equal(
+        rms_norm_torch(x, None, 1e-6, torch.float32), rms_norm_torch(x.float(), None, 1e-6)
+    )

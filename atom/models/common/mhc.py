@@ -15,14 +15,12 @@ attention with the one-hot ``identity_pre``) and the LM head with the last FFN's
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from torch import nn
 
 from atom.kernels import invariant
 from atom.kernels.norm import hc_post, hc_pre, rms_norm
-from atom.kernels.sinkhorn import sinkhorn
+from atom.kernels.sinkhorn import hc_mix
 from atom.models.common.glue_compile import region
 
 __all__ = ["HcMixer", "collapse", "hc_post", "identity_pre"]
@@ -61,11 +59,9 @@ class HcMixer(nn.Module):
         """x [N, hc, d] -> (pre [N, hc], post [N, hc], C [N, hc, hc]), float32; (pre, None,
         None) for a head mixer."""
         hc = self.hc
-        mix = invariant.linear(rms_norm(x.flatten(1).float(), None, self.norm_eps), self.fn)
-        sigmoid = functools.partial(invariant.pointwise, torch.sigmoid)
-        pre = sigmoid(mix[:, :hc] * self.scale[0] + self.base[:hc]) + self.eps
+        flat = rms_norm(x.flatten(1), None, self.norm_eps, out_dtype=torch.float32)
+        mix = invariant.linear(flat, self.fn)
         if self.head:
+            pre = invariant.pointwise(torch.sigmoid, mix * self.scale[0] + self.base) + self.eps
             return pre, None, None
-        post = 2 * sigmoid(mix[:, hc : 2 * hc] * self.scale[1] + self.base[hc : 2 * hc])
-        comb = mix[:, 2 * hc :] * self.scale[2] + self.base[2 * hc :]
-        return pre, post, sinkhorn(comb, hc, self.iters, self.eps)
+        return hc_mix(mix, self.scale, self.base, hc, self.iters, self.eps)
