@@ -61,7 +61,7 @@ def hc_mix(
     float32 rounding of the torch expression's, not its bits: the kernel's sigmoid and softmax
     take Triton's exponential)."""
     wants_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (mix, scale, base))
-    usable = use_triton(mix, row_local=True) and mix.dtype == torch.float32
+    usable = use_triton(mix, "hc_mix", row_local=True) and mix.dtype == torch.float32
     if wants_grad or not usable or hc & (hc - 1) or mix.stride(-1) != 1:
         return hc_mix_torch(mix, scale, base, hc, iters, eps)
     from atom.kernels._sinkhorn_triton import hc_mix_triton
