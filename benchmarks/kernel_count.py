@@ -38,7 +38,7 @@ NO_KERNEL = frozenset(
         "to type_as contiguous _has_compatible_shallow_copy_type"
     ).split()
 )
-ARMS = {"default": "", "fused": "rope,hc_mix"}  # ATOM_TRITON_ON of each arm
+ARMS = {"default": "", "fused": "rope,hc_mix,route"}  # ATOM_TRITON_ON of each arm
 
 
 def _triton_ranges() -> None:

@@ -9,8 +9,9 @@ on some GPU); ``triton_off`` names kernels to turn off: sink_attention (prefill)
 index_scores, decode_attention, moe_combine, fp8_gemm and fp4_gemm (FP8 weights and FP4
 experts then run through the torch expression, which dequantizes them at every call). The
 ``OPT_IN`` kernels run only when named in ``triton_on``: rope (RoPE in place, one launch where
-the torch expression takes about ten) and hc_mix (an mHC mixer's epilogue, one launch where it
-took eleven), until the GPU gate has run with them. The settings are the process's (one engine
+the torch expression takes about ten), hc_mix (an mHC mixer's epilogue, one launch where it
+took eleven) and route (the MoE router after its projection), until the GPU gate has run with
+them. The settings are the process's (one engine
 per process).
 
 Debugging overrides, read at each call and winning over the config when set:
@@ -28,8 +29,9 @@ import torch
 
 from atom.kernels.triton_env import interpreting, triton_importable  # noqa: F401
 
-# kernels that run only when named in triton_on (ATOM_TRITON_ON). rope and hc_mix (one launch
-# where the torch expressions take about ten; same bits on CUDA by construction) were written
+# kernels that run only when named in triton_on (ATOM_TRITON_ON). rope, hc_mix and route (one
+# launch where the torch expressions take ten or more; torch's bits on CUDA by construction,
+# route's weights to float32 rounding) were written
 # and tested under Triton's interpreter in a session that got no GPU: they stay opt-in until the
 # GPU gate has run with them on (benchmarks/results/gpu_gate.md says when).
 # decode_attention and moe_combine were opt-in until 3f8538e, because a bf16 tier two-pass test
@@ -37,7 +39,7 @@ from atom.kernels.triton_env import interpreting, triton_importable  # noqa: F40
 # later traced to pass 1 itself (its batches follow the lookups' timing, and bf16 rounds other
 # batches differently), not to the kernels; the GPU tier tests now assert the loaded bytes
 # instead, and the GPU gate passes with both kernels on (benchmarks/results/gpu_gate.md)
-OPT_IN: frozenset[str] = frozenset({"rope", "hc_mix"})
+OPT_IN: frozenset[str] = frozenset({"rope", "hc_mix", "route"})
 
 
 KERNELS = frozenset(
@@ -50,6 +52,7 @@ KERNELS = frozenset(
         "fp4_gemm",
         "rope",
         "hc_mix",
+        "route",
     }
 )
 

@@ -113,22 +113,22 @@ for s in "$@"; do
       --device cuda --dtype bfloat16 --position 4096 --batch ${ROOFLINE_BATCHES:-1 8 16 32} \
       --decode-steps 16 --repeats 3 --name "${GLUE_ROOFLINE_NAME:-roofline_h200_glue}" \
       --compile-glue ;;
-    # the opt-in fused kernels (rope, hc_mix: atom.kernels.OPT_IN) against the default, the
+    # the opt-in fused kernels (rope, hc_mix, route: atom.kernels.OPT_IN) against the default, the
     # decode roofline in FUSED_ROUNDS alternating pairs (kernels per step and step time), then
     # the GPU tests with them on (the gate that makes them default)
     fused_ab)
       for i in $(seq "${FUSED_ROUNDS:-2}"); do
         for arm in plain fused; do
-          on=""; [ "$arm" = fused ] && on=rope,hc_mix
+          on=""; [ "$arm" = fused ] && on=rope,hc_mix,route
           ATOM_TRITON_ON=$on step "${ROOFLINE_LIMIT:-240}" python3 -m benchmarks.roofline \
             --model v41-bench --device cuda --dtype bfloat16 --position 4096 \
             --batch ${ROOFLINE_BATCHES:-1 16} --decode-steps 16 --repeats 3 \
             --name "roofline_${CARD}_${arm}_r$i"
         done
       done ;;
-    tests_fused) ATOM_TRITON_ON=rope,hc_mix tests_step tests_fused "${TESTS_LIMIT:-540}" \
+    tests_fused) ATOM_TRITON_ON=rope,hc_mix,route tests_step tests_fused "${TESTS_LIMIT:-540}" \
       tests/gpu tests/kernels/test_rope.py tests/kernels/test_sinkhorn.py \
-      tests/kernels/test_norm.py -k "not glue" ;;
+      tests/kernels/test_norm.py tests/kernels/test_route.py -k "not glue" ;;
     components) step "${COMPONENTS_LIMIT:-200}" python3 -m benchmarks.profile_components \
       --model v41-bench --device cuda --dtype bfloat16 --position 4096 --batch 16 \
       --prefill-tokens 4096 --late-prefill --name "profile_components_h200${COMPONENTS_TAG:-}" ;;

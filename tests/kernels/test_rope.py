@@ -16,7 +16,7 @@ pytestmark = needs_kernel
 @pytest.fixture(autouse=True)
 def opted_in(monkeypatch):
     """The kernels here are opt-in (``atom.kernels.OPT_IN``) until the GPU gate has run them."""
-    monkeypatch.setenv("ATOM_TRITON_ON", "rope,hc_mix")
+    monkeypatch.setenv("ATOM_TRITON_ON", "rope,hc_mix,route")
 
 
 def _same(got: torch.Tensor, want: torch.Tensor) -> None:

@@ -24,6 +24,7 @@ from atom.kernels import invariant
 from atom.kernels.fp4_gemm import fp4_grouped_linear, fp4_tiles, fp4_usable
 from atom.kernels.fp8_gemm import fp8_act_round
 from atom.kernels.moe_combine import moe_combine
+from atom.kernels.route import route
 from atom.models.common.fp4_linear import Fp4Linear
 from atom.models.common.glue_compile import region
 from atom.models.common.layers import linear
@@ -131,15 +132,9 @@ class MoE(nn.Module):
     @region
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(expert ids [N, top_k], weights [N, top_k] float32) of each token."""
-        logits = invariant.linear(x.float(), self.gate.weight.float()) / self.gate_temp
-        scores = torch.sqrt(invariant.pointwise(F.softplus, logits))
-        biased = scores + self.gate.e_score_correction_bias
-        # ties go to the smaller expert id, identically in every path
-        idx = torch.sort(biased, dim=-1, descending=True, stable=True).indices[:, : self.top_k]
-        w = scores.gather(1, idx)
-        if self.top_k > 1:  # the published router's 1e-20 (not rms_norm_eps)
-            w = w / (invariant.sum(w, -1, keepdim=True) + 1e-20)
-        return idx, w * self.scale
+        logits = invariant.linear(x.float(), self.gate.weight.float())
+        bias = self.gate.e_score_correction_bias
+        return route(logits, bias, self.gate_temp, self.top_k, self.scale)
 
     def path(self, n: int, x: torch.Tensor) -> str:
         """How ``mix`` runs the routed experts of ``n`` tokens like ``x`` (dtype, device):

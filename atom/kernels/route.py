@@ -1,0 +1,44 @@
+"""The MoE router after its projection, one kernel per decode step's layer instead of about
+twelve: sqrt(softplus(logits / temp)) scores, the top-k experts of scores + bias (ties to the
+smaller expert id), their scores normalized and scaled.
+
+The kernel picks the top k by k rounds of arg-max (the first index among equal values wins),
+which is what a stable descending sort's first k are, so the expert ids are the torch
+expression's. Scores keep torch's CUDA bits (IEEE division and square root, libdevice's
+``log1p`` and ``expf``, torch's softplus threshold of 20, no fused multiply-add); the weights'
+normalizing sum adds k values in the kernel's order, so they match to float32 rounding.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from atom.kernels import invariant, use_triton
+
+
+def route_torch(
+    logits: torch.Tensor, bias: torch.Tensor, temp: float, top_k: int, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [N, E] float32 -> (expert ids [N, top_k] int64, weights [N, top_k] float32)."""
+    scores = torch.sqrt(invariant.pointwise(F.softplus, logits / temp))
+    biased = scores + bias
+    # ties go to the smaller expert id, identically in every path
+    idx = torch.sort(biased, dim=-1, descending=True, stable=True).indices[:, :top_k]
+    w = scores.gather(1, idx)
+    if top_k > 1:  # the published router's 1e-20 (not rms_norm_eps)
+        w = w / (invariant.sum(w, -1, keepdim=True) + 1e-20)
+    return idx, w * scale
+
+
+def route(
+    logits: torch.Tensor, bias: torch.Tensor, temp: float, top_k: int, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``route_torch``; one Triton kernel where it can run (opt-in ``route``; row-local)."""
+    wants_grad = torch.is_grad_enabled() and (logits.requires_grad or bias.requires_grad)
+    usable = use_triton(logits, "route", row_local=True) and logits.dtype == torch.float32
+    if wants_grad or not usable or logits.shape[1] > 1024 or top_k > logits.shape[1]:
+        return route_torch(logits, bias, temp, top_k, scale)
+    from atom.kernels._route_triton import route_triton
+
+    return route_triton(logits, bias.float().contiguous(), temp, top_k, scale)
