@@ -146,7 +146,8 @@ def main() -> None:
                 for a, r in results.items()
             },
         }
-        print(write_results(args.name, data, text, command_line("kernel_count", args)))
+        cmd = "TRITON_INTERPRET=1 " + command_line("kernel_count", args)
+        print(write_results(args.name, data, text, cmd))
 
 
 if __name__ == "__main__":
