@@ -5,19 +5,15 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
+from atom.kernels._torch_math_triton import expf, log1pf
 from atom.kernels.triton_env import interpreting
 
 
 @triton.jit
 def _softplus(z, LIBDEVICE: tl.constexpr):
     """torch's CUDA softplus (beta 1, threshold 20): z above 20, else log1p(expf(z))."""
-    if LIBDEVICE:
-        sp = libdevice.log1p(libdevice.exp(z))
-    else:  # Triton's interpreter has no libdevice
-        sp = tl.log(1.0 + tl.exp(z))
-    return tl.where(z > 20.0, z, sp)
+    return tl.where(z > 20.0, z, log1pf(expf(z, LIBDEVICE), LIBDEVICE))
 
 
 @triton.jit(do_not_specialize=["n"])

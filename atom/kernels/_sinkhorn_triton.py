@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
+from atom.kernels._torch_math_triton import expf
 from atom.kernels.triton_env import interpreting
 
 
@@ -45,14 +45,8 @@ def _sinkhorn_rows(x, ITERS: tl.constexpr, EPS: tl.constexpr):
 
 @triton.jit
 def _sigmoid(z, LIBDEVICE: tl.constexpr):
-    """torch's CUDA sigmoid, 1 / (1 + expf(-z)) with IEEE division: libdevice's expf is the
-    CUDA math library's, so the bits are torch's (Triton's interpreter has no libdevice: there
-    ``LIBDEVICE`` is off and numpy's exponential runs)."""
-    if LIBDEVICE:
-        e = libdevice.exp(-z)
-    else:
-        e = tl.exp(-z)
-    return tl.math.div_rn(1.0, 1.0 + e)
+    """torch's CUDA sigmoid, 1 / (1 + expf(-z)) with IEEE division: torch's bits."""
+    return tl.math.div_rn(1.0, 1.0 + expf(-z, LIBDEVICE))
 
 
 @triton.jit(do_not_specialize=["n"])
