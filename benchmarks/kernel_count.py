@@ -1,8 +1,9 @@
 """Kernels a decode step launches, counted on CPU: the GPU-free measure of the decode step's
-kernel budget (the ≤400 target), per model component, with the opt-in kernels off and on.
+kernel budget (the ≤400 target), per model component, with the launch-cutting kernels (rope,
+hc_mix, route) off and on.
 
 TRITON_INTERPRET=1 python -m benchmarks.kernel_count --model v41-mini --batch 4 --position 256 \
-    --arms default fused --name kernel_count_cpu
+    --arms plain default --name kernel_count_cpu
 
 On CPU the forward runs the same torch ops it runs on CUDA; each op that computes (not a view,
 not a no-op cast) stands for one CUDA kernel, and each Triton launch (Triton's interpreter runs
@@ -38,7 +39,9 @@ NO_KERNEL = frozenset(
         "to type_as contiguous _has_compatible_shallow_copy_type"
     ).split()
 )
-ARMS = {"default": "", "fused": "rope,hc_mix,route"}  # ATOM_TRITON_ON of each arm
+# ATOM_TRITON_OFF of each arm: plain without the launch-cutting kernels (they were the opt-in
+# arm "fused" until bd8cbf3 made them the default)
+ARMS = {"plain": "rope,hc_mix,route", "default": ""}
 
 
 def _triton_ranges() -> None:
@@ -86,13 +89,13 @@ def count(prof, labels: list[str]) -> tuple[int, Counter, dict[str, list[int]]]:
     return total, ops, rows
 
 
-def measure(args, on: str) -> tuple[int, Counter, dict]:
-    """One decode step's count with ``ATOM_TRITON_ON=on`` (a fresh runtime and sequences)."""
+def measure(args, off: str) -> tuple[int, Counter, dict]:
+    """One decode step's count with ``ATOM_TRITON_OFF=off`` (a fresh runtime and sequences)."""
     os.environ.pop("TRITON_INTERPRET", None)  # prefill without the interpreter
     rt, tables, _, _, _ = profiled_runtime(args)
     runs = {n.split()[0]: f for n, f, _ in _shape_runs(rt, args, tables, torch.Generator())}
     os.environ["TRITON_INTERPRET"] = "1"
-    os.environ["ATOM_TRITON_ON"] = on
+    os.environ["ATOM_TRITON_OFF"] = off
     runs["decode"]()  # warm
     restore = instrument()
     try:
@@ -106,7 +109,7 @@ def measure(args, on: str) -> tuple[int, Counter, dict]:
 def main() -> None:
     ap = shape_parser(__doc__, 256, 15)
     ap.set_defaults(batch=4, position=256)
-    ap.add_argument("--arms", nargs="+", choices=sorted(ARMS), default=["default", "fused"])
+    ap.add_argument("--arms", nargs="+", choices=sorted(ARMS), default=["plain", "default"])
     args = ap.parse_args()
     if os.environ.get("TRITON_INTERPRET") != "1" or args.device != "cpu":
         raise SystemExit(
@@ -134,7 +137,7 @@ def main() -> None:
     text = (
         f"{args.model}, decode batch {args.batch} at {args.position}, on CPU (one op or Triton "
         f"launch = one kernel; module doc). Arms: "
-        + ", ".join(f"{a} (ATOM_TRITON_ON={ARMS[a]!r})" for a in args.arms)
+        + ", ".join(f"{a} (ATOM_TRITON_OFF={ARMS[a]!r})" for a in args.arms)
         + f".\n\n{table}\n\nMost launched ops:\n\n{ops}\n"
     )
     print(text, flush=True)

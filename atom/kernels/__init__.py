@@ -7,12 +7,11 @@ everywhere else the torch expression runs. Which kernels may run is the engine c
 ``triton_kernels=False`` turns every kernel off (A/B runs, and a way out if a kernel misbehaves
 on some GPU); ``triton_off`` names kernels to turn off: sink_attention (prefill),
 index_scores, decode_attention, moe_combine, fp8_gemm and fp4_gemm (FP8 weights and FP4
-experts then run through the torch expression, which dequantizes them at every call). The
-``OPT_IN`` kernels run only when named in ``triton_on``: rope (RoPE in place, one launch where
-the torch expression takes about ten), hc_mix (an mHC mixer's epilogue, one launch where it
-took eleven) and route (the MoE router after its projection), until the GPU gate has run with
-them. The settings are the process's (one engine
-per process).
+experts then run through the torch expression, which dequantizes them at every call). Also
+on by default and turned off the same way: rope (RoPE in place, one launch where the torch
+expression takes about ten), hc_mix (an mHC mixer's epilogue, one launch where it took eleven)
+and route (the MoE router after its projection). ``OPT_IN`` kernels (none at present) run only
+when named in ``triton_on``. The settings are the process's (one engine per process).
 
 Debugging overrides, read at each call and winning over the config when set:
 ``ATOM_TRITON=0|1``, ``ATOM_TRITON_OFF=name[,name]``, ``ATOM_TRITON_ON=name[,name]`` (tests
@@ -29,17 +28,17 @@ import torch
 
 from atom.kernels.triton_env import interpreting, triton_importable  # noqa: F401
 
-# kernels that run only when named in triton_on (ATOM_TRITON_ON). rope, hc_mix and route (one
-# launch where the torch expressions take ten or more; torch's bits on CUDA by construction,
-# route's weights to float32 rounding) were written
-# and tested under Triton's interpreter in a session that got no GPU: they stay opt-in until the
-# GPU gate has run with them on (benchmarks/results/gpu_gate.md says when).
+# kernels that run only when named in triton_on (ATOM_TRITON_ON); none at present. rope,
+# hc_mix and route (one launch where the torch expressions take ten or more) were opt-in until
+# the GPU gate passed with them on (an H100 at bd8cbf3: 125 GPU tests, tier two-passes
+# included; their kernel tests assert torch's bits on CUDA) and they cut v41-bench's decode
+# step by 12-15% (benchmarks/results/gpu_gate.md, roofline_h100_{plain,fused}_r*.md).
 # decode_attention and moe_combine were opt-in until 3f8538e, because a bf16 tier two-pass test
 # that compared tokens within a near-tie bound parted with them on. That test's partings were
 # later traced to pass 1 itself (its batches follow the lookups' timing, and bf16 rounds other
 # batches differently), not to the kernels; the GPU tier tests now assert the loaded bytes
 # instead, and the GPU gate passes with both kernels on (benchmarks/results/gpu_gate.md)
-OPT_IN: frozenset[str] = frozenset({"rope", "hc_mix", "route"})
+OPT_IN: frozenset[str] = frozenset()
 
 
 KERNELS = frozenset(

@@ -34,7 +34,7 @@ def route_torch(
 def route(
     logits: torch.Tensor, bias: torch.Tensor, temp: float, top_k: int, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``route_torch``; one Triton kernel where it can run (opt-in ``route``; row-local; up to
+    """``route_torch``; one Triton kernel where it can run (kernel ``route``; row-local; up to
     1,024 experts: a row's scores are held in one program's registers)."""
     wants_grad = torch.is_grad_enabled() and (logits.requires_grad or bias.requires_grad)
     usable = use_triton(logits, "route", row_local=True) and logits.dtype == torch.float32

@@ -13,12 +13,6 @@ from tests.kernels.runnable import DEVICE, needs_kernel
 pytestmark = needs_kernel
 
 
-@pytest.fixture(autouse=True)
-def opted_in(monkeypatch):
-    """The kernels here are opt-in (``atom.kernels.OPT_IN``) until the GPU gate has run them."""
-    monkeypatch.setenv("ATOM_TRITON_ON", "rope,hc_mix,route")
-
-
 def _same(got: torch.Tensor, want: torch.Tensor) -> None:
     """Bit-equal; except bfloat16 under Triton's interpreter, whose float32-to-bfloat16 cast
     truncates where CUDA's rounds to nearest: there within one bfloat16 step of each other."""

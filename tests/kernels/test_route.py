@@ -12,11 +12,9 @@ pytestmark = needs_kernel
 
 
 @pytest.fixture(autouse=True)
-def opted_in(monkeypatch):
-    """The kernel is opt-in (``atom.kernels.OPT_IN``) until the GPU gate has run it; it may not
-    fall back to the torch expression here (this module's own name for it stays callable)."""
-    monkeypatch.setenv("ATOM_TRITON_ON", "route")
-
+def no_fallback(monkeypatch):
+    """The kernel may not fall back to the torch expression here (this module's own name for it
+    stays callable)."""
     def refuse(*args, **kwargs):
         raise AssertionError("route fell back to the torch expression")
 

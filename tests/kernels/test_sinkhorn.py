@@ -12,12 +12,6 @@ from tests.kernels.runnable import needs_kernel
 pytestmark = needs_kernel
 
 
-@pytest.fixture(autouse=True)
-def opted_in(monkeypatch):
-    """The kernels here are opt-in (``atom.kernels.OPT_IN``) until the GPU gate has run them."""
-    monkeypatch.setenv("ATOM_TRITON_ON", "rope,hc_mix,route")
-
-
 @pytest.fixture
 def device():
     return "cuda" if torch.cuda.is_available() else "cpu"
