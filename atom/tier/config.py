@@ -67,8 +67,9 @@ class OffloadConfig(BaseModel):
     # without the module (or on another host), the segment not mapped yet: that save is the
     # server's store. lmcache_driven: the server copies every save (its store). auto:
     # engine_driven with one rank and across ranks with rank collapse (rank 0 alone saves),
-    # lmcache_driven across ranks without it. The default stays lmcache_driven until
-    # engine-driven saves are measured under serving on a GPU.
+    # lmcache_driven across ranks without it. The default stays lmcache_driven: under serving on
+    # one H100 engine-driven saves held their blocks a tenth as long, but decode ITL p50 was
+    # 2-7% higher with them in each of three pairs (benchmarks/results/gpu_gate.md, bd8cbf3).
     save_mode: Literal["auto", "engine_driven", "lmcache_driven"] = "lmcache_driven"
     # a located answer older than this is loaded through the server, which checks the objects
     # are still there (the server's read locks lapse after its --l1-read-ttl-seconds, 300 s)
