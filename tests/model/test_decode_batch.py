@@ -122,3 +122,79 @@ def test_moe_trains_through_the_dense_path(tiny_config):
     grads = [e.gate_proj.weight.grad for e in m.experts]
     assert all(g is not None for g in grads)
     assert sum(float(g.abs().sum()) for g in grads) > 0
+
+
+def test_a_decode_step_of_all_rows_uses_them_as_they_are_with_the_gathered_paths_bits(
+    tiny_model, monkeypatch
+):
+    """A forward whose rows are all single-token spans reads the flat batch's tensors as they
+    are (``DecodeBatch.all_rows``: no gather, the attention rows are the layer's output); the
+    same step with the rows gathered and scattered computes the same bits; a forward with a
+    longer span beside them takes the gathered path."""
+    from atom.models.deepseek_v41 import model as model_module
+
+    seen = []
+    real = model_module.paged_attention
+
+    def spy(attn, u, angles, seqs, decode, *rest):
+        seen.append(None if decode is None else decode.all_rows)
+        return real(attn, u, angles, seqs, decode, *rest)
+
+    monkeypatch.setattr(model_module, "paged_attention", spy)
+    seqs = [tokens(24, seed=70 + i) for i in range(3)]
+    got = []
+    for whole in (True, False):
+        h = Harness(tiny_model, block_size=16, num_slots=4)
+        tables = [h.blocks(2) for _ in seqs]
+        h.step([(s, 0, 9 + 3 * i, 1 + i, tables[i]) for i, s in enumerate(seqs)])
+        if not whole:
+            import atom.models.deepseek_v41.forward_plan as plan_module
+
+            class Gathered(plan_module.DecodeBatch):
+                def __init__(self, *a, all_rows=False, **k):
+                    super().__init__(*a, all_rows=False, **k)
+
+            monkeypatch.setattr(plan_module, "DecodeBatch", Gathered)
+        seen.clear()
+        got.append(
+            h.step([(s, 9 + 3 * i, 10 + 3 * i, 1 + i, tables[i]) for i, s in enumerate(seqs)])
+        )
+        assert set(seen) == {whole}
+    assert torch.equal(got[0], got[1])
+    monkeypatch.undo()
+    monkeypatch.setattr(model_module, "paged_attention", spy)
+    h = Harness(tiny_model, block_size=16, num_slots=4)
+    tables = [h.blocks(2) for _ in seqs]
+    h.step([(seqs[0], 0, 5, 1, tables[0]), (seqs[1], 0, 6, 2, tables[1])])
+    seen.clear()
+    h.step([(seqs[0], 5, 6, 1, tables[0]), (seqs[1], 6, 10, 2, tables[1])])
+    assert set(seen) == {False}
+
+
+def test_layers_of_one_rope_table_share_the_forwards_angles(tiny_model, monkeypatch):
+    """A forward computes the cos and sin of its positions once per RoPE table (``Angles``),
+    not once per layer: as many calls as the layers have distinct tables, and each layer reads
+    the tensors of its table."""
+    from atom.models.common.rope import Rope
+
+    layers = tiny_model.model.layers
+    keys = {layer.self_attn.rope.table_key for layer in layers}
+    assert 1 < len(keys) < len(layers)  # the tiny pattern has both kinds of layer, repeated
+    calls = []
+    real = Rope.cos_sin
+
+    def counted(self, positions):
+        calls.append(self.table_key)
+        return real(self, positions)
+
+    monkeypatch.setattr(Rope, "cos_sin", counted)
+    seqs = [tokens(20, seed=90 + i) for i in range(2)]
+    h = Harness(tiny_model, block_size=16, num_slots=3)
+    tables = [h.blocks(2) for _ in seqs]
+    h.step([(s, 0, 7, 1 + i, tables[i]) for i, s in enumerate(seqs)])
+    calls.clear()
+    h.step([(s, 7, 8, 1 + i, tables[i]) for i, s in enumerate(seqs)])
+    # the compressors' rows rotate at their group's position: a call of their own each
+    compressors = sum(1 for layer in layers if layer.self_attn.mode.name == "FULL")
+    assert sorted(set(calls)) == sorted(keys)
+    assert len(calls) == len(keys) + compressors

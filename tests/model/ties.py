@@ -203,13 +203,13 @@ class DecisionTrace:
 
     # ---- where the positions come from ----------------------------------------------------
 
-    def _paged_attention(self, orig, attn, u, positions, seqs, decode, *args):
-        self._block, self._tokens = attn.layer, positions.tolist()
+    def _paged_attention(self, orig, attn, u, angles, seqs, decode, *args):
+        self._block, self._tokens = attn.layer, angles.positions.tolist()
         if attn.mode in (LayerMode.FULL, LayerMode.REINDEX):
             self._queries = [s.positions.tolist() for s in seqs]
             if decode is not None:
                 self._queries.append(decode.pos.tolist())
-        return orig(attn, u, positions, seqs, decode, *args)
+        return orig(attn, u, angles, seqs, decode, *args)
 
     def _reference_attention(self, orig, attn, u, pos, *args):
         self._block, self._tokens = attn.layer, pos.tolist()

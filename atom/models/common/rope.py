@@ -45,6 +45,12 @@ class Rope:
 
     def __init__(self, dim: int, theta: float, scaling: dict[str, Any] | None):
         self.dim = dim
+        # what the angles depend on: ropes with equal keys compute equal cos and sin (``Angles``)
+        self.table_key = (
+            dim,
+            float(theta),
+            None if scaling is None else repr(sorted(scaling.items())),
+        )
         if scaling is None:
             exps = torch.arange(0, dim, 2, dtype=torch.float64) / dim
             self.inv_freq = (1.0 / (theta**exps)).float()
@@ -84,3 +90,24 @@ class InterleavedRope(Rope):
     V4.1 code rotates (feature pairs taken as complex numbers)."""
 
     interleaved = True  # pairs (2i, 2i + 1)
+
+
+class Angles:
+    """The cos and sin of one forward's positions, computed once per RoPE table: every layer
+    whose rope has the same ``table_key`` (dimension, base, scaling) reads the same tensors,
+    where each layer used to compute its own (four kernels a layer: cast, product, cos, sin).
+
+    One per forward, made where the forward starts, never kept past it: a graph captures the
+    one computation, and a later forward's positions (or a static buffer's new contents) are
+    never answered from an earlier forward's tensors."""
+
+    def __init__(self, positions: torch.Tensor):
+        self.positions = positions
+        self._tables: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def of(self, rope: Rope) -> tuple[torch.Tensor, torch.Tensor]:
+        """``rope.cos_sin(positions)``, shared with the ropes of the same table."""
+        got = self._tables.get(rope.table_key)
+        if got is None:
+            got = self._tables[rope.table_key] = rope.cos_sin(self.positions)
+        return got

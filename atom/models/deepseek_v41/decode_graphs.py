@@ -81,7 +81,7 @@ class DecodeGraphs(DecodeGraphSet):
         max_end = width * self.block_size
 
         def forward() -> torch.Tensor:
-            decode = DecodeBatch(rows, slot_ids, pos, tables, max_end)
+            decode = DecodeBatch(rows, slot_ids, pos, tables, max_end, all_rows=True)
             plan = ForwardPlan(ids, pos, gram_src, slot_ids, ends, rows, empty, [], decode)
             if with_history:
                 plan.frontiers, plan.hist_src = ends, hist_src

@@ -173,7 +173,8 @@ class ForwardPlan:
                 tables = pad_sequence([table(k) for k in row_spans], batch_first=True)
             spanned = dict(start=dec[3], first=dec[4], dump_block=dump_block) if several else {}
             max_end = max(spans[k].end for k in single)
-            decode = DecodeBatch(dec[0], dec[1], dec[2], tables, max_end, **spanned)
+            whole = not longer and [r[0] for r in rows] == list(range(n))
+            decode = DecodeBatch(dec[0], dec[1], dec[2], tables, max_end, **spanned, all_rows=whole)
         return cls(
             ids,
             pos_d,

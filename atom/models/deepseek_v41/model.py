@@ -19,6 +19,7 @@ from atom.model_api import Span
 from atom.models.common.geometry import COMPUTE_DTYPES, INDEX_DTYPES, KV_DTYPES, GeometryError
 from atom.models.common.layers import RMSNorm
 from atom.models.common.mhc import collapse, identity_pre
+from atom.models.common.rope import Angles
 from atom.models.common.vocab_parallel import VocabEmbedding, VocabHead
 from atom.models.deepseek_v41.block import DecoderLayer
 from atom.models.deepseek_v41.config import V41Config
@@ -232,6 +233,7 @@ class DeepseekV41ForCausalLM(nn.Module):
         )
         hidden: list[torch.Tensor] = []
         engram_rows = self.engram_rows(grams_t)  # every engram layer's rows, hashed once
+        angles = Angles(plan.positions)  # RoPE angles, once per table for every layer
         for i, layer in enumerate(self.model.layers):
             attn = layer.self_attn
             x, pre = layer.block(
@@ -239,7 +241,7 @@ class DeepseekV41ForCausalLM(nn.Module):
                 pre,
                 engram_rows,
                 lambda u, a=attn: paged_attention(
-                    a, u, plan.positions, plan.longer, plan.decode, kv, slots
+                    a, u, angles, plan.longer, plan.decode, kv, slots
                 ),
                 (lambda h: hidden.append(h.mean(dim=1))) if i in targets else None,
             )

@@ -23,6 +23,7 @@ import torch
 from atom.kernels.attention import sink_attention_usable
 from atom.models.common.prefill_plan import PrefillBatch
 from atom.models.common.prefill_tiles import TiledKeys, kernel_tile_attention, tile_groups
+from atom.models.common.rope import Angles
 from atom.models.common.storage import pack_index, unpack_index
 from atom.models.deepseek_v41.attention import (
     CSA2Attention,
@@ -144,20 +145,25 @@ def prefill_attention(
 def paged_attention(
     attn: CSA2Attention,
     u: torch.Tensor,
-    positions: torch.Tensor,
+    angles: Angles,
     seqs: list[PrefillBatch],
     decode: DecodeBatch | None,
     kv: PagedKV,
     slots: StateSlots,
 ) -> torch.Tensor:
     """u [N, d] (normed sublayer input of the whole flat batch) -> attention output [N, d].
-    ``seqs``: the multi-token spans as one batch (or none), ``decode``: the single-token ones."""
-    cs = attn.rope.cos_sin(positions)
+    ``angles``: the forward's positions' RoPE angles (shared by the layers), ``seqs``: the
+    multi-token spans as one batch (or none), ``decode``: the single-token ones."""
+    cs = angles.of(attn.rope)
     q, qlat = attn.queries(u, cs)
     win = attn.window_kv(u, cs)
+    if decode is not None and decode.all_rows:  # a decode step: its rows are the output
+        if seqs:
+            raise ValueError("a decode batch of all rows beside prefill spans")
+        return attn.output(decode_attention(attn, u, cs, q, qlat, win, decode, kv, slots), cs)
     out = torch.empty_like(q)
     for batch in seqs:
         prefill_attention(attn, u, cs, q, qlat, win, batch, kv, slots, out)
     if decode is not None:
-        decode_attention(attn, u, cs, q, qlat, win, decode, kv, slots, out)
+        out[decode.idx] = decode_attention(attn, u, cs, q, qlat, win, decode, kv, slots)
     return attn.output(out, cs)

@@ -58,10 +58,18 @@ class DecodeBatch:
     # with ``start``: the block that rows completing no group write to (several rows of one
     # span share a group, and one write per location keeps the writes deterministic)
     dump_block: int | None = None
+    # the rows are the forward's whole flat batch, in order (``idx`` is arange(N)): ``take``
+    # returns the tensor itself, and the attention rows are the layer's output as they are
+    all_rows: bool = False
     selections: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     candidates: torch.Tensor | None = None
     _windows: dict[tuple[int, int], tuple] = field(default_factory=dict)
     _spans: dict[int, tuple] = field(default_factory=dict)
+
+    def take(self, x: torch.Tensor) -> torch.Tensor:
+        """Rows of a flat-batch tensor at the batch's tokens (``x`` itself with ``all_rows``:
+        no gather kernel)."""
+        return x if self.all_rows else x[self.idx]
 
     def window_index(self, window: int, ring_rows: int):
         """(ring rows of positions p - window + 1 .. p - 1 [B, window - 1], key validity
@@ -173,7 +181,7 @@ def _window_keys(
     their own). The layer comes in as its plane, not its index: an index read from the module
     would make the compiler specialize on it, once per layer."""
     ring = ring_plane[batch.slots[:, None], ring_rows].to(win.dtype)
-    own = win[batch.idx]
+    own = batch.take(win)
     return own, torch.cat([batch.earlier(own, ring, window - 1), own[:, None]], 1)
 
 
@@ -198,23 +206,25 @@ def decode_attention(
     batch: DecodeBatch,
     kv: PagedKV,
     slots: StateSlots,
-    out: torch.Tensor,
-) -> None:
-    """Fill ``out`` [N, H, hd] at the batch's tokens; write their window ring rows."""
-    i = batch.idx
+) -> torch.Tensor:
+    """The attention rows [B, H, hd] of the batch's tokens (q's dtype, contiguous, the
+    caller's to rotate in place); writes their window ring rows."""
+    take = batch.take
     kernel = sink_attention_usable(q, "decode_attention")
     ring_rows, win_valid, own_row = batch.window_index(attn.window, kv.geometry.window_rows)
     own, win_k = _window_keys(win, batch, slots.window[:, attn.layer], ring_rows, attn.window)
     comp = valid = None
     if attn.ratio > 0:
-        u_b = u[i]
+        u_b = take(u)
         if attn.mode is LayerMode.FULL:
             _complete_groups(attn, u_b, batch, kv, slots)
         if attn.mode in (LayerMode.FULL, LayerMode.REINDEX):
             index_rows = kv.read_index_rows(
                 attn.kv_owner, batch.tables, batch.max_end // attn.ratio
             )
-            sel, cand = _selection(attn, qlat[i], u_b, (cs[0][i], cs[1][i]), batch, index_rows)
+            sel, cand = _selection(
+                attn, take(qlat), u_b, (take(cs[0]), take(cs[1])), batch, index_rows
+            )
             batch.selections[attn.layer] = sel
             if cand is not None:
                 batch.candidates = cand
@@ -224,11 +234,13 @@ def decode_attention(
             comp = kv.row_offsets(attn.kv_owner, batch.tables, picked_ids(sel))
         else:
             comp = kv.gather_rows(attn.kv_owner, batch.tables, picked_ids(sel)).to(q.dtype)
+    q_b = take(q)
     if kernel:
         plane = kv.main[attn.kv_owner] if comp is not None else None
-        out[i] = sink_attention_decode(
-            q[i], win_k, win_valid, plane, comp, valid, attn.attn_sink, attn.scale
+        rows = sink_attention_decode(
+            q_b, win_k, win_valid, plane, comp, valid, attn.attn_sink, attn.scale
         )
     else:
-        out[i] = attn.attend(q[i], win_k, win_valid, comp, valid)
+        rows = attn.attend(q_b, win_k, win_valid, comp, valid)
     slots.window[batch.slots, attn.layer, own_row] = own.to(slots.window.dtype)
+    return rows.to(q.dtype).contiguous()

@@ -295,6 +295,7 @@ class SpanGraphs(GraphSet):
             start=v["start"],
             first=v["first"],
             dump_block=self.spare_block if dump else None,
+            all_rows=True,  # rows is arange(bucket): the forward's every row
         )
 
     def _verify_fn(self, v, rows, max_end: int):
