@@ -3,7 +3,7 @@ kernel budget (the ≤400 target), per model component, with the launch-cutting 
 hc_mix, route) off and on.
 
 TRITON_INTERPRET=1 python -m benchmarks.kernel_count --model v41-mini --batch 4 --position 256 \
-    --arms plain default --name kernel_count_cpu
+    --arms plain default opt_in --name kernel_count_cpu
 
 On CPU the forward runs the same torch ops it runs on CUDA; each op that computes (not a view,
 not a no-op cast) stands for one CUDA kernel, and each Triton launch (Triton's interpreter runs
@@ -39,9 +39,14 @@ NO_KERNEL = frozenset(
         "to type_as contiguous _has_compatible_shallow_copy_type"
     ).split()
 )
-# ATOM_TRITON_OFF of each arm: plain without the launch-cutting kernels (they were the opt-in
-# arm "fused" until bd8cbf3 made them the default)
-ARMS = {"plain": "rope,hc_mix,route", "default": ""}
+# (ATOM_TRITON_OFF, ATOM_TRITON_ON) of each arm: plain without the launch-cutting kernels
+# (they were the opt-in arm "fused" until bd8cbf3 made them the default), opt_in with the
+# opt-in kernels (atom.kernels.OPT_IN) on
+ARMS = {
+    "plain": ("rope,hc_mix,route", ""),
+    "default": ("", ""),
+    "opt_in": ("", "page_write"),
+}
 
 
 def _triton_ranges() -> None:
@@ -89,13 +94,14 @@ def count(prof, labels: list[str]) -> tuple[int, Counter, dict[str, list[int]]]:
     return total, ops, rows
 
 
-def measure(args, off: str) -> tuple[int, Counter, dict]:
-    """One decode step's count with ``ATOM_TRITON_OFF=off`` (a fresh runtime and sequences)."""
+def measure(args, switches: tuple[str, str]) -> tuple[int, Counter, dict]:
+    """One decode step's count with ``ATOM_TRITON_OFF``, ``ATOM_TRITON_ON`` = ``switches`` (a
+    fresh runtime and sequences)."""
     os.environ.pop("TRITON_INTERPRET", None)  # prefill without the interpreter
     rt, tables, _, _, _ = profiled_runtime(args)
     runs = {n.split()[0]: f for n, f, _ in _shape_runs(rt, args, tables, torch.Generator())}
     os.environ["TRITON_INTERPRET"] = "1"
-    os.environ["ATOM_TRITON_OFF"] = off
+    os.environ["ATOM_TRITON_OFF"], os.environ["ATOM_TRITON_ON"] = switches
     runs["decode"]()  # warm
     restore = instrument()
     try:
@@ -109,7 +115,9 @@ def measure(args, off: str) -> tuple[int, Counter, dict]:
 def main() -> None:
     ap = shape_parser(__doc__, 256, 15)
     ap.set_defaults(batch=4, position=256)
-    ap.add_argument("--arms", nargs="+", choices=sorted(ARMS), default=["plain", "default"])
+    ap.add_argument(
+        "--arms", nargs="+", choices=sorted(ARMS), default=["plain", "default", "opt_in"]
+    )
     args = ap.parse_args()
     if os.environ.get("TRITON_INTERPRET") != "1" or args.device != "cpu":
         raise SystemExit(
@@ -137,7 +145,10 @@ def main() -> None:
     text = (
         f"{args.model}, decode batch {args.batch} at {args.position}, on CPU (one op or Triton "
         f"launch = one kernel; module doc). Arms: "
-        + ", ".join(f"{a} (ATOM_TRITON_OFF={ARMS[a]!r})" for a in args.arms)
+        + ", ".join(
+            f"{a} (ATOM_TRITON_OFF={ARMS[a][0]!r}, ATOM_TRITON_ON={ARMS[a][1]!r})"
+            for a in args.arms
+        )
         + f".\n\n{table}\n\nMost launched ops:\n\n{ops}\n"
     )
     print(text, flush=True)

@@ -10,8 +10,10 @@ index_scores, decode_attention, moe_combine, fp8_gemm and fp4_gemm (FP8 weights 
 experts then run through the torch expression, which dequantizes them at every call). Also
 on by default and turned off the same way: rope (RoPE in place, one launch where the torch
 expression takes about ten), hc_mix (an mHC mixer's epilogue, one launch where it took eleven)
-and route (the MoE router after its projection). ``OPT_IN`` kernels (none at present) run only
-when named in ``triton_on``. The settings are the process's (one engine per process).
+and route (the MoE router after its projection). ``OPT_IN`` kernels run only when named in
+``triton_on``: page_write (a decode step's compressed rows into the PAGE pool, one launch where
+the torch expression takes about twelve), until the GPU gate has run it. The settings are the
+process's (one engine per process).
 
 Debugging overrides, read at each call and winning over the config when set:
 ``ATOM_TRITON=0|1``, ``ATOM_TRITON_OFF=name[,name]``, ``ATOM_TRITON_ON=name[,name]`` (tests
@@ -28,7 +30,10 @@ import torch
 
 from atom.kernels.triton_env import interpreting, triton_importable  # noqa: F401
 
-# kernels that run only when named in triton_on (ATOM_TRITON_ON); none at present. rope,
+# kernels that run only when named in triton_on (ATOM_TRITON_ON). page_write (a decode step's
+# compressed rows into PAGE, one launch for about twelve; moves bytes, so the same bytes by
+# construction) was written in a session whose device time was spent: opt-in until the GPU gate
+# has run it. rope,
 # hc_mix and route (one launch where the torch expressions take ten or more) were opt-in until
 # the GPU gate passed with them on (an H100 at bd8cbf3: 125 GPU tests, tier two-passes
 # included; their kernel tests assert torch's bits on CUDA) and they cut v41-bench's decode
@@ -38,7 +43,7 @@ from atom.kernels.triton_env import interpreting, triton_importable  # noqa: F40
 # later traced to pass 1 itself (its batches follow the lookups' timing, and bf16 rounds other
 # batches differently), not to the kernels; the GPU tier tests now assert the loaded bytes
 # instead, and the GPU gate passes with both kernels on (benchmarks/results/gpu_gate.md)
-OPT_IN: frozenset[str] = frozenset()
+OPT_IN: frozenset[str] = frozenset({"page_write"})
 
 
 KERNELS = frozenset(
@@ -52,6 +57,7 @@ KERNELS = frozenset(
         "rope",
         "hc_mix",
         "route",
+        "page_write",
     }
 )
 

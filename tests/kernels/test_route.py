@@ -15,6 +15,7 @@ pytestmark = needs_kernel
 def no_fallback(monkeypatch):
     """The kernel may not fall back to the torch expression here (this module's own name for it
     stays callable)."""
+
     def refuse(*args, **kwargs):
         raise AssertionError("route fell back to the torch expression")
 

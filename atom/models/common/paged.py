@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from atom.kernels.page_write import write_rows_where
 from atom.models.common.geometry import FP8_DTYPE, KV_DTYPES
 
 
@@ -189,14 +190,12 @@ class PagedKV:
         scale: torch.Tensor | None,
     ) -> None:
         """Row ``rows[b]`` of sequence b gets (main, payload, scale)[b] where ``where[b]``; the
-        other sequences' rows keep their bytes (no host sync to pick the writers)."""
-        blocks, offs = (t[:, 0] for t in self._locate_each(owner, tables, rows[:, None]))
+        other sequences' rows keep their bytes (no host sync to pick the writers; one kernel
+        where ``atom.kernels.page_write`` runs)."""
         pay_view, scale_view = self.index[owner]
-        targets = [(self.main[owner], main.to(self.main[owner].dtype)), (pay_view, payload)]
+        planes = [self.main[owner], pay_view]
+        new = [main.to(self.main[owner].dtype), payload]
         if scale_view is not None:
-            targets.append((scale_view, scale))
-        for view, new in targets:
-            if view.dtype == FP8_DTYPE:  # torch.where has no fp8 kernels: select the bytes
-                view, new = view.view(torch.uint8), new.view(torch.uint8)
-            keep = where.view(-1, *([1] * (new.dim() - 1)))
-            view[blocks, offs] = torch.where(keep, new, view[blocks, offs])
+            planes.append(scale_view)
+            new.append(scale)
+        write_rows_where(planes, new, tables, rows, where, self.main[owner].shape[1])
