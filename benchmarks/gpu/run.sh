@@ -6,7 +6,7 @@
 #          tier_only tier_repeats tier_saves_ab tier_gather tier_profile idle idle_paired profile_verify
 #          train forward_v4 roofline_v4 serving_v4 speculative_v4 fp8_gemm roofline_fp8
 #          invariant_cost invariant_sweep invariant_prefill invariant_tiles components_invariant gemm_calls serving_invariant determinism precision_agreement
-#          fp4_sweep transfer_saves serving_saves fused_ab
+#          fp4_sweep transfer_saves serving_saves fused_ab tests_opt_in
 # cuda_ops builds lmcache.cuda_ops from lmcache's sources against this machine's torch
 # (benchmarks/gpu/build_cuda_ops.py); once built (build/ stays while the machine is warm, or
 # carried back), every later step's LMCache server uses it.
@@ -113,19 +113,24 @@ for s in "$@"; do
       --device cuda --dtype bfloat16 --position 4096 --batch ${ROOFLINE_BATCHES:-1 8 16 32} \
       --decode-steps 16 --repeats 3 --name "${GLUE_ROOFLINE_NAME:-roofline_h200_glue}" \
       --compile-glue ;;
-    # the launch-cutting kernels (rope, hc_mix, route; default since bd8cbf3's gate) off (plain)
-    # and on (fused): the decode roofline in FUSED_ROUNDS alternating pairs (kernels per step
-    # and step time)
+    # the launch-cutting kernels (rope, hc_mix, route; default since bd8cbf3's gate) off (plain),
+    # on (fused), and with the opt-in ones too (opt_in: page_write): the decode roofline in
+    # FUSED_ROUNDS alternating rounds of FUSED_ARMS (kernels per step and step time)
     fused_ab)
       for i in $(seq "${FUSED_ROUNDS:-2}"); do
-        for arm in plain fused; do
-          off=rope,hc_mix,route; [ "$arm" = fused ] && off=""
-          ATOM_TRITON_OFF=$off step "${ROOFLINE_LIMIT:-240}" python3 -m benchmarks.roofline \
+        for arm in ${FUSED_ARMS:-plain fused opt_in}; do
+          off=""; on=""
+          [ "$arm" = plain ] && off=rope,hc_mix,route
+          [ "$arm" = opt_in ] && on=page_write
+          ATOM_TRITON_OFF=$off ATOM_TRITON_ON=$on step "${ROOFLINE_LIMIT:-240}" python3 -m benchmarks.roofline \
             --model v41-bench --device cuda --dtype bfloat16 --position 4096 \
             --batch ${ROOFLINE_BATCHES:-1 16} --decode-steps 16 --repeats 3 \
             --name "roofline_${CARD}_${arm}_r$i"
         done
       done ;;
+    # the GPU tests with the opt-in kernels on (the gate that makes them default)
+    tests_opt_in) ATOM_TRITON_ON=page_write tests_step tests_opt_in "${TESTS_LIMIT:-540}" \
+      tests/gpu tests/kernels/test_page_write.py -k "not glue" ;;
     components) step "${COMPONENTS_LIMIT:-200}" python3 -m benchmarks.profile_components \
       --model v41-bench --device cuda --dtype bfloat16 --position 4096 --batch 16 \
       --prefill-tokens 4096 --late-prefill --name "profile_components_h200${COMPONENTS_TAG:-}" ;;
