@@ -198,3 +198,23 @@ def test_layers_of_one_rope_table_share_the_forwards_angles(tiny_model, monkeypa
     compressors = sum(1 for layer in layers if layer.self_attn.mode.name == "FULL")
     assert sorted(set(calls)) == sorted(keys)
     assert len(calls) == len(keys) + compressors
+
+
+def test_layers_that_reuse_a_selection_read_its_picks_once(tiny_model, monkeypatch):
+    """A decode forward turns each selection into gather ids once (``DecodeBatch.picks``),
+    however many layers read it: as many calls as the compressed layers have selection owners."""
+    from atom.models.deepseek_v41 import paged_decode
+
+    calls = []
+    real = paged_decode.picked_ids
+    monkeypatch.setattr(paged_decode, "picked_ids", lambda sel: calls.append(1) or real(sel))
+    compressed = [layer.self_attn for layer in tiny_model.model.layers]
+    owners = {a.sel_owner for a in compressed if a.ratio > 0}
+    assert len(owners) < sum(1 for a in compressed if a.ratio > 0)  # some layers reuse
+    seqs = [tokens(20, seed=110 + i) for i in range(2)]
+    h = Harness(tiny_model, block_size=16, num_slots=3)
+    tables = [h.blocks(2) for _ in seqs]
+    h.step([(s, 0, 7, 1 + i, tables[i]) for i, s in enumerate(seqs)])
+    calls.clear()
+    h.step([(s, 7, 8, 1 + i, tables[i]) for i, s in enumerate(seqs)])
+    assert len(calls) == len(owners)

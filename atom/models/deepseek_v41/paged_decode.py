@@ -64,12 +64,32 @@ class DecodeBatch:
     selections: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     candidates: torch.Tensor | None = None
     _windows: dict[tuple[int, int], tuple] = field(default_factory=dict)
+    _picks: dict[int, torch.Tensor] = field(default_factory=dict)
+    _offsets: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
     _spans: dict[int, tuple] = field(default_factory=dict)
 
     def take(self, x: torch.Tensor) -> torch.Tensor:
         """Rows of a flat-batch tensor at the batch's tokens (``x`` itself with ``all_rows``:
         no gather kernel)."""
         return x if self.all_rows else x[self.idx]
+
+    def picks(self, sel_owner: int) -> torch.Tensor:
+        """``picked_ids`` of layer ``sel_owner``'s selection, computed once a forward (the
+        layers that reuse a selection read the same ids)."""
+        got = self._picks.get(sel_owner)
+        if got is None:
+            got = self._picks[sel_owner] = picked_ids(self.selections[sel_owner])
+        return got
+
+    def row_offsets(self, kv: PagedKV, owner: int, sel_owner: int) -> torch.Tensor:
+        """``kv.row_offsets`` of owner ``owner``'s rows that ``sel_owner``'s selection picks,
+        once a forward per (owner, selection): the index math only, which the tables and the
+        picks fix (the rows' bytes are read where they lie)."""
+        key = (owner, sel_owner)
+        got = self._offsets.get(key)
+        if got is None:
+            got = self._offsets[key] = kv.row_offsets(owner, self.tables, self.picks(sel_owner))
+        return got
 
     def window_index(self, window: int, ring_rows: int):
         """(ring rows of positions p - window + 1 .. p - 1 [B, window - 1], key validity
@@ -231,9 +251,10 @@ def decode_attention(
         sel = batch.selections[attn.sel_owner]
         valid = sel[1]
         if kernel:  # the kernel reads the picked rows where they lie in PAGE
-            comp = kv.row_offsets(attn.kv_owner, batch.tables, picked_ids(sel))
+            comp = batch.row_offsets(kv, attn.kv_owner, attn.sel_owner)
         else:
-            comp = kv.gather_rows(attn.kv_owner, batch.tables, picked_ids(sel)).to(q.dtype)
+            picks = batch.picks(attn.sel_owner)
+            comp = kv.gather_rows(attn.kv_owner, batch.tables, picks).to(q.dtype)
     q_b = take(q)
     if kernel:
         plane = kv.main[attn.kv_owner] if comp is not None else None
