@@ -45,7 +45,7 @@ NO_KERNEL = frozenset(
 ARMS = {
     "plain": ("rope,hc_mix,route", ""),
     "default": ("", ""),
-    "opt_in": ("", "page_write"),
+    "opt_in": ("", "page_write,swiglu"),
 }
 
 

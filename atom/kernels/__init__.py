@@ -12,8 +12,9 @@ on by default and turned off the same way: rope (RoPE in place, one launch where
 expression takes about ten), hc_mix (an mHC mixer's epilogue, one launch where it took eleven)
 and route (the MoE router after its projection). ``OPT_IN`` kernels run only when named in
 ``triton_on``: page_write (a decode step's compressed rows into the PAGE pool, one launch where
-the torch expression takes about twelve), until the GPU gate has run it. The settings are the
-process's (one engine per process).
+the torch expression takes about twelve) and swiglu (the experts' clamped SwiGLU product between
+their projections, one launch for eight or nine), until the GPU gate has run them. The settings
+are the process's (one engine per process).
 
 Debugging overrides, read at each call and winning over the config when set:
 ``ATOM_TRITON=0|1``, ``ATOM_TRITON_OFF=name[,name]``, ``ATOM_TRITON_ON=name[,name]`` (tests
@@ -32,8 +33,9 @@ from atom.kernels.triton_env import interpreting, triton_importable  # noqa: F40
 
 # kernels that run only when named in triton_on (ATOM_TRITON_ON). page_write (a decode step's
 # compressed rows into PAGE, one launch for about twelve; moves bytes, so the same bytes by
-# construction) was written in a session whose device time was spent: opt-in until the GPU gate
-# has run it. rope,
+# construction) and swiglu (the experts' clamped SwiGLU product, one launch for eight or nine;
+# torch's bits on CUDA by construction) were written in a session whose device time was spent:
+# opt-in until the GPU gate has run them. rope,
 # hc_mix and route (one launch where the torch expressions take ten or more) were opt-in until
 # the GPU gate passed with them on (an H100 at bd8cbf3: 125 GPU tests, tier two-passes
 # included; their kernel tests assert torch's bits on CUDA) and they cut v41-bench's decode
@@ -43,7 +45,7 @@ from atom.kernels.triton_env import interpreting, triton_importable  # noqa: F40
 # later traced to pass 1 itself (its batches follow the lookups' timing, and bf16 rounds other
 # batches differently), not to the kernels; the GPU tier tests now assert the loaded bytes
 # instead, and the GPU gate passes with both kernels on (benchmarks/results/gpu_gate.md)
-OPT_IN: frozenset[str] = frozenset({"page_write"})
+OPT_IN: frozenset[str] = frozenset({"page_write", "swiglu"})
 
 
 KERNELS = frozenset(
@@ -58,6 +60,7 @@ KERNELS = frozenset(
         "hc_mix",
         "route",
         "page_write",
+        "swiglu",
     }
 )
 

@@ -114,14 +114,14 @@ for s in "$@"; do
       --decode-steps 16 --repeats 3 --name "${GLUE_ROOFLINE_NAME:-roofline_h200_glue}" \
       --compile-glue ;;
     # the launch-cutting kernels (rope, hc_mix, route; default since bd8cbf3's gate) off (plain),
-    # on (fused), and with the opt-in ones too (opt_in: page_write): the decode roofline in
+    # on (fused), and with the opt-in ones too (opt_in: page_write, swiglu): the decode roofline in
     # FUSED_ROUNDS alternating rounds of FUSED_ARMS (kernels per step and step time)
     fused_ab)
       for i in $(seq "${FUSED_ROUNDS:-2}"); do
         for arm in ${FUSED_ARMS:-plain fused opt_in}; do
           off=""; on=""
           [ "$arm" = plain ] && off=rope,hc_mix,route
-          [ "$arm" = opt_in ] && on=page_write
+          [ "$arm" = opt_in ] && on=page_write,swiglu
           ATOM_TRITON_OFF=$off ATOM_TRITON_ON=$on step "${ROOFLINE_LIMIT:-240}" python3 -m benchmarks.roofline \
             --model v41-bench --device cuda --dtype bfloat16 --position 4096 \
             --batch ${ROOFLINE_BATCHES:-1 16} --decode-steps 16 --repeats 3 \
@@ -129,8 +129,8 @@ for s in "$@"; do
         done
       done ;;
     # the GPU tests with the opt-in kernels on (the gate that makes them default)
-    tests_opt_in) ATOM_TRITON_ON=page_write tests_step tests_opt_in "${TESTS_LIMIT:-540}" \
-      tests/gpu tests/kernels/test_page_write.py -k "not glue" ;;
+    tests_opt_in) ATOM_TRITON_ON=page_write,swiglu tests_step tests_opt_in "${TESTS_LIMIT:-540}" \
+      tests/gpu tests/kernels/test_page_write.py tests/kernels/test_swiglu.py -k "not glue" ;;
     components) step "${COMPONENTS_LIMIT:-200}" python3 -m benchmarks.profile_components \
       --model v41-bench --device cuda --dtype bfloat16 --position 4096 --batch 16 \
       --prefill-tokens 4096 --late-prefill --name "profile_components_h200${COMPONENTS_TAG:-}" ;;

@@ -25,6 +25,7 @@ from atom.kernels.fp4_gemm import fp4_grouped_linear, fp4_tiles, fp4_usable
 from atom.kernels.fp8_gemm import fp8_act_round
 from atom.kernels.moe_combine import moe_combine
 from atom.kernels.route import route
+from atom.kernels.swiglu import swiglu
 from atom.models.common.fp4_linear import Fp4Linear
 from atom.models.common.glue_compile import region
 from atom.models.common.layers import linear
@@ -56,12 +57,8 @@ class Expert(nn.Module):
     def forward(self, x: torch.Tensor, w: torch.Tensor | None = None) -> torch.Tensor:
         dtype = x.dtype
         x = self.act(x)
-        g = self.gate_proj(x).float().clamp(max=self.limit)
-        u = self.up_proj(x).float().clamp(-self.limit, self.limit)
-        h = invariant.pointwise(F.silu, g) * u
-        if w is not None:
-            h = h * w
-        return self.down_proj(self.act(h.to(dtype)))
+        h = swiglu(self.gate_proj(x), self.up_proj(x), self.limit, dtype, w)
+        return self.down_proj(self.act(h))
 
 
 class MoEGate(nn.Module):
@@ -271,10 +268,9 @@ class MoE(nn.Module):
         offs = torch.cumsum(counts, 0, dtype=torch.int32)
         rows = order // self.top_k
         xs = self.act(x).index_select(0, rows)
-        g = torch._grouped_mm(xs, gate.transpose(1, 2), offs=offs).float().clamp(max=self.limit)
-        u = torch._grouped_mm(xs, up.transpose(1, 2), offs=offs).float()
-        h = F.silu(g) * u.clamp(-self.limit, self.limit) * w.flatten()[order, None]
-        h = self.act(h.to(x.dtype))
+        g = torch._grouped_mm(xs, gate.transpose(1, 2), offs=offs)
+        u = torch._grouped_mm(xs, up.transpose(1, 2), offs=offs)
+        h = self.act(swiglu(g, u, self.limit, x.dtype, w, order))
         return torch._grouped_mm(h, down.transpose(1, 2), offs=offs), order
 
     def _dense(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
