@@ -173,8 +173,8 @@ def test_a_decode_step_of_all_rows_uses_them_as_they_are_with_the_gathered_paths
 
 def test_layers_of_one_rope_table_share_the_forwards_angles(tiny_model, monkeypatch):
     """A forward computes the cos and sin of its positions once per RoPE table (``Angles``),
-    not once per layer: as many calls as the layers have distinct tables, and each layer reads
-    the tensors of its table."""
+    not once per layer, and its compressed groups' once per table and ratio: as many calls as
+    the layers have distinct tables, plus one per compressor ratio above 1."""
     from atom.models.common.rope import Rope
 
     layers = tiny_model.model.layers
@@ -194,10 +194,17 @@ def test_layers_of_one_rope_table_share_the_forwards_angles(tiny_model, monkeypa
     h.step([(s, 0, 7, 1 + i, tables[i]) for i, s in enumerate(seqs)])
     calls.clear()
     h.step([(s, 7, 8, 1 + i, tables[i]) for i, s in enumerate(seqs)])
-    # the compressors' rows rotate at their group's position: a call of their own each
-    compressors = sum(1 for layer in layers if layer.self_attn.mode.name == "FULL")
+    # the compressors' rows rotate at their group's first position: one call per table and
+    # ratio above 1 (``DecodeBatch.group_angles``); a ratio-1 group starts at p, whose angles
+    # the layer has
+    groups = {
+        (a.rope.table_key, a.ratio)
+        for a in (layer.self_attn for layer in layers)
+        if a.mode.name == "FULL" and a.ratio > 1
+    }
+    assert 0 < len(groups) < sum(1 for layer in layers if layer.self_attn.mode.name == "FULL")
     assert sorted(set(calls)) == sorted(keys)
-    assert len(calls) == len(keys) + compressors
+    assert len(calls) == len(keys) + len(groups)
 
 
 def test_layers_that_reuse_a_selection_read_its_picks_once(tiny_model, monkeypatch):

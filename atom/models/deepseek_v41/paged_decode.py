@@ -64,6 +64,8 @@ class DecodeBatch:
     selections: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     candidates: torch.Tensor | None = None
     _windows: dict[tuple[int, int], tuple] = field(default_factory=dict)
+    _groups: dict[tuple[int, int], tuple] = field(default_factory=dict)
+    _group_cs: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     _picks: dict[int, torch.Tensor] = field(default_factory=dict)
     _offsets: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
     _spans: dict[int, tuple] = field(default_factory=dict)
@@ -72,6 +74,37 @@ class DecodeBatch:
         """Rows of a flat-batch tensor at the batch's tokens (``x`` itself with ``all_rows``:
         no gather kernel)."""
         return x if self.all_rows else x[self.idx]
+
+    def group_index(self, r: int, rc: int):
+        """For a compressor of ratio ``r`` whose ring holds ``rc`` rows: (the ring rows of
+        positions p - r + 1 .. p - 1 [B, r - 1] (None for r = 1), the group of p [B], whether
+        it completes at p [B], p's ring row [B] (None for r = 1)). The same for every owner of
+        that ratio: computed once a forward."""
+        got = self._groups.get((r, rc))
+        if got is None:
+            p = self.pos
+            if r == 1:
+                got = (None, p, torch.ones_like(p, dtype=torch.bool), None)  # no ring
+            else:
+                earlier = p[:, None] - (r - 1) + torch.arange(r - 1, device=p.device)
+                group = torch.div(p, r, rounding_mode="floor")
+                got = (earlier.clamp(min=0) % rc, group, (p + 1) % r == 0, p % rc)
+            self._groups[(r, rc)] = got
+        return got
+
+    def group_angles(self, rope, r: int, group: torch.Tensor, own=None):
+        """``rope.cos_sin(group * r)``, the angles of the groups' first positions (``group``
+        from ``group_index(r, ...)``), once a forward per rope table and ratio. With r = 1 a
+        group's first position is p itself: ``own``, the batch's rows of the angles the layer
+        computed for its tokens with the same rope, when given (the same bits: the angles are
+        element-wise in the position)."""
+        if r == 1 and own is not None:
+            return own
+        key = (rope.table_key, r)
+        got = self._group_cs.get(key)
+        if got is None:
+            got = self._group_cs[key] = rope.cos_sin(group if r == 1 else group * r)
+        return got
 
     def picks(self, sel_owner: int) -> torch.Tensor:
         """``picked_ids`` of layer ``sel_owner``'s selection, computed once a forward (the
@@ -141,22 +174,31 @@ class DecodeBatch:
 
 
 def _complete_groups(
-    attn: CSA2Attention, u: torch.Tensor, batch: DecodeBatch, kv: PagedKV, slots: StateSlots
+    attn: CSA2Attention,
+    u: torch.Tensor,
+    batch: DecodeBatch,
+    kv: PagedKV,
+    slots: StateSlots,
+    cs: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
-    """A FULL owner's step at p: write the group completing at p, refresh the ring."""
-    geo, r, p = kv.geometry, attn.ratio, batch.pos
+    """A FULL owner's step at p: write the group completing at p, refresh the ring. ``cs``:
+    the batch's rows of the layer's RoPE angles (``attn.rope`` at p), if the caller has them."""
+    geo, r = kv.geometry, attn.ratio
     o = geo.index_planes.index(geo.index_plane(attn.layer))
     rc = geo.compressor_rows
     planes = slots.comp_values[:, o], slots.comp_scores[:, o]  # the layer's rings, as views
-    values, scores, group, complete, rows = _group_rows(attn, u, batch, planes, rc, geo.index_dtype)
+    index = batch.group_index(r, rc)
+    ring_rows, group, complete, own_row = index
+    angles = batch.group_angles(attn.rope, r, group, cs)
+    values, scores, rows = _group_rows(attn, u, batch, planes, index, angles, geo.index_dtype)
     if batch.dump_block is None:
         kv.write_rows_where(attn.layer, batch.tables, group, complete, *rows)
     else:
         kv.write_rows_or_dump(attn.layer, batch.tables, group, complete, batch.dump_block, *rows)
     if r > 1:
-        slots.comp_values[batch.slots, o, p % rc] = values
+        slots.comp_values[batch.slots, o, own_row] = values
         if scores is not None:
-            slots.comp_scores[batch.slots, o, p % rc] = scores
+            slots.comp_scores[batch.slots, o, own_row] = scores
 
 
 @region
@@ -165,27 +207,26 @@ def _group_rows(
     u: torch.Tensor,
     batch: DecodeBatch,
     planes: tuple[torch.Tensor, torch.Tensor],
-    rc: int,
+    index: tuple,
+    angles: tuple[torch.Tensor, torch.Tensor],
     index_dtype: str,
 ):
     """What ``_complete_groups`` writes, computed without writing (compiled glue: the state's
     buffers are views of one tensor, which a compiled function must not mutate): (the
-    compressor's values and scores at p, the group, whether it completes, (main row, index
-    payload, index scale)). ``planes``: the layer's compressor rings [slots, rows, ...]."""
-    r, p = attn.ratio, batch.pos
+    compressor's values and scores at p, (main row, index payload, index scale)). ``planes``:
+    the layer's compressor rings [slots, rows, ...]; ``index``: ``batch.group_index``;
+    ``angles``: the groups' ``batch.group_angles``."""
+    r, ring_rows = attn.ratio, index[0]
     values, scores = attn.compressor.raw(u)  # [B, hd] float32
     v, sc = values[:, None], None if scores is None else scores[:, None]
     if r > 1:
-        earlier = p[:, None] - (r - 1) + torch.arange(r - 1, device=p.device)
-        ring_rows = (batch.slots[:, None], earlier.clamp(min=0) % rc)
-        v = torch.cat([batch.earlier(values, planes[0][ring_rows], r - 1), v], 1)
+        at = (batch.slots[:, None], ring_rows)
+        v = torch.cat([batch.earlier(values, planes[0][at], r - 1), v], 1)
         if scores is not None:
-            ring = planes[1][ring_rows]
-            sc = torch.cat([batch.earlier(scores, ring, r - 1), sc], 1)
-    group = torch.div(p, r, rounding_mode="floor")
-    main, keys = attn.compressed_rows(attn.compressor.pool(v, sc), attn.rope.cos_sin(group * r))
+            sc = torch.cat([batch.earlier(scores, planes[1][at], r - 1), sc], 1)
+    main, keys = attn.compressed_rows(attn.compressor.pool(v, sc), angles)
     payload, scale = pack_index(keys, index_dtype)
-    return values, scores, group, (p + 1) % r == 0, (main, payload, scale)
+    return values, scores, (main, payload, scale)
 
 
 @region
@@ -235,16 +276,14 @@ def decode_attention(
     own, win_k = _window_keys(win, batch, slots.window[:, attn.layer], ring_rows, attn.window)
     comp = valid = None
     if attn.ratio > 0:
-        u_b = take(u)
+        u_b, cs_b = take(u), (take(cs[0]), take(cs[1]))
         if attn.mode is LayerMode.FULL:
-            _complete_groups(attn, u_b, batch, kv, slots)
+            _complete_groups(attn, u_b, batch, kv, slots, cs_b)
         if attn.mode in (LayerMode.FULL, LayerMode.REINDEX):
             index_rows = kv.read_index_rows(
                 attn.kv_owner, batch.tables, batch.max_end // attn.ratio
             )
-            sel, cand = _selection(
-                attn, take(qlat), u_b, (take(cs[0]), take(cs[1])), batch, index_rows
-            )
+            sel, cand = _selection(attn, take(qlat), u_b, cs_b, batch, index_rows)
             batch.selections[attn.layer] = sel
             if cand is not None:
                 batch.candidates = cand
