@@ -225,3 +225,52 @@ def test_layers_that_reuse_a_selection_read_its_picks_once(tiny_model, monkeypat
     calls.clear()
     h.step([(s, 7, 8, 1 + i, tables[i]) for i, s in enumerate(seqs)])
     assert len(calls) == len(owners)
+
+
+def test_an_owners_index_keys_are_read_once_until_its_rows_are_written():
+    """``DecodeBatch.index_keys`` reads an owner's index rows once a forward; after its layer
+    writes them (``rows_written``) the next ask reads them again; the visibility is per ratio."""
+    from atom.models.deepseek_v41.paged_decode import DecodeBatch
+
+    reads = []
+
+    class Rows:
+        def read_index_rows(self, owner, tables, count):
+            reads.append((owner, count))
+            return torch.full((2, count, 4), float(len(reads))), None
+
+    pos = torch.tensor([5, 9])
+    batch = DecodeBatch(torch.arange(2), torch.tensor([1, 2]), pos, torch.zeros(2, 1), 10)
+    kv = Rows()
+    keys, visible = batch.index_keys(kv, 6, 2)
+    again, visible_again = batch.index_keys(kv, 6, 2)
+    assert reads == [(6, 5)] and again is keys and visible_again is visible
+    assert visible.tolist() == [3, 5]  # rows complete by p: (p + 1) // 2
+    batch.index_keys(kv, 4, 2)
+    batch.rows_written(6)
+    fresh, _ = batch.index_keys(kv, 6, 2)
+    assert reads == [(6, 5), (4, 5), (6, 5)] and fresh[0, 0, 0] == 3.0
+    batch.index_keys(kv, 4, 2)  # another owner's memo survives the write
+    assert len(reads) == 3
+
+
+def test_a_decode_step_reads_each_owners_index_rows_once(tiny_model, monkeypatch):
+    """In a decode forward, a REINDEX layer over an owner whose rows its own layer already read
+    (after writing them) reads the same keys: one read per owner."""
+    from atom.models.common.paged import PagedKV
+
+    reads = []
+    real = PagedKV.read_index_rows
+    monkeypatch.setattr(
+        PagedKV, "read_index_rows", lambda self, o, t, c: reads.append(o) or real(self, o, t, c)
+    )
+    attns = [layer.self_attn for layer in tiny_model.model.layers]
+    readers = [a.kv_owner for a in attns if a.mode.name in ("FULL", "REINDEX")]
+    assert len(set(readers)) < len(readers)
+    seqs = [tokens(20, seed=130 + i) for i in range(2)]
+    h = Harness(tiny_model, block_size=16, num_slots=3)
+    tables = [h.blocks(2) for _ in seqs]
+    h.step([(s, 0, 7, 1 + i, tables[i]) for i, s in enumerate(seqs)])
+    reads.clear()
+    h.step([(s, 7, 8, 1 + i, tables[i]) for i, s in enumerate(seqs)])
+    assert sorted(reads) == sorted(set(readers))

@@ -67,6 +67,8 @@ class DecodeBatch:
     _groups: dict[tuple[int, int], tuple] = field(default_factory=dict)
     _group_cs: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     _picks: dict[int, torch.Tensor] = field(default_factory=dict)
+    _keys: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+    _visible: dict[int, torch.Tensor] = field(default_factory=dict)
     _offsets: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
     _spans: dict[int, tuple] = field(default_factory=dict)
 
@@ -105,6 +107,24 @@ class DecodeBatch:
         if got is None:
             got = self._group_cs[key] = rope.cos_sin(group if r == 1 else group * r)
         return got
+
+    def index_keys(self, kv: PagedKV, owner: int, ratio: int):
+        """(owner ``owner``'s index keys [B, R, D] float32, rows [0, max_end // ratio) of every
+        sequence; which of them each token sees [B]): the keys read once a forward per owner
+        until its rows are written again (``rows_written``), the visibility once per ratio."""
+        keys = self._keys.get((owner, ratio))
+        if keys is None:
+            rows = kv.read_index_rows(owner, self.tables, self.max_end // ratio)
+            keys = self._keys[(owner, ratio)] = unpack_index(*rows)
+        visible = self._visible.get(ratio)
+        if visible is None:
+            visible = self._visible[ratio] = visible_rows(self.pos, ratio)
+        return keys, visible
+
+    def rows_written(self, owner: int) -> None:
+        """Owner ``owner``'s PAGE rows changed: its keys are read again when next asked for."""
+        for key in [k for k in self._keys if k[0] == owner]:
+            del self._keys[key]
 
     def picks(self, sel_owner: int) -> torch.Tensor:
         """``picked_ids`` of layer ``sel_owner``'s selection, computed once a forward (the
@@ -195,6 +215,7 @@ def _complete_groups(
         kv.write_rows_where(attn.layer, batch.tables, group, complete, *rows)
     else:
         kv.write_rows_or_dump(attn.layer, batch.tables, group, complete, batch.dump_block, *rows)
+    batch.rows_written(attn.layer)
     if r > 1:
         slots.comp_values[batch.slots, o, own_row] = values
         if scores is not None:
@@ -247,13 +268,10 @@ def _window_keys(
 
 
 @region
-def _selection(attn: CSA2Attention, qlat, u, cs, batch: DecodeBatch, index_rows):
+def _selection(attn: CSA2Attention, qlat, u, cs, batch: DecodeBatch, keys, visible):
     """An index-source layer's ((row ids, valid), candidate mask) for the batch's tokens over
-    ``index_rows`` (payload, scale: what ``PagedKV.read_index_rows`` read for the batch's
-    tables; read outside, where the layer's plane index is a plain value) with
-    ``layer_selection``."""
-    keys = unpack_index(*index_rows)
-    visible = visible_rows(batch.pos, attn.ratio)
+    ``keys``, ``visible`` (``DecodeBatch.index_keys``: read outside, where the layer's plane
+    index is a plain value) with ``layer_selection``."""
     return layer_selection(attn, qlat, u, cs, keys, visible, batch.candidates, fixed_k=True)
 
 
@@ -280,10 +298,8 @@ def decode_attention(
         if attn.mode is LayerMode.FULL:
             _complete_groups(attn, u_b, batch, kv, slots, cs_b)
         if attn.mode in (LayerMode.FULL, LayerMode.REINDEX):
-            index_rows = kv.read_index_rows(
-                attn.kv_owner, batch.tables, batch.max_end // attn.ratio
-            )
-            sel, cand = _selection(attn, take(qlat), u_b, cs_b, batch, index_rows)
+            keys, visible = batch.index_keys(kv, attn.kv_owner, attn.ratio)
+            sel, cand = _selection(attn, take(qlat), u_b, cs_b, batch, keys, visible)
             batch.selections[attn.layer] = sel
             if cand is not None:
                 batch.candidates = cand
