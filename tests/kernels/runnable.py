@@ -13,3 +13,16 @@ needs_kernel = pytest.mark.skipif(
     not (HAVE_TRITON and RUNNABLE), reason="needs Triton and CUDA (or TRITON_INTERPRET=1)"
 )
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def refuse_fallback(monkeypatch, module, name: str, kernel: str, opt_in: bool = False) -> None:
+    """Make ``module.name`` (a kernel's torch expression, as its wrapper calls it) raise, so a
+    test of the kernel cannot pass through the fallback; the test module's own import of the
+    expression stays callable. ``opt_in``: also turn the kernel on (``ATOM_TRITON_ON``)."""
+    if opt_in:
+        monkeypatch.setenv("ATOM_TRITON_ON", kernel)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"{kernel} fell back to the torch expression")
+
+    monkeypatch.setattr(module, name, refuse)

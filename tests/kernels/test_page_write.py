@@ -7,21 +7,18 @@ import torch
 import atom.kernels.page_write as page_write_module
 from atom.kernels.page_write import write_rows_where, write_rows_where_torch
 from atom.models.common.geometry import FP8_DTYPE
-from tests.kernels.runnable import DEVICE, needs_kernel
+from tests.kernels.runnable import DEVICE, needs_kernel, refuse_fallback
 
 pytestmark = needs_kernel
 
 
 @pytest.fixture(autouse=True)
 def no_fallback(monkeypatch):
-    """Opted in (``atom.kernels.OPT_IN`` until the GPU gate has run it), and it may not fall
-    back to the torch expression here (this module's own name for it stays callable)."""
-    monkeypatch.setenv("ATOM_TRITON_ON", "page_write")
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("page_write fell back to the torch expression")
-
-    monkeypatch.setattr(page_write_module, "write_rows_where_torch", refuse)
+    """Opted in (``atom.kernels.OPT_IN`` until the GPU gate has run it), and the kernel may not
+    fall back to its torch expression here."""
+    refuse_fallback(
+        monkeypatch, page_write_module, "write_rows_where_torch", "page_write", opt_in=True
+    )
 
 
 def _pool(blocks: int, per_block: int, main_dim: int, index_dim: int, fp8: bool, seed: int):

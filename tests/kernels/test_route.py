@@ -6,20 +6,15 @@ import torch
 
 import atom.kernels.route as route_module
 from atom.kernels.route import route, route_torch
-from tests.kernels.runnable import DEVICE, needs_kernel
+from tests.kernels.runnable import DEVICE, needs_kernel, refuse_fallback
 
 pytestmark = needs_kernel
 
 
 @pytest.fixture(autouse=True)
 def no_fallback(monkeypatch):
-    """The kernel may not fall back to the torch expression here (this module's own name for it
-    stays callable)."""
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("route fell back to the torch expression")
-
-    monkeypatch.setattr(route_module, "route_torch", refuse)
+    """The kernel may not fall back to its torch expression here."""
+    refuse_fallback(monkeypatch, route_module, "route_torch", "route", opt_in=False)
 
 
 @pytest.mark.parametrize("n,experts,top_k", [(1, 16, 2), (9, 64, 6), (33, 256, 8), (4, 8, 1)])

@@ -7,21 +7,16 @@ import torch
 
 import atom.kernels.swiglu as swiglu_module
 from atom.kernels.swiglu import swiglu, swiglu_torch
-from tests.kernels.runnable import DEVICE, needs_kernel
+from tests.kernels.runnable import DEVICE, needs_kernel, refuse_fallback
 
 pytestmark = needs_kernel
 
 
 @pytest.fixture(autouse=True)
 def no_fallback(monkeypatch):
-    """Opted in (``atom.kernels.OPT_IN`` until the GPU gate has run it), and it may not fall
-    back to the torch expression here (this module's own name for it stays callable)."""
-    monkeypatch.setenv("ATOM_TRITON_ON", "swiglu")
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("swiglu fell back to the torch expression")
-
-    monkeypatch.setattr(swiglu_module, "swiglu_torch", refuse)
+    """Opted in (``atom.kernels.OPT_IN`` until the GPU gate has run it), and the kernel may not
+    fall back to its torch expression here."""
+    refuse_fallback(monkeypatch, swiglu_module, "swiglu_torch", "swiglu", opt_in=True)
 
 
 def _same(got: torch.Tensor, want: torch.Tensor) -> None:

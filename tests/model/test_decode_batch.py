@@ -188,12 +188,7 @@ def test_layers_of_one_rope_table_share_the_forwards_angles(tiny_model, monkeypa
         return real(self, positions)
 
     monkeypatch.setattr(Rope, "cos_sin", counted)
-    seqs = [tokens(20, seed=90 + i) for i in range(2)]
-    h = Harness(tiny_model, block_size=16, num_slots=3)
-    tables = [h.blocks(2) for _ in seqs]
-    h.step([(s, 0, 7, 1 + i, tables[i]) for i, s in enumerate(seqs)])
-    calls.clear()
-    h.step([(s, 7, 8, 1 + i, tables[i]) for i, s in enumerate(seqs)])
+    _decode_step_after_prefill(tiny_model, seed=90, before_step=calls.clear)
     # the compressors' rows rotate at their group's first position: one call per table and
     # ratio above 1 (``DecodeBatch.group_angles``); a ratio-1 group starts at p, whose angles
     # the layer has
@@ -218,12 +213,7 @@ def test_layers_that_reuse_a_selection_read_its_picks_once(tiny_model, monkeypat
     compressed = [layer.self_attn for layer in tiny_model.model.layers]
     owners = {a.sel_owner for a in compressed if a.ratio > 0}
     assert len(owners) < sum(1 for a in compressed if a.ratio > 0)  # some layers reuse
-    seqs = [tokens(20, seed=110 + i) for i in range(2)]
-    h = Harness(tiny_model, block_size=16, num_slots=3)
-    tables = [h.blocks(2) for _ in seqs]
-    h.step([(s, 0, 7, 1 + i, tables[i]) for i, s in enumerate(seqs)])
-    calls.clear()
-    h.step([(s, 7, 8, 1 + i, tables[i]) for i, s in enumerate(seqs)])
+    _decode_step_after_prefill(tiny_model, seed=110, before_step=calls.clear)
     assert len(calls) == len(owners)
 
 
@@ -267,10 +257,16 @@ def test_a_decode_step_reads_each_owners_index_rows_once(tiny_model, monkeypatch
     attns = [layer.self_attn for layer in tiny_model.model.layers]
     readers = [a.kv_owner for a in attns if a.mode.name in ("FULL", "REINDEX")]
     assert len(set(readers)) < len(readers)
-    seqs = [tokens(20, seed=130 + i) for i in range(2)]
-    h = Harness(tiny_model, block_size=16, num_slots=3)
+    _decode_step_after_prefill(tiny_model, seed=130, before_step=reads.clear)
+    assert sorted(reads) == sorted(set(readers))
+
+
+def _decode_step_after_prefill(model, seed: int, before_step) -> None:
+    """Two sequences of ``model`` prefilled to 7 tokens, then one decode step of both;
+    ``before_step`` runs between them (to reset what a test counts)."""
+    seqs = [tokens(20, seed=seed + i) for i in range(2)]
+    h = Harness(model, block_size=16, num_slots=3)
     tables = [h.blocks(2) for _ in seqs]
     h.step([(s, 0, 7, 1 + i, tables[i]) for i, s in enumerate(seqs)])
-    reads.clear()
+    before_step()
     h.step([(s, 7, 8, 1 + i, tables[i]) for i, s in enumerate(seqs)])
-    assert sorted(reads) == sorted(set(readers))
