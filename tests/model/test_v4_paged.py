@@ -269,3 +269,28 @@ def test_quantization_simulation_on_matches_reference():
     assert_matches(paged, ref, atol=1e-2)
     plain = DeepseekV4ForCausalLM(cfg.model_copy(update=dict(kv_fp8_sim=False))).init_weights(1)
     assert not torch.allclose(reference_forward(plain, seq), ref)  # the simulation is live
+
+
+def test_a_decode_forward_computes_each_rope_tables_angles_once(v4_tiny, monkeypatch):
+    """A batched decode forward computes cos and sin once per rope table for its tokens and
+    once per table and ratio for its compressed groups (``DecodeBatch.cos_sin``), not once per
+    layer: as many calls as there are distinct (table, ratio) pairs among the layers."""
+    from atom.models.common.rope import Rope
+
+    calls = []
+    real = Rope.cos_sin
+    monkeypatch.setattr(Rope, "cos_sin", lambda self, p: calls.append(1) or real(self, p))
+    attns = [layer.attn for layer in v4_tiny.layers]
+    want = {(a.rope.table_key, 0) for a in attns} | {
+        (a.rope.table_key, a.ratio) for a in attns if a.ratio
+    }
+    assert len(want) < len(attns) + sum(1 for a in attns if a.ratio)  # shared tables
+    h = Harness(v4_tiny)
+    prompts = [tokens(n, seed=60 + n) for n in (9, 14)]
+    tables = [h.blocks(2) for _ in prompts]
+    for i, p in enumerate(prompts):
+        h.rt.forward(torch.tensor(p), [Span(0, len(p), i, tables[i])])
+    calls.clear()
+    spans = [Span(len(p), len(p) + 1, i, tables[i]) for i, p in enumerate(prompts)]
+    h.rt.forward(torch.tensor(tokens(2, seed=1)), spans)
+    assert len(calls) == len(want)

@@ -23,7 +23,7 @@ The math of each row, group and attention is the loop's (``V4Attention``, ``V4Co
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -74,6 +74,20 @@ class DecodeBatch:
     own_in: torch.Tensor
     own_row: torch.Tensor
     ends: torch.Tensor  # [B] each row's span end: the cursor its slot takes
+    # RoPE angles computed this forward, by (rope table, ratio): 0 for the tokens' positions,
+    # r for the groups' first positions (``cos_sin``)
+    _angles: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def cos_sin(self, rope, r: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """``rope.cos_sin`` of the tokens' positions (r = 0) or of their groups' first
+        positions at ratio r, once a forward per rope table (``Rope.table_key``) and ratio: the
+        layers whose ropes share a table read the same tensors (``common.rope.Angles``)."""
+        key = (rope.table_key, r)
+        got = self._angles.get(key)
+        if got is None:
+            at = self.pos if r == 0 else self.ratios[r].group * r
+            got = self._angles[key] = rope.cos_sin(at)
+        return got
 
     @staticmethod
     def usable(spans: list[Span]) -> bool:
@@ -213,7 +227,7 @@ def decode_attention(
 ) -> torch.Tensor:
     """u [B, d] (the normed sublayer input, one token per sequence) -> attention output
     [B, d]; updates the layer's ring, compressor state and PAGE rows as a prefill does."""
-    cs = attn.rope.cos_sin(batch.pos)
+    cs = batch.cos_sin(attn.rope)
     q, qr = attn.queries(u, cs)
     win = attn.window_kv(u, cs)
     return attn.output(decode_core(attn, u, cs, q, qr, win, batch, kv, slots), cs)
@@ -277,7 +291,7 @@ def _compressed(attn: V4Attention, u, qr, cs, batch: DecodeBatch, kv, slots: V4S
     r, layer = attn.ratio, attn.layer
     ri = batch.ratios[r]
     pooled = _pool_completed(attn.compressor, u, batch, ri, slots.compressor_fields(layer, r))
-    rows_cs = attn.rope.cos_sin(ri.group * r)
+    rows_cs = batch.cos_sin(attn.rope, r)
     main = attn.main_rows(pooled, rows_cs)[ri.closer]  # each row writes its closer's row
     ix = attn.indexer
     if ix is None:  # HCA: every visible row
