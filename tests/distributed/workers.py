@@ -40,14 +40,14 @@ class SeqTrace(DecisionTrace):
         super().__init__(tol)
         self.seq_of: list[int] = []
 
-    def _paged_attention(self, orig, attn, u, positions, seqs, decode, *args):
-        key = [s * self.STRIDE + p for s, p in zip(self.seq_of, positions.tolist())]
+    def _paged_attention(self, orig, attn, u, angles, seqs, decode, *args):
+        key = [s * self.STRIDE + p for s, p in zip(self.seq_of, angles.positions.tolist())]
         self._block, self._tokens = attn.layer, key
         if attn.mode in (LayerMode.FULL, LayerMode.REINDEX):
             self._queries = [[key[i] for i in b.tok.tolist()] for b in seqs]
             if decode is not None:
                 self._queries.append([key[i] for i in decode.idx.tolist()])
-        return orig(attn, u, positions, seqs, decode, *args)
+        return orig(attn, u, angles, seqs, decode, *args)
 
 
 def _join(rank: int, world: int, init_method: str, timeout_s: float = 30) -> ParallelState:
