@@ -63,14 +63,15 @@ class DecodeBatch:
     all_rows: bool = False
     selections: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     candidates: torch.Tensor | None = None
-    _windows: dict[tuple[int, int], tuple] = field(default_factory=dict)
-    _groups: dict[tuple[int, int], tuple] = field(default_factory=dict)
-    _group_cs: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
-    _picks: dict[int, torch.Tensor] = field(default_factory=dict)
-    _keys: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
-    _visible: dict[int, torch.Tensor] = field(default_factory=dict)
-    _offsets: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
-    _spans: dict[int, tuple] = field(default_factory=dict)
+    # what is computed once a forward, by (what, *key): ``_once``
+    _memo: dict[tuple, object] = field(default_factory=dict)
+
+    def _once(self, key: tuple, compute):
+        """``compute()``, remembered under ``key`` for the rest of the forward."""
+        got = self._memo.get(key)
+        if got is None:
+            got = self._memo[key] = compute()
+        return got
 
     def take(self, x: torch.Tensor) -> torch.Tensor:
         """Rows of a flat-batch tensor at the batch's tokens (``x`` itself with ``all_rows``:
@@ -82,17 +83,16 @@ class DecodeBatch:
         positions p - r + 1 .. p - 1 [B, r - 1] (None for r = 1), the group of p [B], whether
         it completes at p [B], p's ring row [B] (None for r = 1)). The same for every owner of
         that ratio: computed once a forward."""
-        got = self._groups.get((r, rc))
-        if got is None:
+
+        def compute():
             p = self.pos
             if r == 1:
-                got = (None, p, torch.ones_like(p, dtype=torch.bool), None)  # no ring
-            else:
-                earlier = p[:, None] - (r - 1) + torch.arange(r - 1, device=p.device)
-                group = torch.div(p, r, rounding_mode="floor")
-                got = (earlier.clamp(min=0) % rc, group, (p + 1) % r == 0, p % rc)
-            self._groups[(r, rc)] = got
-        return got
+                return (None, p, torch.ones_like(p, dtype=torch.bool), None)  # no ring
+            earlier = p[:, None] - (r - 1) + torch.arange(r - 1, device=p.device)
+            group = torch.div(p, r, rounding_mode="floor")
+            return (earlier.clamp(min=0) % rc, group, (p + 1) % r == 0, p % rc)
+
+        return self._once(("groups", r, rc), compute)
 
     def group_angles(self, rope, r: int, group: torch.Tensor, own=None):
         """``rope.cos_sin(group * r)``, the angles of the groups' first positions (``group``
@@ -102,59 +102,50 @@ class DecodeBatch:
         element-wise in the position)."""
         if r == 1 and own is not None:
             return own
-        key = (rope.table_key, r)
-        got = self._group_cs.get(key)
-        if got is None:
-            got = self._group_cs[key] = rope.cos_sin(group if r == 1 else group * r)
-        return got
+        return self._once(
+            ("group_cs", rope.table_key, r), lambda: rope.cos_sin(group if r == 1 else group * r)
+        )
 
     def index_keys(self, kv: PagedKV, owner: int, ratio: int):
         """(owner ``owner``'s index keys [B, R, D] float32, rows [0, max_end // ratio) of every
         sequence; which of them each token sees [B]): the keys read once a forward per owner
         until its rows are written again (``rows_written``), the visibility once per ratio."""
-        keys = self._keys.get((owner, ratio))
-        if keys is None:
-            rows = kv.read_index_rows(owner, self.tables, self.max_end // ratio)
-            keys = self._keys[(owner, ratio)] = unpack_index(*rows)
-        visible = self._visible.get(ratio)
-        if visible is None:
-            visible = self._visible[ratio] = visible_rows(self.pos, ratio)
-        return keys, visible
+        keys = self._once(
+            ("keys", owner, ratio),
+            lambda: unpack_index(*kv.read_index_rows(owner, self.tables, self.max_end // ratio)),
+        )
+        return keys, self._once(("visible", ratio), lambda: visible_rows(self.pos, ratio))
 
     def rows_written(self, owner: int) -> None:
         """Owner ``owner``'s PAGE rows changed: its keys are read again when next asked for."""
-        for key in [k for k in self._keys if k[0] == owner]:
-            del self._keys[key]
+        for key in [k for k in self._memo if k[:2] == ("keys", owner)]:
+            del self._memo[key]
 
     def picks(self, sel_owner: int) -> torch.Tensor:
         """``picked_ids`` of layer ``sel_owner``'s selection, computed once a forward (the
         layers that reuse a selection read the same ids)."""
-        got = self._picks.get(sel_owner)
-        if got is None:
-            got = self._picks[sel_owner] = picked_ids(self.selections[sel_owner])
-        return got
+        return self._once(("picks", sel_owner), lambda: picked_ids(self.selections[sel_owner]))
 
     def row_offsets(self, kv: PagedKV, owner: int, sel_owner: int) -> torch.Tensor:
         """``kv.row_offsets`` of owner ``owner``'s rows that ``sel_owner``'s selection picks,
         once a forward per (owner, selection): the index math only, which the tables and the
         picks fix (the rows' bytes are read where they lie)."""
-        key = (owner, sel_owner)
-        got = self._offsets.get(key)
-        if got is None:
-            got = self._offsets[key] = kv.row_offsets(owner, self.tables, self.picks(sel_owner))
-        return got
+        return self._once(
+            ("offsets", owner, sel_owner),
+            lambda: kv.row_offsets(owner, self.tables, self.picks(sel_owner)),
+        )
 
     def window_index(self, window: int, ring_rows: int):
         """(ring rows of positions p - window + 1 .. p - 1 [B, window - 1], key validity
         [B, window], ring row of p [B]): the same for every layer, computed once a forward."""
-        got = self._windows.get((window, ring_rows))
-        if got is None:
+
+        def compute():
             p = self.pos
             prev = p[:, None] - (window - 1) + torch.arange(window - 1, device=p.device)
             valid = torch.cat([prev >= 0, torch.ones_like(prev[:, :1], dtype=torch.bool)], 1)
-            got = (prev.clamp(min=0) % ring_rows, valid, p % ring_rows)
-            self._windows[(window, ring_rows)] = got
-        return got
+            return (prev.clamp(min=0) % ring_rows, valid, p % ring_rows)
+
+        return self._once(("windows", window, ring_rows), compute)
 
     def own_rows(self, before: int):
         """For positions p - before .. p - 1 of each row at p: (whether the row's own span holds
@@ -162,14 +153,13 @@ class DecodeBatch:
         for single-token spans."""
         if self.start is None:
             return None
-        got = self._spans.get(before)
-        if got is None:
-            p = self.pos
-            prev = p[:, None] - before + torch.arange(before, device=p.device)
+
+        def compute():
+            prev = self.pos[:, None] - before + torch.arange(before, device=self.pos.device)
             offset = prev - self.start[:, None]
-            got = (offset >= 0, (self.first[:, None] + offset).clamp(min=0))
-            self._spans[before] = got
-        return got
+            return (offset >= 0, (self.first[:, None] + offset).clamp(min=0))
+
+        return self._once(("spans", before), compute)
 
     def earlier(self, own: torch.Tensor, ring: torch.Tensor, before: int) -> torch.Tensor:
         """``ring`` [B, before, ...] (rows of positions p - before .. p - 1 read from a ring)
