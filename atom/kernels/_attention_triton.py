@@ -6,6 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
+from atom.kernels.attention import RingWindow
+
 
 @triton.jit
 def _visible_span(ok_ptr, n, BN: tl.constexpr):
@@ -227,6 +229,10 @@ def _sink_attention_split_kernel(
     sco_t,
     cv_ptr,
     scv_t,
+    wo_ptr,
+    swo_t,
+    own_ptr,
+    sown_t,
     pm_ptr,
     pl_ptr,
     pa_ptr,
@@ -240,11 +246,14 @@ def _sink_attention_split_kernel(
     BH: tl.constexpr,
     BN: tl.constexpr,
     HAS_COMP: tl.constexpr,
+    RING: tl.constexpr,
     IEEE: tl.constexpr,
 ):
     """Keys [j * CHUNK, (j + 1) * CHUNK) of the row's window keys followed by its compressed
     rows, for split j: the running max, denominator and unnormalized sum, without the sink
-    (``_combine_kernel`` adds it once)."""
+    (``_combine_kernel`` adds it once). With ``RING`` the window's first L - 1 keys are read
+    at element offsets ``wo`` [T, L - 1] from ``w_ptr`` (a ring plane) and its last is the
+    row's ``own`` [T, D] (``RingWindow``); else they are ``w`` [T, L, D]."""
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BH + tl.arange(0, BH)
     j = tl.program_id(2)
@@ -255,12 +264,22 @@ def _sink_attention_split_kernel(
     lsum = tl.zeros([BH], tl.float32)
     acc = tl.zeros([BH, D], tl.float32)
     a = j * CHUNK
+    if RING:
+        own = tl.load(own_ptr + t * sown_t + d).to(q.dtype)
     for n0 in tl.range(tl.minimum(a, L), tl.minimum(a + CHUNK, L), BN):
         n = n0 + tl.arange(0, BN)
         inside = (n < L) & (n < a + CHUNK)
         ok = (tl.load(wm_ptr + t * swm_t + n, mask=inside, other=0) != 0) & inside
-        k = tl.load(w_ptr + t * sw_t + n[:, None] * sw_l + d[None, :], mask=ok[:, None], other=0.0)
-        k = k.to(q.dtype)
+        if RING:
+            ring = ok & (n < L - 1)
+            off = tl.load(wo_ptr + t * swo_t + n, mask=ring, other=0)
+            k = tl.load(w_ptr + off[:, None] + d[None, :], mask=ring[:, None], other=0.0)
+            k = tl.where((n == L - 1)[:, None], own[None, :], k.to(q.dtype))
+        else:
+            k = tl.load(
+                w_ptr + t * sw_t + n[:, None] * sw_l + d[None, :], mask=ok[:, None], other=0.0
+            )
+            k = k.to(q.dtype)
         m, lsum, acc = _online(q, k, k, ok, m, lsum, acc, scale, IEEE)
     if HAS_COMP:
         b0 = tl.maximum(a - L, 0)
@@ -302,13 +321,25 @@ def _combine_kernel(
 def sink_attention_split_triton(q, win_k, win_mask, plane, offsets, valid, sink, scale, splits):
     """``sink_attention`` with each row's keys cut into ``splits`` chunks run by separate
     programs (a decode batch: few rows, each walking every key, leave the GPU idle otherwise),
-    then one combine. Here every row has its own window keys (tiles = rows)."""
+    then one combine. Here every row has its own window keys (tiles = rows): ``win_k`` [T, L,
+    D], or a ``RingWindow`` read where its keys lie."""
     t, h, d = q.shape
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # features at unit stride
     if t == 0:
         return out
     has_comp = plane is not None
-    n_l, n_k = win_k.shape[1], offsets.shape[1] if has_comp else 0
+    ring = isinstance(win_k, RingWindow)
+    args = _operand_args(q, win_k.own[:, None] if ring else win_k, win_mask, plane, offsets, valid)
+    if ring:
+        own = win_k.own if win_k.own.stride(1) == 1 else win_k.own.contiguous()
+        wo = win_k.offsets.contiguous()
+        args[3:6] = [win_k.plane, 0, 0]
+        window = [wo, wo.stride(0), own, own.stride(0)]
+        n_l = wo.shape[1] + 1
+    else:
+        window = [args[6], 0, args[6], 0]  # unused: the mask stands in
+        n_l = win_k.shape[1]
+    n_k = offsets.shape[1] if has_comp else 0
     wide = q.element_size() > 2
     bh, bn = 16, 16 if wide else 32
     chunk = triton.cdiv(triton.cdiv(n_l + n_k, splits), bn) * bn
@@ -316,7 +347,8 @@ def sink_attention_split_triton(q, win_k, win_mask, plane, offsets, valid, sink,
     pl = torch.empty_like(pm)
     pa = torch.empty(t, splits, h, d, dtype=torch.float32, device=q.device)
     _sink_attention_split_kernel[(t, triton.cdiv(h, bh), splits)](
-        *_operand_args(q, win_k, win_mask, plane, offsets, valid),
+        *args,
+        *window,
         pm,
         pl,
         pa,
@@ -330,6 +362,7 @@ def sink_attention_split_triton(q, win_k, win_mask, plane, offsets, valid, sink,
         BH=bh,
         BN=bn,
         HAS_COMP=has_comp,
+        RING=ring,
         IEEE=q.dtype == torch.float32,
         num_warps=4,
         num_stages=1 if wide else 2,

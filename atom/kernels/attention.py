@@ -28,6 +28,8 @@ the paths agree to 1e-4.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from atom.kernels import use_triton
@@ -93,10 +95,28 @@ def sink_attention(q, win_k, win_mask, plane, offsets, valid, sink, scale: float
 DECODE_SPLITS = 8
 
 
+class RingWindow(NamedTuple):
+    """A decode batch's window keys where they lie, for ``sink_attention_decode``: row t's keys
+    are the rows of ``plane`` (a tensor whose rows of D are contiguous: a layer's window ring)
+    at element offsets ``offsets[t]`` [T, L - 1] int64 from plane's first element (the
+    positions before the row's), then ``own[t]`` [T, D] (its own key). The kernel reads them
+    in place of a [T, L, D] gather and concatenation; the keys are the same."""
+
+    plane: torch.Tensor
+    offsets: torch.Tensor
+    own: torch.Tensor
+
+    def keys(self) -> torch.Tensor:
+        """The [T, L, D] keys, materialized in ``own``'s dtype (the torch path; tests)."""
+        ring = gather_offsets(self.offsets, self.plane).to(self.own.dtype)
+        return torch.cat([ring, self.own[:, None]], 1)
+
+
 def sink_attention_decode(q, win_k, win_mask, plane, offsets, valid, sink, scale: float):
-    """``sink_attention`` for rows that each have their own window keys (win_k [T, L, D], a
-    decode batch): every row's keys are cut into ``DECODE_SPLITS`` chunks run by separate
-    programs and combined after, so a batch of a few rows still fills the GPU. Only where
+    """``sink_attention`` for rows that each have their own window keys (win_k [T, L, D] or a
+    ``RingWindow``, a decode batch): every row's keys are cut into ``DECODE_SPLITS`` chunks run
+    by separate programs and combined after, so a batch of a few rows still fills the GPU.
+    Only where
     ``sink_attention_usable(q, "decode_attention")``."""
     from atom.kernels._attention_triton import sink_attention_split_triton
 

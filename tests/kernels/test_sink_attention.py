@@ -7,6 +7,7 @@ import torch
 
 import atom.kernels
 from atom.kernels.attention import (
+    RingWindow,
     gather_offsets,
     sink_attention,
     sink_attention_decode,
@@ -97,6 +98,36 @@ def test_decode_splits_match_the_torch_expression(dtype, rows, heads, window, k)
     assert torch.allclose(got.float(), want.float(), atol=tol, rtol=tol), (
         (got.float() - want.float()).abs().max()
     )
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,window,k", [(4, 9, 37), (16, 128, 0), (3, 1, 5)])
+def test_decode_reads_a_ring_window_in_place_with_the_same_bits(dtype, rows, window, k):
+    """``sink_attention_decode`` given a ``RingWindow`` (ring rows at offsets, then each row's
+    own key) returns the bits it returns for the same keys materialized [T, L, D]: the decode
+    step drops its per-layer gather and concatenation with no change to any output."""
+    if dtype == torch.bfloat16 and DEVICE == "cpu":
+        pytest.skip("Triton's interpreter computes bfloat16 dots wrongly (a 16x16 dot alone)")
+    gen = torch.Generator().manual_seed(rows * 13 + window)
+    q, _, mask, plane, offsets, valid, sink = _case(
+        DEVICE, dtype, rows, 1, 16, 64, window, k, gen
+    )
+    slots, ring_rows = 5, window + 3  # a ring plane of several slots, strided like the state's
+    raw = torch.randn(slots, 2 * ring_rows * 64 + 8, generator=gen).to(DEVICE, dtype)
+    ring = raw[:, ring_rows * 64 : 2 * ring_rows * 64].view(slots, ring_rows, 64)
+    slot = torch.randint(0, slots, (rows, 1), generator=gen)
+    row = torch.randint(0, ring_rows, (rows, window - 1), generator=gen)
+    at = (slot * ring.stride(0) + row * ring.stride(1)).to(DEVICE)
+    own = torch.randn(rows, 64, generator=gen).to(DEVICE, dtype)
+    mask[:, -1] = True  # a row's own key is always visible
+    window_keys = RingWindow(ring, at, own)
+    keys = window_keys.keys()
+    assert torch.equal(keys[:, -1], own)
+    assert window == 1 or torch.equal(keys[1, 0], ring[slot[1, 0], row[1, 0]])
+    got = sink_attention_decode(q, window_keys, mask, plane, offsets, valid, sink, 0.125)
+    want = sink_attention_decode(q, keys, mask, plane, offsets, valid, sink, 0.125)
+    assert torch.equal(got, want), (got.float() - want.float()).abs().max()
 
 
 @needs_kernel
@@ -219,3 +250,44 @@ def test_torch_expression_is_the_layers_attention(per_tile):
     )
     got = sink_attention_torch(q, win_k, mask, comp, valid, attn.attn_sink.detach(), attn.scale)
     assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
+
+
+@needs_kernel
+def test_decode_steps_through_the_ring_window_compute_the_gathered_windows_bits(monkeypatch):
+    """v41-tiny decoding four sequences with the decode kernel: reading each layer's window
+    ring in place (``RingWindow``) gives the logits and pool bytes of the same steps with the
+    window gathered into [T, L, D] first, and every layer took the in-place read. (The
+    harness runs on CPU, so under Triton's interpreter only; on CUDA the decode kernel's steps
+    meet the reference in tests/gpu/test_cuda_paths.py.)"""
+    if DEVICE != "cpu":
+        pytest.skip("the paged harness runs on CPU: Triton's interpreter only")
+    from atom.kernels import KERNELS
+    from atom.models.deepseek_v41 import paged_decode
+    from atom.models.deepseek_v41.model import DeepseekV41ForCausalLM
+    from tests.model.harness import Harness
+    from tests.model.test_paged_vs_reference import tokens
+
+    # the other kernels off: this compares the window's read alone (quicker interpreted)
+    monkeypatch.setenv("ATOM_TRITON_OFF", ",".join(sorted(KERNELS - {"decode_attention"})))
+    model = DeepseekV41ForCausalLM(preset_config("v41-tiny"), kv_dtype="fp32").init_weights(0)
+    rings = []
+    seqs = [tokens(20, seed=60 + i) for i in range(4)]
+    runs = []
+    for in_place in (True, False):
+        if in_place:
+            monkeypatch.setattr(
+                paged_decode, "RingWindow", lambda *a: rings.append(1) or RingWindow(*a)
+            )
+        else:
+            monkeypatch.setattr(paged_decode, "RingWindow", lambda *a: RingWindow(*a).keys())
+        h = Harness(model, block_size=32, num_slots=5)
+        tables = [h.blocks(2) for _ in seqs]
+        h.step([(s, 0, 5 + i, 1 + i, tables[i]) for i, s in enumerate(seqs)])
+        logits = [
+            h.step([(s, p + i, p + i + 1, 1 + i, tables[i]) for i, s in enumerate(seqs)])
+            for p in range(5, 8)
+        ]
+        runs.append((h.pool.clone(), torch.stack(logits)))
+    assert len(rings) == 3 * model.config.num_hidden_layers
+    assert torch.equal(runs[0][0], runs[1][0])
+    assert torch.equal(runs[0][1], runs[1][1])

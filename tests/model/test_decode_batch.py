@@ -244,6 +244,29 @@ def test_an_owners_index_keys_are_read_once_until_its_rows_are_written():
     assert len(reads) == 3
 
 
+def test_window_offsets_name_the_ring_rows_the_gather_reads():
+    """``DecodeBatch.window_offsets`` (the decode kernel's ``RingWindow``): element offsets
+    from a layer's ring plane that hit the rows ``window_index`` names for each token's slot,
+    the same tensor for every layer's plane."""
+    from atom.kernels.attention import RingWindow, gather_offsets
+    from atom.models.deepseek_v41.paged_decode import DecodeBatch
+
+    pos, slot = torch.tensor([0, 3, 11]), torch.tensor([2, 0, 1])
+    batch = DecodeBatch(torch.arange(3), slot, pos, torch.zeros(3, 1), 12)
+    rings = torch.randn(3, 4, 6, 8)[:, :, :5]  # [slots, layers, ring rows, hd], strided
+    window, ring_rows = 4, rings.shape[2]
+    rows = batch.window_index(window, ring_rows)[0]
+    at = batch.window_offsets(rings[:, 1], window)
+    assert at is batch.window_offsets(rings[:, 3], window)
+    assert rows.tolist() == [[0, 0, 0], [0, 1, 2], [3, 4, 0]]  # p - 3 .. p - 1 mod 5
+    for layer in (1, 3):
+        plane = rings[:, layer]
+        assert torch.equal(gather_offsets(at, plane), plane[slot[:, None], rows])
+        own = torch.randn(3, 8)
+        keys = RingWindow(plane, at, own).keys()
+        assert torch.equal(keys, torch.cat([plane[slot[:, None], rows], own[:, None]], 1))
+
+
 def test_a_decode_step_reads_each_owners_index_rows_once(tiny_model, monkeypatch):
     """In a decode forward, a REINDEX layer over an owner whose rows its own layer already read
     (after writing them) reads the same keys: one read per owner."""

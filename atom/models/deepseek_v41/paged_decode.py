@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
-from atom.kernels.attention import sink_attention_decode, sink_attention_usable
+from atom.kernels.attention import RingWindow, sink_attention_decode, sink_attention_usable
 from atom.models.common.glue_compile import region
 from atom.models.common.storage import pack_index, unpack_index
 from atom.models.deepseek_v41.attention import (
@@ -146,6 +146,17 @@ class DecodeBatch:
             return (prev.clamp(min=0) % ring_rows, valid, p % ring_rows)
 
         return self._once(("windows", window, ring_rows), compute)
+
+    def window_offsets(self, plane: torch.Tensor, window: int) -> torch.Tensor:
+        """Element offsets [B, window - 1] from a layer's ring plane (``plane`` [slots, rows,
+        hd], one layer's view) of the ring rows ``window_index`` names: the same for every
+        layer (their planes' strides are equal), computed once a forward."""
+        ring_rows = self.window_index(window, plane.shape[1])[0]
+        s0, s1 = plane.stride(0), plane.stride(1)
+        return self._once(
+            ("window_offsets", window, plane.shape[1], s0, s1),
+            lambda: self.slots[:, None] * s0 + ring_rows * s1,
+        )
 
     def own_rows(self, before: int):
         """For positions p - before .. p - 1 of each row at p: (whether the row's own span holds
@@ -281,7 +292,12 @@ def decode_attention(
     take = batch.take
     kernel = sink_attention_usable(q, "decode_attention")
     ring_rows, win_valid, own_row = batch.window_index(attn.window, kv.geometry.window_rows)
-    own, win_k = _window_keys(win, batch, slots.window[:, attn.layer], ring_rows, attn.window)
+    ring_plane = slots.window[:, attn.layer]
+    if kernel and batch.start is None:  # the kernel reads the ring rows where they lie
+        own = take(win)
+        win_k = RingWindow(ring_plane, batch.window_offsets(ring_plane, attn.window), own)
+    else:
+        own, win_k = _window_keys(win, batch, ring_plane, ring_rows, attn.window)
     comp = valid = None
     if attn.ratio > 0:
         u_b, cs_b = take(u), (take(cs[0]), take(cs[1]))
