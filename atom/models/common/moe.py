@@ -29,6 +29,7 @@ from atom.kernels.swiglu import swiglu
 from atom.models.common.fp4_linear import Fp4Linear
 from atom.models.common.glue_compile import region
 from atom.models.common.layers import linear
+from atom.models.common.promoted import float_weight
 
 __all__ = ["Expert", "MoEGate", "MoE", "configure_grouped_mm", "grouped_mm_enabled"]
 
@@ -129,7 +130,7 @@ class MoE(nn.Module):
     @region
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(expert ids [N, top_k], weights [N, top_k] float32) of each token."""
-        logits = invariant.linear(x.float(), self.gate.weight.float())
+        logits = invariant.linear(x.float(), float_weight(self.gate))
         bias = self.gate.e_score_correction_bias
         return route(logits, bias, self.gate_temp, self.top_k, self.scale)
 

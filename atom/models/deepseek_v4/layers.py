@@ -19,6 +19,7 @@ from torch import nn
 from atom.kernels import invariant
 from atom.models.common.mhc import HcMixer, collapse, hc_post
 from atom.models.common.moe import MoE
+from atom.models.common.promoted import float_weight
 from atom.models.common.rope import InterleavedRope  # noqa: F401  (re-exported)
 from atom.models.deepseek_v4.config import V4Config
 
@@ -70,7 +71,7 @@ class V4MoE(MoE):
     def route_ids(self, x: torch.Tensor, token_ids: torch.Tensor):
         """(expert ids [N, top_k], weights [N, top_k] float32): weights are the chosen experts'
         sqrt(softplus) scores, normalized, times ``routed_scaling_factor``."""
-        logits = invariant.linear(x.float(), self.gate.weight.float())
+        logits = invariant.linear(x.float(), float_weight(self.gate))
         scores = torch.sqrt(invariant.pointwise(F.softplus, logits))
         if self.gate.bias is None:
             idx = self.gate.tid2eid[token_ids]

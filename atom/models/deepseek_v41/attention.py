@@ -23,6 +23,7 @@ from atom.models.common.formats import fp4_act_sim
 from atom.models.common.glue_compile import region
 from atom.models.common.layers import RMSNorm, linear, rms_norm
 from atom.models.common.prefill_tiles import tile_attention
+from atom.models.common.promoted import float_weight
 from atom.models.common.rope import InterleavedRope
 from atom.models.common.selection import (  # noqa: F401  (the rest: re-exported)
     NEG_INF,
@@ -56,8 +57,8 @@ class Compressor(nn.Module):
             return self.wkv(u).float(), None
         # the pooling compressors project in float32, as published (weights promoted)
         x = u.float()
-        values = invariant.linear(x, self.wkv.weight.float())
-        return values, invariant.linear(x, self.wgate.weight.float())
+        values = invariant.linear(x, float_weight(self.wkv))
+        return values, invariant.linear(x, float_weight(self.wgate))
 
     def pool(self, values: torch.Tensor, scores: torch.Tensor | None) -> torch.Tensor:
         """values/scores [G, ratio, hd] float32 -> normalized latents [G, hd] float32."""

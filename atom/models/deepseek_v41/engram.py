@@ -26,6 +26,7 @@ from torch import nn
 from atom.kernels import invariant
 from atom.kernels.fp8_gemm import fp8_act_round
 from atom.models.common.layers import Linear
+from atom.models.common.promoted import promoted
 from atom.models.deepseek_v41.ngram_hash import (
     BEFORE_START,
     SCALE_BLOCK,
@@ -147,7 +148,8 @@ class Engram(nn.Module):
         key, value = kv.split([self.hc * self.dim, self.dim], dim=-1)
         key = key.float().view(n, self.hc, self.dim)
         h = x.float()
-        weight = self.q_weight.float() * self.k_weight.float()
+        qw, kw = self.q_weight, self.k_weight
+        weight = promoted(self, "gate_weight", lambda: qw.float() * kw.float(), qw, kw)
         rstd = torch.rsqrt(invariant.mean(h.square(), -1) + self.eps) * torch.rsqrt(
             invariant.mean(key.square(), -1) + self.eps
         )
