@@ -110,9 +110,7 @@ def test_decode_reads_a_ring_window_in_place_with_the_same_bits(dtype, rows, win
     if dtype == torch.bfloat16 and DEVICE == "cpu":
         pytest.skip("Triton's interpreter computes bfloat16 dots wrongly (a 16x16 dot alone)")
     gen = torch.Generator().manual_seed(rows * 13 + window)
-    q, _, mask, plane, offsets, valid, sink = _case(
-        DEVICE, dtype, rows, 1, 16, 64, window, k, gen
-    )
+    q, _, mask, plane, offsets, valid, sink = _case(DEVICE, dtype, rows, 1, 16, 64, window, k, gen)
     slots, ring_rows = 5, window + 3  # a ring plane of several slots, strided like the state's
     raw = torch.randn(slots, 2 * ring_rows * 64 + 8, generator=gen).to(DEVICE, dtype)
     ring = raw[:, ring_rows * 64 : 2 * ring_rows * 64].view(slots, ring_rows, 64)

@@ -34,9 +34,7 @@ def _stamp(sources: tuple[torch.Tensor, ...]) -> tuple | None:
     """What identifies the sources' current values; None where one has no version counter
     (a tensor made under ``torch.inference_mode``: its in-place writes cannot be seen)."""
     try:
-        return tuple(
-            (s.data_ptr(), s._version, s.device, s.dtype, tuple(s.shape)) for s in sources
-        )
+        return tuple((s.data_ptr(), s._version, s.device, s.dtype, tuple(s.shape)) for s in sources)
     except RuntimeError:
         return None
 
