@@ -176,9 +176,9 @@ class MoE(nn.Module):
             return moe_combine(shared, *self._fixed(x, idx, w))
         if path == "fp4":
             return moe_combine(shared, *self._fp4(x, idx, w))
+        if path == "dense":  # float32 + x's dtype adds in float32: shared.float()'s bits, no cast
+            return self._dense(x, idx, w) + shared
         out = shared.float()
-        if path == "dense":
-            return out + self._dense(x, idx, w)
         flat = idx.flatten()
         order = torch.argsort(flat, stable=True)  # token rows grouped by expert, rows ascending
         counts = torch.bincount(flat, minlength=len(self.experts)).tolist()  # the one sync
@@ -275,14 +275,23 @@ class MoE(nn.Module):
         return torch._grouped_mm(h, down.transpose(1, 2), offs=offs), order
 
     def _dense(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """Every expert on every token, the unrouted ones weighted 0 (few tokens: the weights
+        are read once either way). Gate and up are one product each over all the experts (the
+        [E, I, d] stack seen as [E * I, d]: no copy of x per expert); the product rows are
+        (token, expert) pairs, each scaled by its routing weight (``swiglu``); the down
+        projection runs per expert over those rows read in place, and the experts' outputs
+        are summed in float32. Returns [N, d] float32."""
         gate, up, down = self.stacked_weights()
-        xb = self.act(x).unsqueeze(0).expand(gate.shape[0], -1, -1)
-        g = torch.bmm(xb, gate.transpose(1, 2)).float().clamp(max=self.limit)
-        u = torch.bmm(xb, up.transpose(1, 2)).float().clamp(-self.limit, self.limit)
-        route = torch.zeros(x.shape[0], gate.shape[0], dtype=torch.float32, device=x.device)
+        e, inter, d = gate.shape
+        n = x.shape[0]
+        xa = self.act(x)
+        g = F.linear(xa, gate.reshape(e * inter, d)).view(n * e, inter)
+        u = F.linear(xa, up.reshape(e * inter, d)).view(n * e, inter)
+        route = torch.zeros(n, e, dtype=torch.float32, device=x.device)
         route.scatter_(1, idx, w)
-        h = self.act((F.silu(g) * u * route.t()[:, :, None]).to(x.dtype))  # [E, n, inter]
-        return torch.bmm(h, down.transpose(1, 2)).float().sum(0)  # unrouted rows weigh 0
+        h = self.act(swiglu(g, u, self.limit, x.dtype, route))  # [(token, expert), inter]
+        y = torch.bmm(h.view(n, e, inter).transpose(0, 1), down.transpose(1, 2))  # [E, n, d]
+        return y.sum(0, dtype=torch.float32)
 
     def stacked_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Expert weights as [E, ...] tensors (``_stacked``; under autograd, a differentiable
