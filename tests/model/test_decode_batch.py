@@ -4,7 +4,9 @@ longer spans, and the MoE's dense and routed paths against each other."""
 import pytest
 import torch
 
+from atom.models.common.formats import fp4_act_sim
 from atom.models.common.moe import MoE
+from atom.models.common.storage import kv_roundtrip
 from atom.models.deepseek_v41.model import DeepseekV41ForCausalLM
 from atom.models.deepseek_v41.reference import reference_forward
 from atom.models.deepseek_v41.weights import load_weights, save_weights
@@ -293,3 +295,32 @@ def _decode_step_after_prefill(model, seed: int, before_step) -> None:
     h.step([(s, 0, 7, 1 + i, tables[i]) for i, s in enumerate(seqs)])
     before_step()
     h.step([(s, 7, 8, 1 + i, tables[i]) for i, s in enumerate(seqs)])
+
+
+def test_compressed_rows_cast_once_and_rotate_in_place_with_the_copying_bits():
+    """``compressed_rows`` in bfloat16 casts the float32 latents once for both readers and
+    rotates that cast in place: the main rows and index keys of the expression that cast twice
+    and rotated a copy, and the latents stay as given."""
+    from atom.models.deepseek_v41.config import LayerMode
+    from atom.models.deepseek_v41.presets import preset_config
+
+    config = preset_config("v41-tiny")
+    model = DeepseekV41ForCausalLM(config, dtype=torch.bfloat16).init_weights(3)
+    attn = next(
+        layer.self_attn
+        for layer in model.model.layers
+        if layer.self_attn.mode is LayerMode.FULL and layer.self_attn.ratio > 1
+    )
+    latents = torch.randn(5, config.head_dim)
+    given = latents.clone()
+    cs = attn.rope.cos_sin(torch.arange(5) * attn.ratio)
+    with torch.no_grad():
+        main, keys = attn.compressed_rows(latents, cs)
+        want_main = attn.rope.apply(latents.to(torch.bfloat16), cs)
+        if attn.compressed_fp4_sim:
+            want_main = fp4_act_sim(want_main, 16, "e4m3")
+        want_main = kv_roundtrip(want_main, attn.kv_dtype)
+        k = attn.indexer.k_norm(attn.indexer.wk(latents.to(torch.bfloat16))).float()
+        want_keys = attn.index_round(attn.index_rope.apply_(k, cs))
+    assert torch.equal(main, want_main) and torch.equal(keys, want_keys)
+    assert torch.equal(latents, given)

@@ -175,12 +175,15 @@ class CSA2Attention(nn.Module):
         """Latents [G, hd] float32 of groups j, cs at positions j*ratio -> (main rows [G, hd]
         rounded as stored, index keys [G, D] float32 *before* index quantization: the paged
         path packs them into PAGE, the reference applies ``index_roundtrip``)."""
-        dtype = self.dtype
-        main = self.rope.apply(latents.to(dtype), cs)
+        lat = latents.to(self.dtype)  # one cast for both readers
+        k = self.indexer.k_norm(self.indexer.wk(lat)).float()
+        # then rotated in place where the cast made a tensor of its own (latents stay as given)
+        # that no backward reads (wk saves its input for the weight's gradient)
+        fresh = latents.dtype != self.dtype and not torch.is_grad_enabled()
+        main = (self.rope.apply_ if fresh else self.rope.apply)(lat, cs)
         if self.compressed_fp4_sim:
             main = fp4_act_sim(main, 16, "e4m3")
         main = kv_roundtrip(main, self.kv_dtype)
-        k = self.indexer.k_norm(self.indexer.wk(latents.to(dtype))).float()
         return main, self.index_round(self.index_rope.apply_(k, cs))
 
     @region
