@@ -109,7 +109,7 @@ def test_decode_steps_write_the_same_pool_with_the_kernel(monkeypatch, index_dty
     from atom.kernels import KERNELS
     from atom.models.deepseek_v41.model import DeepseekV41ForCausalLM
     from atom.models.deepseek_v41.presets import preset_config
-    from tests.model.harness import Harness
+    from tests.model.harness import prefill_then_decode
     from tests.model.test_paged_vs_reference import tokens
 
     # the other kernels off: this compares page_write alone (and is quicker interpreted)
@@ -129,14 +129,7 @@ def test_decode_steps_write_the_same_pool_with_the_kernel(monkeypatch, index_dty
         if not on:  # the torch expression, by the kernel's own switch
             monkeypatch.setattr(page_write_module, "write_rows_where_torch", write_rows_where_torch)
             monkeypatch.setenv("ATOM_TRITON_ON", "")
-        h = Harness(model, block_size=32, num_slots=5)
-        tables = [h.blocks(2) for _ in seqs]
-        h.step([(s, 0, 5 + i, 1 + i, tables[i]) for i, s in enumerate(seqs)])
-        logits = [
-            h.step([(s, p + i, p + i + 1, 1 + i, tables[i]) for i, s in enumerate(seqs)])
-            for p in range(5, 8)
-        ]
-        runs.append((h.pool.clone(), torch.stack(logits)))
+        runs.append(prefill_then_decode(model, seqs))
         assert len(calls) >= 3  # a ratio-2 owner's write in every decode step
         calls.clear()
     assert torch.equal(runs[0][0], runs[1][0])

@@ -262,7 +262,7 @@ def test_decode_steps_through_the_ring_window_compute_the_gathered_windows_bits(
     from atom.kernels import KERNELS
     from atom.models.deepseek_v41 import paged_decode
     from atom.models.deepseek_v41.model import DeepseekV41ForCausalLM
-    from tests.model.harness import Harness
+    from tests.model.harness import prefill_then_decode
     from tests.model.test_paged_vs_reference import tokens
 
     # the other kernels off: this compares the window's read alone (quicker interpreted)
@@ -278,14 +278,7 @@ def test_decode_steps_through_the_ring_window_compute_the_gathered_windows_bits(
             )
         else:
             monkeypatch.setattr(paged_decode, "RingWindow", lambda *a: RingWindow(*a).keys())
-        h = Harness(model, block_size=32, num_slots=5)
-        tables = [h.blocks(2) for _ in seqs]
-        h.step([(s, 0, 5 + i, 1 + i, tables[i]) for i, s in enumerate(seqs)])
-        logits = [
-            h.step([(s, p + i, p + i + 1, 1 + i, tables[i]) for i, s in enumerate(seqs)])
-            for p in range(5, 8)
-        ]
-        runs.append((h.pool.clone(), torch.stack(logits)))
+        runs.append(prefill_then_decode(model, seqs))
     assert len(rings) == 3 * model.config.num_hidden_layers
     assert torch.equal(runs[0][0], runs[1][0])
     assert torch.equal(runs[0][1], runs[1][1])

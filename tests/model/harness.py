@@ -48,3 +48,20 @@ class Harness:
             )
             start = end
         return torch.cat(outs)
+
+
+def prefill_then_decode(
+    model: DeepseekV41ForCausalLM, seqs: list[list[int]], prefill: int = 5, steps: int = 3
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sequence i prefilled to ``prefill + i`` tokens (one forward for all), then ``steps``
+    decode forwards of one token each for every sequence, in a fresh pool of two blocks a
+    sequence (block size 32). Returns (the pool's bytes, the decode steps' logits [steps,
+    len(seqs), V]): what a kernel's on/off comparison checks."""
+    h = Harness(model, block_size=32, num_slots=len(seqs) + 1)
+    tables = [h.blocks(2) for _ in seqs]
+    h.step([(s, 0, prefill + i, 1 + i, tables[i]) for i, s in enumerate(seqs)])
+    logits = [
+        h.step([(s, p + i, p + i + 1, 1 + i, tables[i]) for i, s in enumerate(seqs)])
+        for p in range(prefill, prefill + steps)
+    ]
+    return h.pool.clone(), torch.stack(logits)
