@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from atom.kernels.attention import RingWindow
+from atom.kernels.ring_window import RingWindow
 
 
 @triton.jit

@@ -28,11 +28,10 @@ the paths agree to 1e-4.
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 
 from atom.kernels import use_triton
+from atom.kernels.ring_window import RingWindow, gather_offsets  # noqa: F401  (re-exported)
 
 
 def sink_attention_usable(q: torch.Tensor, name: str = "sink_attention") -> bool:
@@ -47,15 +46,6 @@ def sink_attention_usable(q: torch.Tensor, name: str = "sink_attention") -> bool
     # row, so it stays off there
     row_local = name == "sink_attention"
     return use_triton(q, name, row_local=row_local) and d >= 16 and d & (d - 1) == 0
-
-
-def gather_offsets(offsets: torch.Tensor, plane: torch.Tensor) -> torch.Tensor:
-    """Rows of ``plane`` at element ``offsets`` [T, K] -> [T, K, D] (what the kernel reads;
-    for tests: it reads the largest offset on the host)."""
-    d = plane.shape[-1]
-    n = int(offsets.max()) + d if offsets.numel() else 0
-    flat = plane.as_strided((n,), (1,))  # from plane's first element
-    return flat[offsets[..., None] + torch.arange(d, device=offsets.device)]
 
 
 def sink_attention_torch(q, win_k, win_mask, comp, valid, sink, scale):
@@ -93,23 +83,6 @@ def sink_attention(q, win_k, win_mask, plane, offsets, valid, sink, scale: float
 
 
 DECODE_SPLITS = 8
-
-
-class RingWindow(NamedTuple):
-    """A decode batch's window keys where they lie, for ``sink_attention_decode``: row t's keys
-    are the rows of ``plane`` (a tensor whose rows of D are contiguous: a layer's window ring)
-    at element offsets ``offsets[t]`` [T, L - 1] int64 from plane's first element (the
-    positions before the row's), then ``own[t]`` [T, D] (its own key). The kernel reads them
-    in place of a [T, L, D] gather and concatenation; the keys are the same."""
-
-    plane: torch.Tensor
-    offsets: torch.Tensor
-    own: torch.Tensor
-
-    def keys(self) -> torch.Tensor:
-        """The [T, L, D] keys, materialized in ``own``'s dtype (the torch path; tests)."""
-        ring = gather_offsets(self.offsets, self.plane).to(self.own.dtype)
-        return torch.cat([ring, self.own[:, None]], 1)
 
 
 def sink_attention_decode(q, win_k, win_mask, plane, offsets, valid, sink, scale: float):
