@@ -329,15 +329,15 @@ def sink_attention_split_triton(q, win_k, win_mask, plane, offsets, valid, sink,
         return out
     has_comp = plane is not None
     ring = isinstance(win_k, RingWindow)
-    args = _operand_args(q, win_k.own[:, None] if ring else win_k, win_mask, plane, offsets, valid)
+    # with a ring window the kernel reads the plane at offsets (its strides go unused)
+    args = _operand_args(q, win_k.plane if ring else win_k, win_mask, plane, offsets, valid)
     if ring:
         own = win_k.own if win_k.own.stride(1) == 1 else win_k.own.contiguous()
         wo = win_k.offsets.contiguous()
-        args[3:6] = [win_k.plane, 0, 0]
         window = [wo, wo.stride(0), own, own.stride(0)]
         n_l = wo.shape[1] + 1
     else:
-        window = [args[6], 0, args[6], 0]  # unused: the mask stands in
+        window = [q, 0, q, 0]  # unused: q stands in
         n_l = win_k.shape[1]
     n_k = offsets.shape[1] if has_comp else 0
     wide = q.element_size() > 2

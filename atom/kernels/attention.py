@@ -89,8 +89,7 @@ def sink_attention_decode(q, win_k, win_mask, plane, offsets, valid, sink, scale
     """``sink_attention`` for rows that each have their own window keys (win_k [T, L, D] or a
     ``RingWindow``, a decode batch): every row's keys are cut into ``DECODE_SPLITS`` chunks run
     by separate programs and combined after, so a batch of a few rows still fills the GPU.
-    Only where
-    ``sink_attention_usable(q, "decode_attention")``."""
+    Only where ``sink_attention_usable(q, "decode_attention")``."""
     from atom.kernels._attention_triton import sink_attention_split_triton
 
     return sink_attention_split_triton(
