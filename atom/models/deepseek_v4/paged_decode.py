@@ -23,12 +23,13 @@ The math of each row, group and attention is the loop's (``V4Attention``, ``V4Co
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from atom.kernels import invariant, invariant_attention
 from atom.model_api import Span
+from atom.models.common.forward_memo import ForwardMemo
 from atom.models.common.selection import select_topk
 from atom.models.common.storage import pack_index, unpack_index
 from atom.models.deepseek_v4.attention import NEG_INF, V4Attention
@@ -59,7 +60,7 @@ class RatioIndex:
 
 
 @dataclass
-class DecodeBatch:
+class DecodeBatch(ForwardMemo):
     ids: torch.Tensor  # [B] the tokens
     slots: torch.Tensor  # [B]
     pos: torch.Tensor  # [B]
@@ -74,20 +75,15 @@ class DecodeBatch:
     own_in: torch.Tensor
     own_row: torch.Tensor
     ends: torch.Tensor  # [B] each row's span end: the cursor its slot takes
-    # RoPE angles computed this forward, by (rope table, ratio): 0 for the tokens' positions,
-    # r for the groups' first positions (``cos_sin``)
-    _angles: dict = field(default_factory=dict, repr=False, compare=False)
 
     def cos_sin(self, rope, r: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """``rope.cos_sin`` of the tokens' positions (r = 0) or of their groups' first
         positions at ratio r, once a forward per rope table (``Rope.table_key``) and ratio: the
         layers whose ropes share a table read the same tensors (``common.rope.Angles``)."""
-        key = (rope.table_key, r)
-        got = self._angles.get(key)
-        if got is None:
-            at = self.pos if r == 0 else self.ratios[r].group * r
-            got = self._angles[key] = rope.cos_sin(at)
-        return got
+        return self._once(
+            ("angles", rope.table_key, r),
+            lambda: rope.cos_sin(self.pos if r == 0 else self.ratios[r].group * r),
+        )
 
     @staticmethod
     def usable(spans: list[Span]) -> bool:

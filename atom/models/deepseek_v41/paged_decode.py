@@ -28,6 +28,7 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 
 from atom.kernels.attention import RingWindow, sink_attention_decode, sink_attention_usable
+from atom.models.common.forward_memo import ForwardMemo
 from atom.models.common.glue_compile import region
 from atom.models.common.storage import pack_index, unpack_index
 from atom.models.deepseek_v41.attention import (
@@ -41,7 +42,7 @@ from atom.models.deepseek_v41.paged import PagedKV, StateSlots
 
 
 @dataclass
-class DecodeBatch:
+class DecodeBatch(ForwardMemo):
     """The single-token spans of one forward; selections flow from index layers to REUSE
     layers through it."""
 
@@ -63,15 +64,6 @@ class DecodeBatch:
     all_rows: bool = False
     selections: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     candidates: torch.Tensor | None = None
-    # what is computed once a forward, by (what, *key): ``_once``
-    _memo: dict[tuple, object] = field(default_factory=dict)
-
-    def _once(self, key: tuple, compute):
-        """``compute()``, remembered under ``key`` for the rest of the forward."""
-        got = self._memo.get(key)
-        if got is None:
-            got = self._memo[key] = compute()
-        return got
 
     def take(self, x: torch.Tensor) -> torch.Tensor:
         """Rows of a flat-batch tensor at the batch's tokens (``x`` itself with ``all_rows``:
@@ -118,8 +110,7 @@ class DecodeBatch:
 
     def rows_written(self, owner: int) -> None:
         """Owner ``owner``'s PAGE rows changed: its keys are read again when next asked for."""
-        for key in [k for k in self._memo if k[:2] == ("keys", owner)]:
-            del self._memo[key]
+        self._forget(("keys", owner))
 
     def picks(self, sel_owner: int) -> torch.Tensor:
         """``picked_ids`` of layer ``sel_owner``'s selection, computed once a forward (the
