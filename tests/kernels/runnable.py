@@ -13,6 +13,11 @@ needs_kernel = pytest.mark.skipif(
     not (HAVE_TRITON and RUNNABLE), reason="needs Triton and CUDA (or TRITON_INTERPRET=1)"
 )
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# tests that drive a model through the CPU paged harness (tests/model/harness.py): they reach a
+# kernel only under Triton's interpreter; on CUDA, tests/gpu runs the same paths on the device
+cpu_harness_only = pytest.mark.skipif(
+    DEVICE != "cpu", reason="the paged harness runs on CPU: Triton's interpreter only"
+)
 
 
 def refuse_fallback(monkeypatch, module, name: str, kernel: str, opt_in: bool = False) -> None:

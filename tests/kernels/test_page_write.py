@@ -7,7 +7,7 @@ import torch
 import atom.kernels.page_write as page_write_module
 from atom.kernels.page_write import write_rows_where, write_rows_where_torch
 from atom.models.common.geometry import FP8_DTYPE
-from tests.kernels.runnable import DEVICE, needs_kernel, refuse_fallback
+from tests.kernels.runnable import DEVICE, cpu_harness_only, needs_kernel, refuse_fallback
 
 pytestmark = needs_kernel
 
@@ -101,11 +101,13 @@ def test_rows_of_another_width_are_refused():
         )
 
 
+@cpu_harness_only
 @pytest.mark.parametrize("index_dtype", ["fp8", "bf16"])
 def test_decode_steps_write_the_same_pool_with_the_kernel(monkeypatch, index_dtype):
     """v41-tiny decoding four sequences (ratio-2 groups completing for some rows and not for
     others): the pool's bytes and the logits with the kernel (which may not fall back here)
-    equal those of the torch expression."""
+    equal those of the torch expression. (CPU harness: under Triton's interpreter only; on
+    CUDA, tests/gpu runs the decode path with the kernel on in the ``tests_opt_in`` step.)"""
     from atom.kernels import KERNELS
     from atom.models.deepseek_v41.model import DeepseekV41ForCausalLM
     from atom.models.deepseek_v41.presets import preset_config

@@ -17,7 +17,7 @@ from atom.kernels.attention import (
 from atom.kernels.index_scores import index_scores_usable
 from atom.models.deepseek_v41.attention import CSA2Attention
 from atom.models.deepseek_v41.presets import preset_config
-from tests.kernels.runnable import DEVICE, needs_kernel
+from tests.kernels.runnable import DEVICE, cpu_harness_only, needs_kernel
 
 
 def _case(device, dtype, tiles, per_tile, heads, d, window, k, gen):
@@ -251,14 +251,13 @@ def test_torch_expression_is_the_layers_attention(per_tile):
 
 
 @needs_kernel
+@cpu_harness_only
 def test_decode_steps_through_the_ring_window_compute_the_gathered_windows_bits(monkeypatch):
     """v41-tiny decoding four sequences with the decode kernel: reading each layer's window
     ring in place (``RingWindow``) gives the logits and pool bytes of the same steps with the
     window gathered into [T, L, D] first, and every layer took the in-place read. (The
     harness runs on CPU, so under Triton's interpreter only; on CUDA the decode kernel's steps
     meet the reference in tests/gpu/test_cuda_paths.py.)"""
-    if DEVICE != "cpu":
-        pytest.skip("the paged harness runs on CPU: Triton's interpreter only")
     from atom.kernels import KERNELS
     from atom.models.deepseek_v41 import paged_decode
     from atom.models.deepseek_v41.model import DeepseekV41ForCausalLM
