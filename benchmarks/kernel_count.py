@@ -1,9 +1,9 @@
 """Kernels a decode step launches, counted on CPU: the GPU-free measure of the decode step's
 kernel budget (the ≤400 target), per model component, with the launch-cutting kernels (rope,
-hc_mix, route) off and on.
+hc_mix, route, page_write, swiglu) off and on.
 
 TRITON_INTERPRET=1 python -m benchmarks.kernel_count --model v41-mini --batch 4 --position 256 \
-    --arms plain default opt_in --name kernel_count_cpu
+    --arms plain default --name kernel_count_cpu
 
 On CPU the forward runs the same torch ops it runs on CUDA; each op that computes (not a view,
 not a no-op cast) stands for one CUDA kernel, and each Triton launch (Triton's interpreter runs
@@ -40,12 +40,11 @@ NO_KERNEL = frozenset(
     ).split()
 )
 # (ATOM_TRITON_OFF, ATOM_TRITON_ON) of each arm: plain without the launch-cutting kernels
-# (they were the opt-in arm "fused" until bd8cbf3 made them the default), opt_in with the
-# opt-in kernels (atom.kernels.OPT_IN) on
+# (rope, hc_mix and route became the default at bd8cbf3, page_write and swiglu after the gate at
+# 93bc75c; until then the last two were the "opt_in" arm), default with them
 ARMS = {
-    "plain": ("rope,hc_mix,route", ""),
+    "plain": ("rope,hc_mix,route,page_write,swiglu", ""),
     "default": ("", ""),
-    "opt_in": ("", "page_write,swiglu"),
 }
 
 
@@ -115,9 +114,7 @@ def measure(args, switches: tuple[str, str]) -> tuple[int, Counter, dict]:
 def main() -> None:
     ap = shape_parser(__doc__, 256, 15)
     ap.set_defaults(batch=4, position=256)
-    ap.add_argument(
-        "--arms", nargs="+", choices=sorted(ARMS), default=["plain", "default", "opt_in"]
-    )
+    ap.add_argument("--arms", nargs="+", choices=sorted(ARMS), default=["plain", "default"])
     args = ap.parse_args()
     if os.environ.get("TRITON_INTERPRET") != "1" or args.device != "cpu":
         raise SystemExit(

@@ -10,11 +10,11 @@ index_scores, decode_attention, moe_combine, fp8_gemm and fp4_gemm (FP8 weights 
 experts then run through the torch expression, which dequantizes them at every call). Also
 on by default and turned off the same way: rope (RoPE in place, one launch where the torch
 expression takes about ten), hc_mix (an mHC mixer's epilogue, one launch where it took eleven)
-and route (the MoE router after its projection). ``OPT_IN`` kernels run only when named in
-``triton_on``: page_write (a decode step's compressed rows into the PAGE pool, one launch where
-the torch expression takes about twelve) and swiglu (the experts' clamped SwiGLU product between
-their projections, one launch for eight or nine), until the GPU gate has run them. The settings
-are the process's (one engine per process).
+and route (the MoE router after its projection), page_write (a decode step's compressed rows
+into the PAGE pool, one launch where the torch expression takes about twelve) and swiglu (the
+experts' clamped SwiGLU product between their projections, one launch for eight or nine).
+``OPT_IN`` kernels (none at present) run only when named in ``triton_on``: a new kernel stays
+there until the GPU gate has run it. The settings are the process's (one engine per process).
 
 Debugging overrides, read at each call and winning over the config when set:
 ``ATOM_TRITON=0|1``, ``ATOM_TRITON_OFF=name[,name]``, ``ATOM_TRITON_ON=name[,name]`` (tests
@@ -31,11 +31,12 @@ import torch
 
 from atom.kernels.triton_env import interpreting, triton_importable  # noqa: F401
 
-# kernels that run only when named in triton_on (ATOM_TRITON_ON). page_write (a decode step's
-# compressed rows into PAGE, one launch for about twelve; moves bytes, so the same bytes by
-# construction) and swiglu (the experts' clamped SwiGLU product, one launch for eight or nine;
-# torch's bits on CUDA by construction) were written in a session whose device time was spent:
-# opt-in until the GPU gate has run them. rope,
+# kernels that run only when named in triton_on (ATOM_TRITON_ON); none at present. page_write
+# (a decode step's compressed rows into PAGE, one launch for about twelve; moves bytes, so the
+# same bytes by construction) and swiglu (the experts' clamped SwiGLU product, one launch for
+# eight or nine; torch's bits on CUDA by construction) were opt-in until the GPU gate passed with
+# them on (an H100 at 93bc75c: 84 GPU tests, the tier two-passes included) and they cut
+# v41-bench's batch-16 decode step from 8.84-9.38 to 8.27-8.72 ms (gpu_gate.md). rope,
 # hc_mix and route (one launch where the torch expressions take ten or more) were opt-in until
 # the GPU gate passed with them on (an H100 at bd8cbf3: 125 GPU tests, tier two-passes
 # included; their kernel tests assert torch's bits on CUDA) and they cut v41-bench's decode
@@ -45,7 +46,7 @@ from atom.kernels.triton_env import interpreting, triton_importable  # noqa: F40
 # later traced to pass 1 itself (its batches follow the lookups' timing, and bf16 rounds other
 # batches differently), not to the kernels; the GPU tier tests now assert the loaded bytes
 # instead, and the GPU gate passes with both kernels on (benchmarks/results/gpu_gate.md)
-OPT_IN: frozenset[str] = frozenset({"page_write", "swiglu"})
+OPT_IN: frozenset[str] = frozenset()
 
 
 KERNELS = frozenset(

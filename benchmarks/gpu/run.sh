@@ -113,24 +113,26 @@ for s in "$@"; do
       --device cuda --dtype bfloat16 --position 4096 --batch ${ROOFLINE_BATCHES:-1 8 16 32} \
       --decode-steps 16 --repeats 3 --name "${GLUE_ROOFLINE_NAME:-roofline_h200_glue}" \
       --compile-glue ;;
-    # the launch-cutting kernels (rope, hc_mix, route; default since bd8cbf3's gate) off (plain),
-    # on (fused), and with the opt-in ones too (opt_in: page_write, swiglu): the decode roofline in
-    # FUSED_ROUNDS alternating rounds of FUSED_ARMS (kernels per step and step time)
+    # the launch-cutting kernels (rope, hc_mix, route: default since bd8cbf3's gate; page_write,
+    # swiglu: since 93bc75c's) off (plain) and on (fused), and with the opt-in ones
+    # (atom.kernels.OPT_IN, named in OPT_IN_KERNELS; none at present) on too (opt_in): the decode
+    # roofline in FUSED_ROUNDS alternating rounds of FUSED_ARMS (kernels per step and step time)
     fused_ab)
       for i in $(seq "${FUSED_ROUNDS:-2}"); do
-        for arm in ${FUSED_ARMS:-plain fused opt_in}; do
+        for arm in ${FUSED_ARMS:-plain fused}; do
           off=""; on=""
-          [ "$arm" = plain ] && off=rope,hc_mix,route
-          [ "$arm" = opt_in ] && on=page_write,swiglu
+          [ "$arm" = plain ] && off=rope,hc_mix,route,page_write,swiglu
+          [ "$arm" = opt_in ] && on=${OPT_IN_KERNELS:?name the opt-in kernels}
           ATOM_TRITON_OFF=$off ATOM_TRITON_ON=$on step "${ROOFLINE_LIMIT:-240}" python3 -m benchmarks.roofline \
             --model v41-bench --device cuda --dtype bfloat16 --position 4096 \
             --batch ${ROOFLINE_BATCHES:-1 16} --decode-steps 16 --repeats 3 \
             --name "roofline_${CARD}_${arm}_r$i"
         done
       done ;;
-    # the GPU tests with the opt-in kernels on (the gate that makes them default)
-    tests_opt_in) ATOM_TRITON_ON=page_write,swiglu tests_step tests_opt_in "${TESTS_LIMIT:-540}" \
-      tests/gpu tests/kernels/test_page_write.py tests/kernels/test_swiglu.py -k "not glue" ;;
+    # the GPU tests with the opt-in kernels (OPT_IN_KERNELS, and their tests OPT_IN_TESTS) on:
+    # the gate that makes them default
+    tests_opt_in) ATOM_TRITON_ON=${OPT_IN_KERNELS:?name the opt-in kernels} tests_step tests_opt_in \
+      "${TESTS_LIMIT:-540}" tests/gpu ${OPT_IN_TESTS:-} -k "not glue" ;;
     components) step "${COMPONENTS_LIMIT:-200}" python3 -m benchmarks.profile_components \
       --model v41-bench --device cuda --dtype bfloat16 --position 4096 --batch 16 \
       --prefill-tokens 4096 --late-prefill --name "profile_components_h200${COMPONENTS_TAG:-}" ;;

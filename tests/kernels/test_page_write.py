@@ -14,11 +14,8 @@ pytestmark = needs_kernel
 
 @pytest.fixture(autouse=True)
 def no_fallback(monkeypatch):
-    """Opted in (``atom.kernels.OPT_IN`` until the GPU gate has run it), and the kernel may not
-    fall back to its torch expression here."""
-    refuse_fallback(
-        monkeypatch, page_write_module, "write_rows_where_torch", "page_write", opt_in=True
-    )
+    """The kernel may not fall back to its torch expression here."""
+    refuse_fallback(monkeypatch, page_write_module, "write_rows_where_torch", "page_write")
 
 
 def _pool(blocks: int, per_block: int, main_dim: int, index_dim: int, fp8: bool, seed: int):
@@ -107,7 +104,7 @@ def test_decode_steps_write_the_same_pool_with_the_kernel(monkeypatch, index_dty
     """v41-tiny decoding four sequences (ratio-2 groups completing for some rows and not for
     others): the pool's bytes and the logits with the kernel (which may not fall back here)
     equal those of the torch expression. (CPU harness: under Triton's interpreter only; on
-    CUDA, tests/gpu runs the decode path with the kernel on in the ``tests_opt_in`` step.)"""
+    CUDA, tests/gpu runs the decode path, where the kernel is on by default.)"""
     from atom.kernels import KERNELS
     from atom.models.deepseek_v41.model import DeepseekV41ForCausalLM
     from atom.models.deepseek_v41.presets import preset_config

@@ -14,7 +14,7 @@ pytestmark = needs_kernel
 @pytest.fixture(autouse=True)
 def no_fallback(monkeypatch):
     """The kernel may not fall back to its torch expression here."""
-    refuse_fallback(monkeypatch, route_module, "route_torch", "route", opt_in=False)
+    refuse_fallback(monkeypatch, route_module, "route_torch", "route")
 
 
 @pytest.mark.parametrize("n,experts,top_k", [(1, 16, 2), (9, 64, 6), (33, 256, 8), (4, 8, 1)])

@@ -14,9 +14,8 @@ pytestmark = needs_kernel
 
 @pytest.fixture(autouse=True)
 def no_fallback(monkeypatch):
-    """Opted in (``atom.kernels.OPT_IN`` until the GPU gate has run it), and the kernel may not
-    fall back to its torch expression here."""
-    refuse_fallback(monkeypatch, swiglu_module, "swiglu_torch", "swiglu", opt_in=True)
+    """The kernel may not fall back to its torch expression here."""
+    refuse_fallback(monkeypatch, swiglu_module, "swiglu_torch", "swiglu")
 
 
 def _same(got: torch.Tensor, want: torch.Tensor) -> None:
