@@ -62,6 +62,7 @@ KERNELS = frozenset(
         "route",
         "page_write",
         "swiglu",
+        "block_round",
     }
 )
 

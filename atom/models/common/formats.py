@@ -65,8 +65,11 @@ def pow2_scale(amax: torch.Tensor, top: float) -> torch.Tensor:
     Meant as the power of two at or above amax / top, but the float32 log2 of a value a few
     ulps above 2^k can round to exactly k, and then the scale is 2^k, below amax / top (see
     ``ue8m0_scale``). Kept as is: V4's ``fp8_sim`` and ``fp4_sim`` are defined by it.
+    amax / top is computed as amax * (1 / top), the reciprocal rounded to amax's dtype first:
+    what torch's CUDA division by a Python number does; written out so the CPU (which divides)
+    rounds alike, and ``atom.kernels.block_round`` with it.
     """
-    return torch.exp2(torch.ceil(torch.log2(amax / top)))
+    return torch.exp2(torch.ceil(torch.log2(amax * (1.0 / top))))
 
 
 def ue8m0_scale(amax: torch.Tensor, top: float) -> torch.Tensor:

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from atom.kernels import invariant, invariant_attention
+from atom.kernels.block_round import block_round
 from atom.models.common.glue_compile import region
 from atom.models.common.layers import RMSNorm, linear, rms_norm
 from atom.models.common.promoted import float_weight
@@ -30,7 +31,7 @@ from atom.models.common.storage import kv_roundtrip
 from atom.models.common.tensor_parallel import sum_partials
 from atom.models.deepseek_v4.config import CSA_RATIO, FP4_SIM_BLOCK, FP8_SIM_BLOCK, V4Config
 from atom.models.deepseek_v4.layers import InterleavedRope
-from atom.models.deepseek_v4.quant import fp4_sim, fp8_sim, hadamard
+from atom.models.deepseek_v4.quant import hadamard
 
 NEG_INF = float("-inf")
 
@@ -79,11 +80,9 @@ class V4Compressor(nn.Module):
         x = self.norm(pooled.to(self.wkv.weight.dtype))
         x = rope.apply(x, cs).float()
         if self.fp8:
-            x = torch.cat(
-                [fp8_sim(x[:, : -self.rope_dim], FP8_SIM_BLOCK), x[:, -self.rope_dim :]], 1
-            )
+            x = block_round(x, "fp8", FP8_SIM_BLOCK, x.shape[-1] - self.rope_dim)
         if self.fp4:
-            x = fp4_sim(hadamard(x), FP4_SIM_BLOCK)
+            x = block_round(hadamard(x), "fp4", FP4_SIM_BLOCK)
         return x
 
 
@@ -116,7 +115,7 @@ class V4Indexer(nn.Module):
         """(qi [N, Hi, D] float32, head weights [N, Hi] float32)."""
         qi = rope.apply(self.wq_b(qr).view(-1, self.heads, self.dim), cs).float()
         if self.fp4:
-            qi = fp4_sim(hadamard(qi), FP4_SIM_BLOCK)
+            qi = block_round(hadamard(qi), "fp4", FP4_SIM_BLOCK)
         w = self.weights_proj(u).float() * (self.dim**-0.5 * self.heads**-0.5)
         return qi, w
 
@@ -189,8 +188,7 @@ class V4Attention(nn.Module):
         """Window KV [N, hd]: normalized, rotated, FP8-simulated NoPE dims, storage-rounded."""
         kv = self.rope.apply(self.kv_norm(self.wkv(u)), cs)
         if self.fp8:
-            nope = fp8_sim(kv[:, : -self.rope_dim], FP8_SIM_BLOCK)
-            kv = torch.cat([nope, kv[:, -self.rope_dim :]], 1)
+            kv = block_round(kv, "fp8", FP8_SIM_BLOCK, kv.shape[-1] - self.rope_dim)
         return kv_roundtrip(kv, self.kv_dtype)
 
     @region
