@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from atom.kernels import invariant, invariant_attention
+from atom.kernels.attention import RingWindow, sink_attention_decode, sink_attention_usable
 from atom.model_api import Span
 from atom.models.common.forward_memo import ForwardMemo
 from atom.models.common.selection import select_topk
@@ -75,6 +76,26 @@ class DecodeBatch(ForwardMemo):
     own_in: torch.Tensor
     own_row: torch.Tensor
     ends: torch.Tensor  # [B] each row's span end: the cursor its slot takes
+    one_token: bool = True  # every span one token long (own_in all false)
+
+    def window_mask(self) -> torch.Tensor:
+        """[B, window]: the ring keys' validity, then the row's own key (always valid); once
+        a forward."""
+
+        def compute():
+            own = torch.ones_like(self.ring_valid[:, :1])
+            return torch.cat([self.ring_valid, own], 1)
+
+        return self._once(("window_mask",), compute)
+
+    def window_offsets(self, plane: torch.Tensor) -> torch.Tensor:
+        """Element offsets [B, window - 1] from a layer's ring plane (``plane`` [slots, ring,
+        hd], one layer's view) of the ring rows the keys come from: the same for every layer
+        (their planes' strides are equal), computed once a forward."""
+        s0, s1 = plane.stride(0), plane.stride(1)
+        return self._once(
+            ("window_offsets", s0, s1), lambda: self.slots[:, None] * s0 + self.ring_rows * s1
+        )
 
     def cos_sin(self, rope, r: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """``rope.cos_sin`` of the tokens' positions (r = 0) or of their groups' first
@@ -116,7 +137,8 @@ class DecodeBatch(ForwardMemo):
         [B]: each row's span and the batch row of its start, for spans of several tokens (a
         verify span: its rows consecutive); absent, every row is a one-token span."""
         dev = pos.device
-        if start is None:
+        one_token = start is None
+        if one_token:
             start, end, first = pos, pos + 1, torch.arange(pos.shape[0], device=dev)
         back = pos[:, None] - window + 1 + torch.arange(window - 1, device=dev)
         rows_b = pos.shape[0]
@@ -158,6 +180,7 @@ class DecodeBatch(ForwardMemo):
             back >= start[:, None],
             (first[:, None] + back - start[:, None]).clamp(0, rows_b - 1),
             end,
+            one_token,
         )
 
     @classmethod
@@ -234,17 +257,33 @@ def decode_core(
 ) -> torch.Tensor:
     """The attention of the batch's tokens given their queries (q [B, H, hd], latent qr) and
     window KV, before the output projection: [B, H, hd]. Writes the ring, compressor state and
-    PAGE rows."""
-    ring = slots.window[batch.slots[:, None], attn.layer, batch.ring_rows].to(win.dtype)
-    ring = torch.where(batch.own_in[:, :, None], win[batch.own_row], ring)
-    win_k = torch.cat([ring, win[:, None]], 1)
-    own = torch.ones_like(batch.ring_valid[:, :1])
-    win_mask = torch.cat([batch.ring_valid, own], 1)
-    comp = comp_mask = None
+    PAGE rows. Where the decode kernel runs (``sink_attention_usable(q, "decode_attention")``,
+    storage in q's dtype) it reads the ring's keys and the compressed rows where they lie;
+    otherwise they are gathered and ``attn.attend`` computes the same attention."""
+    ring_plane = slots.window[:, attn.layer]
+    kernel = sink_attention_usable(q, "decode_attention") and ring_plane.dtype == win.dtype
+    ids = valid = None
     if attn.ratio:
-        comp, comp_mask = _compressed(attn, u, qr, cs, batch, kv, slots)
-        comp = comp.to(q.dtype)
-    out = attn.attend(q, win_k, win_mask, comp, comp_mask)
+        ids, valid = _compressed(attn, u, qr, cs, batch, kv, slots)
+        kernel = kernel and kv.main[attn.layer].dtype == q.dtype
+    win_mask = batch.window_mask()
+    if kernel and batch.one_token:
+        win_k = RingWindow(ring_plane, batch.window_offsets(ring_plane), win)
+    else:
+        ring = slots.window[batch.slots[:, None], attn.layer, batch.ring_rows].to(win.dtype)
+        if not batch.one_token:
+            ring = torch.where(batch.own_in[:, :, None], win[batch.own_row], ring)
+        win_k = torch.cat([ring, win[:, None]], 1)
+    if kernel:
+        plane = offsets = None
+        if ids is not None:
+            plane, offsets = kv.main[attn.layer], kv.row_offsets(attn.layer, batch.tables, ids)
+        out = sink_attention_decode(
+            q, win_k, win_mask, plane, offsets, valid, attn.attn_sink, attn.scale
+        )
+    else:
+        comp = None if ids is None else kv.gather_rows(attn.layer, batch.tables, ids).to(q.dtype)
+        out = attn.attend(q, win_k, win_mask, comp, valid)
     slots.window[batch.slots, attn.layer, batch.ring_own] = win.to(slots.window.dtype)
     return out
 
@@ -282,8 +321,8 @@ def _pool_completed(comp, u, batch: DecodeBatch, ri: RatioIndex, state):
 
 
 def _compressed(attn: V4Attention, u, qr, cs, batch: DecodeBatch, kv, slots: V4StateSlots):
-    """(rows to attend [B, K, hd], their mask [B, K]) after writing the rows of the groups
-    completing at p (the other sequences' rows keep their bytes)."""
+    """(ids of the rows to attend [B, K], their mask [B, K]) after writing the rows of the
+    groups completing at p (the other sequences' rows keep their bytes)."""
     r, layer = attn.ratio, attn.layer
     ri = batch.ratios[r]
     pooled = _pool_completed(attn.compressor, u, batch, ri, slots.compressor_fields(layer, r))
@@ -292,7 +331,7 @@ def _compressed(attn: V4Attention, u, qr, cs, batch: DecodeBatch, kv, slots: V4S
     ix = attn.indexer
     if ix is None:  # HCA: every visible row
         kv.write_main_where(layer, batch.tables, ri.group, ri.closes, main)
-        return kv.gather_rows(layer, batch.tables, ri.ids), ri.valid
+        return ri.ids, ri.valid
     index_state = slots.compressor_fields(layer, r, index=True)
     pooled_i = _pool_completed(ix.compressor, u, batch, ri, index_state)
     keys = ix.compressor.rows(pooled_i, attn.rope, rows_cs)[ri.closer]
@@ -307,4 +346,4 @@ def _compressed(attn: V4Attention, u, qr, cs, batch: DecodeBatch, kv, slots: V4S
         scores = torch.einsum("th,thr->tr", w, torch.relu(torch.einsum("thd,trd->thr", qi, keys)))
     sel = select_topk(scores.masked_fill(~ri.valid, NEG_INF), ix.topk, fixed=True)
     picked = torch.where(sel[1], sel[0], torch.zeros_like(sel[0]))
-    return kv.gather_rows(layer, batch.tables, picked), sel[1]
+    return picked, sel[1]
