@@ -78,7 +78,7 @@ class V4Compressor(nn.Module):
     def rows(self, pooled: torch.Tensor, rope: InterleavedRope, cs) -> torch.Tensor:
         """Pooled [G, dim] at positions j*r (cs) -> finished rows [G, dim] float32."""
         x = self.norm(pooled.to(self.wkv.weight.dtype))
-        x = rope.apply(x, cs).float()
+        x = rope.apply_(x, cs).float()
         if self.fp8:
             x = block_round(x, "fp8", FP8_SIM_BLOCK, x.shape[-1] - self.rope_dim)
         if self.fp4:
@@ -113,7 +113,7 @@ class V4Indexer(nn.Module):
     @region
     def query(self, qr: torch.Tensor, u: torch.Tensor, rope: InterleavedRope, cs):
         """(qi [N, Hi, D] float32, head weights [N, Hi] float32)."""
-        qi = rope.apply(self.wq_b(qr).view(-1, self.heads, self.dim), cs).float()
+        qi = rope.apply_(self.wq_b(qr).view(-1, self.heads, self.dim), cs).float()
         if self.fp4:
             qi = block_round(hadamard(qi), "fp4", FP4_SIM_BLOCK)
         w = self.weights_proj(u).float() * (self.dim**-0.5 * self.heads**-0.5)
@@ -181,12 +181,12 @@ class V4Attention(nn.Module):
         """u [N, d] -> (q [N, H, hd] per-head RMS-normalized and rotated, q latent [N, q_lora])."""
         qr = self.q_norm(self.wq_a(u))
         q = rms_norm(self.wq_b(qr).view(-1, self.heads, self.head_dim), None, self.eps)
-        return self.rope.apply(q, cs), qr
+        return self.rope.apply_(q, cs), qr
 
     @region
     def window_kv(self, u: torch.Tensor, cs) -> torch.Tensor:
         """Window KV [N, hd]: normalized, rotated, FP8-simulated NoPE dims, storage-rounded."""
-        kv = self.rope.apply(self.kv_norm(self.wkv(u)), cs)
+        kv = self.rope.apply_(self.kv_norm(self.wkv(u)), cs)
         if self.fp8:
             kv = block_round(kv, "fp8", FP8_SIM_BLOCK, kv.shape[-1] - self.rope_dim)
         return kv_roundtrip(kv, self.kv_dtype)
@@ -232,14 +232,15 @@ class V4Attention(nn.Module):
         return out
 
     def output(self, o: torch.Tensor, cs) -> torch.Tensor:
-        """Inverse RoPE at the query position, then the grouped output projection (under
+        """Inverse RoPE at the query position (in place: ``o`` [N, H, hd] is the caller's
+        attention output, read by nothing after), then the grouped output projection (under
         tensor parallelism: of this rank's groups, summed over the ranks in float32)."""
         return sum_partials(self._output_projection(o, cs), self.reduce_output)
 
     @region
     def _output_projection(self, o: torch.Tensor, cs) -> torch.Tensor:
         """``output`` on this rank: inverse RoPE, the grouped then the second projection."""
-        o = self.rope.apply(o, cs, inverse=True)
+        o = self.rope.apply_(o, cs, inverse=True)
         n = o.shape[0]
         w = self.wo_a.weight.view(self.groups, self.o_lora_rank, -1)
         mid = invariant.grouped_linear(o.reshape(n, self.groups, -1), w).reshape(n, -1)
