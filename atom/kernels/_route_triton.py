@@ -27,7 +27,9 @@ def _route_kernel(
     stride,
     temp,
     scale,
+    eps,
     TOP_K: tl.constexpr,
+    NORMALIZE: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_E: tl.constexpr,
     LIBDEVICE: tl.constexpr,
@@ -48,16 +50,23 @@ def _route_kernel(
         picks = tl.where(k == j, pick, picks)
         w = tl.where(k == j, tl.sum(tl.where(e == pick, scores, 0.0), 0), w)
         biased = tl.where(e == pick, float("-inf"), biased)
-    if TOP_K > 1:
-        w = tl.math.div_rn(w, tl.sum(w, 0) + 1e-20)
+    if NORMALIZE:
+        w = tl.math.div_rn(w, tl.sum(w, 0) + eps)
     tl.store(idx_ptr + row * TOP_K + k, picks.to(tl.int64), mask=k < TOP_K)
     tl.store(w_ptr + row * TOP_K + k, w * scale, mask=k < TOP_K)
 
 
 def route_triton(
-    logits: torch.Tensor, bias: torch.Tensor, temp: float, top_k: int, scale: float
+    logits: torch.Tensor,
+    bias: torch.Tensor,
+    temp: float,
+    top_k: int,
+    scale: float,
+    eps: float = 1e-20,
+    normalize: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``route_torch`` in one kernel: logits [N, E] float32, bias [E] float32 contiguous."""
+    """``route_torch`` in one kernel: logits [N, E] float32, bias [E] float32 contiguous;
+    ``normalize``: divide the weights by their sum + ``eps`` (``route_torch``'s rule)."""
     n, n_experts = logits.shape
     if logits.stride(1) != 1:
         logits = logits.contiguous()
@@ -74,7 +83,9 @@ def route_triton(
             logits.stride(0),
             float(temp),
             float(scale),
+            float(eps),
             TOP_K=top_k,
+            NORMALIZE=normalize,
             BLOCK_K=triton.next_power_of_2(top_k),
             BLOCK_E=triton.next_power_of_2(n_experts),
             LIBDEVICE=not interpreting(),

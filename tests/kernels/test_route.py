@@ -32,6 +32,20 @@ def test_router_kernel_picks_torchs_experts_with_torchs_weights(n, experts, top_
         assert torch.allclose(w.sum(-1), torch.full((n,), 2.5, device=DEVICE))
 
 
+@pytest.mark.parametrize("top_k", [1, 4])
+def test_v4s_rule_divides_by_the_sum_alone_whatever_k(top_k):
+    """V4's router (eps 0, normalized also at k = 1): torch's experts, weights to float32
+    rounding, each row's weights summing to the scale (1.0 each at k = 1)."""
+    g = torch.Generator().manual_seed(top_k)
+    logits = (torch.randn(7, 32, generator=g) * 4).to(DEVICE)
+    bias = (torch.randn(32, generator=g) * 0.1).to(DEVICE)
+    idx, w = route(logits, bias, 1.0, top_k, 1.5, 0.0, True)
+    want_idx, want_w = route_torch(logits, bias, 1.0, top_k, 1.5, 0.0, True)
+    assert torch.equal(idx, want_idx)
+    assert torch.allclose(w, want_w, rtol=2e-6, atol=1e-7)
+    assert torch.allclose(w.sum(-1), torch.full((7,), 1.5, device=DEVICE))
+
+
 def test_ties_go_to_the_smaller_expert_id():
     """Equal biased scores everywhere: the first k ids, in order, in every row."""
     logits = torch.zeros(5, 32, device=DEVICE)

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from atom.kernels import invariant
+from atom.kernels.route import route
 from atom.models.common.mhc import HcMixer, collapse, hc_post
 from atom.models.common.moe import MoE
 from atom.models.common.promoted import float_weight
@@ -72,12 +73,9 @@ class V4MoE(MoE):
         """(expert ids [N, top_k], weights [N, top_k] float32): weights are the chosen experts'
         sqrt(softplus) scores, normalized, times ``routed_scaling_factor``."""
         logits = invariant.linear(x.float(), float_weight(self.gate))
+        if self.gate.bias is not None:  # ties go to the smaller expert id, in every path
+            return route(logits, self.gate.bias, 1.0, self.top_k, self.scale, 0.0, True)
         scores = torch.sqrt(invariant.pointwise(F.softplus, logits))
-        if self.gate.bias is None:
-            idx = self.gate.tid2eid[token_ids]
-        else:
-            biased = scores + self.gate.bias
-            # ties go to the smaller expert id, identically in every path
-            idx = torch.sort(biased, dim=-1, descending=True, stable=True).indices[:, : self.top_k]
+        idx = self.gate.tid2eid[token_ids]
         w = scores.gather(1, idx)
         return idx, w / invariant.sum(w, -1, keepdim=True) * self.scale
