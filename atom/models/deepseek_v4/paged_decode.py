@@ -302,21 +302,22 @@ def _pool_completed(comp, u, batch: DecodeBatch, ri: RatioIndex, state):
     if comp.overlap:
         d, first = comp.dim, ri.first[:, None, None]
         held, into = (batch.slots, ri.prev_entry), (batch.slots, ri.own_entry)
-        # the group before: completed by an earlier row of the span, else in the fields
-        pred_in = ri.pred_in[:, None, None]
-        old = (
-            torch.where(pred_in, kvg[ri.pred, :, :d], overlap[0][held]),
-            torch.where(pred_in, scg[ri.pred, :, :d], overlap[1][held]),
-        )
-        prev = (
-            torch.where(first, torch.zeros_like(old[0]), old[0]),
-            torch.where(first, torch.full_like(old[1], NEG_INF), old[1]),
-        )
+        if batch.one_token:  # the group before is in the fields; each row closes its own
+            old = (overlap[0][held], overlap[1][held])
+            mine = (kvg[:, :, :d], scg[:, :, :d])
+        else:  # the group before: completed by an earlier row of the span, else in the fields
+            pred_in = ri.pred_in[:, None, None]
+            old = (
+                torch.where(pred_in, kvg[ri.pred, :, :d], overlap[0][held]),
+                torch.where(pred_in, scg[ri.pred, :, :d], overlap[1][held]),
+            )
+            mine = (kvg[ri.closer, :, :d], scg[ri.closer, :, :d])
+        prev = (torch.where(first, 0.0, old[0]), torch.where(first, NEG_INF, old[1]))
         # every row of a group writes what the row completing it writes (or the bytes there,
         # when no row of the span completes it): rows sharing an entry write the same values
         closes = ri.closes[:, None, None]
-        overlap[0][into] = torch.where(closes, kvg[ri.closer, :, :d], overlap[0][into])
-        overlap[1][into] = torch.where(closes, scg[ri.closer, :, :d], overlap[1][into])
+        overlap[0][into] = torch.where(closes, mine[0], overlap[0][into])
+        overlap[1][into] = torch.where(closes, mine[1], overlap[1][into])
     return comp.pool(kvg, scg, *prev)
 
 
