@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from atom.models.common import promoted as promoted_module
-from atom.models.common.promoted import float_weight, promoted
+from atom.models.common.promoted import float_stacked, float_weight, promoted
 
 
 def _linear():
@@ -33,6 +33,19 @@ def test_an_in_place_write_or_a_new_storage_recomputes_it():
     with torch.no_grad():
         lin.weight.mul_(3)  # any in-place op
     assert torch.equal(float_weight(lin), torch.full((4, 8), 6.0))
+
+
+def test_stacked_weights_are_kept_and_follow_a_write_to_either():
+    """``float_stacked``: the weights one below the other in float32 (one GEMM's weight for
+    two projections of the same input), kept, recomputed when either weight changes."""
+    owner, a, b = nn.Module(), _linear(), _linear()
+    first = float_stacked(owner, "ab", a, b)
+    assert torch.equal(first, torch.cat([a.weight.float(), b.weight.float()]))
+    assert float_stacked(owner, "ab", a, b) is first
+    with torch.no_grad():
+        b.weight.fill_(5.0)
+    second = float_stacked(owner, "ab", a, b)
+    assert second is not first and torch.equal(second[4:], torch.full((4, 8), 5.0))
 
 
 def test_under_autograd_the_product_stays_differentiable_and_is_not_kept():

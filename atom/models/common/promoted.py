@@ -69,3 +69,11 @@ def float_weight(linear: nn.Module) -> torch.Tensor:
     """``linear.weight.float()``, kept (``promoted``)."""
     w = linear.weight
     return promoted(linear, "float", lambda: w.float(), w)
+
+
+def float_stacked(owner: nn.Module, key: str, *linears: nn.Module) -> torch.Tensor:
+    """The linears' weights stacked along the output dim, as float32 (one GEMM for projections
+    of the same input: its output's column blocks are theirs), kept on ``owner`` under
+    ``key`` (``promoted``)."""
+    ws = tuple(m.weight for m in linears)
+    return promoted(owner, key, lambda: torch.cat(ws).float(), *ws)

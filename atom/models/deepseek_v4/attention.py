@@ -26,7 +26,7 @@ from atom.kernels import invariant, invariant_attention
 from atom.kernels.block_round import block_round
 from atom.models.common.glue_compile import region
 from atom.models.common.layers import RMSNorm, linear, rms_norm
-from atom.models.common.promoted import float_weight
+from atom.models.common.promoted import float_stacked
 from atom.models.common.storage import kv_roundtrip
 from atom.models.common.tensor_parallel import sum_partials
 from atom.models.deepseek_v4.config import CSA_RATIO, FP4_SIM_BLOCK, FP8_SIM_BLOCK, V4Config
@@ -55,9 +55,8 @@ class V4Compressor(nn.Module):
 
     def raw(self, u: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-token (kv, score) float32 [N, width], the values a partial group keeps."""
-        x = u.float()
-        kv = invariant.linear(x, float_weight(self.wkv))
-        score = invariant.linear(x, float_weight(self.wgate))
+        both = invariant.linear(u.float(), float_stacked(self, "wkv_wgate", self.wkv, self.wgate))
+        kv, score = both.split(self.wkv.weight.shape[0], -1)  # one GEMM, its two column blocks
         return kv, score + self.ape[positions % self.ratio]
 
     def pool(

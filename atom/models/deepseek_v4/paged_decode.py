@@ -312,7 +312,8 @@ def _pool_completed(comp, u, batch: DecodeBatch, ri: RatioIndex, state):
                 torch.where(pred_in, scg[ri.pred, :, :d], overlap[1][held]),
             )
             mine = (kvg[ri.closer, :, :d], scg[ri.closer, :, :d])
-        prev = (torch.where(first, 0.0, old[0]), torch.where(first, NEG_INF, old[1]))
+        # old is this forward's own (a gather or a select): group 0's predecessor in place
+        prev = (old[0].masked_fill_(first, 0.0), old[1].masked_fill_(first, NEG_INF))
         # every row of a group writes what the row completing it writes (or the bytes there,
         # when no row of the span completes it): rows sharing an entry write the same values
         closes = ri.closes[:, None, None]
