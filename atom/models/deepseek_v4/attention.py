@@ -53,11 +53,15 @@ class V4Compressor(nn.Module):
         self.wgate = linear(config.hidden_size, width, dtype)
         self.norm = RMSNorm(dim, config.rms_norm_eps, dtype)
 
-    def raw(self, u: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-token (kv, score) float32 [N, width], the values a partial group keeps."""
+    def raw(
+        self, u: torch.Tensor, positions: torch.Tensor, phase: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-token (kv, score) float32 [N, width], the values a partial group keeps;
+        ``phase``: positions % ratio where the caller has it (a decode batch keeps it)."""
         both = invariant.linear(u.float(), float_stacked(self, "wkv_wgate", self.wkv, self.wgate))
         kv, score = both.split(self.wkv.weight.shape[0], -1)  # one GEMM, its two column blocks
-        return kv, score + self.ape[positions % self.ratio]
+        phase = positions % self.ratio if phase is None else phase
+        return kv, score + self.ape[phase]
 
     def pool(
         self,

@@ -88,6 +88,10 @@ class DecodeBatch(ForwardMemo):
 
         return self._once(("window_mask",), compute)
 
+    def phase(self, r: int) -> torch.Tensor:
+        """[B] the tokens' positions % r (a compressor's ``ape`` row), once a forward."""
+        return self._once(("phase", r), lambda: self.pos % r)
+
     def window_offsets(self, plane: torch.Tensor) -> torch.Tensor:
         """Element offsets [B, window - 1] from a layer's ring plane (``plane`` [slots, ring,
         hd], one layer's view) of the ring rows the keys come from: the same for every layer
@@ -293,7 +297,7 @@ def _pool_completed(comp, u, batch: DecodeBatch, ri: RatioIndex, state):
     group as it stands (only those completing at p, ``ri.done``, are kept by the caller);
     refresh the overlap fields of the completing ones at ratio 4. Returns pooled [B, dim]."""
     overlap, partial = state
-    kv_raw, score_raw = comp.raw(u, batch.pos)
+    kv_raw, score_raw = comp.raw(u, batch.pos, batch.phase(comp.ratio))
     partial[0][batch.slots, ri.phase] = kv_raw
     partial[1][batch.slots, ri.phase] = score_raw
     members = batch.slots[:, None], ri.members
