@@ -3,7 +3,7 @@ kernel budget (the ≤400 target), per model component, with the launch-cutting 
 hc_mix, route, page_write, swiglu) off and on.
 
 TRITON_INTERPRET=1 python -m benchmarks.kernel_count --model v41-mini --batch 4 --position 256 \
-    --arms plain default --name kernel_count_cpu
+    --arms plain default opt_in --name kernel_count_cpu
 
 On CPU the forward runs the same torch ops it runs on CUDA; each op that computes (not a view,
 not a no-op cast) stands for one CUDA kernel, and each Triton launch (Triton's interpreter runs
@@ -23,6 +23,7 @@ from collections import Counter
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
+from atom.kernels import OPT_IN
 from benchmarks.common import command_line, md_table, write_results
 from benchmarks.profile_components import _components, instrument
 from benchmarks.profile_forward import _shape_runs, profiled_runtime, shape_parser
@@ -41,10 +42,11 @@ NO_KERNEL = frozenset(
 )
 # (ATOM_TRITON_OFF, ATOM_TRITON_ON) of each arm: plain without the launch-cutting kernels
 # (rope, hc_mix and route became the default at bd8cbf3, page_write and swiglu after the gate at
-# 93bc75c; until then the last two were the "opt_in" arm), default with them
+# 93bc75c), default with them, opt_in with the opt-in kernels (atom.kernels.OPT_IN) on too
 ARMS = {
     "plain": ("rope,hc_mix,route,page_write,swiglu", ""),
     "default": ("", ""),
+    "opt_in": ("", ",".join(sorted(OPT_IN))),
 }
 
 
@@ -114,7 +116,9 @@ def measure(args, switches: tuple[str, str]) -> tuple[int, Counter, dict]:
 def main() -> None:
     ap = shape_parser(__doc__, 256, 15)
     ap.set_defaults(batch=4, position=256)
-    ap.add_argument("--arms", nargs="+", choices=sorted(ARMS), default=["plain", "default"])
+    ap.add_argument(
+        "--arms", nargs="+", choices=sorted(ARMS), default=["plain", "default", "opt_in"]
+    )
     args = ap.parse_args()
     if os.environ.get("TRITON_INTERPRET") != "1" or args.device != "cpu":
         raise SystemExit(
