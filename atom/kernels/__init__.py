@@ -16,7 +16,9 @@ experts' clamped SwiGLU product between their projections, one launch for eight 
 ``OPT_IN`` kernels run only when named in ``triton_on``: a new kernel stays there until the
 GPU gate has run it; at present block_round (V4's simulated FP8/FP4 rounding of its window KV,
 compressed rows and index queries, one launch where the torch expression takes about
-fifteen). The settings are the process's (one engine per process).
+fifteen) and compressor_pool (a V4 decode step's compressor update: partial row, pooling,
+overlap fields; one launch for about seventeen). The settings are the process's (one engine
+per process).
 
 Debugging overrides, read at each call and winning over the config when set:
 ``ATOM_TRITON=0|1``, ``ATOM_TRITON_OFF=name[,name]``, ``ATOM_TRITON_ON=name[,name]`` (tests
@@ -34,7 +36,8 @@ import torch
 from atom.kernels.triton_env import interpreting, triton_importable  # noqa: F401
 
 # kernels that run only when named in triton_on (ATOM_TRITON_ON): block_round (its bits equal
-# the torch expression's under Triton's interpreter; not yet through the GPU gate). page_write
+# the torch expression's under Triton's interpreter) and compressor_pool (the same state bytes,
+# pooled values to float32 rounding), not yet through the GPU gate. page_write
 # (a decode step's compressed rows into PAGE, one launch for about twelve; moves bytes, so the
 # same bytes by construction) and swiglu (the experts' clamped SwiGLU product, one launch for
 # eight or nine; torch's bits on CUDA by construction) were opt-in until the GPU gate passed with
@@ -49,7 +52,7 @@ from atom.kernels.triton_env import interpreting, triton_importable  # noqa: F40
 # later traced to pass 1 itself (its batches follow the lookups' timing, and bf16 rounds other
 # batches differently), not to the kernels; the GPU tier tests now assert the loaded bytes
 # instead, and the GPU gate passes with both kernels on (benchmarks/results/gpu_gate.md)
-OPT_IN: frozenset[str] = frozenset({"block_round"})
+OPT_IN: frozenset[str] = frozenset({"block_round", "compressor_pool"})
 
 
 KERNELS = frozenset(
@@ -66,6 +69,7 @@ KERNELS = frozenset(
         "page_write",
         "swiglu",
         "block_round",
+        "compressor_pool",
     }
 )
 

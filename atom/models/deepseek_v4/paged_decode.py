@@ -29,6 +29,7 @@ import torch
 
 from atom.kernels import invariant, invariant_attention
 from atom.kernels.attention import RingWindow, sink_attention_decode, sink_attention_usable
+from atom.kernels.compressor_pool import compressor_pool
 from atom.model_api import Span
 from atom.models.common.forward_memo import ForwardMemo
 from atom.models.common.selection import select_topk
@@ -298,6 +299,14 @@ def _pool_completed(comp, u, batch: DecodeBatch, ri: RatioIndex, state):
     refresh the overlap fields of the completing ones at ratio 4. Returns pooled [B, dim]."""
     overlap, partial = state
     kv_raw, score_raw = comp.raw(u, batch.pos, batch.phase(comp.ratio))
+    if batch.one_token:  # one kernel where it runs (atom.kernels.compressor_pool)
+        fields = {}
+        if comp.overlap:
+            fields = dict(overlap=overlap, prev_entry=ri.prev_entry, own_entry=ri.own_entry)
+            fields.update(first=ri.first, closes=ri.closes)
+        return compressor_pool(
+            kv_raw, score_raw, partial, batch.slots, ri.phase, ri.members, **fields
+        )
     partial[0][batch.slots, ri.phase] = kv_raw
     partial[1][batch.slots, ri.phase] = score_raw
     members = batch.slots[:, None], ri.members
@@ -306,16 +315,13 @@ def _pool_completed(comp, u, batch: DecodeBatch, ri: RatioIndex, state):
     if comp.overlap:
         d, first = comp.dim, ri.first[:, None, None]
         held, into = (batch.slots, ri.prev_entry), (batch.slots, ri.own_entry)
-        if batch.one_token:  # the group before is in the fields; each row closes its own
-            old = (overlap[0][held], overlap[1][held])
-            mine = (kvg[:, :, :d], scg[:, :, :d])
-        else:  # the group before: completed by an earlier row of the span, else in the fields
-            pred_in = ri.pred_in[:, None, None]
-            old = (
-                torch.where(pred_in, kvg[ri.pred, :, :d], overlap[0][held]),
-                torch.where(pred_in, scg[ri.pred, :, :d], overlap[1][held]),
-            )
-            mine = (kvg[ri.closer, :, :d], scg[ri.closer, :, :d])
+        # the group before: completed by an earlier row of the span, else in the fields
+        pred_in = ri.pred_in[:, None, None]
+        old = (
+            torch.where(pred_in, kvg[ri.pred, :, :d], overlap[0][held]),
+            torch.where(pred_in, scg[ri.pred, :, :d], overlap[1][held]),
+        )
+        mine = (kvg[ri.closer, :, :d], scg[ri.closer, :, :d])
         # old is this forward's own (a gather or a select): group 0's predecessor in place
         prev = (old[0].masked_fill_(first, 0.0), old[1].masked_fill_(first, NEG_INF))
         # every row of a group writes what the row completing it writes (or the bytes there,
