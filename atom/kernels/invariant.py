@@ -221,8 +221,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [n, g, i], weight [g, o, i] -> [n, g, o] (``einsum("ngi,goi->ngo")``); in the mode,
     row-tiled over n (module doc)."""
-    if not _MODE["on"] or x.shape[0] == 0:
+    grads = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+    if grads or x.shape[0] == 0:
         return torch.einsum("ngi,goi->ngo", x, weight)
+    if not _MODE["on"]:
+        # the product of einsum("ngi,goi->ngo"), written where the [n, g, o] result lies (its
+        # group-major view): the einsum's bmm wrote [g, n, o] and a copy followed
+        out = x.new_empty(x.shape[0], weight.shape[0], weight.shape[1])
+        torch.bmm(x.transpose(0, 1), weight.transpose(1, 2), out=out.transpose(0, 1))
+        return out
     n, g, _ = x.shape
     if fixed_gemm(x):  # group j: the n rows of x[:, j] against weight[j]
         return bmm(x.transpose(0, 1), weight.transpose(1, 2)).transpose(0, 1)
