@@ -30,6 +30,8 @@ def _compressor_pool_kernel(
     own_ptr,
     first_ptr,
     closes_ptr,
+    ape_ptr,
+    ape_row_ptr,
     out_ptr,
     D,
     kv_stride,
@@ -39,10 +41,12 @@ def _compressor_pool_kernel(
     o_s0,
     o_s1,
     o_s2,
+    ape_stride,
     R: tl.constexpr,
     RP: tl.constexpr,
     BD: tl.constexpr,
     OVERLAP: tl.constexpr,
+    APE: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BD + tl.arange(0, BD)
@@ -59,6 +63,9 @@ def _compressor_pool_kernel(
     cur = c + D if OVERLAP else c  # the columns pooled from the members
     kv_own = tl.load(kv_ptr + b * kv_stride + cur, mask=cm, other=0.0)
     sc_own = tl.load(sc_ptr + b * sc_stride + cur, mask=cm, other=0.0)
+    if APE:
+        ape_at = ape_ptr + tl.load(ape_row_ptr + b).to(tl.int64) * ape_stride
+        sc_own = sc_own + tl.load(ape_at + cur, mask=cm, other=0.0)
     tl.store(pk_ptr + base + ph * p_s1 + cur, kv_own, mask=cm)
     tl.store(ps_ptr + base + ph * p_s1 + cur, sc_own, mask=cm)
     kvc = _members(pk_ptr, base, rows, cur, ok, own, kv_own, 0.0)
@@ -67,6 +74,8 @@ def _compressor_pool_kernel(
     if OVERLAP:
         kv_first = tl.load(kv_ptr + b * kv_stride + c, mask=cm, other=0.0)
         sc_first = tl.load(sc_ptr + b * sc_stride + c, mask=cm, other=0.0)
+        if APE:
+            sc_first = sc_first + tl.load(ape_at + c, mask=cm, other=0.0)
         tl.store(pk_ptr + base + ph * p_s1 + c, kv_first, mask=cm)
         tl.store(ps_ptr + base + ph * p_s1 + c, sc_first, mask=cm)
         first = tl.load(first_ptr + b) != 0
@@ -94,7 +103,19 @@ def _compressor_pool_kernel(
 
 
 def compressor_pool_triton(
-    kv_raw, score_raw, partial, slots, phase, members, overlap, prev_entry, own_entry, first, closes
+    kv_raw,
+    score_raw,
+    partial,
+    slots,
+    phase,
+    members,
+    overlap,
+    prev_entry,
+    own_entry,
+    first,
+    closes,
+    ape=None,
+    ape_row=None,
 ) -> torch.Tensor:
     """``compressor_pool_torch`` in one kernel (``compressor_pool``'s conditions hold)."""
     b, w = kv_raw.shape
@@ -123,6 +144,8 @@ def compressor_pool_triton(
         flags[3],
         flags[0],
         flags[1],
+        ape if ape is not None else kv_raw,
+        ape_row if ape_row is not None else slots,
         out,
         d,
         kv_raw.stride(0),
@@ -130,9 +153,11 @@ def compressor_pool_triton(
         pk.stride(0),
         pk.stride(1),
         *o_strides,
+        ape.stride(0) if ape is not None else 0,
         R=r,
         RP=triton.next_power_of_2(r),
         BD=bd,
         OVERLAP=overlap is not None,
+        APE=ape is not None,
     )
     return out

@@ -33,15 +33,20 @@ def compressor_pool_torch(
     own_entry: torch.Tensor | None = None,
     first: torch.Tensor | None = None,
     closes: torch.Tensor | None = None,
+    ape: torch.Tensor | None = None,
+    ape_row: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One token per sequence (B rows; distinct slots). kv_raw, score_raw float32 [B, W] (the
-    token's projections, score with its ape row); ``partial`` (kv, score) [slots, rows, W];
+    token's projections; with ``ape`` [ratio, W] float32 its row ``ape_row`` [B] is added to
+    the score first); ``partial`` (kv, score) [slots, rows, W];
     ``phase`` [B] the token's partial row, ``members`` [B, r] its group's. Without ``overlap``
     W = d and the pool is over the r members. With it W = 2d: ``overlap`` (kv, score)
     [slots, entries, r, d]; the pool is over the predecessor's first halves (entry
     ``prev_entry``; zeros / -inf where ``first``) and the members' second halves; where
     ``closes``, the members' first halves go to entry ``own_entry``. Writes ``partial`` (and
     ``overlap``); returns pooled float32 [B, d]."""
+    if ape is not None:
+        score_raw = score_raw + ape[ape_row]
     partial[0][slots, phase] = kv_raw
     partial[1][slots, phase] = score_raw
     kvg, scg = partial[0][slots[:, None], members], partial[1][slots[:, None], members]
@@ -70,13 +75,16 @@ def compressor_pool(
     own_entry: torch.Tensor | None = None,
     first: torch.Tensor | None = None,
     closes: torch.Tensor | None = None,
+    ape: torch.Tensor | None = None,
+    ape_row: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``compressor_pool_torch`` as one Triton kernel where it can run (kernel
     ``compressor_pool``; not in the batch-invariant mode; not under autograd; float32 planes
     with unit column stride, both planes of a pair alike)."""
     args = (kv_raw, score_raw, partial, slots, phase, members)
-    rest = (overlap, prev_entry, own_entry, first, closes)
+    rest = (overlap, prev_entry, own_entry, first, closes, ape, ape_row)
     planes = list(partial) + (list(overlap) if overlap is not None else [])
+    planes += [ape] if ape is not None else []
     usable = (
         kv_raw.shape[0] > 0
         and not (torch.is_grad_enabled() and (kv_raw.requires_grad or score_raw.requires_grad))

@@ -23,7 +23,7 @@ def no_fallback(monkeypatch):
 
 def _case(r: int, d: int, overlap: bool, positions: list[int], seed: int):
     """State planes as a slot's bytes hold them (views with row strides past their width) and
-    one decode token per sequence at ``positions``; partial rings of r + 1 rows."""
+    one decode token per sequence at ``positions``; partial rings of r + 1 rows; an ape."""
     g = torch.Generator().manual_seed(seed)
     w, rows, slots_n, entries = (2 * d if overlap else d), r + 1, 6, 2
     raw = lambda *s: torch.randn(*s, generator=g).to(DEVICE)  # noqa: E731
@@ -47,7 +47,8 @@ def _case(r: int, d: int, overlap: bool, positions: list[int], seed: int):
         pos % rows,
         (group[:, None] * r + torch.arange(r, device=DEVICE)) % rows,
     )
-    return args, (fields, *extra.values()) if overlap else (None,) * 5
+    ape = (raw(r, w), pos % r)  # the score's position-in-group row, added first
+    return args, ((fields, *extra.values()) if overlap else (None,) * 5) + ape
 
 
 def _clone(args, rest):

@@ -53,15 +53,16 @@ class V4Compressor(nn.Module):
         self.wgate = linear(config.hidden_size, width, dtype)
         self.norm = RMSNorm(dim, config.rms_norm_eps, dtype)
 
-    def raw(
-        self, u: torch.Tensor, positions: torch.Tensor, phase: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-token (kv, score) float32 [N, width], the values a partial group keeps;
-        ``phase``: positions % ratio where the caller has it (a decode batch keeps it)."""
+    def raw(self, u: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-token (kv, score) float32 [N, width], the values a partial group keeps."""
+        kv, score = self.project(u)
+        return kv, score + self.ape[positions % self.ratio]
+
+    def project(self, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``raw`` before the score's ``ape`` row (a decode step's pooling kernel adds it):
+        both projections in one GEMM, its two column blocks."""
         both = invariant.linear(u.float(), float_stacked(self, "wkv_wgate", self.wkv, self.wgate))
-        kv, score = both.split(self.wkv.weight.shape[0], -1)  # one GEMM, its two column blocks
-        phase = positions % self.ratio if phase is None else phase
-        return kv, score + self.ape[phase]
+        return both.split(self.wkv.weight.shape[0], -1)
 
     def pool(
         self,

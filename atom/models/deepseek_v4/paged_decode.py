@@ -298,15 +298,16 @@ def _pool_completed(comp, u, batch: DecodeBatch, ri: RatioIndex, state):
     group as it stands (only those completing at p, ``ri.done``, are kept by the caller);
     refresh the overlap fields of the completing ones at ratio 4. Returns pooled [B, dim]."""
     overlap, partial = state
-    kv_raw, score_raw = comp.raw(u, batch.pos, batch.phase(comp.ratio))
     if batch.one_token:  # one kernel where it runs (atom.kernels.compressor_pool)
-        fields = {}
+        kv_raw, score_raw = comp.project(u)
+        fields = dict(ape=comp.ape, ape_row=batch.phase(comp.ratio))
         if comp.overlap:
-            fields = dict(overlap=overlap, prev_entry=ri.prev_entry, own_entry=ri.own_entry)
+            fields.update(overlap=overlap, prev_entry=ri.prev_entry, own_entry=ri.own_entry)
             fields.update(first=ri.first, closes=ri.closes)
         return compressor_pool(
             kv_raw, score_raw, partial, batch.slots, ri.phase, ri.members, **fields
         )
+    kv_raw, score_raw = comp.raw(u, batch.pos)
     partial[0][batch.slots, ri.phase] = kv_raw
     partial[1][batch.slots, ri.phase] = score_raw
     members = batch.slots[:, None], ri.members
