@@ -93,6 +93,14 @@ class DecodeBatch(ForwardMemo):
         """[B] the tokens' positions % r (a compressor's ``ape`` row), once a forward."""
         return self._once(("phase", r), lambda: self.pos % r)
 
+    def visible_offsets(self, kv: V4PagedKV, layer: int, r: int) -> torch.Tensor:
+        """``kv.row_offsets`` of rows [0, max_end // r) of every sequence in ``layer``'s main
+        plane: the same in every layer whose plane has the same rows per block and strides
+        (offsets count from each plane's first element), computed once a forward."""
+        plane = kv.main[layer]
+        key = ("visible_offsets", r, plane.shape[1], plane.stride(0), plane.stride(1))
+        return self._once(key, lambda: kv.row_offsets(layer, self.tables, self.ratios[r].ids))
+
     def window_offsets(self, plane: torch.Tensor) -> torch.Tensor:
         """Element offsets [B, window - 1] from a layer's ring plane (``plane`` [slots, ring,
         hd], one layer's view) of the ring rows the keys come from: the same for every layer
@@ -282,7 +290,11 @@ def decode_core(
     if kernel:
         plane = offsets = None
         if ids is not None:
-            plane, offsets = kv.main[attn.layer], kv.row_offsets(attn.layer, batch.tables, ids)
+            plane = kv.main[attn.layer]
+            if attn.indexer is None:  # every visible row: the HCA layers of a ratio share them
+                offsets = batch.visible_offsets(kv, attn.layer, attn.ratio)
+            else:
+                offsets = kv.row_offsets(attn.layer, batch.tables, ids)
         out = sink_attention_decode(
             q, win_k, win_mask, plane, offsets, valid, attn.attn_sink, attn.scale
         )
