@@ -80,14 +80,16 @@ class V4Compressor(nn.Module):
         return invariant.sum(kv * invariant.softmax(score, dim=1), 1)
 
     def rows(self, pooled: torch.Tensor, rope: InterleavedRope, cs) -> torch.Tensor:
-        """Pooled [G, dim] at positions j*r (cs) -> finished rows [G, dim] float32."""
-        x = self.norm(pooled.to(self.wkv.weight.dtype))
-        x = rope.apply_(x, cs).float()
+        """Pooled [G, dim] at positions j*r (cs) -> finished rows [G, dim]: the main
+        compressor's in its weights' dtype (FP8-rounded values are exact there, so rounding
+        in that dtype gives what rounding in float32 and casting back gave), the indexer's in
+        float32."""
+        x = rope.apply_(self.norm(pooled.to(self.wkv.weight.dtype)), cs)
         if self.fp8:
             x = block_round(x, "fp8", FP8_SIM_BLOCK, x.shape[-1] - self.rope_dim)
-        if self.fp4:
-            x = block_round(hadamard(x), "fp4", FP4_SIM_BLOCK)
-        return x
+        if not self.for_index:
+            return x
+        return block_round(hadamard(x), "fp4", FP4_SIM_BLOCK) if self.fp4 else x.float()
 
 
 def overlap_prev(
