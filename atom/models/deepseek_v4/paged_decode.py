@@ -30,6 +30,7 @@ import torch
 from atom.kernels import invariant, invariant_attention
 from atom.kernels.attention import RingWindow, sink_attention_decode, sink_attention_usable
 from atom.kernels.compressor_pool import compressor_pool
+from atom.kernels.index_scores import index_scores_usable, tiled_index_scores
 from atom.model_api import Span
 from atom.models.common.forward_memo import ForwardMemo
 from atom.models.common.selection import select_topk
@@ -45,6 +46,7 @@ class RatioIndex:
 
     ids: torch.Tensor  # [B, C] row ids 0 .. C - 1
     valid: torch.Tensor  # [B, C] row < the sequence's visible count (p + 1) // r
+    visible: torch.Tensor  # [B] that count
     phase: torch.Tensor  # [B] p % (r + k), the partial row the token's raw projections go to
     done: torch.Tensor  # [B] bool: the sequence's group completes at p
     group: torch.Tensor  # [B] group ids p // r
@@ -92,6 +94,11 @@ class DecodeBatch(ForwardMemo):
     def phase(self, r: int) -> torch.Tensor:
         """[B] the tokens' positions % r (a compressor's ``ape`` row), once a forward."""
         return self._once(("phase", r), lambda: self.pos % r)
+
+    def rows(self) -> torch.Tensor:
+        """[B] 0 .. B - 1, once a forward."""
+        pos = self.pos
+        return self._once(("rows",), lambda: torch.arange(pos.shape[0], device=pos.device))
 
     def visible_offsets(self, kv: V4PagedKV, layer: int, r: int) -> torch.Tensor:
         """``kv.row_offsets`` of rows [0, max_end // r) of every sequence in ``layer``'s main
@@ -165,9 +172,11 @@ class DecodeBatch(ForwardMemo):
             row_ids = torch.arange(count, device=dev)[None, :].expand(pos.shape[0], count)
             group = torch.div(pos, r, rounding_mode="floor")
             rows = (partial or {}).get(r, r)
+            visible = torch.div(pos + 1, r, rounding_mode="floor")
             per_ratio[r] = RatioIndex(
                 ids=row_ids,
-                valid=row_ids < torch.div(pos + 1, r, rounding_mode="floor")[:, None],
+                valid=row_ids < visible[:, None],
+                visible=visible,
                 phase=pos % rows,
                 done=(pos + 1) % r == 0,
                 group=group,
@@ -352,23 +361,31 @@ def _compressed(attn: V4Attention, u, qr, cs, batch: DecodeBatch, kv, slots: V4S
     ri = batch.ratios[r]
     pooled = _pool_completed(attn.compressor, u, batch, ri, slots.compressor_fields(layer, r))
     rows_cs = batch.cos_sin(attn.rope, r)
-    main = attn.main_rows(pooled, rows_cs)[ri.closer]  # each row writes its closer's row
+    # each row writes its closer's row (a one-token row writes only its own, where it closes)
+    own = batch.one_token
+    main = attn.main_rows(pooled, rows_cs)
+    main = main if own else main[ri.closer]
     ix = attn.indexer
     if ix is None:  # HCA: every visible row
         kv.write_main_where(layer, batch.tables, ri.group, ri.closes, main)
         return ri.ids, ri.valid
     index_state = slots.compressor_fields(layer, r, index=True)
     pooled_i = _pool_completed(ix.compressor, u, batch, ri, index_state)
-    keys = ix.compressor.rows(pooled_i, attn.rope, rows_cs)[ri.closer]
+    keys = ix.compressor.rows(pooled_i, attn.rope, rows_cs)
+    keys = keys if own else keys[ri.closer]
     payload, scale = pack_index(keys, kv.geometry.index_dtype)
     kv.write_rows_where(layer, batch.tables, ri.group, ri.closes, main, payload, scale)
     payload, scale = kv.read_index_rows(layer, batch.tables, ri.ids.shape[1])
     qi, w = ix.query(qr, u, attn.rope, cs)
     keys = unpack_index(payload, scale)  # [B, C, D]
     if invariant.enabled():
-        scores = invariant_attention.index_scores(qi, w, keys)
+        scores = invariant_attention.index_scores(qi, w, keys).masked_fill(~ri.valid, NEG_INF)
+    elif index_scores_usable(qi):  # one kernel: each row its own tile of keys, as in prefill
+        rows = batch.rows()
+        scores = tiled_index_scores(qi, w, keys, rows, ri.visible)
     else:
         scores = torch.einsum("th,thr->tr", w, torch.relu(torch.einsum("thd,trd->thr", qi, keys)))
-    sel = select_topk(scores.masked_fill(~ri.valid, NEG_INF), ix.topk, fixed=True)
+        scores = scores.masked_fill(~ri.valid, NEG_INF)
+    sel = select_topk(scores, ix.topk, fixed=True)
     picked = torch.where(sel[1], sel[0], torch.zeros_like(sel[0]))
     return picked, sel[1]
