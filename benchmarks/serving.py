@@ -489,6 +489,8 @@ class Arm:
         while conn is not None and conn.busy():  # pass 1's stores drain before pass 2
             eng.wait_for_progress(0.05)
             conn.update()
+        if getattr(args, "cold_hbm", False):
+            eng.reset_prefix_cache()
         self.held = tier_holds(eng, prompts) if conn is not None and fill else None
         self.profiler = cProfile.Profile() if getattr(args, "profile_hooks", False) else None
         self.spent = instrument(conn, self.profiler) if conn is not None else {"s": 0.0}
@@ -1119,6 +1121,12 @@ def main() -> None:
         help="idle: both arms' engines alive at once (one copy of the weights), this many rounds "
         "of one measured pass each, alternating which arm goes first (A B, B A, ...): the "
         "overhead per round and its 95%% confidence interval, drift cancelled pass by pass",
+    )
+    ap.add_argument(
+        "--cold-hbm",
+        action="store_true",
+        help="drop the HBM prefix cache before each arm's measured pass: reused prefixes then "
+        "come from the tier alone (the HBM arms reuse nothing), whatever pass 1 left in HBM",
     )
     ap.add_argument(
         "--load-mode",

@@ -18,6 +18,7 @@ ARGS = dict(
     output_len=6,
     max_batched_tokens=256,
     pool_blocks=40,  # doubled by the idle comparison: every prompt stays in HBM
+    cold_hbm=False,  # and stays there for the measured passes: the tier is idle
     save_mode="lmcache_driven",
     interleave=4,
     name="serving_idle_test",
