@@ -61,7 +61,7 @@ class EngineConfig(BaseModel):
     cuda_graphs: bool = True
     # the Triton kernels (CUDA only; atom/kernels): False runs the torch expression of every
     # one; triton_off names kernels to turn off, triton_on the opt-in ones to turn on
-    # (block_round, compressor_pool: atom.kernels.OPT_IN); a comma-separated string is a list
+    # (none at present: atom.kernels.OPT_IN); a comma-separated string is a list
     triton_kernels: bool = True
     triton_off: list[str] = []
     triton_on: list[str] = []

@@ -1,9 +1,9 @@
 """Kernels a decode step launches, counted on CPU: the GPU-free measure of the decode step's
 kernel budget (the ≤400 target), per model component, with the launch-cutting kernels (rope,
-hc_mix, route, page_write, swiglu) off and on.
+hc_mix, route, page_write, swiglu, block_round, compressor_pool) off and on.
 
 TRITON_INTERPRET=1 python -m benchmarks.kernel_count --model v41-mini --batch 4 --position 256 \
-    --arms plain default opt_in --name kernel_count_cpu
+    --arms plain default --name kernel_count_cpu
 
 On CPU the forward runs the same torch ops it runs on CUDA; each op that computes (not a view,
 not a no-op cast) stands for one CUDA kernel, and each Triton launch (Triton's interpreter runs
@@ -42,9 +42,10 @@ NO_KERNEL = frozenset(
 )
 # (ATOM_TRITON_OFF, ATOM_TRITON_ON) of each arm: plain without the launch-cutting kernels
 # (rope, hc_mix and route became the default at bd8cbf3, page_write and swiglu after the gate at
-# 93bc75c), default with them, opt_in with the opt-in kernels (atom.kernels.OPT_IN) on too
+# 93bc75c, block_round and compressor_pool after it at 352d6d6), default with them, opt_in
+# with the opt-in kernels (atom.kernels.OPT_IN; none at present) on too
 ARMS = {
-    "plain": ("rope,hc_mix,route,page_write,swiglu", ""),
+    "plain": ("rope,hc_mix,route,page_write,swiglu,block_round,compressor_pool", ""),
     "default": ("", ""),
     "opt_in": ("", ",".join(sorted(OPT_IN))),
 }
@@ -116,9 +117,7 @@ def measure(args, switches: tuple[str, str]) -> tuple[int, Counter, dict]:
 def main() -> None:
     ap = shape_parser(__doc__, 256, 15)
     ap.set_defaults(batch=4, position=256)
-    ap.add_argument(
-        "--arms", nargs="+", choices=sorted(ARMS), default=["plain", "default", "opt_in"]
-    )
+    ap.add_argument("--arms", nargs="+", choices=sorted(ARMS), default=["plain", "default"])
     args = ap.parse_args()
     if os.environ.get("TRITON_INTERPRET") != "1" or args.device != "cpu":
         raise SystemExit(

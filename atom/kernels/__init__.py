@@ -12,12 +12,12 @@ on by default and turned off the same way: rope (RoPE in place, one launch where
 expression takes about ten), hc_mix (an mHC mixer's epilogue, one launch where it took eleven)
 and route (the MoE router after its projection), page_write (a decode step's compressed rows
 into the PAGE pool, one launch where the torch expression takes about twelve) and swiglu (the
-experts' clamped SwiGLU product between their projections, one launch for eight or nine).
-``OPT_IN`` kernels run only when named in ``triton_on``: a new kernel stays there until the
-GPU gate has run it; at present block_round (V4's simulated FP8/FP4 rounding of its window KV,
-compressed rows and index queries, one launch where the torch expression takes about
-fifteen) and compressor_pool (a V4 decode step's compressor update: partial row, pooling,
-overlap fields; one launch for about seventeen). The settings are the process's (one engine
+experts' clamped SwiGLU product between their projections, one launch for eight or nine),
+block_round (V4's simulated FP8/FP4 rounding of its window KV, compressed rows and index
+queries, one launch where the torch expression takes about fifteen) and compressor_pool (a V4
+decode step's compressor update: partial row, pooling, overlap fields; one launch for about
+seventeen). ``OPT_IN`` kernels (none at present) run only when named in ``triton_on``: a new
+kernel stays there until the GPU gate has run it. The settings are the process's (one engine
 per process).
 
 Debugging overrides, read at each call and winning over the config when set:
@@ -35,9 +35,12 @@ import torch
 
 from atom.kernels.triton_env import interpreting, triton_importable  # noqa: F401
 
-# kernels that run only when named in triton_on (ATOM_TRITON_ON): block_round (its bits equal
-# the torch expression's under Triton's interpreter) and compressor_pool (the same state bytes,
-# pooled values to float32 rounding), not yet through the GPU gate. page_write
+# kernels that run only when named in triton_on (ATOM_TRITON_ON); none at present.
+# block_round (the torch expression's bits, on CUDA too) and compressor_pool (the same state
+# bytes, pooled values to float32 rounding) were opt-in until the GPU gate ran with them on (an
+# H100 at 352d6d6: tests/gpu 67 passed, V4's tier two-passes and graphs included; their kernel
+# tests on CUDA) and they cut v4-bench's batch-16 decode step from 10.1 to 8.2-8.6 ms and 1,639
+# to 939 kernels (roofline_v4_h100_352d6d6_*). page_write
 # (a decode step's compressed rows into PAGE, one launch for about twelve; moves bytes, so the
 # same bytes by construction) and swiglu (the experts' clamped SwiGLU product, one launch for
 # eight or nine; torch's bits on CUDA by construction) were opt-in until the GPU gate passed with
@@ -52,7 +55,7 @@ from atom.kernels.triton_env import interpreting, triton_importable  # noqa: F40
 # later traced to pass 1 itself (its batches follow the lookups' timing, and bf16 rounds other
 # batches differently), not to the kernels; the GPU tier tests now assert the loaded bytes
 # instead, and the GPU gate passes with both kernels on (benchmarks/results/gpu_gate.md)
-OPT_IN: frozenset[str] = frozenset({"block_round", "compressor_pool"})
+OPT_IN: frozenset[str] = frozenset()
 
 
 KERNELS = frozenset(

@@ -114,14 +114,15 @@ for s in "$@"; do
       --decode-steps 16 --repeats 3 --name "${GLUE_ROOFLINE_NAME:-roofline_h200_glue}" \
       --compile-glue ;;
     # the launch-cutting kernels (rope, hc_mix, route: default since bd8cbf3's gate; page_write,
-    # swiglu: since 93bc75c's) off (plain) and on (fused), and with the opt-in ones
+    # swiglu: since 93bc75c's; V4's block_round, compressor_pool: since 352d6d6's) off (plain)
+    # and on (fused), and with the opt-in ones
     # (atom.kernels.OPT_IN, named in OPT_IN_KERNELS; none at present) on too (opt_in): the decode
     # roofline in FUSED_ROUNDS alternating rounds of FUSED_ARMS (kernels per step and step time)
     fused_ab)
       for i in $(seq "${FUSED_ROUNDS:-2}"); do
         for arm in ${FUSED_ARMS:-plain fused}; do
           off=""; on=""
-          [ "$arm" = plain ] && off=rope,hc_mix,route,page_write,swiglu
+          [ "$arm" = plain ] && off=rope,hc_mix,route,page_write,swiglu,block_round,compressor_pool
           [ "$arm" = opt_in ] && on=${OPT_IN_KERNELS:?name the opt-in kernels}
           ATOM_TRITON_OFF=$off ATOM_TRITON_ON=$on step "${ROOFLINE_LIMIT:-240}" python3 -m benchmarks.roofline \
             --model v41-bench --device cuda --dtype bfloat16 --position 4096 \

@@ -14,11 +14,8 @@ pytestmark = needs_kernel
 
 @pytest.fixture(autouse=True)
 def no_fallback(monkeypatch):
-    """Opted in (``atom.kernels.OPT_IN`` until the GPU gate has run it), and the kernel may not
-    fall back to its torch expression here."""
-    refuse_fallback(
-        monkeypatch, block_round_module, "block_round_torch", "block_round", opt_in=True
-    )
+    """The kernel may not fall back to its torch expression here."""
+    refuse_fallback(monkeypatch, block_round_module, "block_round_torch", "block_round")
 
 
 def _same(got: torch.Tensor, want: torch.Tensor) -> None:
@@ -106,7 +103,7 @@ def test_v4_attention_through_the_kernel_matches_it_through_torch(monkeypatch):
     monkeypatch.setattr(attention_module, "block_round", counted)
     with torch.no_grad():
         got = reference_forward(model, ids)
-    monkeypatch.setenv("ATOM_TRITON_ON", "")
+    monkeypatch.setenv("ATOM_TRITON_OFF", "block_round")
     with torch.no_grad():
         want = reference_forward(model, ids)
     assert {"fp8", "fp4"} <= set(calls)

@@ -14,11 +14,8 @@ pytestmark = needs_kernel
 
 @pytest.fixture(autouse=True)
 def no_fallback(monkeypatch):
-    """Opted in (``atom.kernels.OPT_IN`` until the GPU gate has run it), and the kernel may not
-    fall back to its torch expression here."""
-    refuse_fallback(
-        monkeypatch, pool_module, "compressor_pool_torch", "compressor_pool", opt_in=True
-    )
+    """The kernel may not fall back to its torch expression here."""
+    refuse_fallback(monkeypatch, pool_module, "compressor_pool_torch", "compressor_pool")
 
 
 def _case(r: int, d: int, overlap: bool, positions: list[int], seed: int):
