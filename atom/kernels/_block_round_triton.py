@@ -5,27 +5,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
+from atom.kernels._torch_math_triton import exp2f, log2f
 from atom.kernels.triton_env import interpreting
-
-
-@triton.jit
-def _log2f(z, LIBDEVICE: tl.constexpr):
-    if LIBDEVICE:
-        y = libdevice.log2(z)
-    else:
-        y = tl.log2(z)
-    return y
-
-
-@triton.jit
-def _exp2f(z, LIBDEVICE: tl.constexpr):
-    if LIBDEVICE:
-        y = libdevice.exp2(z)
-    else:
-        y = tl.exp2(z)
-    return y
 
 
 @triton.jit
@@ -84,7 +66,7 @@ def _block_round_kernel(
     a = tl.load(x_ptr + r * x_stride + offs, mask=ok[:, None], other=0.0).to(tl.float32)
     amax = tl.max(tl.abs(a), axis=1)
     amax = tl.where(amax < amax_min, amax_min, amax)  # torch's clamp(min=)
-    s = _exp2f(tl.ceil(_log2f(amax * inv_top, LIBDEVICE)), LIBDEVICE)[:, None]
+    s = exp2f(tl.ceil(log2f(amax * inv_top, LIBDEVICE)), LIBDEVICE)[:, None]
     v = tl.math.div_rn(a, s)  # exact: s is a power of two
     if FP4:
         mag = tl.abs(v)

@@ -77,12 +77,10 @@ def test_v4_decode_steps_through_the_kernel_meet_the_reference(monkeypatch):
     """v4-tiny decoding four sequences whose CSA (overlapping) and HCA groups complete at
     different steps, every compressor through the kernel (and the indexer's scores through
     theirs): the logits meet the full recompute."""
-    from atom.model_api import Span
     from atom.models.deepseek_v4 import paged_decode
     from atom.models.deepseek_v4.model import DeepseekV4ForCausalLM
     from atom.models.deepseek_v4.presets import preset_config
-    from atom.models.deepseek_v4.reference import reference_forward
-    from tests.model.test_v4_paged import Harness, assert_matches, tokens
+    from tests.model.test_v4_paged import decode_four_meets_the_reference
 
     monkeypatch.setenv("ATOM_TRITON_OFF", "decode_attention,sink_attention")
     calls = []
@@ -94,21 +92,5 @@ def test_v4_decode_steps_through_the_kernel_meet_the_reference(monkeypatch):
 
     monkeypatch.setattr(paged_decode, "compressor_pool", counted)
     model = DeepseekV4ForCausalLM(preset_config("v4-tiny")).init_weights(0)
-    h = Harness(model)
-    prompts = [tokens(n, seed=30 + n) for n in (29, 40, 1, 14)]
-    tables = [h.blocks(5) for _ in prompts]
-    seqs = [list(p) for p in prompts]
-    for i, p in enumerate(prompts):
-        h.rt.forward(torch.tensor(p), [Span(0, len(p), i, tables[i])])
-    steps = []
-    for n in range(6):
-        spans = [Span(len(s), len(s) + 1, i, tables[i]) for i, s in enumerate(seqs)]
-        nxt = tokens(4, seed=n)
-        for s, t in zip(seqs, nxt):
-            s.append(t)
-        steps.append(h.rt.forward(torch.tensor(nxt), spans))
+    decode_four_meets_the_reference(model, steps=6, seed=30)
     assert True in calls and False in calls  # CSA (overlap) and HCA compressors
-    for i, seq in enumerate(seqs):
-        n = len(prompts[i])
-        ref = reference_forward(model, seq)[n : n + 6]
-        assert_matches(torch.stack([st[i] for st in steps]), ref)

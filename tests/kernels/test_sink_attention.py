@@ -292,12 +292,10 @@ def test_v4_decode_steps_through_the_kernel_meet_the_reference(monkeypatch):
     the torch path's do (fp32: summation order only). (CPU harness: under Triton's
     interpreter only; on CUDA tests/gpu/test_v4_cuda.py runs V4's decode against float32.)"""
     from atom.kernels import KERNELS
-    from atom.model_api import Span
     from atom.models.deepseek_v4 import paged_decode
     from atom.models.deepseek_v4.model import DeepseekV4ForCausalLM
     from atom.models.deepseek_v4.presets import preset_config as v4_preset
-    from atom.models.deepseek_v4.reference import reference_forward
-    from tests.model.test_v4_paged import Harness, assert_matches, tokens
+    from tests.model.test_v4_paged import decode_four_meets_the_reference
 
     monkeypatch.setenv("ATOM_TRITON_OFF", ",".join(sorted(KERNELS - {"decode_attention"})))
     calls = []
@@ -309,22 +307,5 @@ def test_v4_decode_steps_through_the_kernel_meet_the_reference(monkeypatch):
 
     monkeypatch.setattr(paged_decode, "sink_attention_decode", counted)
     model = DeepseekV4ForCausalLM(v4_preset("v4-tiny")).init_weights(0)
-    h = Harness(model)
-    prompts = [tokens(n, seed=20 + n) for n in (29, 40, 1, 14)]
-    tables = [h.blocks(5) for _ in prompts]
-    seqs = [list(p) for p in prompts]
-    for i, p in enumerate(prompts):
-        h.rt.forward(torch.tensor(p), [Span(0, len(p), i, tables[i])])
-    steps = []
-    for n in range(6):
-        spans = [Span(len(s), len(s) + 1, i, tables[i]) for i, s in enumerate(seqs)]
-        nxt = tokens(4, seed=n)
-        for s, t in zip(seqs, nxt):
-            s.append(t)
-        steps.append(h.rt.forward(torch.tensor(nxt), spans))
+    decode_four_meets_the_reference(model, steps=6)
     assert calls == [True] * (6 * len(model.layers))
-    for i, seq in enumerate(seqs):
-        n = len(prompts[i])
-        assert_matches(
-            torch.stack([st[i] for st in steps]), reference_forward(model, seq)[n : n + 6]
-        )

@@ -72,6 +72,29 @@ def assert_matches(paged, ref, atol=ATOL):
     assert torch.equal(paged.argmax(-1), ref.argmax(-1))
 
 
+def decode_four_meets_the_reference(model, steps: int, seed: int = 20) -> None:
+    """Four sequences prefilled alone (29, 40, 1 and 14 tokens: their CSA and HCA groups
+    complete at different steps, one sees no compressed row yet), then ``steps`` batched
+    decode forwards of one token each: every step's logits meet the full recompute."""
+    h = Harness(model)
+    prompts = [tokens(n, seed=seed + n) for n in (29, 40, 1, 14)]
+    tables = [h.blocks(5) for _ in prompts]
+    seqs = [list(p) for p in prompts]
+    for i, p in enumerate(prompts):
+        h.rt.forward(torch.tensor(p), [Span(0, len(p), i, tables[i])])
+    logits = []
+    for n in range(steps):
+        spans = [Span(len(s), len(s) + 1, i, tables[i]) for i, s in enumerate(seqs)]
+        nxt = tokens(4, seed=n)
+        for s, t in zip(seqs, nxt):
+            s.append(t)
+        logits.append(h.rt.forward(torch.tensor(nxt), spans))
+    for i, seq in enumerate(seqs):
+        n = len(prompts[i])
+        ref = reference_forward(model, seq)[n : n + steps]
+        assert_matches(torch.stack([st[i] for st in logits]), ref)
+
+
 @pytest.mark.parametrize(
     "bounds",
     [
